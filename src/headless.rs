@@ -1,0 +1,122 @@
+//! `gaccwb run --headless`: the trainer with a progress bar and a summary, no screen.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use candle_core::Device;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::record::Recorder;
+use crate::scenario::Scenario;
+use crate::telemetry::{Event, Header, Level, StepEvent};
+use crate::train;
+
+pub struct HeadlessOptions {
+    pub record: Option<PathBuf>,
+    /// Print one JSON line per event to stdout instead of a progress bar.
+    pub quiet: bool,
+}
+
+/// What a headless run saw, for the summary line and for tests.
+#[derive(Default)]
+pub struct Summary {
+    pub header: Option<Header>,
+    pub steps: Vec<StepEvent>,
+    pub last_val_loss: Option<f64>,
+    pub end_reason: String,
+    pub errors: Vec<String>,
+}
+
+pub fn run(scenario: Scenario, device: Device, opts: HeadlessOptions) -> anyhow::Result<Summary> {
+    let total = scenario.train.steps;
+    let mut recorder = opts.record.as_deref().map(Recorder::create).transpose()?;
+    let (mut handle, sink) = train::spawn(scenario, device)?;
+    drop(sink);
+    let bar = progress_bar(total, opts.quiet);
+    let mut summary = Summary::default();
+    while let Some(event) = handle.events.blocking_recv() {
+        if let Some(r) = recorder.as_mut() {
+            r.write(&event)?;
+        }
+        match event {
+            Event::Header(h) => summary.header = Some(h),
+            Event::Step(s) => {
+                bar.set_position(s.step);
+                bar.set_message(format!("loss {:.3}  {:.0} tok/s", s.loss, s.tokens_per_s));
+                summary.steps.push(s);
+            }
+            Event::Eval(e) => summary.last_val_loss = Some(e.val_loss),
+            Event::Log(l) if l.level == Level::Error => summary.errors.push(l.message),
+            Event::Log(l) => bar.println(format!("{:?}: {}", l.level, l.message)),
+            Event::End(e) => {
+                summary.end_reason = e.reason;
+                break;
+            }
+            _ => {}
+        }
+    }
+    bar.finish_and_clear();
+    if let Some(r) = recorder.as_mut() {
+        r.flush()?;
+    }
+    handle.stop();
+    Ok(summary)
+}
+
+fn progress_bar(total: u64, quiet: bool) -> ProgressBar {
+    if quiet || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = if total > 0 {
+        ProgressBar::new(total)
+    } else {
+        ProgressBar::new_spinner()
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} step {pos}/{len} [{elapsed_precise}] {wide_bar} {msg}",
+        )
+        .expect("valid template"),
+    );
+    bar
+}
+
+impl Summary {
+    /// One paragraph for the end of a headless run.
+    pub fn render(&self) -> String {
+        let Some(last) = self.steps.last() else {
+            return format!("no steps ran ({})", self.end_reason);
+        };
+        let n = self.steps.len();
+        let tail = &self.steps[n.saturating_sub(10)..];
+        let tok_s = tail.iter().map(|s| s.tokens_per_s).sum::<f64>() / tail.len() as f64;
+        let step_ms = tail.iter().map(|s| s.step_ms).sum::<f64>() / tail.len() as f64;
+        let mut out = format!(
+            "{} steps ({}) on {}: loss {:.4}",
+            last.step,
+            self.end_reason,
+            self.header
+                .as_ref()
+                .map(|h| h.device.as_str())
+                .unwrap_or("?"),
+            last.loss
+        );
+        if let Some(v) = self.last_val_loss {
+            out += &format!(", val {v:.4}");
+        }
+        if let Some(floor) = self.header.as_ref().and_then(|h| h.entropy_floor) {
+            out += &format!(" (floor {floor:.4})");
+        }
+        out += &format!(
+            "; {tok_s:.0} tokens/s, {step_ms:.0} ms/step over the last {}; K={} B={} skipped {}",
+            tail.len(),
+            last.accum_steps,
+            last.micro_batch,
+            last.overflow_count
+        );
+        for e in &self.errors {
+            out += &format!("\n{e}");
+        }
+        out
+    }
+}

@@ -1,0 +1,141 @@
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use gaccwb::device::DeviceChoice;
+use gaccwb::headless::{self, HeadlessOptions};
+use gaccwb::presets;
+use gaccwb::scenario::{DataSource, Scenario};
+
+/// A terminal workbench for gradient accumulation: train a small GPT and watch memory,
+/// gradients and the loss scale answer every knob.
+#[derive(Parser)]
+#[command(name = "gaccwb", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a preset (the default command).
+    Run(RunArgs),
+    /// List the built-in presets.
+    Presets,
+}
+
+#[derive(Args, Default)]
+struct RunArgs {
+    /// Built-in preset name or path to a preset TOML file.
+    #[arg(default_value = presets::DEFAULT)]
+    preset: String,
+    /// No screen: a progress bar and a summary.
+    #[arg(long)]
+    headless: bool,
+    /// Optimizer steps to run (0: until stopped).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Seed for model initialisation and data order.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// cpu, cuda, cuda:N or auto.
+    #[arg(long, default_value = "auto")]
+    device: DeviceChoice,
+    /// Train on the bytes of FILE instead of the synthetic corpus.
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
+    /// Override a preset field, e.g. --set train.accum_steps=4 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+    /// Write the session's events to FILE as JSON Lines.
+    #[arg(long, value_name = "FILE")]
+    record: Option<PathBuf>,
+}
+
+/// A problem with what the user asked for: exit code 2, like a usage error.
+#[derive(Debug)]
+struct UsageError(String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        None => run(RunArgs {
+            preset: presets::DEFAULT.into(),
+            ..Default::default()
+        }),
+        Some(Command::Run(args)) => run(args),
+        Some(Command::Presets) => list_presets(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gaccwb: {e:#}");
+            if e.downcast_ref::<UsageError>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+/// The preset with every command-line override applied.
+fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
+    let usage = |e: &dyn std::fmt::Display| UsageError(e.to_string());
+    let mut s = presets::resolve(&args.preset).map_err(|e| usage(&e))?;
+    if let Some(path) = &args.data {
+        s.data.source = DataSource::File;
+        s.data.path = Some(path.clone());
+    }
+    if let Some(n) = args.steps {
+        s.train.steps = n;
+    }
+    if let Some(seed) = args.seed {
+        s.train.seed = seed;
+        s.data.seed = seed;
+    }
+    for assignment in &args.sets {
+        s.set(assignment).map_err(|e| usage(&e))?;
+    }
+    s.validate().map_err(|e| usage(&e))?;
+    Ok(s)
+}
+
+fn run(args: RunArgs) -> anyhow::Result<()> {
+    let scenario = scenario_from(&args)?;
+    let device = args.device.open()?;
+    if !args.headless {
+        anyhow::bail!(UsageError(
+            "the terminal UI is not built yet; add --headless".into()
+        ));
+    }
+    let summary = headless::run(
+        scenario,
+        device,
+        HeadlessOptions {
+            record: args.record,
+            quiet: false,
+        },
+    )?;
+    println!("{}", summary.render());
+    if summary.end_reason.starts_with("error") {
+        anyhow::bail!("training failed: {}", summary.end_reason);
+    }
+    Ok(())
+}
+
+fn list_presets() -> anyhow::Result<()> {
+    for s in presets::all() {
+        println!("{:<24} {}", s.name, s.description);
+    }
+    Ok(())
+}

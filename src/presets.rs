@@ -1,0 +1,50 @@
+//! The preset library: `presets/*.toml`, compiled into the binary so `gaccwb` runs anywhere with
+//! no files, and resolvable by name or by path.
+
+use std::path::Path;
+
+use crate::scenario::{Scenario, ScenarioError};
+
+/// Name and TOML text of every built-in preset, in the order `gaccwb presets` lists them.
+pub const BUILTIN: &[(&str, &str)] = &[("baseline", include_str!("../presets/baseline.toml"))];
+
+/// The preset `gaccwb` runs with no arguments.
+pub const DEFAULT: &str = "baseline";
+
+/// A built-in preset by name, or a TOML file by path.
+pub fn resolve(name_or_path: &str) -> Result<Scenario, ScenarioError> {
+    if let Some((name, text)) = BUILTIN.iter().find(|(n, _)| *n == name_or_path) {
+        let mut s = Scenario::from_toml(text, &format!("presets/{name}.toml"))?;
+        if s.name.is_empty() {
+            s.name = name.to_string();
+        }
+        return Ok(s);
+    }
+    let path = Path::new(name_or_path);
+    if path.exists() || name_or_path.ends_with(".toml") {
+        return Scenario::from_file(path);
+    }
+    let names: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
+    Err(ScenarioError::Invalid(format!(
+        "no preset or file named `{name_or_path}`; built-in presets: {}",
+        names.join(", ")
+    )))
+}
+
+/// Every built-in preset, parsed.
+pub fn all() -> Vec<Scenario> {
+    BUILTIN
+        .iter()
+        .map(|(n, _)| resolve(n).expect("built-in presets are valid (tested)"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_builtin_preset_parses() {
+        for (name, _) in super::BUILTIN {
+            super::resolve(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+    }
+}

@@ -1,0 +1,491 @@
+//! Scenarios (presets): the model, the data, the training knobs and a timeline of controls
+//! keyed by optimizer step. Loaded from TOML; every field has a default so a preset states only
+//! what its story needs.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::telemetry::{Control, Dtype, LossNorm, LrRule, ZeroGrad};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    #[serde(default)]
+    pub name: String,
+    /// One line shown by `gaccwb presets`.
+    #[serde(default)]
+    pub description: String,
+    /// The story this preset tells, shown in the UI.
+    #[serde(default)]
+    pub explanation: String,
+    #[serde(default)]
+    pub model: ModelConfig,
+    #[serde(default)]
+    pub data: DataConfig,
+    #[serde(default)]
+    pub train: TrainConfig,
+    #[serde(default)]
+    pub timeline: Vec<TimelineEntry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    pub vocab: usize,
+    pub d_model: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub seq_len: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            vocab: 256,
+            d_model: 128,
+            layers: 4,
+            heads: 4,
+            seq_len: 128,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DataSource {
+    /// Seeded order-2 Markov documents with a closed-form entropy floor.
+    #[default]
+    Synthetic,
+    /// Bytes of `data.path`.
+    File,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    pub source: DataSource,
+    pub path: Option<PathBuf>,
+    pub seed: u64,
+    /// Shortest synthetic document, in tokens after the delimiter.
+    pub min_doc_len: usize,
+    /// Longest synthetic document; 0 means seq_len.
+    pub max_doc_len: usize,
+    /// Symbols the synthetic source draws from (a subset of the byte vocabulary).
+    pub alphabet: usize,
+    /// Fraction of a data file held out for validation.
+    pub val_fraction: f64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            source: DataSource::Synthetic,
+            path: None,
+            seed: 0,
+            min_doc_len: 16,
+            max_doc_len: 0,
+            alphabet: 16,
+            val_fraction: 0.1,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Optimizer steps to run; 0 runs until stopped.
+    pub steps: u64,
+    pub seed: u64,
+    pub micro_batch: usize,
+    pub accum_steps: usize,
+    /// Peak learning rate at the base effective batch.
+    pub lr: f64,
+    pub lr_rule: LrRule,
+    /// Effective batch the LR is tuned for; 0 means the starting micro_batch × accum_steps.
+    pub base_batch: usize,
+    /// Linear warm-up steps.
+    pub warmup: u64,
+    /// Steps of the cosine decay to `min_lr_ratio` × lr; 0 means `steps` (or no decay when steps is 0).
+    pub decay_steps: u64,
+    pub min_lr_ratio: f64,
+    /// Global-norm clip threshold; absent means off.
+    pub clip: Option<f64>,
+    pub loss_norm: LossNorm,
+    pub zero_grad: ZeroGrad,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub dtype: Dtype,
+    pub offload: bool,
+    /// Initial fp16 loss scale.
+    pub loss_scale: f64,
+    /// Clean steps before the loss scale doubles.
+    pub scale_growth_interval: u64,
+    /// Validation every N steps; 0 turns it off.
+    pub eval_every: u64,
+    /// Validation micro-batches per evaluation.
+    pub eval_batches: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            steps: 0,
+            seed: 0,
+            micro_batch: 8,
+            accum_steps: 1,
+            lr: 3e-3,
+            lr_rule: LrRule::None,
+            base_batch: 0,
+            warmup: 20,
+            decay_steps: 0,
+            min_lr_ratio: 0.1,
+            clip: Some(1.0),
+            loss_norm: LossNorm::Tokens,
+            zero_grad: ZeroGrad::PerWindow,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            dtype: Dtype::F32,
+            offload: false,
+            loss_scale: 65536.0,
+            scale_growth_interval: 2000,
+            eval_every: 25,
+            eval_batches: 4,
+        }
+    }
+}
+
+/// A control the timeline applies before the window of `step + 1` (i.e. once `step` steps are done).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimelineEntry {
+    pub step: u64,
+    pub control: Control,
+}
+
+/// A problem with a scenario, written for the user.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    #[error("{path}: {message}")]
+    Io { path: String, message: String },
+    #[error("{location}: {message}")]
+    Parse { location: String, message: String },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("--set {key}: {message}")]
+    Set { key: String, message: String },
+}
+
+impl Scenario {
+    /// Parse TOML text; `origin` names the file in errors (`file:line:col`).
+    pub fn from_toml(text: &str, origin: &str) -> Result<Scenario, ScenarioError> {
+        let scenario: Scenario = toml::from_str(text).map_err(|e| {
+            let location = match e.span() {
+                Some(span) => {
+                    let (line, col) = line_col(text, span.start);
+                    format!("{origin}:{line}:{col}")
+                }
+                None => origin.to_string(),
+            };
+            ScenarioError::Parse {
+                location,
+                message: e.message().trim().to_string(),
+            }
+        })?;
+        scenario
+            .validate()
+            .map_err(|m| ScenarioError::Invalid(format!("{origin}: {m}")))?;
+        Ok(scenario)
+    }
+
+    pub fn from_file(path: &Path) -> Result<Scenario, ScenarioError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ScenarioError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let mut s = Scenario::from_toml(&text, &path.display().to_string())?;
+        if s.name.is_empty() {
+            s.name = path
+                .file_stem()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+        }
+        Ok(s)
+    }
+
+    /// Override one field: `section.key=value`, value in TOML syntax (bare strings accepted).
+    pub fn set(&mut self, assignment: &str) -> Result<(), ScenarioError> {
+        let (key, raw) = assignment
+            .split_once('=')
+            .ok_or_else(|| ScenarioError::Set {
+                key: assignment.to_string(),
+                message: "expected section.key=value, e.g. train.accum_steps=4".into(),
+            })?;
+        let key = key.trim();
+        let value = parse_value(raw.trim());
+        let set_err = |message: String| ScenarioError::Set {
+            key: key.to_string(),
+            message,
+        };
+
+        let mut root = toml::Value::try_from(&*self).map_err(|e| set_err(e.to_string()))?;
+        let (section, field) = key.split_once('.').ok_or_else(|| {
+            set_err(format!(
+                "expected section.key; sections: {}",
+                SECTIONS.join(", ")
+            ))
+        })?;
+        let table = root
+            .get_mut(section)
+            .and_then(|v| v.as_table_mut())
+            .filter(|_| SECTIONS.contains(&section))
+            .ok_or_else(|| {
+                set_err(format!(
+                    "unknown section `{section}`; sections: {}",
+                    SECTIONS.join(", ")
+                ))
+            })?;
+        let accepted = keys_of(section);
+        if !accepted.contains(&field) {
+            return Err(set_err(format!(
+                "unknown key `{field}`; {section} keys: {}",
+                accepted.join(", ")
+            )));
+        }
+        table.insert(field.to_string(), value);
+        let updated: Scenario = root.try_into().map_err(|e: toml::de::Error| {
+            set_err(format!(
+                "bad value `{}`: {}",
+                raw.trim(),
+                e.message().trim()
+            ))
+        })?;
+        updated.validate().map_err(set_err)?;
+        *self = updated;
+        Ok(())
+    }
+
+    /// Checks that serde cannot express. Messages name the key and the fix.
+    pub fn validate(&self) -> Result<(), String> {
+        let m = &self.model;
+        let t = &self.train;
+        let d = &self.data;
+        let positive = [
+            ("model.vocab", m.vocab),
+            ("model.d_model", m.d_model),
+            ("model.layers", m.layers),
+            ("model.heads", m.heads),
+            ("model.seq_len", m.seq_len),
+            ("train.micro_batch", t.micro_batch),
+            ("train.accum_steps", t.accum_steps),
+        ];
+        for (key, v) in positive {
+            if v == 0 {
+                return Err(format!("{key} must be at least 1 (got 0)"));
+            }
+        }
+        if m.d_model % m.heads != 0 {
+            return Err(format!(
+                "model.d_model ({}) must be divisible by model.heads ({})",
+                m.d_model, m.heads
+            ));
+        }
+        if m.vocab > 256 {
+            return Err(format!(
+                "model.vocab ({}) must be at most 256: tokens are bytes",
+                m.vocab
+            ));
+        }
+        if d.source == DataSource::Synthetic && (d.alphabet < 2 || d.alphabet + 1 > m.vocab) {
+            return Err(format!(
+                "data.alphabet ({}) must be between 2 and model.vocab - 1 ({})",
+                d.alphabet,
+                m.vocab - 1
+            ));
+        }
+        if d.source == DataSource::File && d.path.is_none() {
+            return Err("data.source = \"file\" needs data.path (or use --data FILE)".into());
+        }
+        if !(0.0..1.0).contains(&d.val_fraction) {
+            return Err(format!(
+                "data.val_fraction ({}) must be in [0, 1)",
+                d.val_fraction
+            ));
+        }
+        if let Some(c) = t.clip {
+            if !(c > 0.0) {
+                return Err(format!(
+                    "train.clip ({c}) must be positive; remove it to turn clipping off"
+                ));
+            }
+        }
+        if !(t.lr >= 0.0) || !t.lr.is_finite() {
+            return Err(format!("train.lr ({}) must be a finite number ≥ 0", t.lr));
+        }
+        if !(t.loss_scale > 0.0) || !t.loss_scale.is_finite() {
+            return Err(format!(
+                "train.loss_scale ({}) must be positive",
+                t.loss_scale
+            ));
+        }
+        for (i, e) in self.timeline.iter().enumerate() {
+            validate_control(&e.control)
+                .map_err(|m| format!("timeline[{i}] (step {}): {m}", e.step))?;
+        }
+        Ok(())
+    }
+
+    /// The effective batch the LR is tuned for.
+    pub fn base_batch(&self) -> usize {
+        if self.train.base_batch > 0 {
+            self.train.base_batch
+        } else {
+            self.train.micro_batch * self.train.accum_steps
+        }
+    }
+}
+
+/// Value checks shared by presets, the command line and hotkeys.
+pub fn validate_control(c: &Control) -> Result<(), String> {
+    match c {
+        Control::SetAccumSteps { value: 0 } => Err("accumulation steps must be at least 1".into()),
+        Control::SetMicroBatch { value: 0 } => Err("micro-batch must be at least 1".into()),
+        Control::SetClip { value: Some(v) } if !(*v > 0.0) => Err("clip must be positive".into()),
+        Control::SetLr { value } if !(*value >= 0.0) || !value.is_finite() => {
+            Err("lr must be ≥ 0".into())
+        }
+        Control::SetLossScale { value } if !(*value > 0.0) || !value.is_finite() => {
+            Err("loss scale must be positive".into())
+        }
+        _ => Ok(()),
+    }
+}
+
+pub const SECTIONS: [&str; 3] = ["model", "data", "train"];
+
+/// The keys a section accepts, read from its serialised default so the list never drifts.
+pub fn keys_of(section: &str) -> Vec<&'static str> {
+    const MODEL: &[&str] = &["vocab", "d_model", "layers", "heads", "seq_len"];
+    const DATA: &[&str] = &[
+        "source",
+        "path",
+        "seed",
+        "min_doc_len",
+        "max_doc_len",
+        "alphabet",
+        "val_fraction",
+    ];
+    const TRAIN: &[&str] = &[
+        "steps",
+        "seed",
+        "micro_batch",
+        "accum_steps",
+        "lr",
+        "lr_rule",
+        "base_batch",
+        "warmup",
+        "decay_steps",
+        "min_lr_ratio",
+        "clip",
+        "loss_norm",
+        "zero_grad",
+        "weight_decay",
+        "beta1",
+        "beta2",
+        "eps",
+        "dtype",
+        "offload",
+        "loss_scale",
+        "scale_growth_interval",
+        "eval_every",
+        "eval_batches",
+    ];
+    match section {
+        "model" => MODEL.to_vec(),
+        "data" => DATA.to_vec(),
+        "train" => TRAIN.to_vec(),
+        _ => Vec::new(),
+    }
+}
+
+/// `4` → integer, `1e-3` → float, `true` → bool, anything else → string.
+fn parse_value(raw: &str) -> toml::Value {
+    let wrapped = format!("v = {raw}");
+    match toml::from_str::<toml::Table>(&wrapped) {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(raw.into())),
+        Err(_) => toml::Value::String(raw.trim_matches('"').to_string()),
+    }
+}
+
+/// 1-based line and column of a byte offset.
+pub fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before
+        .rsplit('\n')
+        .next()
+        .map(|l| l.chars().count())
+        .unwrap_or(0)
+        + 1;
+    (line, col)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_overrides_and_rejects_unknown_keys() {
+        let mut s = Scenario::default();
+        s.set("train.accum_steps=4").unwrap();
+        s.set("train.lr=0").unwrap();
+        s.set("train.dtype=bf16").unwrap();
+        assert_eq!(s.train.accum_steps, 4);
+        assert_eq!(s.train.lr, 0.0);
+        assert_eq!(s.train.dtype, Dtype::Bf16);
+        let err = s.set("train.acum_steps=4").unwrap_err().to_string();
+        assert!(
+            err.contains("unknown key `acum_steps`") && err.contains("accum_steps"),
+            "{err}"
+        );
+        let err = s.set("train.accum_steps=0").unwrap_err().to_string();
+        assert!(err.contains("at least 1"), "{err}");
+        let err = s.set("train.dtype=f8").unwrap_err().to_string();
+        assert!(err.contains("f8"), "{err}");
+    }
+
+    #[test]
+    fn keys_of_matches_the_structs() {
+        let root = toml::Value::try_from(Scenario {
+            data: DataConfig {
+                path: Some("x".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap();
+        for section in SECTIONS {
+            let mut actual: Vec<String> =
+                root[section].as_table().unwrap().keys().cloned().collect();
+            let mut listed: Vec<String> = keys_of(section).iter().map(|s| s.to_string()).collect();
+            // `clip` is an Option that serialises only when set; it is on by default.
+            actual.sort();
+            listed.sort();
+            assert_eq!(actual, listed, "section {section}");
+        }
+    }
+
+    #[test]
+    fn parse_errors_name_file_line_and_column() {
+        let err = Scenario::from_toml("[train]\nmicro_batch = \"eight\"\n", "p.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("p.toml:2:"), "{err}");
+    }
+}

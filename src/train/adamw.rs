@@ -1,0 +1,138 @@
+//! AdamW with decoupled weight decay, written out so its moments can be measured, moved to host
+//! memory (offload) and checkpointed. All state and update math is f32.
+
+use candle_core::{Device, Result, Tensor};
+
+use crate::model::Param;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Hyper {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+pub struct AdamW {
+    pub hyper: Hyper,
+    /// First and second moments, one per parameter, on `state_device`.
+    pub m: Vec<Tensor>,
+    pub v: Vec<Tensor>,
+    /// Applied steps (for bias correction).
+    pub t: u64,
+    /// Host copies of the f32 master weights while offloaded from a separate device; `None` when
+    /// the state lives with the weights (no offload, or a CPU run where host and device coincide).
+    pub master: Option<Vec<Tensor>>,
+    pub offloaded: bool,
+}
+
+impl AdamW {
+    pub fn new(params: &[Param], hyper: Hyper) -> Result<AdamW> {
+        let zeros = || {
+            params
+                .iter()
+                .map(|p| p.var.zeros_like())
+                .collect::<Result<Vec<_>>>()
+        };
+        Ok(AdamW {
+            hyper,
+            m: zeros()?,
+            v: zeros()?,
+            t: 0,
+            master: None,
+            offloaded: false,
+        })
+    }
+
+    /// Where the state and the update math live.
+    pub fn state_device(&self, params: &[Param]) -> Device {
+        if self.offloaded {
+            Device::Cpu
+        } else {
+            params[0].var.device().clone()
+        }
+    }
+
+    /// Bytes of the two moments.
+    pub fn moment_bytes(&self) -> u64 {
+        self.m
+            .iter()
+            .chain(&self.v)
+            .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+            .sum()
+    }
+
+    /// Bytes of host master copies (0 unless offloaded from a GPU).
+    pub fn master_bytes(&self) -> u64 {
+        self.master
+            .iter()
+            .flatten()
+            .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+            .sum()
+    }
+
+    /// Move the state to host memory (`true`) or back to the weights' device, keeping its values.
+    pub fn set_offload(&mut self, on: bool, params: &[Param]) -> Result<()> {
+        if on == self.offloaded {
+            return Ok(());
+        }
+        self.offloaded = on;
+        let target = self.state_device(params);
+        let move_all = |ts: &mut Vec<Tensor>| -> Result<()> {
+            for t in ts.iter_mut() {
+                *t = t.to_device(&target)?;
+            }
+            Ok(())
+        };
+        move_all(&mut self.m)?;
+        move_all(&mut self.v)?;
+        let separate = !target.same_device(params[0].var.device());
+        self.master = if on && separate {
+            Some(
+                params
+                    .iter()
+                    .map(|p| p.var.as_tensor().to_device(&target))
+                    .collect::<Result<_>>()?,
+            )
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// One update with learning rate `lr` from the (unscaled, clipped) gradients.
+    pub fn step(&mut self, params: &[Param], grads: &[Tensor], lr: f64) -> Result<()> {
+        let Hyper {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } = self.hyper;
+        self.t += 1;
+        let bc1 = 1.0 - beta1.powi(self.t as i32);
+        let bc2 = 1.0 - beta2.powi(self.t as i32);
+        let state_device = self.state_device(params);
+        for (i, p) in params.iter().enumerate() {
+            let g = grads[i].to_device(&state_device)?;
+            let w = match &self.master {
+                Some(master) => master[i].clone(),
+                None => p.var.as_tensor().clone(),
+            };
+            self.m[i] = (self.m[i].affine(beta1, 0.0)? + g.affine(1.0 - beta1, 0.0)?)?;
+            self.v[i] = (self.v[i].affine(beta2, 0.0)? + g.sqr()?.affine(1.0 - beta2, 0.0)?)?;
+            let denom = (self.v[i].affine(1.0 / bc2, 0.0)?.sqrt()? + eps)?;
+            let update = self.m[i].affine(lr / bc1, 0.0)?.div(&denom)?;
+            let decay = if p.decay {
+                1.0 - lr * weight_decay
+            } else {
+                1.0
+            };
+            let updated = (w.affine(decay, 0.0)? - update)?;
+            p.var.set(&updated.to_device(p.var.device())?)?;
+            if let Some(master) = &mut self.master {
+                master[i] = updated;
+            }
+        }
+        Ok(())
+    }
+}

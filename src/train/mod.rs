@@ -1,0 +1,666 @@
+//! The engine: windows of K micro-batches, loss normalisation, loss scaling, clipping, AdamW.
+//!
+//! One optimizer step, top to bottom (`Trainer::train_step`):
+//! 1. take the window's B·K samples (the data stream does not depend on how it is split);
+//! 2. for each micro-batch: forward, token-sum loss × weight × loss scale, backward, fold into
+//!    the accumulation buffer;
+//! 3. at the boundary: unscale once → non-finite check → global L2 norm → clip → AdamW step (or
+//!    skip on overflow) → loss-scaler update → clear the buffer;
+//! 4. apply controls that arrived, so they take effect for the next window only.
+//!
+//! The trainer knows nothing of terminals: it reads `ControlMsg`s and writes `Event`s.
+
+pub mod adamw;
+pub mod scaler;
+pub mod schedule;
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use candle_core::{Device, Result, Tensor};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use crate::data::{Batch, Corpus, Sample, Split};
+use crate::device::device_name;
+use crate::model::{Gpt, Param};
+use crate::scenario::Scenario;
+use crate::telemetry::{
+    BuildInfo, Control, ControlEvent, ControlMsg, Dtype, EndEvent, EvalEvent, Event, Header, Level,
+    LogEvent, LossNorm, LrRule, Origin, PhaseMs, StepEvent, ZeroGrad, FORMAT_VERSION,
+};
+use adamw::{AdamW, Hyper};
+use scaler::LossScaler;
+
+/// The knobs a control can turn; the trainer's live configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Knobs {
+    pub accum_steps: usize,
+    pub micro_batch: usize,
+    pub clip: Option<f64>,
+    pub lr: f64,
+    pub lr_rule: LrRule,
+    pub dtype: Dtype,
+    pub offload: bool,
+    pub loss_norm: LossNorm,
+    pub zero_grad: ZeroGrad,
+}
+
+impl Knobs {
+    pub fn from_scenario(s: &Scenario) -> Knobs {
+        let t = &s.train;
+        Knobs {
+            accum_steps: t.accum_steps,
+            micro_batch: t.micro_batch,
+            clip: t.clip,
+            lr: t.lr,
+            lr_rule: t.lr_rule,
+            dtype: t.dtype,
+            offload: t.offload,
+            loss_norm: t.loss_norm,
+            zero_grad: t.zero_grad,
+        }
+    }
+
+    pub fn effective_batch(&self) -> usize {
+        self.accum_steps * self.micro_batch
+    }
+}
+
+/// The gradients of one window, before the boundary.
+pub struct WindowGrads {
+    /// One per parameter, multiplied by the loss scale.
+    pub grads: Vec<Tensor>,
+    /// The correct (`tokens`, zero-grad per window) gradients, also × scale; kept only while a
+    /// pitfall is switched on so its error can be measured.
+    pub reference: Option<Vec<Tensor>>,
+    /// Window loss under the configured normalisation, unscaled.
+    pub loss: f64,
+    pub tokens: u64,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+}
+
+/// Why a window did not finish.
+pub enum Interrupt {
+    Stop,
+    Failed(candle_core::Error),
+}
+
+impl From<candle_core::Error> for Interrupt {
+    fn from(e: candle_core::Error) -> Self {
+        Interrupt::Failed(e)
+    }
+}
+
+/// Forward + backward over `samples` cut into micro-batches of `micro_batch`, folding gradients
+/// the way `knobs` says. `between` runs before every micro-batch and may interrupt the window.
+pub fn window_gradients(
+    model: &Gpt,
+    samples: &[Sample],
+    knobs: &Knobs,
+    scale: f64,
+    device: &Device,
+    mut between: impl FnMut() -> bool,
+) -> std::result::Result<WindowGrads, Interrupt> {
+    let micro: Vec<&[Sample]> = samples.chunks(knobs.micro_batch).collect();
+    let k = micro.len() as f64;
+    let window_tokens: u64 = samples.iter().map(|s| s.len as u64).sum();
+    let pitfall = knobs.loss_norm != LossNorm::Tokens || knobs.zero_grad != ZeroGrad::PerWindow;
+
+    let mut grads: Option<Vec<Tensor>> = None;
+    let mut reference: Option<Vec<Tensor>> = None;
+    let (mut loss, mut forward_ms, mut backward_ms) = (0.0, 0.0, 0.0);
+    for chunk in micro {
+        if !between() {
+            return Err(Interrupt::Stop);
+        }
+        let t0 = Instant::now();
+        let batch = Batch::new(chunk, device)?;
+        let fwd = model.forward(&batch.inputs, knobs.dtype.candle(), true)?;
+        let nll = crate::ops::nll_sum(&fwd.logits, &batch.targets, &batch.mask)?;
+        let correct_weight = 1.0 / window_tokens.max(1) as f64;
+        let weight = match knobs.loss_norm {
+            LossNorm::Tokens => correct_weight,
+            LossNorm::MeanOfMeans => 1.0 / (batch.tokens.max(1) as f64 * k),
+        };
+        let scaled = nll.affine(weight * scale, 0.0)?;
+        loss += f64::from(nll.to_scalar::<f32>()?) * weight;
+        let t1 = Instant::now();
+        let store = scaled.backward()?;
+        drop(scaled);
+        drop(fwd);
+        let micro_grads = model
+            .params
+            .iter()
+            .map(|p| {
+                store.get(p.var.as_tensor()).cloned().ok_or_else(|| {
+                    candle_core::Error::Msg(format!("parameter {} received no gradient", p.name))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        drop(store);
+        if pitfall {
+            let ratio = correct_weight / weight;
+            let correct: Vec<Tensor> = micro_grads
+                .iter()
+                .map(|g| g.affine(ratio, 0.0))
+                .collect::<Result<_>>()?;
+            reference = Some(fold(reference, correct, ZeroGrad::PerWindow)?);
+        }
+        grads = Some(fold(grads, micro_grads, knobs.zero_grad)?);
+        forward_ms += (t1 - t0).as_secs_f64() * 1e3;
+        backward_ms += t1.elapsed().as_secs_f64() * 1e3;
+    }
+    Ok(WindowGrads {
+        grads: grads.unwrap_or_default(),
+        reference,
+        loss,
+        tokens: window_tokens,
+        forward_ms,
+        backward_ms,
+    })
+}
+
+/// Add a micro-batch's gradients into the accumulation buffer (or replace it: the zero-grad
+/// pitfall).
+fn fold(
+    buffer: Option<Vec<Tensor>>,
+    micro: Vec<Tensor>,
+    zero_grad: ZeroGrad,
+) -> Result<Vec<Tensor>> {
+    match (buffer, zero_grad) {
+        (Some(acc), ZeroGrad::PerWindow) => acc.iter().zip(&micro).map(|(a, g)| a + g).collect(),
+        _ => Ok(micro),
+    }
+}
+
+/// Global L2 norm over a set of tensors, in f64 on the host.
+pub fn global_norm(tensors: &[Tensor]) -> Result<f64> {
+    let mut sum = 0f64;
+    for t in tensors {
+        sum += f64::from(
+            t.sqr()?
+                .sum_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_scalar::<f32>()?,
+        );
+    }
+    Ok(sum.sqrt())
+}
+
+/// Relative L2 error of `a` against `reference`.
+pub fn relative_error(a: &[Tensor], reference: &[Tensor]) -> Result<f64> {
+    let diff: Vec<Tensor> = a
+        .iter()
+        .zip(reference)
+        .map(|(x, r)| x - r)
+        .collect::<Result<_>>()?;
+    Ok(global_norm(&diff)? / global_norm(reference)?.max(f64::MIN_POSITIVE))
+}
+
+fn scale_all(tensors: &[Tensor], factor: f64) -> Result<Vec<Tensor>> {
+    tensors.iter().map(|t| t.affine(factor, 0.0)).collect()
+}
+
+/// Where events go. Sending never blocks; a gone receiver is noticed and ends the run.
+#[derive(Clone)]
+pub struct EventSink(UnboundedSender<Event>);
+
+impl EventSink {
+    pub fn new(tx: UnboundedSender<Event>) -> Self {
+        EventSink(tx)
+    }
+
+    /// False once nobody is listening.
+    pub fn send(&self, e: Event) -> bool {
+        self.0.send(e).is_ok()
+    }
+}
+
+pub struct Trainer {
+    pub scenario: Scenario,
+    pub device: Device,
+    pub model: Gpt,
+    pub opt: AdamW,
+    pub scaler: LossScaler,
+    pub corpus: Corpus,
+    pub knobs: Knobs,
+    /// Optimizer steps taken, skipped ones included.
+    pub step: u64,
+    /// Steps the LR schedule has advanced (skipped steps do not advance it).
+    pub lr_step: u64,
+    /// Index of the next training sample.
+    pub cursor: u64,
+    pub overflow_count: u64,
+    base_batch: usize,
+    started: Instant,
+}
+
+impl Trainer {
+    pub fn new(scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
+        scenario.validate().map_err(anyhow::Error::msg)?;
+        let corpus = Corpus::open(&scenario.data, &scenario.model)?;
+        let model = Gpt::new(&scenario.model, scenario.train.seed, &device)
+            .context("building the model")?;
+        let t = &scenario.train;
+        let hyper = Hyper {
+            beta1: t.beta1,
+            beta2: t.beta2,
+            eps: t.eps,
+            weight_decay: t.weight_decay,
+        };
+        let mut opt = AdamW::new(&model.params, hyper)?;
+        opt.set_offload(t.offload, &model.params)?;
+        Ok(Trainer {
+            knobs: Knobs::from_scenario(&scenario),
+            scaler: LossScaler::new(t.loss_scale, t.scale_growth_interval),
+            base_batch: scenario.base_batch(),
+            scenario,
+            device,
+            model,
+            opt,
+            corpus,
+            step: 0,
+            lr_step: 0,
+            cursor: 0,
+            overflow_count: 0,
+            started: Instant::now(),
+        })
+    }
+
+    pub fn params(&self) -> &[Param] {
+        &self.model.params
+    }
+
+    pub fn header(&self) -> Header {
+        Header {
+            version: FORMAT_VERSION,
+            config: self.scenario.clone(),
+            device: device_name(&self.device),
+            build: BuildInfo::current(),
+            params: self.model.param_count(),
+            entropy_floor: self.corpus.entropy_floor(),
+            started_unix: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        }
+    }
+
+    /// The loss scale in force: only f16 scales.
+    pub fn loss_scale(&self) -> f64 {
+        if self.knobs.dtype.needs_loss_scaling() {
+            self.scaler.scale
+        } else {
+            1.0
+        }
+    }
+
+    /// Learning rate for the next step: schedule × LR rule for the current effective batch.
+    pub fn lr(&self) -> f64 {
+        let t = &self.scenario.train;
+        let decay_steps = if t.decay_steps > 0 {
+            t.decay_steps
+        } else {
+            t.steps
+        };
+        self.knobs.lr
+            * schedule::schedule(self.lr_step, t.warmup, decay_steps, t.min_lr_ratio)
+            * self
+                .knobs
+                .lr_rule
+                .factor(self.knobs.effective_batch(), self.base_batch)
+    }
+
+    /// The next window's samples; advances the data cursor.
+    pub fn next_window(&mut self) -> Vec<Sample> {
+        let n = self.knobs.effective_batch() as u64;
+        let samples = (self.cursor..self.cursor + n)
+            .map(|i| self.corpus.sample(Split::Train, i))
+            .collect();
+        self.cursor += n;
+        samples
+    }
+
+    /// One optimizer step. `between` runs before each micro-batch; returning false abandons the
+    /// window (the data cursor is rewound, nothing is applied).
+    pub fn train_step(
+        &mut self,
+        between: impl FnMut() -> bool,
+    ) -> std::result::Result<StepEvent, Interrupt> {
+        let t0 = Instant::now();
+        let cursor = self.cursor;
+        let samples = self.next_window();
+        let scale = self.loss_scale();
+        let window = match window_gradients(
+            &self.model,
+            &samples,
+            &self.knobs,
+            scale,
+            &self.device,
+            between,
+        ) {
+            Ok(w) => w,
+            Err(e) => {
+                self.cursor = cursor;
+                return Err(e);
+            }
+        };
+        let t_opt = Instant::now();
+        let step = self.apply_window(window, scale, t0)?;
+        let mut step = step;
+        step.phase_ms.optimizer = t_opt.elapsed().as_secs_f64() * 1e3;
+        step.step_ms = t0.elapsed().as_secs_f64() * 1e3;
+        step.tokens_per_s = step.tokens as f64 / (step.step_ms / 1e3);
+        Ok(step)
+    }
+
+    /// The boundary: unscale → non-finite check → norm → clip → step or skip → scaler update.
+    fn apply_window(&mut self, w: WindowGrads, scale: f64, t0: Instant) -> Result<StepEvent> {
+        let grads = if scale == 1.0 {
+            w.grads
+        } else {
+            scale_all(&w.grads, 1.0 / scale)?
+        };
+        let grad_norm = global_norm(&grads)?;
+        let finite = grad_norm.is_finite();
+        let grad_error = match &w.reference {
+            Some(r) if finite => Some(relative_error(&grads, &scale_all(r, 1.0 / scale)?)?),
+            _ => None,
+        };
+        let lr = self.lr();
+        let mut grad_norm_clipped = grad_norm;
+        if finite {
+            let grads = match self.knobs.clip {
+                Some(max) if grad_norm > max => {
+                    let clipped = scale_all(&grads, max / grad_norm)?;
+                    grad_norm_clipped = global_norm(&clipped)?;
+                    clipped
+                }
+                _ => grads,
+            };
+            self.opt.step(&self.model.params, &grads, lr)?;
+            self.lr_step += 1;
+        } else {
+            self.overflow_count += 1;
+        }
+        if self.knobs.dtype.needs_loss_scaling() {
+            self.scaler.update(finite);
+        }
+        self.step += 1;
+        Ok(StepEvent {
+            step: self.step,
+            loss: w.loss,
+            grad_norm,
+            grad_norm_clipped,
+            lr,
+            accum_steps: self.knobs.accum_steps,
+            micro_batch: self.knobs.micro_batch,
+            tokens: w.tokens,
+            tokens_per_s: 0.0,
+            step_ms: t0.elapsed().as_secs_f64() * 1e3,
+            skipped: !finite,
+            loss_scale: scale,
+            overflow_count: self.overflow_count,
+            dtype: self.knobs.dtype,
+            offload: self.knobs.offload,
+            clip: self.knobs.clip,
+            phase_ms: PhaseMs {
+                forward: w.forward_ms,
+                backward: w.backward_ms,
+                optimizer: 0.0,
+            },
+            grad_error,
+        })
+    }
+
+    /// Apply a knob change now (the caller makes sure "now" is a window boundary).
+    pub fn apply_control(&mut self, c: &Control) -> anyhow::Result<()> {
+        crate::scenario::validate_control(c).map_err(anyhow::Error::msg)?;
+        let k = &mut self.knobs;
+        match *c {
+            Control::SetAccumSteps { value } => k.accum_steps = value,
+            Control::SetMicroBatch { value } => k.micro_batch = value,
+            Control::SetClip { value } => k.clip = value,
+            Control::SetLr { value } => k.lr = value,
+            Control::SetLrRule { value } => k.lr_rule = value,
+            Control::SetDtype { value } => k.dtype = value,
+            Control::SetOffload { value } => {
+                self.opt.set_offload(value, &self.model.params)?;
+                k.offload = value;
+            }
+            Control::SetLossScale { value } => self.scaler.force(value),
+            Control::SetLossNorm { value } => k.loss_norm = value,
+            Control::SetZeroGrad { value } => k.zero_grad = value,
+            Control::Pause | Control::Resume | Control::SingleStep | Control::Stop => {}
+        }
+        Ok(())
+    }
+
+    /// Mean validation loss per counted token over a fixed set of validation samples.
+    pub fn evaluate(&self) -> Result<f64> {
+        let b = self.knobs.micro_batch;
+        let (mut sum, mut tokens) = (0f64, 0u64);
+        for i in 0..self.scenario.train.eval_batches {
+            let samples: Vec<Sample> = (0..b)
+                .map(|j| self.corpus.sample(Split::Val, (i * b + j) as u64))
+                .collect();
+            let batch = Batch::new(&samples, &self.device)?;
+            let fwd = self
+                .model
+                .forward(&batch.inputs, self.knobs.dtype.candle(), false)?;
+            sum += f64::from(
+                crate::ops::nll_sum(&fwd.logits, &batch.targets, &batch.mask)?
+                    .to_scalar::<f32>()?,
+            );
+            tokens += batch.tokens;
+        }
+        Ok(sum / tokens.max(1) as f64)
+    }
+
+    /// Milliseconds since the trainer was built.
+    pub fn millis(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+}
+
+/// A trainer running on its own thread.
+pub struct TrainerHandle {
+    pub controls: UnboundedSender<ControlMsg>,
+    pub events: UnboundedReceiver<Event>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TrainerHandle {
+    pub fn send(&self, control: Control, origin: Origin) {
+        let _ = self.controls.send(ControlMsg { control, origin });
+    }
+
+    /// Ask the trainer to stop and wait for its thread.
+    pub fn stop(&mut self) {
+        self.send(Control::Stop, Origin::Key);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for TrainerHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Build the trainer here (so bad input fails before any thread starts), then run it on its
+/// own thread. `sink_extra` receives a clone of the event sender for other producers (the
+/// device sampler).
+pub fn spawn(scenario: Scenario, device: Device) -> anyhow::Result<(TrainerHandle, EventSink)> {
+    let trainer = Trainer::new(scenario, device)?;
+    let (ctx, crx) = unbounded_channel();
+    let (etx, erx) = unbounded_channel();
+    let sink = EventSink::new(etx);
+    let thread_sink = sink.clone();
+    let thread = std::thread::Builder::new()
+        .name("gaccwb-trainer".into())
+        .spawn(move || run(trainer, crx, thread_sink))
+        .context("starting the trainer thread")?;
+    Ok((
+        TrainerHandle {
+            controls: ctx,
+            events: erx,
+            thread: Some(thread),
+        },
+        sink,
+    ))
+}
+
+/// The trainer thread: header, then steps until done, stopped or failed, then `end`.
+pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, sink: EventSink) {
+    let mut flow = Flow {
+        paused: false,
+        single_step: false,
+        stop: false,
+        pending: Vec::new(),
+        timeline_done: None,
+    };
+    sink.send(Event::Header(trainer.header()));
+    let reason = loop {
+        flow.drain(&mut controls);
+        apply_due(&mut trainer, &mut flow, &sink);
+        let total = trainer.scenario.train.steps;
+        if flow.stop {
+            break "stopped".to_string();
+        }
+        if total > 0 && trainer.step >= total {
+            break "completed".to_string();
+        }
+        if flow.paused && !flow.single_step {
+            match controls.blocking_recv() {
+                Some(msg) => flow.pending.push(msg),
+                None => break "stopped".to_string(),
+            }
+            continue;
+        }
+        flow.single_step = false;
+        let step = trainer.train_step(|| {
+            flow.drain(&mut controls);
+            !flow.stop
+        });
+        match step {
+            Ok(step) => {
+                let n = step.step;
+                if !sink.send(Event::Step(step)) {
+                    break "stopped".to_string();
+                }
+                maybe_evaluate(&trainer, n, &sink);
+            }
+            Err(Interrupt::Stop) => break "stopped".to_string(),
+            Err(Interrupt::Failed(e)) => {
+                let message = format!("error: {e}");
+                sink.send(Event::Log(LogEvent {
+                    step: trainer.step,
+                    level: Level::Error,
+                    message: message.clone(),
+                }));
+                break message;
+            }
+        }
+    };
+    sink.send(Event::End(EndEvent {
+        step: trainer.step,
+        reason,
+    }));
+}
+
+/// Flow state and knob changes waiting for the boundary.
+struct Flow {
+    paused: bool,
+    single_step: bool,
+    stop: bool,
+    pending: Vec<ControlMsg>,
+    /// The last step whose timeline entries were applied.
+    timeline_done: Option<u64>,
+}
+
+impl Flow {
+    /// Take what has arrived; flow controls act at once, knob changes wait.
+    fn drain(&mut self, controls: &mut UnboundedReceiver<ControlMsg>) {
+        loop {
+            match controls.try_recv() {
+                Ok(msg) if msg.control == Control::Stop => self.stop = true,
+                Ok(msg) => self.pending.push(msg),
+                Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
+                Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
+                    self.stop = true;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// At a boundary: the timeline's controls for this step, then what arrived, in order.
+fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
+    let step = trainer.step;
+    // A paused run visits the same boundary repeatedly; its timeline entries fire once.
+    let scripted: Vec<ControlMsg> = if flow.timeline_done == Some(step) {
+        Vec::new()
+    } else {
+        flow.timeline_done = Some(step);
+        trainer
+            .scenario
+            .timeline
+            .iter()
+            .filter(|e| e.step == step)
+            .map(|e| ControlMsg {
+                control: e.control.clone(),
+                origin: Origin::Scenario,
+            })
+            .collect()
+    };
+    for msg in scripted
+        .into_iter()
+        .chain(std::mem::take(&mut flow.pending))
+    {
+        match msg.control {
+            Control::Pause => flow.paused = true,
+            Control::Resume => flow.paused = false,
+            Control::SingleStep => {
+                flow.paused = true;
+                flow.single_step = true;
+            }
+            Control::Stop => flow.stop = true,
+            _ => {
+                if let Err(e) = trainer.apply_control(&msg.control) {
+                    let message = format!("control {} rejected: {e}", msg.control.describe());
+                    sink.send(Event::Log(LogEvent {
+                        step,
+                        level: Level::Warn,
+                        message,
+                    }));
+                    continue;
+                }
+            }
+        }
+        sink.send(Event::Control(ControlEvent {
+            step,
+            origin: msg.origin,
+            control: msg.control,
+        }));
+    }
+}
+
+fn maybe_evaluate(trainer: &Trainer, step: u64, sink: &EventSink) {
+    let every = trainer.scenario.train.eval_every;
+    if every == 0 || step % every != 0 || !trainer.corpus.has_validation() {
+        return;
+    }
+    match trainer.evaluate() {
+        Ok(val_loss) => sink.send(Event::Eval(EvalEvent { step, val_loss })),
+        Err(e) => sink.send(Event::Log(LogEvent {
+            step,
+            level: Level::Warn,
+            message: format!("evaluation failed: {e}"),
+        })),
+    };
+}
