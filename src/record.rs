@@ -60,3 +60,84 @@ impl Drop for Recorder {
         let _ = self.out.flush();
     }
 }
+
+/// A recording read back: the header, then every event in order (the header included).
+pub struct Recording {
+    pub header: crate::telemetry::Header,
+    pub events: Vec<Event>,
+    /// Problems that did not stop reading (e.g. a truncated last line).
+    pub warnings: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("{path}: {message}")]
+    Io { path: String, message: String },
+    #[error("{path}:{line}: {message}")]
+    Line {
+        path: String,
+        line: usize,
+        message: String,
+    },
+}
+
+/// Read a recording. A truncated last line is tolerated with a warning; a bad line elsewhere is
+/// an error naming its line; a newer major version is refused.
+pub fn read_recording(path: &Path) -> Result<Recording, RecordError> {
+    let p = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| RecordError::Io {
+        path: p.clone(),
+        message: e.to_string(),
+    })?;
+    let lines: Vec<&str> = text.lines().collect();
+    let ends_with_newline = text.ends_with('\n');
+    let mut events = Vec::with_capacity(lines.len());
+    let mut warnings = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<Event>(line) {
+            Ok(e) => events.push(e),
+            Err(e) if i + 1 == lines.len() && !ends_with_newline => {
+                warnings.push(format!(
+                    "{p}:{}: last line is truncated and was skipped ({e})",
+                    i + 1
+                ));
+            }
+            Err(e) => {
+                return Err(RecordError::Line {
+                    path: p,
+                    line: i + 1,
+                    message: e.to_string(),
+                })
+            }
+        }
+    }
+    let header = match events.first() {
+        Some(Event::Header(h)) => h.clone(),
+        _ => {
+            return Err(RecordError::Line {
+                path: p,
+                line: 1,
+                message: "the first line must be the header event".into(),
+            })
+        }
+    };
+    if header.version > crate::telemetry::FORMAT_VERSION {
+        return Err(RecordError::Line {
+            path: p,
+            line: 1,
+            message: format!(
+                "recording format version {} is newer than this gaccwb reads ({}); upgrade gaccwb",
+                header.version,
+                crate::telemetry::FORMAT_VERSION
+            ),
+        });
+    }
+    Ok(Recording {
+        header,
+        events,
+        warnings,
+    })
+}
