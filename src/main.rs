@@ -23,6 +23,44 @@ enum Command {
     Run(RunArgs),
     /// List the built-in presets.
     Presets,
+    /// Measure training tokens/s of the default model on CPU.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// CPU threads for Candle's kernels (default: RAYON_NUM_THREADS, else every core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Micro-batch and accumulation steps to measure, as B,K (repeatable; default 8,1 8,4 32,1
+    /// plus the default preset's steps/s).
+    #[arg(long = "case", value_name = "B,K", value_parser = parse_case)]
+    cases: Vec<gaccwb::bench::Case>,
+    /// Timed optimizer steps per case.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Untimed optimizer steps before timing.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// One JSON object per case on stdout instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_case(text: &str) -> Result<gaccwb::bench::Case, String> {
+    let parse = |s: &str| s.trim().parse::<usize>().ok().filter(|&n| n > 0);
+    match text.split_once(',') {
+        Some((b, k)) => match (parse(b), parse(k)) {
+            (Some(micro_batch), Some(accum_steps)) => Ok(gaccwb::bench::Case {
+                micro_batch,
+                accum_steps,
+            }),
+            _ => Err(format!(
+                "`{text}`: B and K must be positive integers, e.g. 8,4"
+            )),
+        },
+        None => Err(format!("`{text}`: expected B,K, e.g. 8,4")),
+    }
 }
 
 #[derive(Args, Default)]
@@ -74,6 +112,7 @@ fn main() -> ExitCode {
         }),
         Some(Command::Run(args)) => run(args),
         Some(Command::Presets) => list_presets(),
+        Some(Command::Bench(args)) => bench(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -137,5 +176,85 @@ fn list_presets() -> anyhow::Result<()> {
     for s in presets::all() {
         println!("{:<24} {}", s.name, s.description);
     }
+    Ok(())
+}
+
+fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    use gaccwb::bench::{self, DEFAULT_CASES};
+    if let Some(n) = args.threads {
+        if n == 0 {
+            anyhow::bail!(UsageError("--threads must be at least 1".into()));
+        }
+        // Candle sizes its thread pools from this on first use, which has not happened yet.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+    if args.steps == 0 {
+        anyhow::bail!(UsageError("--steps must be at least 1".into()));
+    }
+    let preset = presets::resolve(presets::DEFAULT).map_err(|e| UsageError(e.to_string()))?;
+    let device = candle_core::Device::Cpu;
+    let whole_suite = args.cases.is_empty();
+    let cases = if whole_suite {
+        DEFAULT_CASES.to_vec()
+    } else {
+        args.cases.clone()
+    };
+    let m = &preset.model;
+    if !args.json {
+        println!(
+            "gaccwb bench: model vocab {} d_model {} layers {} heads {} seq_len {}, f32, CPU, {} thread(s), \
+             {} timed steps after {} warm-up",
+            m.vocab, m.d_model, m.layers, m.heads, m.seq_len, bench::threads(), args.steps, args.warmup
+        );
+        println!(
+            "{:>4} {:>3} {:>12} {:>12} {:>12} {:>12}",
+            "B", "K", "tokens/step", "tok/s min", "tok/s med", "tok/s max"
+        );
+    }
+    let mut results = Vec::new();
+    for case in cases {
+        let r = bench::measure_case(&preset, case, &device, args.warmup, args.steps)?;
+        let sorted = r.tokens_per_s_sorted();
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "impl": "candle",
+                    "micro_batch": r.micro_batch,
+                    "accum_steps": r.accum_steps,
+                    "threads": r.threads,
+                    "tokens_per_step": r.tokens_per_step,
+                    "tokens_per_s": r.median_tokens_per_s(),
+                    "step_s": r.step_s,
+                })
+            );
+        } else {
+            println!(
+                "{:>4} {:>3} {:>12} {:>12.0} {:>12.0} {:>12.0}",
+                r.micro_batch,
+                r.accum_steps,
+                r.tokens_per_step,
+                sorted[0],
+                r.median_tokens_per_s(),
+                sorted[sorted.len() - 1]
+            );
+        }
+        results.push(r);
+    }
+    if !whole_suite || args.json {
+        return Ok(());
+    }
+    let k1 = results[0].median_tokens_per_s();
+    let k4 = results[1].median_tokens_per_s();
+    println!(
+        "K=4 vs K=1 at B=8: {:.3}x tokens/s (accumulation costs {:.1}%; budget 2%)",
+        k4 / k1,
+        (1.0 - k4 / k1) * 100.0
+    );
+    let default = bench::measure(preset.clone(), &device, args.warmup, args.steps)?;
+    println!(
+        "default preset `{}` (B={}, K={}, variable-length documents): {:.2} optimizer steps/s (median; target >= 2)",
+        preset.name, default.micro_batch, default.accum_steps, default.median_steps_per_s()
+    );
     Ok(())
 }

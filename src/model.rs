@@ -131,8 +131,8 @@ impl Gpt {
             let q = qkv.get(0)?.contiguous()?;
             let k = qkv.get(1)?.contiguous()?;
             let v = qkv.get(2)?.contiguous()?;
-            let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
-            let att = ops::causal_softmax(&scores)?;
+            let scores = q.matmul(&k.t()?)?;
+            let att = ops::causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
             let y = att
                 .matmul(&v)?
                 .transpose(1, 2)?
@@ -157,7 +157,7 @@ impl Gpt {
 }
 
 fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    x.matmul(w)?.broadcast_add(b)
+    ops::bias_add(&x.matmul(w)?, b)
 }
 
 struct Init<'a> {

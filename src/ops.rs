@@ -1,53 +1,254 @@
 //! The model's numerical building blocks, each with a backward pass.
 //!
 //! Candle's fused `LayerNorm`, `softmax_last_dim` and `sdpa` are forward-only (gradients silently
-//! stop there), so the model calls these instead. They are the seam where faster fused kernels
-//! go: whatever replaces a body here must keep its gradients exact (the equivalence tests hold it).
+//! stop there), so the model calls these instead. On CPU in f32 each is one fused Candle custom op
+//! whose backward is one more fused pass (`fused`); anywhere else (CUDA, or bf16/f16 compute
+//! where the op has no f32 island) the `composite` version built from differentiable Candle ops
+//! runs. Both compute the same function; tests hold value and gradient of each pair together.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor};
+
+pub mod composite;
+pub mod fused;
+
+/// True when every tensor is an f32 CPU tensor: the fused ops' domain.
+fn fused_domain(tensors: &[&Tensor]) -> bool {
+    tensors
+        .iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+}
 
 /// Layer norm over the last dimension, computed in f32 whatever the input dtype.
 pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return composite::layer_norm(x, gain, bias, eps);
+    }
     let dtype = x.dtype();
-    let x = x.to_dtype(DType::F32)?;
-    let mean = x.mean_keepdim(D::Minus1)?;
-    let centred = x.broadcast_sub(&mean)?;
-    let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
-    let normed = centred.broadcast_div(&(var + eps)?.sqrt()?)?;
-    let gain = gain.to_dtype(DType::F32)?;
-    let bias = bias.to_dtype(DType::F32)?;
-    normed
-        .broadcast_mul(&gain)?
-        .broadcast_add(&bias)?
-        .to_dtype(dtype)
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    fused::layer_norm(&f32(x)?, &f32(gain)?, &f32(bias)?, eps)?.to_dtype(dtype)
+}
+
+/// `x + bias` with `bias` (`[D]`) broadcast over the rows of `x` (`[.., D]`).
+pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    if fused_domain(&[x, bias]) {
+        fused::bias_add(x, bias)
+    } else {
+        composite::bias_add(x, bias)
+    }
 }
 
 /// GELU, tanh approximation (as GPT-2 and `torch.nn.functional.gelu(approximate="tanh")`).
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    x.gelu()
+    if fused_domain(&[x]) {
+        fused::gelu(x)
+    } else {
+        composite::gelu(x)
+    }
 }
 
-/// Softmax over the last dimension of attention scores `[.., T, T]` with a causal mask.
-pub fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
-    let t = scores.dim(D::Minus1)?;
-    let mask: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (t, t), scores.device())?.to_dtype(scores.dtype())?;
-    candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)
+/// Softmax over the last dimension of `scale * scores` (`[.., T, T]`) with a causal mask: row
+/// `i` attends to columns `0..=i`.
+pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
+    if fused_domain(&[scores]) {
+        fused::causal_softmax(scores, scale)
+    } else {
+        composite::causal_softmax(scores, scale)
+    }
 }
 
 /// Sum over counted positions of the negative log-likelihood of `targets`.
 /// `logits`: `[N, V]` (any float dtype; the softmax runs in f32), `targets`: `[N]` u32,
 /// `mask`: `[N]` f32 with 1 for counted positions and 0 for padding.
 pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    let logp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
-    let picked = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
-    (picked * mask)?.sum_all()?.neg()
+    if logits.device().is_cpu() {
+        fused::nll_sum(&logits.to_dtype(DType::F32)?, targets, mask)
+    } else {
+        composite::nll_sum(logits, targets, mask)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    const TOL: f64 = 1e-5;
+
+    fn random(shape: &[usize], std: f32, seed: u64) -> Tensor {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| (rng.random::<f32>() * 2.0 - 1.0) * std)
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// Relative L2 error of `a` against `reference`.
+    fn rel_err(a: &Tensor, reference: &Tensor) -> f64 {
+        let norm = |t: &Tensor| {
+            t.to_dtype(DType::F64)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+                .sqrt()
+        };
+        norm(&(a - reference).unwrap()) / norm(reference).max(f64::MIN_POSITIVE)
+    }
+
+    /// Value and gradients (w.r.t. `inputs`) of `sum(f(inputs) * weights)`.
+    fn value_and_grads(
+        f: impl Fn(&[Tensor]) -> Result<Tensor>,
+        inputs: &[Tensor],
+        seed: u64,
+    ) -> (Tensor, Vec<Tensor>) {
+        let vars: Vec<Var> = inputs
+            .iter()
+            .map(|t| Var::from_tensor(t).unwrap())
+            .collect();
+        let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let out = f(&tensors).unwrap();
+        let weights = random(out.dims(), 1.0, seed);
+        let loss = (&out * &weights).unwrap().sum_all().unwrap();
+        let grads = loss.backward().unwrap();
+        let g = tensors
+            .iter()
+            .map(|t| grads.get(t).expect("every input gets a gradient").clone())
+            .collect();
+        (out.detach(), g)
+    }
+
+    /// The fused and composite versions agree in value and in every input's gradient.
+    fn assert_equivalent(
+        name: &str,
+        fused: impl Fn(&[Tensor]) -> Result<Tensor>,
+        composite: impl Fn(&[Tensor]) -> Result<Tensor>,
+        inputs: &[Tensor],
+    ) {
+        let (vf, gf) = value_and_grads(fused, inputs, 99);
+        let (vc, gc) = value_and_grads(composite, inputs, 99);
+        let e = rel_err(&vf, &vc);
+        assert!(e <= TOL, "{name}: value rel. error {e:e}");
+        for (i, (a, b)) in gf.iter().zip(&gc).enumerate() {
+            let e = rel_err(a, b);
+            assert!(e <= TOL, "{name}: gradient of input {i} rel. error {e:e}");
+        }
+    }
+
+    #[test]
+    fn fused_layer_norm_matches_composite() {
+        // 3000 rows: several parallel units.
+        for (rows, d) in [(6, 16), (3000, 32)] {
+            let inputs = [
+                random(&[rows, d], 2.0, 1)
+                    .broadcast_add(&random(&[rows, 1], 3.0, 2))
+                    .unwrap(),
+                random(&[d], 1.0, 3),
+                random(&[d], 1.0, 4),
+            ];
+            assert_equivalent(
+                "layer_norm",
+                |t| fused::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+                |t| composite::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+                &inputs,
+            );
+        }
+    }
+
+    #[test]
+    fn fused_bias_add_matches_composite() {
+        for (rows, d) in [(5, 12), (2000, 48)] {
+            let inputs = [random(&[rows, d], 1.0, 14), random(&[d], 1.0, 15)];
+            assert_equivalent(
+                "bias_add",
+                |t| fused::bias_add(&t[0], &t[1]),
+                |t| composite::bias_add(&t[0], &t[1]),
+                &inputs,
+            );
+        }
+    }
+
+    #[test]
+    fn fused_gelu_matches_composite() {
+        for n in [37, 50_000] {
+            let inputs = [random(&[n], 6.0, 5)];
+            assert_equivalent(
+                "gelu",
+                |t| fused::gelu(&t[0]),
+                |t| composite::gelu(&t[0]),
+                &inputs,
+            );
+        }
+    }
+
+    #[test]
+    fn fused_causal_softmax_matches_composite() {
+        for shape in [[1, 1, 5, 5], [2, 3, 40, 40]] {
+            let inputs = [random(&shape, 4.0, 6)];
+            assert_equivalent(
+                "causal_softmax",
+                |t| fused::causal_softmax(&t[0], 0.25),
+                |t| composite::causal_softmax(&t[0], 0.25),
+                &inputs,
+            );
+        }
+    }
+
+    #[test]
+    fn fused_causal_softmax_masks_the_future() {
+        let p = fused::causal_softmax(&random(&[1, 4, 4], 1.0, 7), 1.0).unwrap();
+        let rows: Vec<Vec<f32>> = p.squeeze(0).unwrap().to_vec2().unwrap();
+        for (i, row) in rows.iter().enumerate() {
+            assert!(row[i + 1..].iter().all(|&v| v == 0.0), "row {i}: {row:?}");
+            assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn fused_nll_matches_composite() {
+        let (n, v) = (70, 33);
+        let mut rng = ChaCha8Rng::seed_from_u64(8);
+        let targets: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();
+        let mask: Vec<f32> = (0..n).map(|i| if i % 7 == 3 { 0.0 } else { 1.0 }).collect();
+        let targets = Tensor::from_vec(targets, n, &Device::Cpu).unwrap();
+        let mask = Tensor::from_vec(mask, n, &Device::Cpu).unwrap();
+        let inputs = [random(&[n, v], 5.0, 9)];
+        assert_equivalent(
+            "nll_sum",
+            |t| fused::nll_sum(&t[0], &targets, &mask),
+            |t| composite::nll_sum(&t[0], &targets, &mask),
+            &inputs,
+        );
+    }
+
+    #[test]
+    fn low_precision_inputs_take_a_differentiable_path() {
+        let x = random(&[4, 8], 1.0, 10);
+        for dtype in [DType::BF16, DType::F16] {
+            let (g, b) = (random(&[8], 1.0, 11), random(&[8], 1.0, 12));
+            let f = |t: &[Tensor]| {
+                let h = t[0].to_dtype(dtype)?;
+                let h = layer_norm(&h, &t[1].to_dtype(dtype)?, &t[2].to_dtype(dtype)?, 1e-5)?;
+                let h = gelu(&h)?;
+                let h = causal_softmax(&h.reshape((2, 4, 4))?, 0.5)?;
+                h.to_dtype(DType::F32)
+            };
+            let (low, grads) = value_and_grads(f, &[x.clone(), g.clone(), b.clone()], 13);
+            let (reference, _) = value_and_grads(
+                |t| {
+                    let h = composite::layer_norm(&t[0], &t[1], &t[2], 1e-5)?;
+                    composite::causal_softmax(&composite::gelu(&h)?.reshape((2, 4, 4))?, 0.5)
+                },
+                &[x.clone(), g, b],
+                13,
+            );
+            assert!(rel_err(&low, &reference) < 3e-2, "{dtype:?}");
+            assert!(grads.iter().all(|g| g.dtype() == DType::F32));
+        }
+    }
 }

@@ -133,9 +133,17 @@ pub fn window_gradients(
             .params
             .iter()
             .map(|p| {
-                store.get(p.var.as_tensor()).cloned().ok_or_else(|| {
-                    candle_core::Error::Msg(format!("parameter {} received no gradient", p.name))
-                })
+                // Detached: Candle leaves a Var's gradient tracked (its graph holds the whole
+                // forward pass), and AdamW's moments would chain those graphs step after step.
+                store
+                    .get(p.var.as_tensor())
+                    .map(Tensor::detach)
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg(format!(
+                            "parameter {} received no gradient",
+                            p.name
+                        ))
+                    })
             })
             .collect::<Result<Vec<_>>>()?;
         drop(store);

@@ -1,0 +1,180 @@
+//! Training throughput: tokens per second of the project's own optimizer step.
+//!
+//! Every sample is full length (every position counted), so tokens/s is positions processed per
+//! second and a run does the same work as `benches/torch_reference.py` at the same shapes.
+//! Candle sizes its matmul and element-wise thread pools once per process from
+//! `RAYON_NUM_THREADS`, so the thread count is fixed before the first tensor op (see `main`).
+
+use std::time::Instant;
+
+use candle_core::Device;
+use serde::Serialize;
+
+use crate::scenario::{DataSource, Scenario};
+use crate::train::Trainer;
+
+/// One shape to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Case {
+    pub micro_batch: usize,
+    pub accum_steps: usize,
+}
+
+/// The cases `gaccwb bench` runs by default: accumulation cost at B=8, and a larger micro-batch.
+pub const DEFAULT_CASES: [Case; 3] = [
+    Case {
+        micro_batch: 8,
+        accum_steps: 1,
+    },
+    Case {
+        micro_batch: 8,
+        accum_steps: 4,
+    },
+    Case {
+        micro_batch: 32,
+        accum_steps: 1,
+    },
+];
+
+/// Timed optimizer steps of one case.
+#[derive(Clone, Debug, Serialize)]
+pub struct Measurement {
+    pub micro_batch: usize,
+    pub accum_steps: usize,
+    pub threads: usize,
+    /// Positions per optimizer step (B·K·seq_len).
+    pub tokens_per_step: u64,
+    /// Wall time of each timed step, in seconds.
+    pub step_s: Vec<f64>,
+}
+
+impl Measurement {
+    /// Tokens/s of each timed step, ascending.
+    pub fn tokens_per_s_sorted(&self) -> Vec<f64> {
+        let mut v: Vec<f64> = self
+            .step_s
+            .iter()
+            .map(|s| self.tokens_per_step as f64 / s)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v
+    }
+
+    /// Median tokens/s over the timed steps.
+    pub fn median_tokens_per_s(&self) -> f64 {
+        median(&self.tokens_per_s_sorted())
+    }
+
+    /// Median optimizer steps per second.
+    pub fn median_steps_per_s(&self) -> f64 {
+        self.median_tokens_per_s() / self.tokens_per_step as f64
+    }
+}
+
+/// Median of an ascending slice (0 when empty).
+pub fn median(sorted: &[f64]) -> f64 {
+    match sorted.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// `base` with the case's shape, fixed-length synthetic samples and no validation.
+pub fn case_scenario(base: &Scenario, case: Case) -> Scenario {
+    let mut s = base.clone();
+    s.data.source = DataSource::Synthetic;
+    s.data.path = None;
+    s.data.min_doc_len = s.model.seq_len;
+    s.data.max_doc_len = s.model.seq_len;
+    s.train.micro_batch = case.micro_batch;
+    s.train.accum_steps = case.accum_steps;
+    s.train.base_batch = 0;
+    s.train.eval_every = 0;
+    s.train.steps = 0;
+    s
+}
+
+/// Threads Candle's CPU kernels use in this process.
+pub fn threads() -> usize {
+    candle_core::utils::get_num_threads()
+}
+
+/// Run `warmup` untimed then `steps` timed optimizer steps of `scenario` as given.
+pub fn measure(
+    scenario: Scenario,
+    device: &Device,
+    warmup: usize,
+    steps: usize,
+) -> anyhow::Result<Measurement> {
+    let mut trainer = Trainer::new(scenario, device.clone())?;
+    let mut step_s = Vec::with_capacity(steps);
+    let mut tokens_per_step = 0;
+    for i in 0..warmup + steps {
+        let t0 = Instant::now();
+        let step = match trainer.train_step(|| true) {
+            Ok(step) => step,
+            Err(crate::train::Interrupt::Failed(e)) => return Err(e.into()),
+            Err(crate::train::Interrupt::Stop) => anyhow::bail!("benchmark step interrupted"),
+        };
+        let elapsed = t0.elapsed().as_secs_f64();
+        if i >= warmup {
+            step_s.push(elapsed);
+            tokens_per_step = step.tokens;
+        }
+    }
+    let knobs = &trainer.knobs;
+    Ok(Measurement {
+        micro_batch: knobs.micro_batch,
+        accum_steps: knobs.accum_steps,
+        threads: threads(),
+        tokens_per_step,
+        step_s,
+    })
+}
+
+/// Tokens/s of one case on fixed-length samples.
+pub fn measure_case(
+    base: &Scenario,
+    case: Case,
+    device: &Device,
+    warmup: usize,
+    steps: usize,
+) -> anyhow::Result<Measurement> {
+    measure(case_scenario(base, case), device, warmup, steps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scenario::ModelConfig;
+
+    #[test]
+    fn median_of_odd_and_even() {
+        assert_eq!(median(&[1.0, 2.0, 9.0]), 2.0);
+        assert_eq!(median(&[1.0, 2.0, 4.0, 9.0]), 3.0);
+        assert_eq!(median(&[]), 0.0);
+    }
+
+    #[test]
+    fn a_case_counts_every_position() {
+        let base = Scenario {
+            model: ModelConfig {
+                vocab: 32,
+                d_model: 16,
+                layers: 1,
+                heads: 2,
+                seq_len: 8,
+            },
+            ..Default::default()
+        };
+        let case = Case {
+            micro_batch: 3,
+            accum_steps: 2,
+        };
+        let m = measure_case(&base, case, &Device::Cpu, 1, 2).unwrap();
+        assert_eq!(m.tokens_per_step, 3 * 2 * 8);
+        assert_eq!(m.step_s.len(), 2);
+        assert!(m.median_tokens_per_s() > 0.0);
+    }
+}

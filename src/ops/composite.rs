@@ -1,0 +1,53 @@
+//! The reference versions: plain differentiable Candle ops, any dtype, any device. The fused
+//! ops are tested against these.
+
+use candle_core::{DType, Result, Tensor, D};
+
+/// Layer norm over the last dimension, computed in f32 whatever the input dtype.
+pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let centred = x.broadcast_sub(&mean)?;
+    let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = centred.broadcast_div(&(var + eps)?.sqrt()?)?;
+    let gain = gain.to_dtype(DType::F32)?;
+    let bias = bias.to_dtype(DType::F32)?;
+    normed
+        .broadcast_mul(&gain)?
+        .broadcast_add(&bias)?
+        .to_dtype(dtype)
+}
+
+/// `x + bias`, broadcast over the rows of `x`.
+pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    x.broadcast_add(bias)
+}
+
+/// GELU, tanh approximation.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    x.gelu()
+}
+
+/// Causal softmax of `scale * scores` over the last dimension of `[.., T, T]`.
+pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
+    let t = scores.dim(D::Minus1)?;
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), scores.device())?.to_dtype(scores.dtype())?;
+    candle_nn::ops::softmax(&(scores * scale)?.broadcast_add(&mask)?, D::Minus1)
+}
+
+/// Sum over counted positions of the negative log-likelihood of `targets` (softmax in f32).
+pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let logp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
+    let picked = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
+    (picked * mask)?.sum_all()?.neg()
+}

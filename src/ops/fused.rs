@@ -1,0 +1,619 @@
+//! Fused CPU f32 kernels as Candle custom ops: each forward is one pass over its input, each
+//! backward one more (Candle's composite versions cost a dozen element-wise ops and as many
+//! temporaries). Rows are split over Candle's own CPU thread pool; the split depends only on the
+//! shape, so results do not depend on the thread count.
+//!
+//! Callers (`crate::ops`) route only f32 CPU tensors here; anything else is an error.
+
+use std::ops::Range;
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+
+// ---------------------------------------------------------------------------------------------
+// Plumbing
+
+/// The f32 values a contiguous layout covers.
+fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
+        (CpuStorage::F32(_), None) => candle_core::bail!("{op}: input must be contiguous"),
+        _ => candle_core::bail!("{op}: expects f32 storage"),
+    }
+}
+
+fn u32_slice<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [u32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::U32(v), Some((a, b))) => Ok(&v[a..b]),
+        _ => candle_core::bail!("{op}: expects contiguous u32 indices"),
+    }
+}
+
+/// A pointer that disjoint row ranges write through from several threads.
+#[derive(Clone, Copy)]
+struct Shared(*mut f32);
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// Rows `rows` of a row-major buffer with `width` columns.
+    /// SAFETY: callers hand each row range to exactly one writer.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn rows(&self, rows: &Range<usize>, width: usize) -> &mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(rows.start * width), rows.len() * width)
+    }
+}
+
+/// Rows per parallel unit: enough work (~16K elements) to pay for a hand-off.
+fn unit_rows(width: usize) -> usize {
+    (16 * 1024 / width.max(1)).max(1)
+}
+
+/// Run `f(unit, rows)` for every unit of `unit_rows(width)` rows, on Candle's CPU pool.
+fn for_units(n_rows: usize, width: usize, f: impl Fn(usize, Range<usize>) + Sync) {
+    let per = unit_rows(width);
+    let units = n_rows.div_ceil(per);
+    let run = |range: Range<usize>| {
+        for u in range {
+            f(u, u * per..((u + 1) * per).min(n_rows));
+        }
+    };
+    if units <= 1 || candle_core::utils::get_num_threads() <= 1 {
+        run(0..units);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(units, run);
+    }
+}
+
+/// A zeroed output of `n` f32 values, filled by `fill` through a shared pointer.
+fn output(n: usize, fill: impl FnOnce(Shared)) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    fill(Shared(out.as_mut_ptr()));
+    out
+}
+
+fn last_dim(shape: &Shape) -> Result<(usize, usize)> {
+    let d = *shape
+        .dims()
+        .last()
+        .ok_or_else(|| candle_core::Error::Msg("fused op on a scalar".into()))?;
+    Ok((shape.elem_count() / d.max(1), d))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer norm
+
+/// `y = (x - mean) / sqrt(var + eps) * gain + bias` over the last dimension.
+pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(
+        &gain.contiguous()?,
+        &bias.contiguous()?,
+        LayerNorm { eps: eps as f32 },
+    )
+}
+
+struct LayerNorm {
+    eps: f32,
+}
+
+/// Mean and 1/std of one row (two passes, like the composite version).
+#[inline]
+fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
+    let d = row.len() as f32;
+    let mean = row.iter().sum::<f32>() / d;
+    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "gaccwb-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(xs, xl, self.name())?;
+        let g = f32_slice(gs, gl, self.name())?;
+        let b = f32_slice(bs, bl, self.name())?;
+        let (n, d) = last_dim(xl.shape())?;
+        if g.len() != d || b.len() != d {
+            candle_core::bail!("layer norm: gain/bias of {} for rows of {d}", g.len());
+        }
+        let y = output(n * d, |out| {
+            for_units(n, d, |_, rows| {
+                let dst = unsafe { out.rows(&rows, d) };
+                let src = &x[rows.start * d..rows.end * d];
+                for (yr, xr) in dst.chunks_exact_mut(d).zip(src.chunks_exact(d)) {
+                    let (mean, rstd) = row_stats(xr, self.eps);
+                    for i in 0..d {
+                        yr[i] = (xr[i] - mean) * rstd * g[i] + b[i];
+                    }
+                }
+            })
+        });
+        Ok((CpuStorage::F32(y), xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gain: &Tensor,
+        _bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = gain.elem_count();
+        let n = x.elem_count() / d;
+        // One pass yields [dx; dgain; dbias] stacked as n + 2 rows.
+        let packed = x.apply_op3_no_bwd(
+            gain,
+            &grad.contiguous()?,
+            &LayerNormBackward { eps: self.eps },
+        )?;
+        let dx = packed.narrow(0, 0, n)?.reshape(x.shape())?;
+        let dgain = packed.narrow(0, n, 1)?.reshape(d)?;
+        let dbias = packed.narrow(0, n + 1, 1)?.reshape(d)?;
+        Ok((Some(dx), Some(dgain), Some(dbias)))
+    }
+}
+
+struct LayerNormBackward {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNormBackward {
+    fn name(&self) -> &'static str {
+        "gaccwb-layer-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+        dys: &CpuStorage,
+        dyl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(xs, xl, self.name())?;
+        let g = f32_slice(gs, gl, self.name())?;
+        let dy = f32_slice(dys, dyl, self.name())?;
+        let (n, d) = last_dim(xl.shape())?;
+        let units = n.div_ceil(unit_rows(d));
+        // Per-unit partial sums of dgain and dbias, added in unit order (deterministic).
+        let mut partial = vec![0f32; units * 2 * d];
+        let partial_ptr = Shared(partial.as_mut_ptr());
+        let mut out = output((n + 2) * d, |out| {
+            for_units(n, d, |unit, rows| {
+                let dx = unsafe { out.rows(&rows, d) };
+                let acc = unsafe { partial_ptr.rows(&(unit..unit + 1), 2 * d) };
+                let (dg, db) = acc.split_at_mut(d);
+                let xs = &x[rows.start * d..rows.end * d];
+                let dys = &dy[rows.start * d..rows.end * d];
+                let mut xhat = vec![0f32; d];
+                for ((dxr, xr), dyr) in dx
+                    .chunks_exact_mut(d)
+                    .zip(xs.chunks_exact(d))
+                    .zip(dys.chunks_exact(d))
+                {
+                    let (mean, rstd) = row_stats(xr, self.eps);
+                    let (mut sum_dxhat, mut sum_dxhat_xhat) = (0f32, 0f32);
+                    for i in 0..d {
+                        xhat[i] = (xr[i] - mean) * rstd;
+                        let dxhat = dyr[i] * g[i];
+                        sum_dxhat += dxhat;
+                        sum_dxhat_xhat += dxhat * xhat[i];
+                        dg[i] += dyr[i] * xhat[i];
+                        db[i] += dyr[i];
+                    }
+                    let (m1, m2) = (sum_dxhat / d as f32, sum_dxhat_xhat / d as f32);
+                    for i in 0..d {
+                        dxr[i] = rstd * (dyr[i] * g[i] - m1 - xhat[i] * m2);
+                    }
+                }
+            })
+        });
+        let (dg, db) = out[n * d..].split_at_mut(d);
+        for unit in partial.chunks_exact(2 * d) {
+            for i in 0..d {
+                dg[i] += unit[i];
+                db[i] += unit[d + i];
+            }
+        }
+        Ok((CpuStorage::F32(out), Shape::from((n + 2, d))))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bias add
+
+/// `x + bias` with `bias` broadcast over the rows of `x` (`[.., D]` + `[D]`).
+pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op2(&bias.contiguous()?, BiasAdd)
+}
+
+struct BiasAdd;
+
+impl CustomOp2 for BiasAdd {
+    fn name(&self) -> &'static str {
+        "gaccwb-bias-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(xs, xl, self.name())?;
+        let b = f32_slice(bs, bl, self.name())?;
+        let (n, d) = last_dim(xl.shape())?;
+        if b.len() != d {
+            candle_core::bail!("bias add: bias of {} for rows of {d}", b.len());
+        }
+        let y = output(n * d, |out| {
+            for_units(n, d, |_, rows| {
+                let dst = unsafe { out.rows(&rows, d) };
+                let src = &x[rows.start * d..rows.end * d];
+                for (yr, xr) in dst.chunks_exact_mut(d).zip(src.chunks_exact(d)) {
+                    for i in 0..d {
+                        yr[i] = xr[i] + b[i];
+                    }
+                }
+            })
+        });
+        Ok((CpuStorage::F32(y), xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let d = bias.elem_count();
+        let dbias = grad
+            .contiguous()?
+            .apply_op1_no_bwd(&ColumnSum)?
+            .reshape(d)?;
+        Ok((Some(grad.clone()), Some(dbias)))
+    }
+}
+
+/// Sum over all rows of `[.., D]`: `[D]`, accumulated row by row (vectorised) per unit, then
+/// units in order.
+struct ColumnSum;
+
+impl CustomOp1 for ColumnSum {
+    fn name(&self) -> &'static str {
+        "gaccwb-column-sum"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l, self.name())?;
+        let (n, d) = last_dim(l.shape())?;
+        let units = n.div_ceil(unit_rows(d));
+        let partial = output(units * d, |out| {
+            for_units(n, d, |unit, rows| {
+                let acc = unsafe { out.rows(&(unit..unit + 1), d) };
+                for row in x[rows.start * d..rows.end * d].chunks_exact(d) {
+                    for i in 0..d {
+                        acc[i] += row[i];
+                    }
+                }
+            })
+        });
+        let mut sum = vec![0f32; d];
+        for unit in partial.chunks_exact(d) {
+            for i in 0..d {
+                sum[i] += unit[i];
+            }
+        }
+        Ok((CpuStorage::F32(sum), Shape::from(d)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU (tanh approximation)
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_C: f32 = 0.044_715;
+
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(Gelu)
+}
+
+struct Gelu;
+
+/// tanh through one exp: exact to f32 rounding, and vectorises better than libm's tanhf.
+#[inline]
+fn tanh_fast(u: f32) -> f32 {
+    let e = (2.0 * u.clamp(-20.0, 20.0)).exp();
+    (e - 1.0) / (e + 1.0)
+}
+
+/// `n` outputs, written by `f(range, dst)` for disjoint index ranges in parallel.
+fn map_range(n: usize, f: impl Fn(Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
+    const WIDTH: usize = 1024;
+    output(n, |out| {
+        for_units(n.div_ceil(WIDTH), WIDTH, |_, blocks| {
+            let range = blocks.start * WIDTH..(blocks.end * WIDTH).min(n);
+            let dst = unsafe { out.rows(&range, 1) };
+            f(range, dst);
+        })
+    })
+}
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "gaccwb-gelu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l, self.name())?;
+        let y = map_range(x.len(), |range, dst| {
+            for (y, &x) in dst.iter_mut().zip(&x[range]) {
+                let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
+                *y = 0.5 * x * (1.0 + t);
+            }
+        });
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(
+            x.apply_op2_no_bwd(&grad.contiguous()?, &GeluBackward)?,
+        ))
+    }
+}
+
+struct GeluBackward;
+
+impl CustomOp2 for GeluBackward {
+    fn name(&self) -> &'static str {
+        "gaccwb-gelu-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(xs, xl, self.name())?;
+        let g = f32_slice(gs, gl, self.name())?;
+        if x.len() != g.len() {
+            candle_core::bail!("gelu backward: shape mismatch");
+        }
+        let dx = map_range(x.len(), |range, dst| {
+            for ((d, &x), &g) in dst.iter_mut().zip(&x[range.clone()]).zip(&g[range]) {
+                let x2 = x * x;
+                let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x2 * x));
+                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x2);
+                *d = g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du);
+            }
+        });
+        Ok((CpuStorage::F32(dx), xl.shape().clone()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal softmax
+
+pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
+    scores.contiguous()?.apply_op1(CausalSoftmax {
+        scale: scale as f32,
+    })
+}
+
+struct CausalSoftmax {
+    scale: f32,
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "gaccwb-causal-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l, self.name())?;
+        let (n, t) = last_dim(l.shape())?;
+        let scale = self.scale;
+        let y = output(n * t, |out| {
+            for_units(n, t, |_, rows| {
+                let dst = unsafe { out.rows(&rows, t) };
+                let src = &x[rows.start * t..rows.end * t];
+                for (r, (yr, xr)) in dst.chunks_exact_mut(t).zip(src.chunks_exact(t)).enumerate() {
+                    // Row i of a [T, T] block sees columns 0..=i; the rest stays 0.
+                    let seen = (rows.start + r) % t + 1;
+                    let (yr, xr) = (&mut yr[..seen], &xr[..seen]);
+                    let max = xr.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
+                    let mut sum = 0f32;
+                    for (y, &x) in yr.iter_mut().zip(xr) {
+                        *y = (x * scale - max).exp();
+                        sum += *y;
+                    }
+                    let inv = 1.0 / sum;
+                    yr.iter_mut().for_each(|y| *y *= inv);
+                }
+            })
+        });
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let op = CausalSoftmaxBackward { scale: self.scale };
+        Ok(Some(res.apply_op2_no_bwd(&grad.contiguous()?, &op)?))
+    }
+}
+
+struct CausalSoftmaxBackward {
+    scale: f32,
+}
+
+impl CustomOp2 for CausalSoftmaxBackward {
+    fn name(&self) -> &'static str {
+        "gaccwb-causal-softmax-backward"
+    }
+
+    /// d scores = scale · p ⊙ (g − Σ g⊙p), on the causal part of each row.
+    fn cpu_fwd(
+        &self,
+        ps: &CpuStorage,
+        pl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let p = f32_slice(ps, pl, self.name())?;
+        let g = f32_slice(gs, gl, self.name())?;
+        let (n, t) = last_dim(pl.shape())?;
+        let scale = self.scale;
+        let dx = output(n * t, |out| {
+            for_units(n, t, |_, rows| {
+                let dst = unsafe { out.rows(&rows, t) };
+                let (lo, hi) = (rows.start * t, rows.end * t);
+                let rows_iter = dst
+                    .chunks_exact_mut(t)
+                    .zip(p[lo..hi].chunks_exact(t))
+                    .zip(g[lo..hi].chunks_exact(t));
+                for (r, ((dr, pr), gr)) in rows_iter.enumerate() {
+                    let seen = (rows.start + r) % t + 1;
+                    let dot: f32 = pr[..seen].iter().zip(&gr[..seen]).map(|(p, g)| p * g).sum();
+                    for j in 0..seen {
+                        dr[j] = scale * pr[j] * (gr[j] - dot);
+                    }
+                }
+            })
+        });
+        Ok((CpuStorage::F32(dx), pl.shape().clone()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Masked token NLL
+
+pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    logits
+        .contiguous()?
+        .apply_op3(&targets.contiguous()?, &mask.contiguous()?, NllSum)
+}
+
+struct NllSum;
+
+/// `(max, log Σ exp(row − max))` of one row of logits.
+#[inline]
+fn log_sum_exp(row: &[f32]) -> (f32, f32) {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let sum: f32 = row.iter().map(|&v| (v - max).exp()).sum();
+    (max, sum.ln())
+}
+
+impl CustomOp3 for NllSum {
+    fn name(&self) -> &'static str {
+        "gaccwb-nll-sum"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ls: &CpuStorage,
+        ll: &Layout,
+        ts: &CpuStorage,
+        tl: &Layout,
+        ms: &CpuStorage,
+        ml: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let logits = f32_slice(ls, ll, self.name())?;
+        let targets = u32_slice(ts, tl, self.name())?;
+        let mask = f32_slice(ms, ml, self.name())?;
+        let (n, v) = last_dim(ll.shape())?;
+        if targets.len() != n || mask.len() != n {
+            candle_core::bail!("nll: {n} rows of logits, {} targets", targets.len());
+        }
+        let mut total = 0f32;
+        for (i, row) in logits.chunks_exact(v).enumerate() {
+            if mask[i] == 0.0 {
+                continue;
+            }
+            let (max, lse) = log_sum_exp(row);
+            let t = targets[i] as usize;
+            if t >= v {
+                candle_core::bail!("nll: target {t} outside vocab {v}");
+            }
+            total -= mask[i] * (row[t] - max - lse);
+        }
+        Ok((CpuStorage::F32(vec![total]), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        mask: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let scale = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+        let op = NllBackward { scale };
+        Ok((
+            Some(logits.apply_op3_no_bwd(targets, mask, &op)?),
+            None,
+            None,
+        ))
+    }
+}
+
+struct NllBackward {
+    scale: f32,
+}
+
+impl CustomOp3 for NllBackward {
+    fn name(&self) -> &'static str {
+        "gaccwb-nll-backward"
+    }
+
+    /// d logits = scale · mask · (softmax(row) − onehot(target)).
+    fn cpu_fwd(
+        &self,
+        ls: &CpuStorage,
+        ll: &Layout,
+        ts: &CpuStorage,
+        tl: &Layout,
+        ms: &CpuStorage,
+        ml: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let logits = f32_slice(ls, ll, self.name())?;
+        let targets = u32_slice(ts, tl, self.name())?;
+        let mask = f32_slice(ms, ml, self.name())?;
+        let (n, v) = last_dim(ll.shape())?;
+        let scale = self.scale;
+        let d = output(n * v, |out| {
+            for_units(n, v, |_, rows| {
+                let dst = unsafe { out.rows(&rows, v) };
+                let src = &logits[rows.start * v..rows.end * v];
+                for (r, (dr, row)) in dst.chunks_exact_mut(v).zip(src.chunks_exact(v)).enumerate() {
+                    let i = rows.start + r;
+                    let w = scale * mask[i];
+                    if w == 0.0 {
+                        continue;
+                    }
+                    let (max, lse) = log_sum_exp(row);
+                    let shift = max + lse;
+                    for (d, &x) in dr.iter_mut().zip(row) {
+                        *d = w * (x - shift).exp();
+                    }
+                    dr[targets[i] as usize] -= w;
+                }
+            })
+        });
+        Ok((CpuStorage::F32(d), ll.shape().clone()))
+    }
+}
