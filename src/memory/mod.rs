@@ -10,6 +10,7 @@
 pub mod alloc;
 #[cfg(feature = "cuda")]
 pub mod cuda_pool;
+pub mod estimate;
 pub mod gpu;
 pub mod ledger;
 pub mod tensors;

@@ -344,6 +344,14 @@ impl Trainer {
         }
     }
 
+    /// The analytic memory estimate for the knobs in force.
+    pub fn memory_estimate(&self) -> crate::memory::estimate::Estimate {
+        let unified = self.memory.unified();
+        let cfg =
+            crate::memory::estimate::Config::from_knobs(&self.scenario.model, &self.knobs, unified);
+        crate::memory::estimate::estimate(&cfg)
+    }
+
     /// Optimizer state on the device, and what offload holds in host memory.
     pub fn persistent_memory(&self) -> Persistent {
         let moments = self.opt.moment_bytes();
@@ -602,6 +610,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
         timeline_done: None,
     };
     sink.send(Event::Header(trainer.header()));
+    send_estimate(&trainer, &sink);
     let reason = loop {
         flow.drain(&mut controls);
         apply_due(&mut trainer, &mut flow, &sink);
@@ -699,6 +708,7 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
             })
             .collect()
     };
+    let mut memory_changed = false;
     for msg in scripted
         .into_iter()
         .chain(std::mem::take(&mut flow.pending))
@@ -721,6 +731,7 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
                     }));
                     continue;
                 }
+                memory_changed |= crate::memory::estimate::changes_memory(&msg.control);
             }
         }
         sink.send(Event::Control(ControlEvent {
@@ -728,6 +739,16 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
             origin: msg.origin,
             control: msg.control,
         }));
+    }
+    if memory_changed {
+        send_estimate(trainer, sink);
+    }
+}
+
+/// The predicted ledger (`source: estimate`) for the windows from the next step on.
+fn send_estimate(trainer: &Trainer, sink: &EventSink) {
+    for e in trainer.memory_estimate().events(trainer.step) {
+        sink.send(Event::Memory(e));
     }
 }
 
