@@ -94,6 +94,9 @@ pub struct Ledger {
     backward_start: u64,
     /// Categories of the current micro-step's forward, reused for its backward (same graph).
     micro: Categories,
+    /// Activations walked in this window's first micro-step. Every micro-batch of a window has
+    /// the same shape, so its graph holds the same bytes; later micro-steps reuse the figure.
+    window_activations: Option<u64>,
     /// Bytes of the last backward's gradient store (all ids, de-duplicated): the part of
     /// `gradients_transient` visible from outside Candle.
     pub last_store_bytes: u64,
@@ -111,6 +114,7 @@ impl Ledger {
             pending: Vec::new(),
             backward_start: 0,
             micro: Categories::default(),
+            window_activations: None,
             last_store_bytes: 0,
         }
     }
@@ -127,6 +131,7 @@ impl Ledger {
     pub fn begin_window(&mut self, params: Vec<Tensor>, persistent: Persistent) {
         self.params = params;
         self.persistent = persistent;
+        self.window_activations = None;
         self.forward = None;
         self.backward = None;
         self.optimizer = None;
@@ -233,7 +238,7 @@ impl Ledger {
     /// Categories alive at the end of a forward: parameters, compute weights, the accumulation
     /// buffer and the activations the graph keeps for backward.
     fn forward_categories(
-        &self,
+        &mut self,
         loss: &Tensor,
         compute_weights: &[Tensor],
         buffer: &[&Tensor],
@@ -242,7 +247,9 @@ impl Ledger {
         let parameters = seen.add_all(&self.params);
         let compute_weights = seen.add_all(compute_weights);
         let gradients = seen.add_all(buffer.iter().copied());
-        let activations = activation_bytes(loss, &mut seen);
+        let activations = *self
+            .window_activations
+            .get_or_insert_with(|| activation_bytes(loss, &mut seen));
         Categories {
             parameters,
             compute_weights,
