@@ -9,6 +9,7 @@ pub mod bench;
 pub mod data;
 pub mod device;
 pub mod headless;
+pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod presets;
