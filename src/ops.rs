@@ -2,9 +2,10 @@
 //!
 //! Candle's fused `LayerNorm`, `softmax_last_dim` and `sdpa` are forward-only (gradients silently
 //! stop there), so the model calls these instead. On CPU in f32 each is one fused Candle custom op
-//! whose backward is one more fused pass (`fused`); anywhere else (CUDA, or bf16/f16 compute
-//! where the op has no f32 island) the `composite` version built from differentiable Candle ops
-//! runs. Both compute the same function; tests hold value and gradient of each pair together.
+//! whose backward is one more fused pass (`fused`); anywhere else (CUDA, bf16/f16 compute) the
+//! `composite` version built from differentiable Candle ops runs. Both compute the same function;
+//! tests hold value and gradient of each pair together. The memory estimator
+//! (`memory::estimate`) models both paths: keep it in step when a path changes what it keeps.
 
 use candle_core::{DType, Result, Tensor};
 
@@ -20,12 +21,11 @@ fn fused_domain(tensors: &[&Tensor]) -> bool {
 
 /// Layer norm over the last dimension, computed in f32 whatever the input dtype.
 pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    if !x.device().is_cpu() {
-        return composite::layer_norm(x, gain, bias, eps);
+    if fused_domain(&[x, gain, bias]) {
+        fused::layer_norm(x, gain, bias, eps)
+    } else {
+        composite::layer_norm(x, gain, bias, eps)
     }
-    let dtype = x.dtype();
-    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-    fused::layer_norm(&f32(x)?, &f32(gain)?, &f32(bias)?, eps)?.to_dtype(dtype)
 }
 
 /// `x + bias` with `bias` (`[D]`) broadcast over the rows of `x` (`[.., D]`).
@@ -60,8 +60,8 @@ pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
 /// `logits`: `[N, V]` (any float dtype; the softmax runs in f32), `targets`: `[N]` u32,
 /// `mask`: `[N]` f32 with 1 for counted positions and 0 for padding.
 pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    if logits.device().is_cpu() {
-        fused::nll_sum(&logits.to_dtype(DType::F32)?, targets, mask)
+    if fused_domain(&[logits, mask]) {
+        fused::nll_sum(logits, targets, mask)
     } else {
         composite::nll_sum(logits, targets, mask)
     }

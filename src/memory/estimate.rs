@@ -187,9 +187,18 @@ fn matmul_weights(m: &ModelConfig) -> u64 {
     m.layers as u64 * 12 * d * d + d * m.vocab as u64
 }
 
+/// `crate::ops` runs its fused CPU kernels (f32 on the host); elsewhere the composite ops.
+fn fused(cfg: &Config) -> bool {
+    cfg.unified && cfg.dtype == Dtype::F32
+}
+
 /// Bytes one `ops::layer_norm` keeps (input dtype = compute dtype).
-fn layer_norm_bytes(s: &Shape) -> u64 {
+fn layer_norm_bytes(s: &Shape, fused: bool) -> u64 {
     let (n, d) = (s.n, s.d);
+    if fused {
+        // The fused op keeps only its output; backward recomputes the row statistics.
+        return n * d * F32;
+    }
     // centred, squared, normalised, ×gain, +bias (f32) and six [N,1] reductions.
     let mut bytes = 5 * n * d * F32 + 6 * n * F32;
     if s.cast {
@@ -197,6 +206,16 @@ fn layer_norm_bytes(s: &Shape) -> u64 {
         bytes += n * d * F32 + 2 * d * F32 + n * d * s.c;
     }
     bytes
+}
+
+/// The scalars at the end of the loss (composite: sum, neg, scaled; fused: sum, scaled): the
+/// part of the activations that does not grow with the micro-batch.
+fn loss_scalar_bytes(cfg: &Config) -> u64 {
+    if fused(cfg) {
+        2 * F32
+    } else {
+        3 * F32
+    }
 }
 
 /// Bytes the graph of one micro-batch keeps for backward.
@@ -207,20 +226,34 @@ pub fn activation_bytes(cfg: &Config) -> u64 {
     // qkv (matmul, +bias), q/k/v copies, kᵀ copy, att·v, its transposed copy, proj (2),
     // residual: 15·N·d; scores, ×scale, +mask, shifted, exp, normalised: 6·BHT²; max and sum
     // per row: 2·BHT.
-    let attention = 15 * n * d * c + 6 * s.scores * c + 2 * (s.scores / s.t) * c;
+    // Fused: no kᵀ copy (14·N·d), and the causal softmax keeps only scores and result.
+    let attention = if fused(cfg) {
+        14 * n * d * c + 2 * s.scores * c
+    } else {
+        15 * n * d * c + 6 * s.scores * c + 2 * (s.scores / s.t) * c
+    };
     // fc (matmul, +bias: 8), gelu (4), out (matmul, +bias: 2), residual (1).
     let mlp = 15 * n * d * c;
-    let block = 2 * layer_norm_bytes(&s) + attention + mlp;
+    let ln = layer_norm_bytes(&s, fused(cfg));
+    let block = 2 * ln + attention + mlp;
     let logits = n * s.v * c + if s.cast { n * s.v * F32 } else { 0 };
-    // log-softmax keeps shifted, exp and result (N·V) and max, sum, log (N); gather and ×mask
-    // (N); sum, neg and the scaled loss are scalars.
-    let loss = 3 * n * s.v * F32 + 5 * n * F32 + 3 * F32;
-    embedding + s.layers * block + layer_norm_bytes(&s) + logits + loss
+    // Composite: log-softmax keeps shifted, exp and result (N·V) and max, sum, log (N); gather
+    // and ×mask (N); sum, neg and the scaled loss are scalars. Fused: the sum and the scaled loss.
+    let loss = if fused(cfg) {
+        loss_scalar_bytes(cfg)
+    } else {
+        3 * n * s.v * F32 + 5 * n * F32 + loss_scalar_bytes(cfg)
+    };
+    embedding + s.layers * block + ln + logits + loss
 }
 
 /// Bytes of the gradient store one backward returns, constants' gradients included.
 pub fn grad_store_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
+    if fused(cfg) {
+        // The fused softmax has no mask tensor and the fused loss no gradient for its mask.
+        return param_count(&cfg.model) * F32;
+    }
     param_count(&cfg.model) * F32 + s.layers * s.scores * s.c + s.n * F32
 }
 
@@ -242,14 +275,17 @@ pub fn weight_grad_retention(cfg: &Config) -> u64 {
 /// sum, tanh², 1−tanh², the product, the sum, +0.5, grad·gelu′ and the accumulated sum (17
 /// tensors of 4·N·d), plus the GELU output's own gradient with the zeros and `grad·Wᵀ` it
 /// references (3 × 4·N·d) and the residual stream's pending gradient (N·d): 81·N·d.
+/// The fused GELU backward is one tensor: its input's gradient (derivative, zeros, sum) and
+/// its output's gradient (3 each × 4·N·d) and the residual's (N·d): 25·N·d.
 pub fn in_flight_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
-    81 * s.n * s.d * s.c
+    let tensors = if fused(cfg) { 25 } else { 81 };
+    tensors * s.n * s.d * s.c
 }
 
 /// Bytes of the end-of-backward figure that do not exist yet at the peak: gradients of block 0's
 /// parameters before its MLP output and of the embeddings, block 0's weight retention for qkv,
-/// proj and fc, and block 0's causal-mask gradient.
+/// proj and fc, and (composite path) block 0's causal-mask gradient.
 pub fn after_peak_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     let (d, n) = (s.d, s.n);
@@ -259,7 +295,8 @@ pub fn after_peak_bytes(cfg: &Config) -> u64 {
     } else {
         0
     };
-    grads + retention + s.scores * s.c
+    let mask = if fused(cfg) { 0 } else { s.scores * s.c };
+    grads + retention + mask
 }
 
 /// What backward holds at its peak on top of what it started from.
@@ -499,7 +536,7 @@ mod tests {
         let (a, b) = (estimate(&tiny(4, 8)), estimate(&tiny(32, 1)));
         assert_eq!(
             b.forward.activations,
-            8 * a.forward.activations - 7 * 3 * F32
+            8 * a.forward.activations - 7 * loss_scalar_bytes(&tiny(4, 8))
         );
         assert_eq!(a.optimizer.gradients, b.optimizer.gradients);
         assert_eq!(a.step.optimizer_state, b.step.optimizer_state);
