@@ -10,9 +10,8 @@ counted tokens, K micro-batches of B accumulated; global-norm clip 1.0; AdamW (d
 tokens/s is positions processed per second.
 
 Usage: torch_reference.py --threads 1 --micro-batch 8 --accum-steps 1 [--steps 10] [--json]
-Install (CPU only, outside the repo; see README "Performance"):
-  pip install --no-deps --target ~/.cache/gaccwb-torch torch
-  pip install --target ~/.cache/gaccwb-torch filelock typing_extensions sympy networkx jinja2 fsspec
+Install outside the repo (see README "Performance"), then run with PYTHONPATH=~/.cache/gaccwb-torch:
+  pip install --target ~/.cache/gaccwb-torch torch
 """
 
 import argparse
