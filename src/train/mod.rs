@@ -32,7 +32,7 @@ use adamw::{AdamW, Hyper};
 use scaler::LossScaler;
 
 /// The knobs a control can turn; the trainer's live configuration.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Knobs {
     pub accum_steps: usize,
     pub micro_batch: usize,
@@ -232,6 +232,8 @@ pub struct Trainer {
     /// Index of the next training sample.
     pub cursor: u64,
     pub overflow_count: u64,
+    /// Save a checkpoint every N steps into a directory (`--checkpoint-every`).
+    pub checkpoint: Option<crate::checkpoint::Policy>,
     base_batch: usize,
     started: Instant,
 }
@@ -264,6 +266,7 @@ impl Trainer {
             lr_step: 0,
             cursor: 0,
             overflow_count: 0,
+            checkpoint: None,
             started: Instant::now(),
         })
     }
@@ -495,7 +498,11 @@ impl Drop for TrainerHandle {
 /// own thread. `sink_extra` receives a clone of the event sender for other producers (the
 /// device sampler).
 pub fn spawn(scenario: Scenario, device: Device) -> anyhow::Result<(TrainerHandle, EventSink)> {
-    let trainer = Trainer::new(scenario, device)?;
+    spawn_trainer(Trainer::new(scenario, device)?)
+}
+
+/// `spawn` for a trainer built (or resumed from a checkpoint) by the caller.
+pub fn spawn_trainer(trainer: Trainer) -> anyhow::Result<(TrainerHandle, EventSink)> {
     let (ctx, crx) = unbounded_channel();
     let (etx, erx) = unbounded_channel();
     let sink = EventSink::new(etx);
@@ -551,6 +558,9 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
                 let n = step.step;
                 if !sink.send(Event::Step(step)) {
                     break "stopped".to_string();
+                }
+                if let Some(log) = crate::checkpoint::maybe_save(&trainer) {
+                    sink.send(log);
                 }
                 maybe_evaluate(&trainer, n, &sink);
             }
