@@ -442,12 +442,21 @@ fn explain_serde_message(message: &str) -> String {
 
 /// The candidate closest to `given`, if it is close enough to be a likely misspelling.
 pub fn nearest<'a>(given: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    // Edits (a swap counts as one) first; similarity of prefixes breaks ties and catches
+    // longer slips such as `micro_batch_size`.
+    let max_edits = (given.chars().count() / 3).max(1);
     candidates
         .iter()
-        .map(|c| (strsim::jaro_winkler(given, c), *c))
-        .filter(|(score, _)| *score >= 0.8)
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, c)| c)
+        .map(|c| {
+            (
+                strsim::osa_distance(given, c),
+                strsim::jaro_winkler(given, c),
+                *c,
+            )
+        })
+        .filter(|(edits, similarity, _)| *edits <= max_edits || *similarity >= 0.9)
+        .min_by(|a, b| a.0.cmp(&b.0).then(b.1.total_cmp(&a.1)))
+        .map(|(_, _, c)| c)
 }
 
 /// Value checks shared by presets, the command line and hotkeys.

@@ -71,9 +71,14 @@ fn recorded_run(dir: &Path) -> (std::path::PathBuf, headless::Summary) {
     for (i, e) in recording.events.drain(..).enumerate() {
         rec.write(&e).unwrap();
         if let Event::Step(s) = &e {
-            for (j, phase) in [Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::Step]
-                .into_iter()
-                .enumerate()
+            for (j, phase) in [
+                Phase::Forward,
+                Phase::Backward,
+                Phase::Optimizer,
+                Phase::Step,
+            ]
+            .into_iter()
+            .enumerate()
             {
                 let v = (i * 1000 + j * 10) as u64;
                 let categories = Categories {
@@ -106,7 +111,12 @@ fn recorded_run(dir: &Path) -> (std::path::PathBuf, headless::Summary) {
 /// Parse a CSV made by `export::csv` (numbers and bare words only) into rows of cells.
 fn rows(text: &str) -> (Vec<String>, Vec<Vec<String>>) {
     let mut lines = text.lines();
-    let header = lines.next().unwrap().split(',').map(str::to_string).collect();
+    let header = lines
+        .next()
+        .unwrap()
+        .split(',')
+        .map(str::to_string)
+        .collect();
     let body = lines
         .map(|l| l.split(',').map(str::to_string).collect())
         .collect();
@@ -128,7 +138,10 @@ fn record_read_export_round_trip_reproduces_step_and_memory_series() {
     let recording = read_recording(&path).unwrap();
     assert!(recording.warnings.is_empty(), "{:?}", recording.warnings);
     let steps = step_events(&recording.events);
-    assert_eq!(steps, summary.steps, "the file holds exactly what the run saw");
+    assert_eq!(
+        steps, summary.steps,
+        "the file holds exactly what the run saw"
+    );
     assert_eq!(recording.header.config, tiny(4));
     let controls = recording
         .events
@@ -209,7 +222,10 @@ fn export_cli_writes_csv_and_svg() {
         assert!(out.join(f).is_file(), "{f}");
     }
     let controls = std::fs::read_to_string(out.join("controls.csv")).unwrap();
-    assert!(controls.contains("2,scenario,set_micro_batch,micro-batch=2"), "{controls}");
+    assert!(
+        controls.contains("2,scenario,set_micro_batch,micro-batch=2"),
+        "{controls}"
+    );
     let chart = dir.path().join("charts.svg");
     let status = Command::new(bin)
         .args(["export", path.to_str().unwrap(), "--to", "svg", "-o"])
@@ -290,13 +306,20 @@ fn newer_major_versions_are_refused_and_unknown_event_types_skipped() {
     let err = parse(b"").unwrap_err();
     assert!(err.contains("no header"), "{err}");
     let err = parse(rest.join("\n").as_bytes()).unwrap_err();
-    assert!(err.starts_with("r.jsonl:1: the first line must be the header"), "{err}");
+    assert!(
+        err.starts_with("r.jsonl:1: the first line must be the header"),
+        "{err}"
+    );
 }
 
 /// Count complete step lines written so far.
 fn steps_on_disk(path: &Path) -> usize {
     std::fs::read_to_string(path)
-        .map(|t| t.lines().filter(|l| l.starts_with("{\"type\":\"step\"")).count())
+        .map(|t| {
+            t.lines()
+                .filter(|l| l.starts_with("{\"type\":\"step\""))
+                .count()
+        })
         .unwrap_or(0)
 }
 
@@ -305,7 +328,15 @@ fn kill_dash_nine_mid_recording_leaves_a_file_that_replays() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("killed.jsonl");
     let mut child = Command::new(env!("CARGO_BIN_EXE_gaccwb"))
-        .args(["run", "baseline", "--headless", "--device", "cpu", "--steps", "0"])
+        .args([
+            "run",
+            "baseline",
+            "--headless",
+            "--device",
+            "cpu",
+            "--steps",
+            "0",
+        ])
         .args(["--set", "model.d_model=32", "--set", "model.heads=2"])
         .args(["--set", "model.layers=1", "--set", "model.seq_len=16"])
         .arg("--record")
@@ -327,10 +358,17 @@ fn kill_dash_nine_mid_recording_leaves_a_file_that_replays() {
     let seen = steps_on_disk(&path);
     let r = read_recording(&path).unwrap_or_else(|e| panic!("{e}"));
     let steps = step_events(&r.events);
-    assert!(steps.len() >= 3 && steps.len() >= seen, "{} steps", steps.len());
+    assert!(
+        steps.len() >= 3 && steps.len() >= seen,
+        "{} steps",
+        steps.len()
+    );
     assert!(
         steps.windows(2).all(|w| w[1].step == w[0].step + 1),
         "steps are contiguous"
     );
-    assert!(!matches!(r.events.last(), Some(Event::End(_))), "the run was killed");
+    assert!(
+        !matches!(r.events.last(), Some(Event::End(_))),
+        "the run was killed"
+    );
 }
