@@ -5,8 +5,10 @@
 //! watches a run — the TUI, the headless progress bar, the recorder, replay, export — consumes
 //! those same events.
 
+pub mod checkpoint;
 pub mod data;
 pub mod device;
+pub mod export;
 pub mod headless;
 pub mod memory;
 pub mod model;
