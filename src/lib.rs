@@ -6,8 +6,10 @@
 //! those same events.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod data;
 pub mod device;
+pub mod export;
 pub mod headless;
 pub mod memory;
 pub mod model;

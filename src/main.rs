@@ -6,7 +6,10 @@ use clap::{Args, Parser, Subcommand};
 use gaccwb::device::DeviceChoice;
 use gaccwb::headless::{self, HeadlessOptions};
 use gaccwb::presets;
+use gaccwb::record::read_recording;
 use gaccwb::scenario::{DataSource, Scenario};
+use gaccwb::train::Trainer;
+use gaccwb::{checkpoint, export};
 
 /// A terminal workbench for gradient accumulation: train a small GPT and watch memory,
 /// gradients and the loss scale answer every knob.
@@ -26,6 +29,8 @@ enum Command {
     /// Predict memory per category for a preset, how it moves with the micro-batch at a fixed
     /// effective batch, and the largest micro-batch that fits a budget.
     Estimate(EstimateArgs),
+    /// Turn a recording into CSV files or SVG charts.
+    Export(ExportArgs),
     /// Measure training tokens/s of the default model on CPU.
     Bench(BenchArgs),
 }
@@ -50,6 +55,24 @@ struct EstimateArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    /// A recording made with --record.
+    file: PathBuf,
+    /// csv: a directory of steps.csv, memory.csv, controls.csv, evals.csv; svg: one chart file.
+    #[arg(long = "to", value_enum)]
+    format: ExportFormat,
+    /// Output directory (csv) or file (svg).
+    #[arg(short = 'o', long = "out", value_name = "OUT")]
+    out: PathBuf,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ExportFormat {
+    Csv,
+    Svg,
 }
 
 #[derive(Args)]
@@ -114,6 +137,15 @@ struct RunArgs {
     /// Write the session's events to FILE as JSON Lines.
     #[arg(long, value_name = "FILE")]
     record: Option<PathBuf>,
+    /// Save a checkpoint every N optimizer steps (into --checkpoint-dir).
+    #[arg(long, value_name = "N")]
+    checkpoint_every: Option<u64>,
+    /// Where checkpoints go.
+    #[arg(long, value_name = "DIR", default_value = "checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// Continue the run saved in DIR (its preset and knobs; --steps may extend it).
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
 }
 
 /// A problem with what the user asked for: exit code 2, like a usage error.
@@ -138,6 +170,7 @@ fn main() -> ExitCode {
         Some(Command::Run(args)) => run(args),
         Some(Command::Presets) => list_presets(),
         Some(Command::Estimate(args)) => estimate(args),
+        Some(Command::Export(args)) => export(args),
         Some(Command::Bench(args)) => bench(args),
     };
     match result {
@@ -183,9 +216,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             "the terminal UI is not built yet; add --headless".into()
         ));
     }
-    let summary = headless::run(
-        scenario,
-        device,
+    let trainer = build_trainer(&args, scenario, device)?;
+    let summary = headless::run_trainer(
+        trainer,
         HeadlessOptions {
             record: args.record,
             quiet: false,
@@ -194,6 +227,46 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     println!("{}", summary.render());
     if summary.end_reason.starts_with("error") {
         anyhow::bail!("training failed: {}", summary.end_reason);
+    }
+    Ok(())
+}
+
+/// A fresh trainer for `scenario`, or the one saved in `--resume DIR`; with the checkpoint policy.
+fn build_trainer(
+    args: &RunArgs,
+    scenario: Scenario,
+    device: candle_core::Device,
+) -> anyhow::Result<Trainer> {
+    let mut trainer = match &args.resume {
+        Some(dir) => checkpoint::resume(dir, device, |s| {
+            if let Some(n) = args.steps {
+                s.train.steps = n;
+            }
+        })?,
+        None => Trainer::new(scenario, device)?,
+    };
+    trainer.checkpoint = args.checkpoint_every.map(|every| checkpoint::Policy {
+        every,
+        dir: args.checkpoint_dir.clone(),
+    });
+    Ok(trainer)
+}
+
+fn export(args: ExportArgs) -> anyhow::Result<()> {
+    let recording = read_recording(&args.file)?;
+    for w in &recording.warnings {
+        eprintln!("gaccwb: warning: {w}");
+    }
+    match args.format {
+        ExportFormat::Csv => {
+            for path in export::csv::write_csv(&recording, &args.out)? {
+                println!("{}", path.display());
+            }
+        }
+        ExportFormat::Svg => {
+            export::svg::write_svg(&recording, &args.out)?;
+            println!("{}", args.out.display());
+        }
     }
     Ok(())
 }

@@ -1,0 +1,2 @@
+pub mod csv;
+pub mod svg;
