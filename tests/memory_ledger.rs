@@ -180,7 +180,6 @@ fn the_estimator_is_within_ten_percent_of_measured_for_every_category() {
     );
     for (name, s) in configs {
         let cfg = Config::from_scenario(&s, true);
-        let cast = cfg.dtype != gaccwb::telemetry::Dtype::F32;
         let predicted = estimate(&cfg);
         let _guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let mut t = warm_trainer(s);
@@ -206,15 +205,8 @@ fn the_estimator_is_within_ten_percent_of_measured_for_every_category() {
                         100.0 * error
                     );
                 }
-                // The transient model follows the f32 backward's peak (block 0's GELU); in
-                // bf16 the peak falls elsewhere and the model under-predicts (see README).
-                let bound = if *category == "gradients_transient" && cast {
-                    0.20
-                } else {
-                    0.10
-                };
                 assert!(
-                    error.abs() <= bound,
+                    error.abs() <= 0.10,
                     "{name} {phase:?} {category}: {m} vs {e}"
                 );
             }
