@@ -85,7 +85,7 @@ impl Default for DataConfig {
             seed: 0,
             min_doc_len: 16,
             max_doc_len: 0,
-            alphabet: 16,
+            alphabet: 8,
             val_fraction: 0.1,
         }
     }
@@ -281,7 +281,7 @@ impl Scenario {
         let m = &self.model;
         let t = &self.train;
         let d = &self.data;
-        let positive = [
+        let at_least_one = [
             ("model.vocab", m.vocab),
             ("model.d_model", m.d_model),
             ("model.layers", m.layers),
@@ -290,7 +290,7 @@ impl Scenario {
             ("train.micro_batch", t.micro_batch),
             ("train.accum_steps", t.accum_steps),
         ];
-        for (key, v) in positive {
+        for (key, v) in at_least_one {
             if v == 0 {
                 return Err(Problem::new(
                     key,
@@ -339,20 +339,20 @@ impl Scenario {
             ));
         }
         if let Some(c) = t.clip {
-            if c.is_nan() || c <= 0.0 {
+            if !positive(c) {
                 return Err(Problem::new(
                     "train.clip",
                     format!("train.clip ({c}) must be positive; remove it to turn clipping off"),
                 ));
             }
         }
-        if !(t.lr.is_finite() && t.lr >= 0.0) {
+        if !non_negative(t.lr) {
             return Err(Problem::new(
                 "train.lr",
                 format!("train.lr ({}) must be a finite number ≥ 0", t.lr),
             ));
         }
-        if !(t.loss_scale.is_finite() && t.loss_scale > 0.0) {
+        if !positive(t.loss_scale) {
             return Err(Problem::new(
                 "train.loss_scale",
                 format!("train.loss_scale ({}) must be positive", t.loss_scale),
@@ -464,17 +464,21 @@ pub fn validate_control(c: &Control) -> Result<(), String> {
     match c {
         Control::SetAccumSteps { value: 0 } => Err("accumulation steps must be at least 1".into()),
         Control::SetMicroBatch { value: 0 } => Err("micro-batch must be at least 1".into()),
-        Control::SetClip { value: Some(v) } if v.is_nan() || *v <= 0.0 => {
-            Err("clip must be positive".into())
-        }
-        Control::SetLr { value } if !(value.is_finite() && *value >= 0.0) => {
-            Err("lr must be ≥ 0".into())
-        }
-        Control::SetLossScale { value } if !(value.is_finite() && *value > 0.0) => {
+        Control::SetClip { value: Some(v) } if !positive(*v) => Err("clip must be positive".into()),
+        Control::SetLr { value } if !non_negative(*value) => Err("lr must be ≥ 0".into()),
+        Control::SetLossScale { value } if !positive(*value) => {
             Err("loss scale must be positive".into())
         }
         _ => Ok(()),
     }
+}
+
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+fn non_negative(x: f64) -> bool {
+    x.is_finite() && x >= 0.0
 }
 
 pub const SECTIONS: [&str; 3] = ["model", "data", "train"];
