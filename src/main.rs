@@ -198,6 +198,13 @@ fn build_trainer(
     scenario: Scenario,
     device: candle_core::Device,
 ) -> anyhow::Result<Trainer> {
+    if args.resume.is_some() && (!args.sets.is_empty() || args.data.is_some()) {
+        anyhow::bail!(UsageError(
+            "--resume continues the checkpoint's own scenario; only --steps may change \
+             (drop --set/--data)"
+                .into()
+        ));
+    }
     let mut trainer = match &args.resume {
         Some(dir) => checkpoint::resume(dir, device, |s| {
             if let Some(n) = args.steps {
