@@ -7,6 +7,7 @@
 
 pub mod data;
 pub mod device;
+pub mod export;
 pub mod headless;
 pub mod model;
 pub mod ops;
@@ -15,3 +16,4 @@ pub mod record;
 pub mod scenario;
 pub mod telemetry;
 pub mod train;
+pub mod tui;

@@ -4,9 +4,12 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 
 use gaccwb::device::DeviceChoice;
+use gaccwb::export::cast::{write_cast, CastOptions};
 use gaccwb::headless::{self, HeadlessOptions};
 use gaccwb::presets;
+use gaccwb::record::read_recording;
 use gaccwb::scenario::{DataSource, Scenario};
+use gaccwb::tui::{self, keymap::KeyMap, LiveOptions};
 
 /// A terminal workbench for gradient accumulation: train a small GPT and watch memory,
 /// gradients and the loss scale answer every knob.
@@ -23,6 +26,57 @@ enum Command {
     Run(RunArgs),
     /// List the built-in presets.
     Presets,
+    /// Play a recording on the workbench screen (no Candle, no GPU needed).
+    Replay(ReplayArgs),
+    /// Turn a recording into another format.
+    Export(ExportArgs),
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// A recording written by --record (JSON Lines).
+    file: PathBuf,
+    /// Playback speed against the recorded step times (2 = twice as fast).
+    #[arg(long, default_value_t = 1.0)]
+    speed: f64,
+    /// No screen: print the run's summary.
+    #[arg(long)]
+    headless: bool,
+    /// Key bindings (TOML); default: $XDG_CONFIG_HOME/gaccwb/keys.toml when it exists.
+    #[arg(long, value_name = "FILE")]
+    keys: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ExportFormat {
+    /// asciinema v2 recording of the replayed screen.
+    Cast,
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    /// A recording written by --record (JSON Lines).
+    file: PathBuf,
+    #[arg(long, value_enum)]
+    to: ExportFormat,
+    #[arg(short, long, value_name = "OUT")]
+    output: PathBuf,
+    /// Screen size of the cast, COLSxROWS.
+    #[arg(long, default_value = "120x40", value_parser = parse_size)]
+    size: (u16, u16),
+    /// Cast time runs this many times faster than the recorded step times.
+    #[arg(long, default_value_t = 1.0)]
+    speed: f64,
+}
+
+fn parse_size(s: &str) -> Result<(u16, u16), String> {
+    let bad = || format!("bad size `{s}`: expected COLSxROWS, at least 80x24, e.g. 120x40");
+    let (w, h) = s.split_once('x').ok_or_else(bad)?;
+    let (w, h): (u16, u16) = (w.parse().map_err(|_| bad())?, h.parse().map_err(|_| bad())?);
+    if w < 80 || h < 24 {
+        return Err(bad());
+    }
+    Ok((w, h))
 }
 
 #[derive(Args, Default)]
@@ -51,6 +105,9 @@ struct RunArgs {
     /// Write the session's events to FILE as JSON Lines.
     #[arg(long, value_name = "FILE")]
     record: Option<PathBuf>,
+    /// Key bindings (TOML); default: $XDG_CONFIG_HOME/gaccwb/keys.toml when it exists.
+    #[arg(long, value_name = "FILE")]
+    keys: Option<PathBuf>,
 }
 
 /// A problem with what the user asked for: exit code 2, like a usage error.
@@ -74,6 +131,8 @@ fn main() -> ExitCode {
         }),
         Some(Command::Run(args)) => run(args),
         Some(Command::Presets) => list_presets(),
+        Some(Command::Replay(args)) => replay(args),
+        Some(Command::Export(args)) => export(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -112,12 +171,20 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
     let scenario = scenario_from(&args)?;
-    let device = args.device.open()?;
     if !args.headless {
-        anyhow::bail!(UsageError(
-            "the terminal UI is not built yet; add --headless".into()
-        ));
+        let keys = KeyMap::load(args.keys.as_deref()).map_err(|e| UsageError(e.to_string()))?;
+        tui::require_terminal().map_err(|e| UsageError(e.to_string()))?;
+        let device = args.device.open()?;
+        return tui::run_live(
+            scenario,
+            device,
+            LiveOptions {
+                record: args.record,
+                keys,
+            },
+        );
     }
+    let device = args.device.open()?;
     let summary = headless::run(
         scenario,
         device,
@@ -129,6 +196,56 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     println!("{}", summary.render());
     if summary.end_reason.starts_with("error") {
         anyhow::bail!("training failed: {}", summary.end_reason);
+    }
+    Ok(())
+}
+
+fn replay(args: ReplayArgs) -> anyhow::Result<()> {
+    if !(args.speed > 0.0 && args.speed.is_finite()) {
+        anyhow::bail!(UsageError(format!(
+            "--speed {}: expected a positive number, e.g. 2 or 0.5",
+            args.speed
+        )));
+    }
+    if !args.headless {
+        let keys = KeyMap::load(args.keys.as_deref()).map_err(|e| UsageError(e.to_string()))?;
+        tui::require_terminal().map_err(|e| UsageError(e.to_string()))?;
+        return tui::run_replay(&args.file, args.speed, &keys);
+    }
+    let recording = read_recording(&args.file)?;
+    for w in &recording.warnings {
+        eprintln!("warning: {w}");
+    }
+    println!("{}", tui::summarize(&recording.events).render());
+    Ok(())
+}
+
+fn export(args: ExportArgs) -> anyhow::Result<()> {
+    let recording = read_recording(&args.file)?;
+    for w in &recording.warnings {
+        eprintln!("warning: {w}");
+    }
+    match args.to {
+        ExportFormat::Cast => {
+            let file = std::fs::File::create(&args.output)
+                .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", args.output.display()))?;
+            let mut out = std::io::BufWriter::new(file);
+            let opts = CastOptions {
+                width: args.size.0,
+                height: args.size.1,
+                speed: args.speed,
+                ..CastOptions::default()
+            };
+            let stats = write_cast(&recording.events, &mut out, &opts)?;
+            std::io::Write::flush(&mut out)?;
+            eprintln!(
+                "wrote {}: {} frames, {} control markers, {:.1} s",
+                args.output.display(),
+                stats.frames,
+                stats.markers,
+                stats.duration_s
+            );
+        }
     }
     Ok(())
 }
