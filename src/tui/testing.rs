@@ -1,7 +1,10 @@
 //! Small event builders for tests and benchmarks (not part of the workbench's behaviour).
 
 use crate::scenario::Scenario;
-use crate::telemetry::{BuildInfo, Dtype, Header, PhaseMs, StepEvent, FORMAT_VERSION};
+use crate::telemetry::{
+    BuildInfo, Categories, Control, ControlEvent, Dtype, EndEvent, EvalEvent, Event, Header, Level,
+    LogEvent, MemoryEvent, MemorySource, Origin, Phase, PhaseMs, StepEvent, FORMAT_VERSION,
+};
 
 pub fn header() -> Header {
     let mut config = Scenario {
@@ -51,4 +54,77 @@ pub fn step(step: u64, loss: f64) -> StepEvent {
         },
         grad_error: None,
     }
+}
+
+fn categories(activation_mib: u64) -> Categories {
+    Categories {
+        parameters: 4 << 20,
+        compute_weights: 0,
+        gradients: 4 << 20,
+        gradients_transient: 2 << 20,
+        optimizer_state: 8 << 20,
+        offloaded: 0,
+        activations: activation_mib << 20,
+        other: 1 << 20,
+    }
+}
+
+/// A run of `steps` steps: K raised to 4 by key after step 20 (when there is one), a measured
+/// ledger each step, an evaluation every 10 steps, the estimate and a warning at the end.
+pub fn sample_run(steps: u64) -> Vec<Event> {
+    let mut out = vec![Event::Header(header())];
+    for i in 1..=steps {
+        let mut s = step(i, 1.25 + 3.0 / i as f64);
+        if i > 20 {
+            s.accum_steps = 4;
+        }
+        out.push(Event::Memory(MemoryEvent {
+            step: i,
+            phase: Phase::Backward,
+            source: MemorySource::Allocator,
+            categories: categories(12),
+            total: 31 << 20,
+            peak: 33 << 20,
+            unified: true,
+        }));
+        out.push(Event::Step(s));
+        if i == 20 {
+            out.push(Event::Control(ControlEvent {
+                step: 20,
+                origin: Origin::Key,
+                control: Control::SetAccumSteps { value: 4 },
+            }));
+        }
+        if i % 10 == 0 {
+            out.push(Event::Eval(EvalEvent {
+                step: i,
+                val_loss: 1.3 + 3.0 / i as f64,
+            }));
+        }
+    }
+    out.push(Event::Memory(MemoryEvent {
+        step: steps,
+        phase: Phase::Backward,
+        source: MemorySource::Estimate,
+        categories: categories(11),
+        total: 30 << 20,
+        peak: 30 << 20,
+        unified: true,
+    }));
+    out.push(Event::Log(LogEvent {
+        step: steps,
+        level: Level::Warn,
+        message: "something to see in the log".into(),
+    }));
+    out
+}
+
+/// `sample_run` with the trainer's closing event.
+pub fn sample_run_ended(steps: u64) -> Vec<Event> {
+    let mut out = sample_run(steps);
+    out.push(Event::End(EndEvent {
+        step: steps,
+        reason: "completed".into(),
+    }));
+    out
 }

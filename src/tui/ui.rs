@@ -148,10 +148,14 @@ fn header_line(app: &App, theme: Theme) -> Line<'static> {
 fn footer_line(app: &App, keys: &KeyMap, theme: Theme) -> Line<'static> {
     let live = [
         (Action::AccumUp, Action::AccumDown, "K"),
-        (Action::MicroBatchDown, Action::MicroBatchUp, "B"),
+        (Action::MicroBatchDown, Action::MicroBatchUp, "micro"),
         (Action::ClipDown, Action::ClipUp, "clip"),
     ];
-    let mut items: Vec<(String, &str)> = Vec::new();
+    let mut items: Vec<(String, &str)> = vec![
+        (keys.label_for(Action::Help), "help"),
+        (keys.label_for(Action::Quit), "quit"),
+        (keys.label_for(Action::PauseResume), "pause"),
+    ];
     if app.replay.is_some() {
         items.push((
             format!(
@@ -178,9 +182,6 @@ fn footer_line(app: &App, keys: &KeyMap, theme: Theme) -> Line<'static> {
         items.push((keys.label_for(Action::PrecisionCycle), "dtype"));
         items.push((keys.label_for(Action::LrRuleCycle), "LR rule"));
     }
-    items.push((keys.label_for(Action::PauseResume), "pause"));
-    items.push((keys.label_for(Action::Help), "help"));
-    items.push((keys.label_for(Action::Quit), "quit"));
     let mut spans = Vec::new();
     for (key, what) in items {
         spans.push(Span::styled(format!(" {key}"), theme.fg(Color::Cyan)));

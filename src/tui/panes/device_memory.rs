@@ -49,14 +49,10 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
             Some(MemorySource::Nvml) => "NVML",
             _ => "",
         };
-        let title = match app.memory.back() {
-            Some(p) => format!(
-                " Memory · {label} live {} peak {} ",
-                fmt_bytes(p.live),
-                fmt_bytes(p.peak)
-            ),
-            None => " Memory ".into(),
-        };
+        let title = format!(" Memory · {label} ");
+        let last = app.memory.back();
+        let live_name = last.map_or("live".into(), |p| format!("live {}", fmt_bytes(p.live)));
+        let peak_name = last.map_or("peak".into(), |p| format!("peak {}", fmt_bytes(p.peak)));
         let pick = |f: fn(&crate::tui::app::MemPoint) -> u64| -> Vec<(f64, f64)> {
             app.memory
                 .iter()
@@ -66,13 +62,13 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
         };
         let series = vec![
             Series {
-                name: "live".into(),
+                name: live_name,
                 points: pick(|p| p.live),
                 style: theme.fg(Color::Green),
                 scatter: false,
             },
             Series {
-                name: "peak".into(),
+                name: peak_name,
                 points: pick(|p| p.peak),
                 style: theme.fg(Color::Red),
                 scatter: false,

@@ -59,7 +59,20 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     let measured = app.measured.as_ref().map(|m| m.categories);
     let estimate = app.estimate.as_ref().map(|m| m.categories);
     let lines = rows(measured, estimate, inner.width as usize, theme);
+    // Every category always shows; the column heads and the total only when there is room.
+    let lines = fit(lines, inner.height as usize);
     frame.render_widget(Paragraph::new(lines).block(block), area);
+}
+
+/// `lines` is heads, 8 categories, total: drop the total, then the heads, to fit `height`.
+fn fit(mut lines: Vec<Line<'static>>, height: usize) -> Vec<Line<'static>> {
+    if lines.len() > height {
+        lines.pop();
+    }
+    if lines.len() > height {
+        lines.remove(0);
+    }
+    lines
 }
 
 fn rows(

@@ -279,7 +279,10 @@ mod tests {
     fn nice_bounds_round_outwards() {
         assert_eq!(nice_bounds(0.13, 0.87), (0.0, 1.0));
         let (lo, hi) = nice_bounds(2.31, 2.47);
-        assert!((lo - 2.3).abs() < 1e-9 && (hi - 2.5).abs() < 1e-9, "{lo} {hi}");
+        assert!(
+            (lo - 2.3).abs() < 1e-9 && (hi - 2.5).abs() < 1e-9,
+            "{lo} {hi}"
+        );
         let (lo, hi) = nice_bounds(5.0, 5.0);
         assert!(lo <= 5.0 && hi > 5.0);
     }

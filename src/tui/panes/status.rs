@@ -123,7 +123,7 @@ pub fn lines(app: &App, theme: Theme) -> Vec<Line<'static>> {
     out.push(pending_line(&app.pending, theme));
     if app.unified_memory() {
         out.push(Line::styled(
-            "unified memory (CPU): offload moves ledger bytes, nothing physically",
+            "CPU: offload moves nothing physically",
             theme.dim(),
         ));
     }
