@@ -1,0 +1,145 @@
+//! The real binary in a real (tmux) terminal: start, see steps, press K-up, see it applied on
+//! screen and in the recording, quit, and find the shell usable again.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    fn cmd(&self, args: &[&str]) -> std::process::Output {
+        Command::new("tmux")
+            .args(["-L", &self.socket, "-f", "/dev/null"])
+            .args(args)
+            .output()
+            .expect("tmux runs")
+    }
+
+    fn screen(&self) -> String {
+        String::from_utf8_lossy(&self.cmd(&["capture-pane", "-p", "-t", "e2e"]).stdout).into()
+    }
+
+    fn send(&self, keys: &[&str]) {
+        let mut args = vec!["send-keys", "-t", "e2e"];
+        args.extend_from_slice(keys);
+        assert!(self.cmd(&args).status.success());
+    }
+
+    /// Poll the screen until `pred` holds; panic with the screen after `timeout`.
+    fn wait_for(&self, what: &str, timeout: Duration, pred: impl Fn(&str) -> bool) -> String {
+        let start = Instant::now();
+        loop {
+            let s = self.screen();
+            if pred(&s) {
+                return s;
+            }
+            if start.elapsed() > timeout {
+                panic!("timed out waiting for {what}; screen:\n{s}");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.cmd(&["kill-server"]);
+    }
+}
+
+fn tmux_available() -> bool {
+    Command::new("tmux")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn steps_on_screen(s: &str) -> u64 {
+    s.lines()
+        .next()
+        .and_then(|l| l.split("step ").nth(1))
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn k_up_in_a_real_terminal_applies_records_and_quits_cleanly() {
+    if !tmux_available() {
+        eprintln!("skipped: tmux is not installed (CI installs it)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let rec = dir.path().join("session.jsonl");
+    let tmux = Tmux {
+        socket: format!("gaccwb-e2e-{}", std::process::id()),
+    };
+    let started = tmux.cmd(&[
+        "new-session",
+        "-d",
+        "-s",
+        "e2e",
+        "-x",
+        "120",
+        "-y",
+        "40",
+        "env",
+        "PS1=e2e$ ",
+        "sh",
+    ]);
+    assert!(started.status.success(), "{started:?}");
+    let command = format!(
+        "RAYON_NUM_THREADS=1 {} run --set model.d_model=32 --set model.layers=1 \
+         --set model.seq_len=32 --device cpu --record {}; echo EXIT=$?",
+        env!("CARGO_BIN_EXE_gaccwb"),
+        rec.display()
+    );
+    tmux.send(&[&command, "Enter"]);
+
+    let s = tmux.wait_for("the first steps", Duration::from_secs(60), |s| {
+        steps_on_screen(s) >= 3
+    });
+    assert!(s.contains("K 1  B 8  eff 8"), "{s}");
+    tmux.send(&["+"]);
+    tmux.wait_for("K=2 applied", Duration::from_secs(30), |s| {
+        s.contains("K 2  B 8  eff 16") && s.contains("K=2 applied (key)")
+    });
+    tmux.send(&["q"]);
+    let s = tmux.wait_for("the exit status", Duration::from_secs(30), |s| {
+        s.contains("EXIT=")
+    });
+    assert!(s.contains("EXIT=0"), "{s}");
+
+    // The terminal is back: main screen, and the shell takes a command.
+    let alt = tmux.cmd(&["display-message", "-p", "-t", "e2e", "#{alternate_on}"]);
+    assert_eq!(String::from_utf8_lossy(&alt.stdout).trim(), "0");
+    tmux.send(&["echo shell-$((40+2))", "Enter"]);
+    tmux.wait_for("the shell to answer", Duration::from_secs(10), |s| {
+        s.lines().any(|l| l.trim() == "shell-42")
+    });
+
+    assert_recorded_k2(&rec);
+}
+
+fn assert_recorded_k2(path: &Path) {
+    let rec = gaccwb::record::read_recording(path).unwrap();
+    let applied = rec.events.iter().any(|e| {
+        matches!(e, gaccwb::telemetry::Event::Control(c)
+            if c.origin == gaccwb::telemetry::Origin::Key
+            && c.control == gaccwb::telemetry::Control::SetAccumSteps { value: 2 })
+    });
+    assert!(
+        applied,
+        "no key control set_accum_steps=2 in {}",
+        path.display()
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(text.contains(r#""kind":"set_accum_steps","value":2"#));
+    assert!(matches!(
+        rec.events.last(),
+        Some(gaccwb::telemetry::Event::End(e)) if e.reason == "stopped"
+    ));
+}
