@@ -10,6 +10,38 @@ struct Tmux {
 }
 
 impl Tmux {
+    /// A private tmux server (its own socket) with a 120×40 shell.
+    fn start(tag: &str) -> Tmux {
+        let tmux = Tmux {
+            socket: format!("gaccwb-e2e-{}-{tag}", std::process::id()),
+        };
+        let started = tmux.cmd(&[
+            "new-session",
+            "-d",
+            "-s",
+            "e2e",
+            "-x",
+            "120",
+            "-y",
+            "40",
+            "env",
+            "PS1=e2e$ ",
+            "sh",
+        ]);
+        assert!(started.status.success(), "{started:?}");
+        tmux
+    }
+
+    /// After the program ended: main screen, and the shell takes a command.
+    fn assert_shell_usable(&self) {
+        let alt = self.cmd(&["display-message", "-p", "-t", "e2e", "#{alternate_on}"]);
+        assert_eq!(String::from_utf8_lossy(&alt.stdout).trim(), "0");
+        self.send(&["clear; echo shell-$((40+2))", "Enter"]);
+        self.wait_for("the shell to answer", Duration::from_secs(10), |s| {
+            s.lines().any(|l| l.trim() == "shell-42")
+        });
+    }
+
     fn cmd(&self, args: &[&str]) -> std::process::Output {
         Command::new("tmux")
             .args(["-L", &self.socket, "-f", "/dev/null"])
@@ -107,21 +139,64 @@ fn k_up_in_a_real_terminal_applies_records_and_quits_cleanly() {
     tmux.wait_for("K=2 applied", Duration::from_secs(30), |s| {
         s.contains("K 2  B 8  eff 16") && s.contains("K=2 applied (key)")
     });
+    // Live resize: the compact layout at 80×24, the warning below it.
+    tmux.cmd(&["resize-window", "-t", "e2e", "-x", "80", "-y", "24"]);
+    tmux.wait_for("the compact layout", Duration::from_secs(10), |s| {
+        s.contains("K 2  B 8  eff 16") && s.lines().count() <= 24 && s.contains("? help")
+    });
+    tmux.cmd(&["resize-window", "-t", "e2e", "-x", "70", "-y", "20"]);
+    tmux.wait_for("the too-small notice", Duration::from_secs(10), |s| {
+        s.contains("terminal too small")
+    });
     tmux.send(&["q"]);
     let s = tmux.wait_for("the exit status", Duration::from_secs(30), |s| {
         s.contains("EXIT=")
     });
     assert!(s.contains("EXIT=0"), "{s}");
 
-    // The terminal is back: main screen, and the shell takes a command.
-    let alt = tmux.cmd(&["display-message", "-p", "-t", "e2e", "#{alternate_on}"]);
-    assert_eq!(String::from_utf8_lossy(&alt.stdout).trim(), "0");
-    tmux.send(&["echo shell-$((40+2))", "Enter"]);
-    tmux.wait_for("the shell to answer", Duration::from_secs(10), |s| {
-        s.lines().any(|l| l.trim() == "shell-42")
-    });
+    tmux.assert_shell_usable();
 
     assert_recorded_k2(&rec);
+}
+
+#[test]
+fn sigterm_stops_the_run_and_restores_the_terminal() {
+    if !tmux_available() {
+        eprintln!("skipped: tmux is not installed (CI installs it)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let pidfile = dir.path().join("pid");
+    let rec = dir.path().join("session.jsonl");
+    let tmux = Tmux::start("term");
+    // `exec` keeps the pid the shell wrote: the signal goes to gaccwb itself.
+    let command = format!(
+        "sh -c 'echo $$ > {}; RAYON_NUM_THREADS=1 exec {} run --set model.d_model=32 \
+         --set model.layers=1 --set model.seq_len=32 --device cpu --record {}'; echo EXIT=$?",
+        pidfile.display(),
+        env!("CARGO_BIN_EXE_gaccwb"),
+        rec.display()
+    );
+    tmux.send(&[&command, "Enter"]);
+    tmux.wait_for("the first steps", Duration::from_secs(60), |s| {
+        steps_on_screen(s) >= 2
+    });
+    let pid = std::fs::read_to_string(&pidfile).unwrap();
+    let killed = Command::new("kill")
+        .args(["-TERM", pid.trim()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let s = tmux.wait_for("the exit status", Duration::from_secs(30), |s| {
+        s.contains("EXIT=")
+    });
+    assert!(s.contains("EXIT=0"), "{s}");
+    tmux.assert_shell_usable();
+    let rec = gaccwb::record::read_recording(&rec).unwrap();
+    assert!(matches!(
+        rec.events.last(),
+        Some(gaccwb::telemetry::Event::End(e)) if e.reason == "stopped"
+    ));
 }
 
 fn assert_recorded_k2(path: &Path) {

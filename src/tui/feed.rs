@@ -76,6 +76,11 @@ impl Live {
         })
     }
 
+    /// Where recordings started with the key go (default: `gaccwb-<unix time>.jsonl`).
+    pub fn set_record_base(&mut self, path: PathBuf) {
+        self.record_base = path;
+    }
+
     /// The path of the recording in progress, for the header line.
     pub fn recording_path(&self) -> Option<String> {
         self.recorder
