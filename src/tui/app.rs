@@ -298,7 +298,8 @@ impl App {
             Control::SingleStep => self.paused = true,
             _ => {}
         }
-        if let Some(i) = self.pending.iter().position(|p| same_knob(p, &c.control)) {
+        // Only the very change is done: a newer value for the same knob may still be on its way.
+        if let Some(i) = self.pending.iter().position(|p| *p == c.control) {
             self.pending.remove(i);
         }
         let origin = match c.origin {
@@ -423,8 +424,8 @@ impl App {
             // A replay is read-only: the file already says what happened.
             return Vec::new();
         }
-        for c in controls.iter().filter(|c| !c.is_flow()) {
-            self.pending.retain(|p| !same_knob(p, c));
+        for c in &controls {
+            self.pending.retain(|p| !supersedes(c, p));
             self.pending.push(c.clone());
         }
         controls
@@ -464,7 +465,7 @@ impl App {
             Action::LrRuleCycle => Control::SetLrRule {
                 value: k.lr_rule.next(),
             },
-            Action::PauseResume if self.paused => Control::Resume,
+            Action::PauseResume if self.target_paused() => Control::Resume,
             Action::PauseResume => Control::Pause,
             Action::SingleStep => Control::SingleStep,
             _ => return Vec::new(),
@@ -473,6 +474,19 @@ impl App {
             return Vec::new();
         }
         vec![control]
+    }
+
+    /// Paused once the pending flow controls are applied.
+    fn target_paused(&self) -> bool {
+        self.pending
+            .iter()
+            .rev()
+            .find_map(|c| match c {
+                Control::Pause | Control::SingleStep => Some(true),
+                Control::Resume => Some(false),
+                _ => None,
+            })
+            .unwrap_or(self.paused)
     }
 
     /// The clip `x` turns back on: the preset's value, else 1.0.
@@ -500,9 +514,10 @@ impl App {
     }
 }
 
-/// Same knob (same control kind): a newer pending change replaces an older one.
-fn same_knob(a: &Control, b: &Control) -> bool {
-    std::mem::discriminant(a) == std::mem::discriminant(b)
+/// A newer change to the same knob (or the same pause state) replaces an older pending one.
+fn supersedes(new: &Control, old: &Control) -> bool {
+    let flow = |c: &Control| matches!(c, Control::Pause | Control::Resume | Control::SingleStep);
+    std::mem::discriminant(new) == std::mem::discriminant(old) || (flow(new) && flow(old))
 }
 
 fn push_bounded<T>(q: &mut VecDeque<T>, item: T, cap: usize) {
@@ -573,7 +588,28 @@ mod tests {
             }]
         );
         assert_eq!(app.apply(Action::PauseResume), vec![Control::Pause]);
+        // Before the trainer answers, space again undoes the pending pause.
+        assert_eq!(app.apply(Action::PauseResume), vec![Control::Resume]);
         assert_eq!(app.apply(Action::SingleStep), vec![Control::SingleStep]);
+        assert_eq!(app.apply(Action::PauseResume), vec![Control::Resume]);
+    }
+
+    #[test]
+    fn a_newer_pending_value_survives_an_older_one_being_applied() {
+        let mut app = app_with_config();
+        app.apply(Action::AccumUp);
+        app.apply(Action::AccumUp);
+        let applied = |value| {
+            Event::Control(ControlEvent {
+                step: 1,
+                origin: Origin::Key,
+                control: Control::SetAccumSteps { value },
+            })
+        };
+        app.update(&applied(4));
+        assert_eq!(app.pending, vec![Control::SetAccumSteps { value: 8 }]);
+        app.update(&applied(8));
+        assert!(app.pending.is_empty());
     }
 
     #[test]

@@ -217,9 +217,14 @@ fn help_overlay(frame: &mut Frame, body: Rect, app: &App, keys: &KeyMap, theme: 
     // Two columns of "keys  what" so the whole list fits at 80×24.
     let half = shown.len().div_ceil(2);
     let col_w = (width as usize).saturating_sub(2) / 2;
+    let key_w = shown
+        .iter()
+        .map(|a| keys.label_for(*a).chars().count())
+        .max()
+        .unwrap_or(1);
     for i in 0..half {
         let cell = |a: Option<&Action>| {
-            a.map(|a| format!("{:>9}  {}", keys.label_for(*a), a.describe()))
+            a.map(|a| format!("{:>key_w$}  {}", keys.label_for(*a), a.describe()))
                 .unwrap_or_default()
         };
         let left = cell(shown.get(i));
