@@ -44,28 +44,47 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-fn render_time() {
+/// Milliseconds per `draw` with a new step before each frame.
+fn frame_times<B: ratatui::backend::Backend>(t: &mut Terminal<B>) -> Vec<f64> {
     let mut app = App::default();
     for e in sample_run(1000) {
         app.update(&e);
     }
     let keys = KeyMap::default();
-    let mut t = Terminal::new(TestBackend::new(160, 48)).unwrap();
     let mut times = Vec::new();
-    for i in 0..300u64 {
-        // A new step each frame, so every frame has new data to draw.
+    for i in 0..500u64 {
         app.update(&Event::Step(step(1001 + i, 1.3)));
         let t0 = Instant::now();
         t.draw(|f| ui::render(f, &app, &keys)).unwrap();
         times.push(t0.elapsed().as_secs_f64() * 1e3);
     }
     times.sort_by(f64::total_cmp);
+    times
+}
+
+fn report_frames(what: &str, times: &[f64]) {
     let mean = times.iter().sum::<f64>() / times.len() as f64;
     println!(
-        "render 160x48: mean {mean:.3} ms, p50 {:.3} ms, p99 {:.3} ms per frame ({} frames)",
-        percentile(&times, 0.5),
-        percentile(&times, 0.99),
+        "{what}: mean {mean:.3} ms, p50 {:.3} ms, p99 {:.3} ms per frame ({} frames)",
+        percentile(times, 0.5),
+        percentile(times, 0.99),
         times.len()
+    );
+}
+
+fn render_time() {
+    let mut test = Terminal::new(TestBackend::new(160, 48)).unwrap();
+    report_frames("render 160x48 into a TestBackend", &frame_times(&mut test));
+    let mut ansi = Terminal::with_options(
+        CrosstermBackend::new(Counter::default()),
+        TerminalOptions {
+            viewport: Viewport::Fixed(Rect::new(0, 0, 160, 48)),
+        },
+    )
+    .unwrap();
+    report_frames(
+        "render 160x48 + diff + ANSI via crossterm",
+        &frame_times(&mut ansi),
     );
 }
 
@@ -166,15 +185,31 @@ fn main() {
         std::env::var("RAYON_NUM_THREADS").unwrap_or_default()
     );
     render_time();
-    for (name, tiny) in [("baseline preset", false), ("tiny model", true)] {
-        let (bps, tui_tok) = live_screen(scenario(tiny), warmup, window);
-        let steps = tui_tok.len() as u64;
-        let tui = median(tui_tok);
-        let head = median(headless_tokens(scenario(tiny), steps.max(5) + 3));
+    let rounds: usize = std::env::var("GACCWB_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    for (name, tiny) in [("tiny model", true), ("baseline preset", false)] {
+        // Alternate screen and headless runs so drifting machine load hits both alike.
+        let (mut tui_all, mut head_all) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let (bps, tui_tok) = live_screen(scenario(tiny), warmup, window);
+            let steps = tui_tok.len() as u64;
+            let head_tok = headless_tokens(scenario(tiny), steps.max(5) + 3);
+            let (tui, head) = (median(tui_tok.clone()), median(head_tok.clone()));
+            println!(
+                "{name} round {round}: {:.2} KiB/s to the terminal at 120x40 over {secs} s \
+                 ({steps} steps); tokens/s median: TUI {tui:.0}, headless {head:.0} ({:+.1}%)",
+                bps / 1024.0,
+                (head - tui) / head * 100.0
+            );
+            tui_all.extend(tui_tok);
+            head_all.extend(head_tok);
+        }
+        let (tui, head) = (median(tui_all), median(head_all));
         println!(
-            "{name}: {:.1} KiB/s to the terminal at 120x40 over {secs} s ({steps} steps); \
-             tokens/s median: TUI {tui:.0}, headless {head:.0}, overhead {:+.1}%",
-            bps / 1024.0,
+            "{name} over {rounds} rounds: tokens/s median TUI {tui:.0}, headless {head:.0}, \
+             TUI overhead {:+.1}%",
             (head - tui) / head * 100.0
         );
     }
