@@ -90,7 +90,7 @@ impl Action {
             Action::LrRuleCycle => "LR rule none→linear→sqrt",
             Action::PauseResume => "pause / resume",
             Action::SingleStep => "one step, then pause",
-            Action::Freeze => "freeze display (runs on)",
+            Action::Freeze => "freeze charts (runs on)",
             Action::ZoomIn => "zoom in (fewer steps)",
             Action::ZoomOut => "zoom out (more steps)",
             Action::Expand => "expand the focused pane",
