@@ -85,7 +85,7 @@ impl Default for DataConfig {
             seed: 0,
             min_doc_len: 16,
             max_doc_len: 0,
-            alphabet: 16,
+            alphabet: 8,
             val_fraction: 0.1,
         }
     }
@@ -274,7 +274,7 @@ impl Scenario {
         let m = &self.model;
         let t = &self.train;
         let d = &self.data;
-        let positive = [
+        let at_least_one = [
             ("model.vocab", m.vocab),
             ("model.d_model", m.d_model),
             ("model.layers", m.layers),
@@ -283,12 +283,12 @@ impl Scenario {
             ("train.micro_batch", t.micro_batch),
             ("train.accum_steps", t.accum_steps),
         ];
-        for (key, v) in positive {
+        for (key, v) in at_least_one {
             if v == 0 {
                 return Err(format!("{key} must be at least 1 (got 0)"));
             }
         }
-        if m.d_model % m.heads != 0 {
+        if !m.d_model.is_multiple_of(m.heads) {
             return Err(format!(
                 "model.d_model ({}) must be divisible by model.heads ({})",
                 m.d_model, m.heads
@@ -317,16 +317,16 @@ impl Scenario {
             ));
         }
         if let Some(c) = t.clip {
-            if !(c > 0.0) {
+            if !positive(c) {
                 return Err(format!(
                     "train.clip ({c}) must be positive; remove it to turn clipping off"
                 ));
             }
         }
-        if !(t.lr >= 0.0) || !t.lr.is_finite() {
+        if !non_negative(t.lr) {
             return Err(format!("train.lr ({}) must be a finite number ≥ 0", t.lr));
         }
-        if !(t.loss_scale > 0.0) || !t.loss_scale.is_finite() {
+        if !positive(t.loss_scale) {
             return Err(format!(
                 "train.loss_scale ({}) must be positive",
                 t.loss_scale
@@ -354,15 +354,21 @@ pub fn validate_control(c: &Control) -> Result<(), String> {
     match c {
         Control::SetAccumSteps { value: 0 } => Err("accumulation steps must be at least 1".into()),
         Control::SetMicroBatch { value: 0 } => Err("micro-batch must be at least 1".into()),
-        Control::SetClip { value: Some(v) } if !(*v > 0.0) => Err("clip must be positive".into()),
-        Control::SetLr { value } if !(*value >= 0.0) || !value.is_finite() => {
-            Err("lr must be ≥ 0".into())
-        }
-        Control::SetLossScale { value } if !(*value > 0.0) || !value.is_finite() => {
+        Control::SetClip { value: Some(v) } if !positive(*v) => Err("clip must be positive".into()),
+        Control::SetLr { value } if !non_negative(*value) => Err("lr must be ≥ 0".into()),
+        Control::SetLossScale { value } if !positive(*value) => {
             Err("loss scale must be positive".into())
         }
         _ => Ok(()),
     }
+}
+
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+fn non_negative(x: f64) -> bool {
+    x.is_finite() && x >= 0.0
 }
 
 pub const SECTIONS: [&str; 3] = ["model", "data", "train"];

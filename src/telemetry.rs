@@ -227,6 +227,8 @@ pub struct ControlMsg {
 }
 
 /// Everything that leaves the trainer or the device sampler.
+// The header is large but sent once; boxing it would only complicate every match.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Event {
@@ -351,10 +353,11 @@ pub enum Phase {
 }
 
 /// Where a memory figure was measured.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum MemorySource {
     /// The process's counting global allocator (CPU).
+    #[default]
     Allocator,
     /// NVIDIA's management library (device memory).
     Nvml,
@@ -438,12 +441,6 @@ pub struct DeviceEvent {
     pub power_w: Option<f64>,
     /// Set when the source cannot give data, e.g. "NVML unavailable: libnvidia-ml.so not found".
     pub unavailable: Option<String>,
-}
-
-impl Default for MemorySource {
-    fn default() -> Self {
-        MemorySource::Allocator
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

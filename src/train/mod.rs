@@ -652,7 +652,7 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
 
 fn maybe_evaluate(trainer: &Trainer, step: u64, sink: &EventSink) {
     let every = trainer.scenario.train.eval_every;
-    if every == 0 || step % every != 0 || !trainer.corpus.has_validation() {
+    if every == 0 || !step.is_multiple_of(every) || !trainer.corpus.has_validation() {
         return;
     }
     match trainer.evaluate() {

@@ -1,0 +1,183 @@
+//! The command line: bad input gives a clear error and a non-zero exit, never a panic.
+
+use assert_cmd::Command;
+
+const TINY: &[&str] = &[
+    "--set",
+    "model.vocab=256",
+    "--set",
+    "model.d_model=32",
+    "--set",
+    "model.layers=1",
+    "--set",
+    "model.heads=2",
+    "--set",
+    "model.seq_len=32",
+    "--set",
+    "train.eval_every=0",
+];
+
+fn gaccwb(args: &[&str]) -> (i32, String, String) {
+    let out = Command::cargo_bin("gaccwb")
+        .unwrap()
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !stderr.contains("panicked"),
+        "gaccwb {args:?} panicked:\n{stderr}"
+    );
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr,
+    )
+}
+
+fn run_headless(extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "2"];
+    args.extend_from_slice(TINY);
+    args.extend_from_slice(extra);
+    gaccwb(&args)
+}
+
+#[test]
+fn a_headless_run_completes_and_summarises() {
+    let (code, stdout, stderr) = run_headless(&[]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("2 steps (completed) on cpu"), "{stdout}");
+}
+
+#[test]
+fn zero_accumulation_steps_is_a_usage_error() {
+    let (code, _, stderr) = run_headless(&["--set", "train.accum_steps=0"]);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("train.accum_steps") && stderr.contains("at least 1"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn an_unknown_set_key_names_the_accepted_keys() {
+    let (code, _, stderr) = run_headless(&["--set", "train.acum_steps=4"]);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("acum_steps") && stderr.contains("accum_steps"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+}
+
+#[test]
+fn a_bad_set_value_names_the_value() {
+    let (code, _, stderr) = run_headless(&["--set", "train.dtype=f8"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("f8"), "{stderr}");
+}
+
+#[test]
+fn a_missing_data_file_is_named() {
+    let (code, _, stderr) = run_headless(&["--data", "/nonexistent/corpus.txt"]);
+    assert_ne!(code, 0);
+    assert!(stderr.contains("/nonexistent/corpus.txt"), "{stderr}");
+}
+
+#[test]
+fn an_empty_data_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("empty.txt");
+    std::fs::write(&path, b"").unwrap();
+    let (code, _, stderr) = run_headless(&["--data", path.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(
+        stderr.contains("empty.txt") && stderr.contains("empty"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_data_file_shorter_than_seq_len_says_what_is_needed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("short.txt");
+    std::fs::write(&path, b"just a few bytes").unwrap();
+    let (code, _, stderr) = run_headless(&["--data", path.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(
+        stderr.contains("short.txt") && stderr.contains("seq_len"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_file_corpus_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("corpus.txt");
+    std::fs::write(
+        &path,
+        "the quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    let (code, stdout, stderr) = run_headless(&["--data", path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("completed"), "{stdout}");
+}
+
+#[test]
+fn an_unknown_device_is_rejected() {
+    let (code, _, stderr) = gaccwb(&["run", "--headless", "--device", "tpu:0"]);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("tpu:0") && stderr.contains("expected cpu"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn cuda_without_the_feature_or_a_gpu_explains_itself() {
+    let mut args = vec!["run", "--headless", "--steps", "1", "--device", "cuda:0"];
+    args.extend_from_slice(TINY);
+    let (code, _, stderr) = gaccwb(&args);
+    assert_ne!(code, 0);
+    assert!(stderr.contains("cuda:0"), "{stderr}");
+}
+
+#[test]
+fn the_recording_holds_the_documented_step_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("run.jsonl");
+    let (code, _, stderr) = run_headless(&["--record", path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stderr}");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert_eq!(first["type"], "header");
+    assert_eq!(first["version"], 1);
+    assert_eq!(first["device"], "cpu");
+    let step: serde_json::Value = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v["type"] == "step")
+        .unwrap();
+    for field in [
+        "step",
+        "loss",
+        "grad_norm",
+        "grad_norm_clipped",
+        "lr",
+        "accum_steps",
+        "micro_batch",
+        "tokens",
+        "tokens_per_s",
+        "step_ms",
+        "skipped",
+    ] {
+        assert!(
+            step.get(field).is_some(),
+            "step event lacks `{field}`: {step}"
+        );
+    }
+    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(last["type"], "end");
+    assert_eq!(last["reason"], "completed");
+}

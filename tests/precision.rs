@@ -1,0 +1,142 @@
+//! Mixed precision, dynamic loss scaling and optimizer-state offload.
+
+use candle_core::Device;
+use gaccwb::scenario::Scenario;
+use gaccwb::telemetry::{Control, Dtype, StepEvent};
+use gaccwb::train::Trainer;
+
+fn tiny() -> Scenario {
+    let mut s = Scenario::default();
+    s.model.vocab = 32;
+    s.model.d_model = 32;
+    s.model.layers = 2;
+    s.model.heads = 2;
+    s.model.seq_len = 32;
+    s.train.micro_batch = 4;
+    s.train.accum_steps = 2;
+    s.train.warmup = 2;
+    s.train.eval_every = 0;
+    s
+}
+
+fn step(t: &mut Trainer) -> StepEvent {
+    match t.train_step(|| true) {
+        Ok(s) => s,
+        Err(_) => panic!("step failed"),
+    }
+}
+
+fn weights(t: &Trainer) -> Vec<Vec<f32>> {
+    t.model
+        .params
+        .iter()
+        .map(|p| p.var.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect()
+}
+
+#[test]
+fn toggling_offload_mid_run_is_bit_identical_to_never_toggling() {
+    let mut plain = Trainer::new(tiny(), Device::Cpu).unwrap();
+    let mut toggled = Trainer::new(tiny(), Device::Cpu).unwrap();
+    for i in 0..8 {
+        if matches!(i, 1 | 2 | 4 | 7) {
+            let on = !toggled.knobs.offload;
+            toggled
+                .apply_control(&Control::SetOffload { value: on })
+                .unwrap();
+            assert_eq!(toggled.opt.offloaded, on);
+        }
+        let a = step(&mut plain);
+        let b = step(&mut toggled);
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {i}");
+        assert_eq!(b.offload, toggled.knobs.offload);
+    }
+    assert_eq!(weights(&plain), weights(&toggled));
+    assert_eq!(plain.opt.t, toggled.opt.t);
+}
+
+#[test]
+fn a_forced_huge_f16_scale_overflows_skips_halves_and_recovers() {
+    let mut t = Trainer::new(tiny(), Device::Cpu).unwrap();
+    t.apply_control(&Control::SetDtype { value: Dtype::F16 })
+        .unwrap();
+    step(&mut t);
+    let huge = 2f64.powi(24);
+    t.apply_control(&Control::SetLossScale { value: huge })
+        .unwrap();
+    let before = weights(&t);
+    let lr_step = t.lr_step;
+
+    let overflow = step(&mut t);
+    assert!(
+        overflow.skipped,
+        "2^24 must overflow f16 gradients (norm {})",
+        overflow.grad_norm
+    );
+    assert_eq!(overflow.loss_scale, huge);
+    assert_eq!(overflow.overflow_count, 1);
+    assert_eq!(
+        weights(&t),
+        before,
+        "a skipped step leaves the weights untouched"
+    );
+    assert_eq!(
+        t.lr_step, lr_step,
+        "the LR schedule does not advance on a skipped step"
+    );
+    assert_eq!(t.scaler.scale, huge / 2.0);
+
+    let mut recovered = None;
+    for _ in 0..12 {
+        let s = step(&mut t);
+        assert!(
+            weights(&t).iter().flatten().all(|w| w.is_finite()),
+            "a NaN reached the weights"
+        );
+        if !s.skipped {
+            recovered = Some(s);
+            break;
+        }
+    }
+    let s = recovered.expect("training recovers once the scale has backed off");
+    println!(
+        "recovered at scale 2^{} after {} overflows",
+        s.loss_scale.log2(),
+        s.overflow_count
+    );
+    assert!(s.loss_scale < huge && s.grad_norm.is_finite());
+}
+
+fn losses(dtype: Dtype, steps: usize) -> Vec<f64> {
+    let mut s = tiny();
+    s.train.dtype = dtype;
+    s.train.lr = 3e-3;
+    let mut t = Trainer::new(s, Device::Cpu).unwrap();
+    (0..steps).map(|_| step(&mut t).loss).collect()
+}
+
+#[test]
+fn bf16_and_f16_runs_train() {
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let l = losses(dtype, 30);
+        let head: f64 = l[..3].iter().sum::<f64>() / 3.0;
+        let tail: f64 = l[l.len() - 3..].iter().sum::<f64>() / 3.0;
+        println!("{dtype:?}: loss {head:.3} → {tail:.3}");
+        assert!(l.iter().all(|x| x.is_finite()));
+        assert!(
+            tail < head * 0.8,
+            "{dtype:?} did not train: {head:.3} → {tail:.3}"
+        );
+    }
+}
+
+#[test]
+fn half_precision_tracks_f32_early_on() {
+    let f32_losses = losses(Dtype::F32, 5);
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let l = losses(dtype, 5);
+        for (a, b) in l.iter().zip(&f32_losses) {
+            assert!((a - b).abs() / b < 0.05, "{dtype:?} loss {a} vs f32 {b}");
+        }
+    }
+}
