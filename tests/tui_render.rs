@@ -213,3 +213,21 @@ fn no_color_renders_without_colours() {
         .iter()
         .all(|c| c.fg == Color::Reset && c.bg == Color::Reset));
 }
+
+#[test]
+fn help_in_a_replay_lists_seek_and_speed_not_knobs() {
+    let mut app = app();
+    app.replay = Some(gaccwb::tui::app::ReplayStatus {
+        speed: 2.0,
+        paused: true,
+        last_step: 40,
+    });
+    app.apply(Action::Help);
+    let s = screen(&app, 120, 40);
+    assert!(
+        s.contains("replay: 10 steps back") && s.contains("replay: double speed"),
+        "{s}"
+    );
+    assert!(!s.contains("accumulation steps K ×2"), "{s}");
+    assert!(s.contains("REPLAY paused ×2 (40 steps)"), "{s}");
+}

@@ -106,6 +106,24 @@ impl Action {
         }
     }
 
+    /// Actions that change the run, which a replay cannot do.
+    pub fn live_only(self) -> bool {
+        matches!(
+            self,
+            Action::AccumUp
+                | Action::AccumDown
+                | Action::MicroBatchDown
+                | Action::MicroBatchUp
+                | Action::ClipDown
+                | Action::ClipUp
+                | Action::ClipToggle
+                | Action::OffloadToggle
+                | Action::PrecisionCycle
+                | Action::LrRuleCycle
+                | Action::RecordToggle
+        )
+    }
+
     /// Actions that only mean something while replaying.
     pub fn replay_only(self) -> bool {
         matches!(

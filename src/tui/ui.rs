@@ -212,7 +212,10 @@ fn help_overlay(frame: &mut Frame, body: Rect, app: &App, keys: &KeyMap, theme: 
     }
     let shown: Vec<Action> = Action::ALL
         .into_iter()
-        .filter(|a| app.replay.is_some() || !a.replay_only())
+        .filter(|a| match app.replay {
+            Some(_) => !a.live_only(),
+            None => !a.replay_only(),
+        })
         .collect();
     // Two columns of "keys  what" so the whole list fits at 80×24.
     let half = shown.len().div_ceil(2);

@@ -50,11 +50,13 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     ];
     if let Some(f) = floor {
         let (x0, x1) = super::x_window(app);
+        // Dashed: a dot every 1/24 of the window.
+        let dashes = (0..=24).map(|i| (x0 + (x1 - x0) * f64::from(i) / 24.0, f));
         series.push(Series {
             name: "floor".into(),
-            points: vec![(x0, f), (x1, f)],
+            points: dashes.collect(),
             style: theme.dim(),
-            scatter: false,
+            scatter: true,
         });
     }
     let spec = ChartSpec {
