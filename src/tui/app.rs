@@ -613,6 +613,35 @@ mod tests {
     }
 
     #[test]
+    fn key_presses_become_controls() {
+        use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+        let keys = crate::tui::keymap::KeyMap::default();
+        let mut app = app_with_config();
+        let mut press = |c: char| {
+            let e = KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE);
+            keys.action_for(&e)
+                .map(|a| app.apply(a))
+                .unwrap_or_default()
+        };
+        assert_eq!(press('+'), vec![Control::SetAccumSteps { value: 4 }]);
+        assert_eq!(press('-'), vec![Control::SetAccumSteps { value: 2 }]);
+        assert_eq!(press('B'), vec![Control::SetMicroBatch { value: 16 }]);
+        assert_eq!(press('C'), vec![Control::SetClip { value: Some(2.0) }]);
+        assert_eq!(press('x'), vec![Control::SetClip { value: None }]);
+        assert_eq!(press('o'), vec![Control::SetOffload { value: true }]);
+        assert_eq!(press('p'), vec![Control::SetDtype { value: Dtype::Bf16 }]);
+        assert_eq!(
+            press('l'),
+            vec![Control::SetLrRule {
+                value: LrRule::Linear
+            }]
+        );
+        assert_eq!(press(' '), vec![Control::Pause]);
+        assert_eq!(press('n'), vec![Control::SingleStep]);
+        assert!(press('f').is_empty() && press('z').is_empty() && press('w').is_empty());
+    }
+
+    #[test]
     fn k_and_micro_batch_never_go_below_one() {
         let mut app = App::default();
         assert_eq!(
