@@ -32,7 +32,7 @@ where
 }
 
 /// Run until the user quits or `shutdown` resolves; then finish the feed (stop the trainer,
-/// flush the recording). The caller restores the terminal.
+/// flush the recording), on error too. The caller restores the terminal.
 pub async fn run<B, S>(
     terminal: &mut Terminal<B>,
     app: &mut App,
@@ -50,37 +50,45 @@ where
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     tokio::pin!(shutdown);
     let mut input_open = true;
-    draw(terminal, app, keys)?;
-    let result = loop {
-        tokio::select! {
-            _ = &mut shutdown => app.quit = true,
-            key = input.next(), if input_open => match key {
-                Some(Ok(TermEvent::Key(k))) => {
-                    if let Some(action) = keys.action_for(&k) {
-                        if let Err(e) = feed.act(app, action) {
+    let first = draw(terminal, app, keys);
+    let result = if first.is_err() {
+        first
+    } else {
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => app.quit = true,
+                key = input.next(), if input_open => match key {
+                    Some(Ok(TermEvent::Key(k))) => {
+                        if let Some(action) = keys.action_for(&k) {
+                            if let Err(e) = feed.act(app, action) {
+                                break Err(e);
+                            }
+                        }
+                    }
+                    Some(Ok(TermEvent::Resize(..))) => {
+                        if let Err(e) = terminal.autoresize() {
+                            break Err(e.into());
+                        }
+                        app.dirty = true;
+                    }
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => break Err(e.into()),
+                    None => input_open = false,
+                },
+                got = feed.next(app) => if let Err(e) = got {
+                    break Err(e);
+                },
+                _ = tick.tick() => {
+                    if app.dirty {
+                        if let Err(e) = draw(terminal, app, keys) {
                             break Err(e);
                         }
                     }
                 }
-                Some(Ok(TermEvent::Resize(..))) => {
-                    terminal.autoresize()?;
-                    app.dirty = true;
-                }
-                Some(Ok(_)) => {}
-                Some(Err(e)) => break Err(e.into()),
-                None => input_open = false,
-            },
-            got = feed.next(app) => if let Err(e) = got {
-                break Err(e);
-            },
-            _ = tick.tick() => {
-                if app.dirty {
-                    draw(terminal, app, keys)?;
-                }
             }
-        }
-        if app.quit {
-            break Ok(());
+            if app.quit {
+                break Ok(());
+            }
         }
     };
     let finished = feed.finish(app);
