@@ -110,9 +110,10 @@ fn live_screen(s: Scenario, warmup: Duration, window: Duration) -> (f64, Vec<f64
         },
     )
     .unwrap();
+    // As `gaccwb run` does (and the headless run it is compared with): with the device sampler.
     let (handle, sink) = gaccwb::train::spawn(s, candle_core::Device::Cpu).unwrap();
-    drop(sink);
-    let mut feed = Feed::Live(Live::new(handle, None).unwrap());
+    let sampler = gaccwb::memory::gpu::start_sampler(sink, &candle_core::Device::Cpu);
+    let mut feed = Feed::Live(Live::new(handle, None).unwrap().with_sampler(sampler));
     let mut app = App::default();
     let keys = KeyMap::default();
     let rt = tokio::runtime::Builder::new_current_thread()

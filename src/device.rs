@@ -34,6 +34,14 @@ impl DeviceChoice {
     /// Open the device. `auto` falls back to the CPU silently; an explicit `cuda` that cannot be
     /// opened is an error that says why.
     pub fn open(self) -> anyhow::Result<Device> {
+        self.open_with(open_cuda)
+    }
+
+    /// The selection rules, with the CUDA opener passed in so they are tested without a GPU.
+    pub fn open_with(
+        self,
+        open_cuda: impl FnOnce(usize) -> anyhow::Result<Device>,
+    ) -> anyhow::Result<Device> {
         match self {
             DeviceChoice::Cpu => Ok(Device::Cpu),
             DeviceChoice::Cuda(n) => open_cuda(n),
@@ -74,5 +82,43 @@ mod tests {
             .parse::<DeviceChoice>()
             .unwrap_err()
             .contains("expected cpu, cuda"));
+    }
+
+    #[test]
+    fn cpu_never_touches_cuda() {
+        let device = DeviceChoice::Cpu
+            .open_with(|_| panic!("the CUDA opener must not run for --device cpu"))
+            .unwrap();
+        assert!(device.is_cpu());
+    }
+
+    #[test]
+    fn explicit_cuda_reports_why_it_cannot_open() {
+        let err = DeviceChoice::Cuda(3)
+            .open_with(|n| anyhow::bail!("cannot open cuda:{n}: no driver"))
+            .unwrap_err();
+        assert_eq!(err.to_string(), "cannot open cuda:3: no driver");
+    }
+
+    #[test]
+    fn auto_tries_the_first_gpu_then_falls_back_to_cpu() {
+        let asked = std::cell::Cell::new(None);
+        let device = DeviceChoice::Auto
+            .open_with(|n| {
+                asked.set(Some(n));
+                anyhow::bail!("no GPU")
+            })
+            .unwrap();
+        assert_eq!(asked.get(), Some(0));
+        assert!(device.is_cpu());
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn a_cpu_build_says_how_to_get_cuda() {
+        let err = DeviceChoice::Cuda(0).open().unwrap_err().to_string();
+        assert!(err.contains("built without CUDA"), "{err}");
+        assert!(err.contains("--features cuda"), "{err}");
+        assert!(DeviceChoice::Auto.open().unwrap().is_cpu());
     }
 }

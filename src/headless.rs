@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::record::Recorder;
 use crate::scenario::Scenario;
-use crate::telemetry::{Event, Header, Level, StepEvent};
+use crate::telemetry::{Event, Header, Level, MemorySource, Phase, StepEvent};
 use crate::train;
 
 pub struct HeadlessOptions {
@@ -23,6 +23,8 @@ pub struct Summary {
     pub header: Option<Header>,
     pub steps: Vec<StepEvent>,
     pub last_val_loss: Option<f64>,
+    /// Highest measured step peak, and where it was measured.
+    pub peak_memory: Option<(u64, MemorySource)>,
     pub end_reason: String,
     pub errors: Vec<String>,
 }
@@ -30,8 +32,9 @@ pub struct Summary {
 pub fn run(scenario: Scenario, device: Device, opts: HeadlessOptions) -> anyhow::Result<Summary> {
     let total = scenario.train.steps;
     let mut recorder = opts.record.as_deref().map(Recorder::create).transpose()?;
+    let sampler_device = device.clone();
     let (mut handle, sink) = train::spawn(scenario, device)?;
-    drop(sink);
+    let _sampler = crate::memory::gpu::start_sampler(sink, &sampler_device);
     let bar = progress_bar(total, opts.quiet);
     let mut summary = Summary::default();
     while let Some(event) = handle.events.blocking_recv() {
@@ -46,6 +49,12 @@ pub fn run(scenario: Scenario, device: Device, opts: HeadlessOptions) -> anyhow:
                 summary.steps.push(s);
             }
             Event::Eval(e) => summary.last_val_loss = Some(e.val_loss),
+            Event::Memory(m) if m.phase == Phase::Step && m.source != MemorySource::Estimate => {
+                let best = summary.peak_memory.map_or(0, |(p, _)| p);
+                if m.peak >= best {
+                    summary.peak_memory = Some((m.peak, m.source));
+                }
+            }
             Event::Log(l) if l.level == Level::Error => summary.errors.push(l.message),
             Event::Log(l) => bar.println(format!("{:?}: {}", l.level, l.message)),
             Event::End(e) => {
@@ -114,6 +123,12 @@ impl Summary {
             last.micro_batch,
             last.overflow_count
         );
+        if let Some((peak, source)) = self.peak_memory {
+            out += &format!(
+                "; peak {:.1} MiB ({source:?})",
+                peak as f64 / (1 << 20) as f64
+            );
+        }
         for e in &self.errors {
             out += &format!("\n{e}");
         }

@@ -9,6 +9,7 @@ pub mod data;
 pub mod device;
 pub mod export;
 pub mod headless;
+pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod presets;

@@ -30,6 +30,9 @@ enum Command {
     Replay(ReplayArgs),
     /// Turn a recording into another format.
     Export(ExportArgs),
+    /// Predict memory per category for a preset, how it moves with the micro-batch at a fixed
+    /// effective batch, and the largest micro-batch that fits a budget.
+    Estimate(EstimateArgs),
 }
 
 #[derive(Args)]
@@ -77,6 +80,28 @@ fn parse_size(s: &str) -> Result<(u16, u16), String> {
         return Err(bad());
     }
     Ok((w, h))
+}
+
+#[derive(Args)]
+struct EstimateArgs {
+    /// Built-in preset name or path to a preset TOML file.
+    #[arg(default_value = presets::DEFAULT)]
+    preset: String,
+    /// Override a preset field, e.g. --set train.micro_batch=32 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+    /// Effective batch for the micro-batch table (default: the preset's B·K).
+    #[arg(long)]
+    effective: Option<usize>,
+    /// Memory budget in GiB for "largest micro-batch that fits".
+    #[arg(long, default_value_t = 8.0)]
+    budget_gib: f64,
+    /// Predict for a GPU (device memory separate from the host: offload frees it).
+    #[arg(long)]
+    gpu: bool,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Default)]
@@ -133,6 +158,7 @@ fn main() -> ExitCode {
         Some(Command::Presets) => list_presets(),
         Some(Command::Replay(args)) => replay(args),
         Some(Command::Export(args)) => export(args),
+        Some(Command::Estimate(args)) => estimate(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -253,6 +279,34 @@ fn export(args: ExportArgs) -> anyhow::Result<()> {
 fn list_presets() -> anyhow::Result<()> {
     for s in presets::all() {
         println!("{:<24} {}", s.name, s.description);
+    }
+    Ok(())
+}
+
+fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
+    use gaccwb::memory::estimate::{self as est, Config};
+    let scenario = scenario_from(&RunArgs {
+        preset: args.preset.clone(),
+        sets: args.sets.clone(),
+        ..Default::default()
+    })?;
+    if !(args.budget_gib > 0.0 && args.budget_gib.is_finite()) {
+        anyhow::bail!(UsageError(format!(
+            "--budget-gib {}: expected a positive number of GiB",
+            args.budget_gib
+        )));
+    }
+    let cfg = Config::from_scenario(&scenario, !args.gpu);
+    let effective = args
+        .effective
+        .unwrap_or(cfg.micro_batch * cfg.accum_steps)
+        .max(1);
+    let budget = (args.budget_gib * (1u64 << 30) as f64) as u64;
+    let report = est::Report::new(&scenario.name, &cfg, effective, budget);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render());
     }
     Ok(())
 }

@@ -439,6 +439,12 @@ pub struct DeviceEvent {
     pub utilization: Option<u32>,
     pub temperature_c: Option<u32>,
     pub power_w: Option<f64>,
+    /// Bytes a memory pool holds from the device, used or not (CUDA memory pool).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved: Option<u64>,
+    /// Highest `used` seen: the allocator's lifetime peak, the pool's high-water mark.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak: Option<u64>,
     /// Set when the source cannot give data, e.g. "NVML unavailable: libnvidia-ml.so not found".
     pub unavailable: Option<String>,
 }

@@ -22,11 +22,12 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::data::{Batch, Corpus, Sample, Split};
 use crate::device::device_name;
+use crate::memory::{Ledger, NoProbe, Persistent, WindowProbe};
 use crate::model::{Gpt, Param};
 use crate::scenario::Scenario;
 use crate::telemetry::{
     BuildInfo, Control, ControlEvent, ControlMsg, Dtype, EndEvent, EvalEvent, Event, Header, Level,
-    LogEvent, LossNorm, LrRule, Origin, PhaseMs, StepEvent, ZeroGrad, FORMAT_VERSION,
+    LogEvent, LossNorm, LrRule, Origin, Phase, PhaseMs, StepEvent, ZeroGrad, FORMAT_VERSION,
 };
 use adamw::{AdamW, Hyper};
 use scaler::LossScaler;
@@ -80,6 +81,16 @@ pub struct WindowGrads {
     pub backward_ms: f64,
 }
 
+impl WindowGrads {
+    /// Every tensor of the accumulation buffers.
+    pub fn buffer(&self) -> Vec<&Tensor> {
+        self.grads
+            .iter()
+            .chain(self.reference.iter().flatten())
+            .collect()
+    }
+}
+
 /// Why a window did not finish.
 pub enum Interrupt {
     Stop,
@@ -100,7 +111,21 @@ pub fn window_gradients(
     knobs: &Knobs,
     scale: f64,
     device: &Device,
+    between: impl FnMut() -> bool,
+) -> std::result::Result<WindowGrads, Interrupt> {
+    window_gradients_probed(model, samples, knobs, scale, device, between, &mut NoProbe)
+}
+
+/// `window_gradients`, reporting to `probe` at the start and end of every forward and backward
+/// (the memory ledger's measurement points).
+pub fn window_gradients_probed(
+    model: &Gpt,
+    samples: &[Sample],
+    knobs: &Knobs,
+    scale: f64,
+    device: &Device,
     mut between: impl FnMut() -> bool,
+    probe: &mut dyn WindowProbe,
 ) -> std::result::Result<WindowGrads, Interrupt> {
     let micro: Vec<&[Sample]> = samples.chunks(knobs.micro_batch).collect();
     let k = micro.len() as f64;
@@ -114,6 +139,7 @@ pub fn window_gradients(
         if !between() {
             return Err(Interrupt::Stop);
         }
+        probe.phase_start(Phase::Forward);
         let t0 = Instant::now();
         let batch = Batch::new(chunk, device)?;
         let fwd = model.forward(&batch.inputs, knobs.dtype.candle(), true)?;
@@ -126,16 +152,34 @@ pub fn window_gradients(
         let scaled = nll.affine(weight * scale, 0.0)?;
         loss += f64::from(nll.to_scalar::<f32>()?) * weight;
         let t1 = Instant::now();
+        probe.forward_end(&scaled, &fwd.compute_weights, &buffer(&grads, &reference));
+        probe.phase_start(Phase::Backward);
+        let t2 = Instant::now();
         let store = scaled.backward()?;
+        probe.backward_end(
+            &scaled,
+            &fwd.compute_weights,
+            &store,
+            &buffer(&grads, &reference),
+        );
         drop(scaled);
         drop(fwd);
         let micro_grads = model
             .params
             .iter()
             .map(|p| {
-                store.get(p.var.as_tensor()).cloned().ok_or_else(|| {
-                    candle_core::Error::Msg(format!("parameter {} received no gradient", p.name))
-                })
+                // Detached: a parameter's gradient is computed from activations and would
+                // otherwise keep this micro-batch's whole graph alive through the buffer, the
+                // optimizer moments and every later step.
+                store
+                    .get(p.var.as_tensor())
+                    .map(Tensor::detach)
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg(format!(
+                            "parameter {} received no gradient",
+                            p.name
+                        ))
+                    })
             })
             .collect::<Result<Vec<_>>>()?;
         drop(store);
@@ -149,7 +193,7 @@ pub fn window_gradients(
         }
         grads = Some(fold(grads, micro_grads, knobs.zero_grad)?);
         forward_ms += (t1 - t0).as_secs_f64() * 1e3;
-        backward_ms += t1.elapsed().as_secs_f64() * 1e3;
+        backward_ms += t2.elapsed().as_secs_f64() * 1e3;
     }
     Ok(WindowGrads {
         grads: grads.unwrap_or_default(),
@@ -159,6 +203,15 @@ pub fn window_gradients(
         forward_ms,
         backward_ms,
     })
+}
+
+/// Every tensor of the accumulation buffers (the gradients, and the reference while a pitfall
+/// is measured).
+fn buffer<'a>(
+    grads: &'a Option<Vec<Tensor>>,
+    reference: &'a Option<Vec<Tensor>>,
+) -> Vec<&'a Tensor> {
+    grads.iter().chain(reference).flatten().collect()
 }
 
 /// Add a micro-batch's gradients into the accumulation buffer (or replace it: the zero-grad
@@ -232,6 +285,8 @@ pub struct Trainer {
     /// Index of the next training sample.
     pub cursor: u64,
     pub overflow_count: u64,
+    /// Bytes per category, per step and phase; its events leave with each step.
+    pub memory: Ledger,
     base_batch: usize,
     started: Instant,
 }
@@ -251,7 +306,9 @@ impl Trainer {
         };
         let mut opt = AdamW::new(&model.params, hyper)?;
         opt.set_offload(t.offload, &model.params)?;
+        let memory = Ledger::new(crate::memory::gpu::meter_for(&device));
         Ok(Trainer {
+            memory,
             knobs: Knobs::from_scenario(&scenario),
             scaler: LossScaler::new(t.loss_scale, t.scale_growth_interval),
             base_batch: scenario.base_batch(),
@@ -284,6 +341,30 @@ impl Trainer {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
+        }
+    }
+
+    /// The analytic memory estimate for the knobs in force.
+    pub fn memory_estimate(&self) -> crate::memory::estimate::Estimate {
+        let unified = self.memory.unified();
+        let cfg =
+            crate::memory::estimate::Config::from_knobs(&self.scenario.model, &self.knobs, unified);
+        crate::memory::estimate::estimate(&cfg)
+    }
+
+    /// Optimizer state on the device, and what offload holds in host memory.
+    pub fn persistent_memory(&self) -> Persistent {
+        let moments = self.opt.moment_bytes();
+        if self.opt.offloaded {
+            Persistent {
+                optimizer_state: 0,
+                offloaded: moments + self.opt.master_bytes(),
+            }
+        } else {
+            Persistent {
+                optimizer_state: moments,
+                offloaded: 0,
+            }
         }
     }
 
@@ -332,13 +413,16 @@ impl Trainer {
         let cursor = self.cursor;
         let samples = self.next_window();
         let scale = self.loss_scale();
-        let window = match window_gradients(
+        let params = self.model.vars().map(|v| v.as_tensor().clone()).collect();
+        self.memory.begin_window(params, self.persistent_memory());
+        let window = match window_gradients_probed(
             &self.model,
             &samples,
             &self.knobs,
             scale,
             &self.device,
             between,
+            &mut self.memory,
         ) {
             Ok(w) => w,
             Err(e) => {
@@ -347,8 +431,10 @@ impl Trainer {
             }
         };
         let t_opt = Instant::now();
-        let step = self.apply_window(window, scale, t0)?;
-        let mut step = step;
+        self.memory.optimizer_start(&window.buffer());
+        let mut step = self.apply_window(window, scale, t0)?;
+        self.memory
+            .finish_window(step.step, self.persistent_memory());
         step.phase_ms.optimizer = t_opt.elapsed().as_secs_f64() * 1e3;
         step.step_ms = t0.elapsed().as_secs_f64() * 1e3;
         step.tokens_per_s = step.tokens as f64 / (step.step_ms / 1e3);
@@ -524,6 +610,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
         timeline_done: None,
     };
     sink.send(Event::Header(trainer.header()));
+    send_estimate(&trainer, &sink);
     let reason = loop {
         flow.drain(&mut controls);
         apply_due(&mut trainer, &mut flow, &sink);
@@ -551,6 +638,9 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
                 let n = step.step;
                 if !sink.send(Event::Step(step)) {
                     break "stopped".to_string();
+                }
+                for m in trainer.memory.take_events() {
+                    sink.send(Event::Memory(m));
                 }
                 maybe_evaluate(&trainer, n, &sink);
             }
@@ -618,6 +708,7 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
             })
             .collect()
     };
+    let mut memory_changed = false;
     for msg in scripted
         .into_iter()
         .chain(std::mem::take(&mut flow.pending))
@@ -640,6 +731,7 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
                     }));
                     continue;
                 }
+                memory_changed |= crate::memory::estimate::changes_memory(&msg.control);
             }
         }
         sink.send(Event::Control(ControlEvent {
@@ -647,6 +739,16 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
             origin: msg.origin,
             control: msg.control,
         }));
+    }
+    if memory_changed {
+        send_estimate(trainer, sink);
+    }
+}
+
+/// The predicted ledger (`source: estimate`) for the windows from the next step on.
+fn send_estimate(trainer: &Trainer, sink: &EventSink) {
+    for e in trainer.memory_estimate().events(trainer.step) {
+        sink.send(Event::Memory(e));
     }
 }
 

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::memory::gpu::SamplerHandle;
 use crate::record::Recorder;
 use crate::telemetry::{Event, Level, LogEvent};
 use crate::train::TrainerHandle;
@@ -53,6 +54,8 @@ impl Feed {
 /// A running trainer.
 pub struct Live {
     pub handle: TrainerHandle,
+    /// The device sampler feeding the same stream; stopped when the run ends.
+    sampler: Option<SamplerHandle>,
     recorder: Option<Recorder>,
     /// Where `--record` writes, or the base name for recordings started with the key.
     record_base: PathBuf,
@@ -69,11 +72,17 @@ impl Live {
             .unwrap_or_else(default_record_path);
         Ok(Live {
             handle,
+            sampler: None,
             recordings_started: u32::from(recorder.is_some()),
             recorder,
             record_base,
             trainer_done: false,
         })
+    }
+
+    pub fn with_sampler(mut self, sampler: SamplerHandle) -> Live {
+        self.sampler = Some(sampler);
+        self
     }
 
     /// Where recordings started with the key go (default: `gaccwb-<unix time>.jsonl`).
@@ -109,6 +118,12 @@ impl Live {
             r.write(e)?;
         }
         app.update(e);
+        if matches!(e, Event::End(_)) {
+            // Nothing is measured after the run: the recording ends with `end`.
+            if let Some(mut s) = self.sampler.take() {
+                s.stop();
+            }
+        }
         Ok(())
     }
 
@@ -155,6 +170,9 @@ impl Live {
     }
 
     fn finish(&mut self, app: &mut App) -> anyhow::Result<()> {
+        if let Some(mut s) = self.sampler.take() {
+            s.stop();
+        }
         self.handle.stop();
         // Events sent before the trainer stopped (its `end` among them) belong in the file.
         while let Ok(e) = self.handle.events.try_recv() {

@@ -21,7 +21,7 @@ use crossterm::event::EventStream;
 
 use crate::headless::Summary;
 use crate::scenario::Scenario;
-use crate::telemetry::{Event, Level};
+use crate::telemetry::{Event, Level, MemorySource, Phase};
 use app::App;
 use feed::{Feed, Live, Replay};
 use keymap::KeyMap;
@@ -47,10 +47,10 @@ pub fn require_terminal() -> anyhow::Result<()> {
 /// Train `scenario` on `device` with the workbench screen until the user quits.
 pub fn run_live(scenario: Scenario, device: Device, opts: LiveOptions) -> anyhow::Result<()> {
     require_terminal()?;
+    let sampler_device = device.clone();
     let (handle, sink) = crate::train::spawn(scenario, device)?;
-    // Nothing else produces events yet; holding the sender would keep the stream open forever.
-    drop(sink);
-    let live = Live::new(handle, opts.record.as_deref())?;
+    let sampler = crate::memory::gpu::start_sampler(sink, &sampler_device);
+    let live = Live::new(handle, opts.record.as_deref())?.with_sampler(sampler);
     let mut app = App {
         color: terminal::color_enabled(),
         recording: live.recording_path(),
@@ -107,6 +107,13 @@ pub fn summarize(events: &[Event]) -> Summary {
             Event::Header(h) => summary.header = Some(h.clone()),
             Event::Step(s) => summary.steps.push(s.clone()),
             Event::Eval(e) => summary.last_val_loss = Some(e.val_loss),
+            // As the headless run counts it: the highest measured end-of-step peak.
+            Event::Memory(m) if m.phase == Phase::Step && m.source != MemorySource::Estimate => {
+                let best = summary.peak_memory.map_or(0, |(p, _)| p);
+                if m.peak >= best {
+                    summary.peak_memory = Some((m.peak, m.source));
+                }
+            }
             Event::Log(l) if l.level == Level::Error => summary.errors.push(l.message.clone()),
             Event::End(e) => summary.end_reason = e.reason.clone(),
             _ => {}

@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# GPU smoke test: on a machine with an NVIDIA GPU and the CUDA toolkit, build gaccwb with the
+# `cuda` feature, run the test suite with it, run every built-in preset headless on cuda:0 with
+# --record, and print a table (tokens/s, NVML peak memory, trainer peak, measured categories vs
+# the estimate, NVML vs trainer agreement). Everything lands in one folder.
+#
+# Usage:
+#   scripts/gpu-smoke.sh [--steps N] [--out DIR]   the smoke test (default: 40 steps, gpu-smoke-out/)
+#   scripts/gpu-smoke.sh --table DIR               rebuild the table from DIR's recordings
+#   scripts/gpu-smoke.sh --self-test BIN           check the table builder without a GPU (CI)
+#
+# Environment: CUDA_HOME (toolkit; else nvcc on PATH or /usr/local/cuda), CUDA_COMPUTE_CAP (else
+# asked of nvidia-smi), GPU_SMOKE_CONTEXT_MIB (NVML-over-trainer allowance, default 1536).
+
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SCRIPTS=$PWD/scripts
+
+STEPS=40
+OUT=gpu-smoke-out
+BUILD_LIMIT_S=360
+TEST_LIMIT_S=240
+PRESET_LIMIT_S=90
+
+fail() {
+    printf '\ngpu-smoke: FAILED: %s\n' "$*" >&2
+    exit 1
+}
+
+need_python() {
+    command -v python3 >/dev/null || fail "python3 is needed to read the recordings"
+}
+
+build_table() {
+    need_python
+    python3 "$SCRIPTS/smoke_table.py" "$1"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Without a GPU: the table builder on a fixture shaped like a GPU run, then on a real CPU run.
+
+self_test() {
+    local bin=$1 tmp status
+    [ -x "$bin" ] || fail "--self-test needs the gaccwb binary, got '$bin'"
+    need_python
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' RETURN
+
+    echo "table of scripts/testdata/gpu-smoke (a recording shaped like a cuda:0 run):"
+    python3 "$SCRIPTS/smoke_table.py" "$SCRIPTS/testdata/gpu-smoke" >"$tmp/fixture.txt"
+    status=$?
+    cat "$tmp/fixture.txt"
+    [ $status -eq 1 ] || fail "the fixture has a failed run: the table must exit 1, it exited $status"
+    diff -u "$SCRIPTS/testdata/gpu-smoke.expected" "$tmp/fixture.txt" ||
+        fail "the table differs from scripts/testdata/gpu-smoke.expected"
+
+    echo
+    echo "table of a 3-step CPU run of each preset:"
+    mkdir "$tmp/cpu"
+    # A narrower model keeps this quick; each preset keeps its own batch, K and timeline.
+    run_presets "$bin" cpu 3 "$tmp/cpu" --set model.d_model=32 --set model.layers=1 --set model.heads=2
+    python3 "$SCRIPTS/smoke_table.py" "$tmp/cpu" | tee "$tmp/cpu.txt" ||
+        fail "the table of CPU runs reports a failure"
+    for preset in $("$bin" presets | awk '{print $1}'); do
+        grep -qE "^$preset +ok +3 +[0-9]+ " "$tmp/cpu.txt" ||
+            fail "no 'ok, 3 steps, tokens/s' row for preset $preset"
+    done
+    echo "gpu-smoke self-test: ok"
+}
+
+# run_presets BIN DEVICE STEPS DIR [EXTRA ARGS...]: every preset headless, recorded to DIR/NAME.jsonl;
+# DIR/runs.tsv lists preset, exit status, seconds.
+run_presets() {
+    local bin=$1 device=$2 steps=$3 dir=$4 start status
+    shift 4
+    local presets
+    presets=$("$bin" presets | awk '{print $1}') || fail "'gaccwb presets' failed"
+    [ -n "$presets" ] || fail "'gaccwb presets' listed no presets"
+    : >"$dir/runs.tsv"
+    for preset in $presets; do
+        start=$SECONDS
+        timeout --kill-after=10 "$PRESET_LIMIT_S" "$bin" run "$preset" --headless --steps "$steps" \
+            --device "$device" --record "$dir/$preset.jsonl" "$@" </dev/null >"$dir/$preset.log" 2>&1
+        status=$?
+        printf '%s\t%s\t%s\n' "$preset" "$status" "$((SECONDS - start))" >>"$dir/runs.tsv"
+        printf '  %-24s exit %-3s %4ss  %s\n' "$preset" "$status" "$((SECONDS - start))" \
+            "$(tail -n 1 "$dir/$preset.log")"
+    done
+}
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU box.
+
+find_cuda() {
+    command -v nvidia-smi >/dev/null ||
+        fail "no nvidia-smi: this script needs an NVIDIA GPU and its driver (for the CUDA compile check alone, run .ci/run cuda)"
+    nvidia-smi -L 2>/dev/null | grep -q '^GPU 0' || fail "nvidia-smi finds no GPU: $(nvidia-smi -L 2>&1 | head -n 1)"
+    if [ -z "${CUDA_HOME:-}" ]; then
+        if command -v nvcc >/dev/null; then
+            CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
+        elif [ -x /usr/local/cuda/bin/nvcc ]; then
+            CUDA_HOME=/usr/local/cuda
+        fi
+    fi
+    [ -n "${CUDA_HOME:-}" ] && [ -x "$CUDA_HOME/bin/nvcc" ] ||
+        fail "no nvcc: install the CUDA toolkit or set CUDA_HOME (README: Building with CUDA)"
+    export CUDA_HOME PATH=$CUDA_HOME/bin:$PATH
+    if [ -z "${CUDA_COMPUTE_CAP:-}" ]; then
+        CUDA_COMPUTE_CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader -i 0 | tr -d '.[:space:]')
+    fi
+    export CUDA_COMPUTE_CAP
+    need_python
+}
+
+# phase NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAME.log, note the time.
+phase() {
+    local name=$1 limit=$2 start=$SECONDS status
+    shift 2
+    echo "== $name"
+    timeout --kill-after=10 "$limit" "$@" </dev/null >"$OUT/$name.log" 2>&1
+    status=$?
+    printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" >>"$OUT/phases.tsv"
+    echo "   exit $status after $((SECONDS - start))s (log: $OUT/$name.log)"
+    [ $status -ne 124 ] || echo "   timed out after ${limit}s"
+    return $status
+}
+
+smoke() {
+    find_cuda
+    rm -rf "$OUT"
+    mkdir -p "$OUT/runs" || fail "cannot create $OUT"
+    local start=$SECONDS failed=0
+    {
+        date -u
+        git rev-parse HEAD 2>/dev/null
+        nvidia-smi
+        nvcc --version
+        echo "CUDA_HOME=$CUDA_HOME CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP"
+    } >"$OUT/env.txt" 2>&1
+    echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,compute_cap --format=csv,noheader -i 0)"
+    echo "nvcc: $(nvcc --version | tail -n 1); outputs in $OUT/"
+
+    phase build "$BUILD_LIMIT_S" cargo build --locked --release --features cuda ||
+        fail "the cuda build failed; see $OUT/build.log"
+    phase test "$TEST_LIMIT_S" cargo test --locked --release --features cuda || failed=1
+    grep -E '^test result:' "$OUT/test.log" | sed 's/^/   /'
+
+    echo "== presets on cuda:0, $STEPS steps each"
+    run_presets ./target/release/gaccwb cuda:0 "$STEPS" "$OUT/runs"
+
+    echo
+    build_table "$OUT/runs" | tee "$OUT/table.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+
+    local total=$((SECONDS - start))
+    echo
+    echo "total ${total}s (budget 480s)$([ $total -gt 480 ] && echo ': OVER BUDGET')"
+    [ $failed -eq 0 ] || fail "see the table and $OUT/test.log"
+    echo "gpu-smoke: ok"
+}
+
+# ---------------------------------------------------------------------------------------------
+
+while [ $# -gt 0 ]; do
+    case $1 in
+        --steps) STEPS=${2:?--steps needs a number}; shift 2 ;;
+        --out) OUT=${2:?--out needs a folder}; shift 2 ;;
+        --table) build_table "${2:?--table needs a folder}"; exit ;;
+        --self-test) self_test "${2:?--self-test needs the gaccwb binary}"; exit ;;
+        -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
+        *) fail "unknown argument '$1' (see --help)" ;;
+    esac
+done
+smoke

@@ -1,0 +1,523 @@
+//! The analytic estimator: bytes per ledger category for a configuration, derived by counting
+//! the tensors this model's forward creates (`model.rs`, `ops.rs`) and what Candle's backward
+//! keeps; no measurement goes in.
+//!
+//! Activations. Candle keeps every tensor of the graph alive until the loss is dropped (each op
+//! holds its inputs), so activations are every new storage the forward allocates; views
+//! (reshape, permute, transpose, narrow, broadcast) add none. With N = B·T tokens, d model
+//! width, H heads, V vocab and c the compute dtype's bytes, one block holds
+//! 40·N·d·c + 6·B·H·T²·c + small per-row terms (f32: 5·N·d per layer norm, 15·N·d for
+//! attention's projections and copies, 15·N·d for the MLP; scores, scaled scores, masked scores,
+//! softmax's shifted, exponentiated and normalised copies). This is the transformer form of
+//! Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+//! s·b·h·(α + β·a·s/h) per layer, with this model's constants (α = 40, β = 6, ×4 bytes in f32,
+//! no dropout) in place of their 34 and 5 for a 16-bit Megatron block.
+//!
+//! Transient gradients: the store one backward returns (one f32 gradient per parameter, plus the
+//! gradients of constants: each layer's broadcast causal mask, B·H·T², and the loss mask, N) and,
+//! in f32, what each weight gradient keeps referenced until the store is dropped (Candle computes
+//! `lhsᵀ·grad` without detaching: a zero tensor and the product, 2·|W|, and the upstream
+//! gradient, N·out). The measured figure is the backward's peak over its start, so the estimate
+//! adds what is in flight at that peak (`in_flight_bytes`) and removes what only exists after
+//! it (`after_peak_bytes`).
+
+use serde::Serialize;
+
+use crate::scenario::{ModelConfig, Scenario};
+use crate::telemetry::{
+    Categories, Control, Dtype, LossNorm, MemoryEvent, MemorySource, Phase, ZeroGrad,
+};
+use crate::train::Knobs;
+
+const F32: u64 = 4;
+
+/// Everything the estimate depends on.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Config {
+    pub model: ModelConfig,
+    pub micro_batch: usize,
+    pub accum_steps: usize,
+    pub dtype: Dtype,
+    pub offload: bool,
+    /// A pitfall is on (mean-of-means or zero-grad per micro-batch): a reference buffer is kept.
+    pub pitfall: bool,
+    /// Host and device are one memory (CPU): offload keeps no separate master copy.
+    pub unified: bool,
+}
+
+impl Config {
+    pub fn from_knobs(model: &ModelConfig, k: &Knobs, unified: bool) -> Config {
+        Config {
+            model: model.clone(),
+            micro_batch: k.micro_batch,
+            accum_steps: k.accum_steps,
+            dtype: k.dtype,
+            offload: k.offload,
+            pitfall: k.loss_norm != LossNorm::Tokens || k.zero_grad != ZeroGrad::PerWindow,
+            unified,
+        }
+    }
+
+    pub fn from_scenario(s: &Scenario, unified: bool) -> Config {
+        Config::from_knobs(&s.model, &Knobs::from_scenario(s), unified)
+    }
+}
+
+/// Predicted categories at the end of each phase of one optimizer step.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Estimate {
+    pub forward: Categories,
+    pub backward: Categories,
+    pub optimizer: Categories,
+    pub step: Categories,
+    pub unified: bool,
+}
+
+impl Estimate {
+    pub fn phases(&self) -> [(Phase, Categories); 4] {
+        [
+            (Phase::Forward, self.forward),
+            (Phase::Backward, self.backward),
+            (Phase::Optimizer, self.optimizer),
+            (Phase::Step, self.step),
+        ]
+    }
+
+    /// Bytes in the measured memory (the device; everything when unified).
+    pub fn resident(&self, c: &Categories) -> u64 {
+        if self.unified {
+            c.sum()
+        } else {
+            c.sum() - c.offloaded
+        }
+    }
+
+    /// The step's predicted peak: the largest phase.
+    pub fn peak(&self) -> u64 {
+        self.phases()
+            .iter()
+            .map(|(_, c)| self.resident(c))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// `source: estimate` events for the step the configuration applies from.
+    pub fn events(&self, step: u64) -> Vec<MemoryEvent> {
+        let peak = self.peak();
+        self.phases()
+            .into_iter()
+            .map(|(phase, categories)| MemoryEvent {
+                step,
+                phase,
+                source: MemorySource::Estimate,
+                categories,
+                total: self.resident(&categories),
+                peak: if phase == Phase::Step {
+                    peak
+                } else {
+                    self.resident(&categories)
+                },
+                unified: self.unified,
+            })
+            .collect()
+    }
+}
+
+/// Controls that change what the step holds, so a new estimate is due.
+pub fn changes_memory(c: &Control) -> bool {
+    matches!(
+        c,
+        Control::SetAccumSteps { .. }
+            | Control::SetMicroBatch { .. }
+            | Control::SetDtype { .. }
+            | Control::SetOffload { .. }
+            | Control::SetLossNorm { .. }
+            | Control::SetZeroGrad { .. }
+    )
+}
+
+/// Shape figures the formulas share.
+struct Shape {
+    n: u64,
+    d: u64,
+    v: u64,
+    t: u64,
+    layers: u64,
+    /// Batch × heads × T × T: one attention score tensor.
+    scores: u64,
+    /// Compute dtype bytes.
+    c: u64,
+    /// The compute dtype differs from f32 (casts make copies).
+    cast: bool,
+}
+
+impl Shape {
+    fn new(cfg: &Config) -> Shape {
+        let m = &cfg.model;
+        let (b, t) = (cfg.micro_batch as u64, m.seq_len as u64);
+        Shape {
+            n: b * t,
+            d: m.d_model as u64,
+            v: m.vocab as u64,
+            t,
+            layers: m.layers as u64,
+            scores: b * m.heads as u64 * t * t,
+            c: cfg.dtype.size_in_bytes() as u64,
+            cast: cfg.dtype != Dtype::F32,
+        }
+    }
+}
+
+/// Trainable parameters of the model.
+pub fn param_count(m: &ModelConfig) -> u64 {
+    let (v, d, t, l) = (
+        m.vocab as u64,
+        m.d_model as u64,
+        m.seq_len as u64,
+        m.layers as u64,
+    );
+    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+    v * d + t * d + l * block + 2 * d + d * v
+}
+
+/// Elements of the matrices the forward multiplies by directly (`x.matmul(w)`): qkv, proj, fc,
+/// out per block, and the head.
+fn matmul_weights(m: &ModelConfig) -> u64 {
+    let d = m.d_model as u64;
+    m.layers as u64 * 12 * d * d + d * m.vocab as u64
+}
+
+/// Bytes one `ops::layer_norm` keeps (input dtype = compute dtype).
+fn layer_norm_bytes(s: &Shape) -> u64 {
+    let (n, d) = (s.n, s.d);
+    // centred, squared, normalised, ×gain, +bias (f32) and six [N,1] reductions.
+    let mut bytes = 5 * n * d * F32 + 6 * n * F32;
+    if s.cast {
+        // input to f32, gain and bias to f32, result back to the compute dtype.
+        bytes += n * d * F32 + 2 * d * F32 + n * d * s.c;
+    }
+    bytes
+}
+
+/// Bytes the graph of one micro-batch keeps for backward.
+pub fn activation_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    let (n, d, c) = (s.n, s.d, s.c);
+    let embedding = 2 * n * d * c;
+    // qkv (matmul, +bias), q/k/v copies, kᵀ copy, att·v, its transposed copy, proj (2),
+    // residual: 15·N·d; scores, ×scale, +mask, shifted, exp, normalised: 6·BHT²; max and sum
+    // per row: 2·BHT.
+    let attention = 15 * n * d * c + 6 * s.scores * c + 2 * (s.scores / s.t) * c;
+    // fc (matmul, +bias: 8), gelu (4), out (matmul, +bias: 2), residual (1).
+    let mlp = 15 * n * d * c;
+    let block = 2 * layer_norm_bytes(&s) + attention + mlp;
+    let logits = n * s.v * c + if s.cast { n * s.v * F32 } else { 0 };
+    // log-softmax keeps shifted, exp and result (N·V) and max, sum, log (N); gather and ×mask
+    // (N); sum, neg and the scaled loss are scalars.
+    let loss = 3 * n * s.v * F32 + 5 * n * F32 + 3 * F32;
+    embedding + s.layers * block + layer_norm_bytes(&s) + logits + loss
+}
+
+/// Bytes of the gradient store one backward returns, constants' gradients included.
+pub fn grad_store_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    param_count(&cfg.model) * F32 + s.layers * s.scores * s.c + s.n * F32
+}
+
+/// Bytes f32 weight gradients keep referenced until the store is dropped (0 when the weights
+/// are cast: the cast is processed and detached).
+pub fn weight_grad_retention(cfg: &Config) -> u64 {
+    if cfg.dtype != Dtype::F32 {
+        return 0;
+    }
+    let s = Shape::new(cfg);
+    let upstream = s.layers * 9 * s.n * s.d + s.n * s.v;
+    (2 * matmul_weights(&cfg.model) + upstream) * F32
+}
+
+/// Bytes in flight at the backward's peak, which falls at block 0's GELU (the last block
+/// processed, when retention is largest). Candle's GELU backward builds its derivative from
+/// the tracked pre-activation, so its whole expression stays referenced until that node is
+/// processed: zeros, x³, 0.0357·x³, 0.798·x, their sum, tanh, 0.5·tanh, 0.0535·x³, 0.399·x, their
+/// sum, tanh², 1−tanh², the product, the sum, +0.5, grad·gelu′ and the accumulated sum (17
+/// tensors of 4·N·d), plus the GELU output's own gradient with the zeros and `grad·Wᵀ` it
+/// references (3 × 4·N·d) and the residual stream's pending gradient (N·d): 81·N·d.
+pub fn in_flight_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    81 * s.n * s.d * s.c
+}
+
+/// Bytes of the end-of-backward figure that do not exist yet at the peak: gradients of block 0's
+/// parameters before its MLP output and of the embeddings, block 0's weight retention for qkv,
+/// proj and fc, and block 0's causal-mask gradient.
+pub fn after_peak_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    let (d, n) = (s.d, s.n);
+    let grads = (8 * d * d + 12 * d + s.v * d + s.t * d) * F32;
+    let retention = if cfg.dtype == Dtype::F32 {
+        (16 * d * d + 8 * n * d) * F32
+    } else {
+        0
+    };
+    grads + retention + s.scores * s.c
+}
+
+/// What backward holds at its peak on top of what it started from.
+pub fn transient_bytes(cfg: &Config) -> u64 {
+    (grad_store_bytes(cfg) + weight_grad_retention(cfg) + in_flight_bytes(cfg))
+        .saturating_sub(after_peak_bytes(cfg))
+}
+
+pub fn estimate(cfg: &Config) -> Estimate {
+    let p = param_count(&cfg.model) * F32;
+    let buffers = if cfg.pitfall { 2 } else { 1 };
+    let moments = 2 * p;
+    let master = if cfg.offload && !cfg.unified { p } else { 0 };
+    let (optimizer_state, offloaded) = if cfg.offload {
+        (0, moments + master)
+    } else {
+        (moments, 0)
+    };
+    let persistent = Categories {
+        parameters: p,
+        optimizer_state,
+        offloaded,
+        ..Categories::default()
+    };
+    // The accumulation buffer exists inside a window from its second micro-batch on.
+    let in_window_buffer = if cfg.accum_steps > 1 { buffers * p } else { 0 };
+    let compute_weights = if cfg.dtype == Dtype::F32 {
+        0
+    } else {
+        param_count(&cfg.model) * cfg.dtype.size_in_bytes() as u64
+    };
+    let forward = Categories {
+        compute_weights,
+        gradients: in_window_buffer,
+        activations: activation_bytes(cfg),
+        ..persistent
+    };
+    let backward = Categories {
+        gradients_transient: transient_bytes(cfg),
+        ..forward
+    };
+    let optimizer = Categories {
+        gradients: buffers * p,
+        ..persistent
+    };
+    Estimate {
+        forward,
+        backward,
+        optimizer,
+        step: persistent,
+        unified: cfg.unified,
+    }
+}
+
+/// One row of the micro-batch table at a fixed effective batch.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Row {
+    pub micro_batch: usize,
+    pub accum_steps: usize,
+    pub activations: u64,
+    pub gradients_transient: u64,
+    pub peak: u64,
+}
+
+/// Every split B·K = `effective` (B a divisor), smallest B first.
+pub fn micro_batch_table(cfg: &Config, effective: usize) -> Vec<Row> {
+    (1..=effective)
+        .filter(|b| effective.is_multiple_of(*b))
+        .map(|b| {
+            let c = Config {
+                micro_batch: b,
+                accum_steps: effective / b,
+                ..cfg.clone()
+            };
+            let e = estimate(&c);
+            Row {
+                micro_batch: b,
+                accum_steps: c.accum_steps,
+                activations: e.backward.activations,
+                gradients_transient: e.backward.gradients_transient,
+                peak: e.peak(),
+            }
+        })
+        .collect()
+}
+
+/// The largest micro-batch whose predicted peak fits in `budget` bytes at effective batch
+/// `effective`, or `None` when even B=1 does not fit.
+pub fn largest_micro_batch(cfg: &Config, effective: usize, budget: u64) -> Option<Row> {
+    micro_batch_table(cfg, effective)
+        .into_iter()
+        .filter(|r| r.peak <= budget)
+        .max_by_key(|r| r.micro_batch)
+}
+
+/// What `gaccwb estimate` prints.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub preset: String,
+    pub config: Config,
+    pub params: u64,
+    pub estimate: Estimate,
+    pub peak: u64,
+    pub effective_batch: usize,
+    pub table: Vec<Row>,
+    pub budget: u64,
+    pub largest_fitting: Option<Row>,
+}
+
+impl Report {
+    pub fn new(preset: &str, cfg: &Config, effective: usize, budget: u64) -> Report {
+        let estimate = estimate(cfg);
+        Report {
+            preset: preset.to_string(),
+            config: cfg.clone(),
+            params: param_count(&cfg.model),
+            peak: estimate.peak(),
+            estimate,
+            effective_batch: effective,
+            table: micro_batch_table(cfg, effective),
+            budget,
+            largest_fitting: largest_micro_batch(cfg, effective, budget),
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let c = &self.config;
+        let m = &c.model;
+        let mut out = format!(
+            "{}: d_model={} layers={} heads={} seq_len={} vocab={} ({} parameters)\n\
+             B={} K={} {} offload {}; {}\n\n",
+            self.preset,
+            m.d_model,
+            m.layers,
+            m.heads,
+            m.seq_len,
+            m.vocab,
+            self.params,
+            c.micro_batch,
+            c.accum_steps,
+            c.dtype.name(),
+            if c.offload { "on" } else { "off" },
+            if c.unified {
+                "CPU: host and device are one memory"
+            } else {
+                "GPU: offloaded bytes live in host memory"
+            },
+        );
+        out += &format!(
+            "{:<20}{:>12}{:>12}{:>12}{:>12}\n",
+            "predicted", "forward", "backward", "optimizer", "step"
+        );
+        let phases = self.estimate.phases();
+        for (i, name) in Categories::NAMES.iter().enumerate().take(7) {
+            out += &format!("{name:<20}");
+            for (_, cats) in &phases {
+                out += &format!("{:>12}", mib(cats.values()[i]));
+            }
+            out += "\n";
+        }
+        out += &format!("{:<20}", "total");
+        for (_, cats) in &phases {
+            out += &format!("{:>12}", mib(self.estimate.resident(cats)));
+        }
+        out += &format!(
+            "\npeak {} (allocator workspace and CUDA context not included)\n\n",
+            mib(self.peak)
+        );
+        out += &format!(
+            "At effective batch {}:\n{:>6}{:>6}{:>14}{:>16}{:>12}\n",
+            self.effective_batch, "B", "K", "activations", "grad transient", "peak"
+        );
+        for r in &self.table {
+            out += &format!(
+                "{:>6}{:>6}{:>14}{:>16}{:>12}\n",
+                r.micro_batch,
+                r.accum_steps,
+                mib(r.activations),
+                mib(r.gradients_transient),
+                mib(r.peak)
+            );
+        }
+        let budget = format!("{:.2} GiB", self.budget as f64 / (1u64 << 30) as f64);
+        out += &match &self.largest_fitting {
+            Some(r) => format!(
+                "\nLargest micro-batch that fits in {budget} at effective batch {}: B={} (K={}), peak {}\n",
+                self.effective_batch,
+                r.micro_batch,
+                r.accum_steps,
+                mib(r.peak)
+            ),
+            None => format!(
+                "\nNo micro-batch fits in {budget} at effective batch {}: even B=1 needs {}\n",
+                self.effective_batch,
+                self.table.first().map_or("?".into(), |r| mib(r.peak))
+            ),
+        };
+        out
+    }
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(b: usize, k: usize) -> Config {
+        Config {
+            model: ModelConfig {
+                vocab: 256,
+                d_model: 32,
+                layers: 2,
+                heads: 2,
+                seq_len: 32,
+            },
+            micro_batch: b,
+            accum_steps: k,
+            dtype: Dtype::F32,
+            offload: false,
+            pitfall: false,
+            unified: true,
+        }
+    }
+
+    #[test]
+    fn parameter_count_matches_the_model() {
+        let cfg = tiny(4, 1);
+        let model = crate::model::Gpt::new(&cfg.model, 0, &candle_core::Device::Cpu).unwrap();
+        assert_eq!(param_count(&cfg.model), model.param_count());
+    }
+
+    #[test]
+    fn activations_grow_linearly_and_state_does_not() {
+        let (a, b) = (estimate(&tiny(4, 8)), estimate(&tiny(32, 1)));
+        assert_eq!(
+            b.forward.activations,
+            8 * a.forward.activations - 7 * 3 * F32
+        );
+        assert_eq!(a.optimizer.gradients, b.optimizer.gradients);
+        assert_eq!(a.step.optimizer_state, b.step.optimizer_state);
+    }
+
+    #[test]
+    fn offload_moves_moments_and_the_largest_fitting_batch_is_monotone() {
+        let on = estimate(&Config {
+            offload: true,
+            unified: false,
+            ..tiny(4, 1)
+        });
+        assert_eq!(on.step.optimizer_state, 0);
+        assert_eq!(on.step.offloaded, 3 * on.step.parameters);
+        let cfg = tiny(1, 1);
+        let small = largest_micro_batch(&cfg, 64, 20 << 20).unwrap();
+        let large = largest_micro_batch(&cfg, 64, 200 << 20).unwrap();
+        assert!(small.micro_batch < large.micro_batch);
+        assert!(largest_micro_batch(&cfg, 64, 1).is_none());
+    }
+}

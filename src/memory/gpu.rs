@@ -1,0 +1,379 @@
+//! Device sources and the sampler thread.
+//!
+//! A `GpuSource` gives one `DeviceEvent` reading at a time: NVML (device used/total, this
+//! process's memory, utilisation, temperature, power), the CUDA default memory pool
+//! (used/reserved/high-water, `cuda` builds only), or the counting allocator on CPU runs. The
+//! sampler thread reads its sources at `SAMPLE_INTERVAL` and sends the readings into the run's
+//! event stream. A source that cannot answer sends one event saying why
+//! ("NVML unavailable: <reason>") and stays quiet until the reason changes; nothing panics.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::Nvml;
+
+use super::ledger::{AllocatorMeter, TotalMeter};
+use crate::telemetry::{DeviceEvent, Event, MemorySource};
+use crate::train::EventSink;
+
+/// 10 Hz: fast enough to see memory swing within a step of the default preset.
+pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Something that can report device figures.
+pub trait GpuSource: Send {
+    fn source(&self) -> MemorySource;
+    /// One reading (`t_ms` is filled by the sampler), or why there is none.
+    fn sample(&mut self) -> Result<DeviceEvent, String>;
+}
+
+/// "NVML unavailable: <reason>", the one wording the UI shows.
+pub fn nvml_unavailable(reason: impl std::fmt::Display) -> String {
+    format!("NVML unavailable: {reason}")
+}
+
+/// NVML loaded once per process, on first use.
+static NVML: OnceLock<Result<Arc<Nvml>, String>> = OnceLock::new();
+
+fn shared_nvml() -> Result<Arc<Nvml>, String> {
+    NVML.get_or_init(|| Nvml::init().map(Arc::new).map_err(nvml_unavailable))
+        .clone()
+}
+
+/// One GPU seen through NVML.
+pub struct NvmlSource {
+    nvml: Result<Arc<Nvml>, String>,
+    index: u32,
+    pid: u32,
+}
+
+impl NvmlSource {
+    /// GPU `index` through the process-wide NVML handle.
+    pub fn new(index: u32) -> NvmlSource {
+        NvmlSource {
+            nvml: shared_nvml(),
+            index,
+            pid: std::process::id(),
+        }
+    }
+
+    /// GPU `index` through the NVML library at `path` (tests, unusual installs).
+    pub fn with_library(path: &std::ffi::OsStr, index: u32) -> NvmlSource {
+        let nvml = Nvml::builder()
+            .lib_path(path)
+            .init()
+            .map(Arc::new)
+            .map_err(nvml_unavailable);
+        NvmlSource {
+            nvml,
+            index,
+            pid: std::process::id(),
+        }
+    }
+
+    /// Why NVML cannot be used, if it cannot.
+    pub fn unavailable(&self) -> Option<&str> {
+        self.nvml.as_ref().err().map(String::as_str)
+    }
+}
+
+impl GpuSource for NvmlSource {
+    fn source(&self) -> MemorySource {
+        MemorySource::Nvml
+    }
+
+    fn sample(&mut self) -> Result<DeviceEvent, String> {
+        let nvml = self.nvml.as_ref().map_err(Clone::clone)?;
+        let gpu = nvml
+            .device_by_index(self.index)
+            .map_err(|e| nvml_unavailable(format!("GPU {}: {e}", self.index)))?;
+        let memory = gpu.memory_info().map_err(nvml_unavailable)?;
+        let process_used = gpu.running_compute_processes().ok().and_then(|ps| {
+            ps.into_iter()
+                .filter(|p| p.pid == self.pid)
+                .find_map(|p| match p.used_gpu_memory {
+                    UsedGpuMemory::Used(bytes) => Some(bytes),
+                    UsedGpuMemory::Unavailable => None,
+                })
+        });
+        Ok(DeviceEvent {
+            source: MemorySource::Nvml,
+            used: Some(memory.used),
+            total: Some(memory.total),
+            process_used,
+            utilization: gpu.utilization_rates().ok().map(|u| u.gpu),
+            temperature_c: gpu.temperature(TemperatureSensor::Gpu).ok(),
+            power_w: gpu.power_usage().ok().map(|mw| f64::from(mw) / 1e3),
+            ..DeviceEvent::default()
+        })
+    }
+}
+
+/// The counting allocator as a device source (CPU runs): live bytes, lifetime peak, host RAM.
+pub struct AllocatorSource {
+    host_total: Option<u64>,
+}
+
+impl AllocatorSource {
+    pub fn new() -> AllocatorSource {
+        AllocatorSource {
+            host_total: host_memory_total(),
+        }
+    }
+}
+
+impl Default for AllocatorSource {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl GpuSource for AllocatorSource {
+    fn source(&self) -> MemorySource {
+        MemorySource::Allocator
+    }
+
+    fn sample(&mut self) -> Result<DeviceEvent, String> {
+        let live = super::alloc::live();
+        Ok(DeviceEvent {
+            source: MemorySource::Allocator,
+            used: Some(live),
+            total: self.host_total,
+            process_used: Some(live),
+            peak: Some(super::alloc::high_water()),
+            ..DeviceEvent::default()
+        })
+    }
+}
+
+/// Installed RAM from /proc/meminfo (Linux); `None` elsewhere.
+fn host_memory_total() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Scripted readings, for tests and for replaying a device's behaviour without one.
+pub struct FakeSource {
+    source: MemorySource,
+    readings: VecDeque<Result<DeviceEvent, String>>,
+    last: Option<Result<DeviceEvent, String>>,
+}
+
+impl FakeSource {
+    /// Gives `readings` in order, then repeats the last one.
+    pub fn new(source: MemorySource, readings: Vec<Result<DeviceEvent, String>>) -> FakeSource {
+        FakeSource {
+            source,
+            readings: readings.into(),
+            last: None,
+        }
+    }
+}
+
+impl GpuSource for FakeSource {
+    fn source(&self) -> MemorySource {
+        self.source
+    }
+
+    fn sample(&mut self) -> Result<DeviceEvent, String> {
+        if let Some(next) = self.readings.pop_front() {
+            self.last = Some(next);
+        }
+        let mut reading = self
+            .last
+            .clone()
+            .unwrap_or_else(|| Err("no readings scripted".into()))?;
+        reading.source = self.source;
+        Ok(reading)
+    }
+}
+
+/// NVML's figure for this process as the ledger's measured total, when the CUDA memory pool
+/// cannot be read. NVML has no per-phase peak: the peak is the highest reading taken.
+pub struct NvmlMeter {
+    source: NvmlSource,
+    peak: AtomicU64,
+}
+
+impl NvmlMeter {
+    pub fn new(index: u32) -> NvmlMeter {
+        NvmlMeter {
+            source: NvmlSource::new(index),
+            peak: AtomicU64::new(0),
+        }
+    }
+}
+
+impl TotalMeter for NvmlMeter {
+    fn source(&self) -> MemorySource {
+        MemorySource::Nvml
+    }
+    fn unified(&self) -> bool {
+        false
+    }
+    fn live(&self) -> u64 {
+        let Ok(nvml) = &self.source.nvml else {
+            return 0;
+        };
+        let used = nvml
+            .device_by_index(self.source.index)
+            .and_then(|d| d.running_compute_processes())
+            .ok()
+            .and_then(|ps| {
+                ps.into_iter()
+                    .filter(|p| p.pid == self.source.pid)
+                    .find_map(|p| match p.used_gpu_memory {
+                        UsedGpuMemory::Used(b) => Some(b),
+                        UsedGpuMemory::Unavailable => None,
+                    })
+            })
+            .unwrap_or(0);
+        self.peak.fetch_max(used, Relaxed);
+        used
+    }
+    fn peak(&self) -> u64 {
+        self.live();
+        self.peak.load(Relaxed)
+    }
+    fn reset_peak(&self) {
+        self.peak.store(0, Relaxed);
+    }
+}
+
+/// The measured total for the ledger on `device`: the allocator on the CPU; on CUDA the default
+/// memory pool (per-phase high-water marks), else NVML's per-process figure.
+pub fn meter_for(device: &Device) -> Box<dyn TotalMeter> {
+    match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => cuda_meter(device, gpu_id),
+        _ => Box::new(AllocatorMeter),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_meter(device: &Device, gpu_id: usize) -> Box<dyn TotalMeter> {
+    match super::cuda_pool::CudaPool::for_device(device) {
+        Ok(pool) => Box::new(pool),
+        Err(_) => Box::new(NvmlMeter::new(gpu_id as u32)),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_meter(_device: &Device, gpu_id: usize) -> Box<dyn TotalMeter> {
+    Box::new(NvmlMeter::new(gpu_id as u32))
+}
+
+/// The sources that describe `device`: the allocator on CPU; NVML and the memory pool on CUDA.
+pub fn sources_for(device: &Device) -> Vec<Box<dyn GpuSource>> {
+    match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => {
+            let nvml: Box<dyn GpuSource> = Box::new(NvmlSource::new(gpu_id as u32));
+            std::iter::once(nvml).chain(pool_source(device)).collect()
+        }
+        _ => vec![Box::new(AllocatorSource::new())],
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn pool_source(device: &Device) -> Option<Box<dyn GpuSource>> {
+    let pool = super::cuda_pool::CudaPool::for_device(device).ok()?;
+    Some(Box::new(pool))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn pool_source(_device: &Device) -> Option<Box<dyn GpuSource>> {
+    None
+}
+
+/// A running sampler; dropping it (or `stop`) ends the thread.
+pub struct SamplerHandle {
+    stop: Option<Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl SamplerHandle {
+    pub fn stop(&mut self) {
+        self.stop.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for SamplerHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Sample `device`'s sources at `SAMPLE_INTERVAL` into `sink` until the handle is dropped or
+/// nobody listens. `t_ms` counts from this call.
+pub fn start_sampler(sink: EventSink, device: &Device) -> SamplerHandle {
+    start_sampler_with(sink, sources_for(device), SAMPLE_INTERVAL)
+}
+
+/// `start_sampler` with chosen sources and interval.
+pub fn start_sampler_with(
+    sink: EventSink,
+    mut sources: Vec<Box<dyn GpuSource>>,
+    interval: Duration,
+) -> SamplerHandle {
+    let (stop, stopped) = channel::<()>();
+    let started = Instant::now();
+    let thread = std::thread::Builder::new()
+        .name("gaccwb-sampler".into())
+        .spawn(move || {
+            let mut reported: Vec<Option<String>> = vec![None; sources.len()];
+            loop {
+                let t_ms = started.elapsed().as_millis() as u64;
+                for (source, last_error) in sources.iter_mut().zip(&mut reported) {
+                    if let Some(event) = reading(source.as_mut(), t_ms, last_error) {
+                        if !sink.send(Event::Device(event)) {
+                            return;
+                        }
+                    }
+                }
+                match stopped.recv_timeout(interval) {
+                    Err(RecvTimeoutError::Timeout) => {}
+                    _ => return,
+                }
+            }
+        });
+    SamplerHandle {
+        stop: Some(stop),
+        thread: thread.ok(),
+    }
+}
+
+/// The event for one reading: the figures, or the reason the source is unavailable the first
+/// time that reason is seen.
+fn reading(
+    source: &mut dyn GpuSource,
+    t_ms: u64,
+    last_error: &mut Option<String>,
+) -> Option<DeviceEvent> {
+    match source.sample() {
+        Ok(mut event) => {
+            *last_error = None;
+            event.t_ms = t_ms;
+            Some(event)
+        }
+        Err(reason) if last_error.as_deref() == Some(reason.as_str()) => None,
+        Err(reason) => {
+            *last_error = Some(reason.clone());
+            Some(DeviceEvent {
+                t_ms,
+                source: source.source(),
+                unavailable: Some(reason),
+                ..DeviceEvent::default()
+            })
+        }
+    }
+}

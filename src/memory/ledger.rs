@@ -1,0 +1,312 @@
+//! The per-category memory ledger: what each optimizer step holds, at the peak of each phase.
+//!
+//! The trainer calls the `WindowProbe` hooks inside a window (end of each forward and backward)
+//! and `begin_window` / `optimizer_*` / `finish_window` around it. For every phase the ledger keeps
+//! the micro-step whose measured peak was highest, with the categories taken at that phase's end,
+//! and turns them into `MemoryEvent`s once the step is done. DESIGN.md "Memory truth model" defines
+//! the categories; `other` is the measured figure minus the sum of the rest.
+
+use candle_core::backprop::GradStore;
+use candle_core::Tensor;
+
+use super::tensors::{activation_bytes, grad_store_bytes, StorageSet};
+use crate::telemetry::{Categories, MemoryEvent, MemorySource, Phase};
+
+/// Measures the total the categories are checked against, with a peak that restarts per phase.
+pub trait TotalMeter: Send {
+    fn source(&self) -> MemorySource;
+    /// True when host and device are one memory (CPU runs): offloaded bytes count towards it.
+    fn unified(&self) -> bool;
+    /// Bytes in use now.
+    fn live(&self) -> u64;
+    /// Highest `live` since the last `reset_peak`.
+    fn peak(&self) -> u64;
+    fn reset_peak(&self);
+}
+
+/// The counting global allocator: every byte the process holds on the CPU.
+pub struct AllocatorMeter;
+
+impl TotalMeter for AllocatorMeter {
+    fn source(&self) -> MemorySource {
+        MemorySource::Allocator
+    }
+    fn unified(&self) -> bool {
+        true
+    }
+    fn live(&self) -> u64 {
+        super::alloc::live()
+    }
+    fn peak(&self) -> u64 {
+        super::alloc::peak()
+    }
+    fn reset_peak(&self) {
+        super::alloc::reset_peak()
+    }
+}
+
+/// Hooks `window_gradients` calls inside a window.
+pub trait WindowProbe {
+    /// A phase (forward or backward of one micro-batch) begins.
+    fn phase_start(&mut self, _phase: Phase) {}
+    /// The forward of one micro-batch is done: `loss` roots the graph kept for backward.
+    fn forward_end(&mut self, _loss: &Tensor, _compute_weights: &[Tensor], _buffer: &[&Tensor]) {}
+    /// The backward is done and its gradient store not yet folded into `buffer`.
+    fn backward_end(
+        &mut self,
+        _loss: &Tensor,
+        _compute_weights: &[Tensor],
+        _store: &GradStore,
+        _buffer: &[&Tensor],
+    ) {
+    }
+}
+
+/// Measures nothing (callers that only want gradients).
+pub struct NoProbe;
+impl WindowProbe for NoProbe {}
+
+/// Categories taken at the end of a phase, with the measured figures of that phase.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Snapshot {
+    categories: Categories,
+    total: u64,
+    peak: u64,
+}
+
+/// What persists across the window, set by the trainer before it starts.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Persistent {
+    pub optimizer_state: u64,
+    pub offloaded: u64,
+}
+
+pub struct Ledger {
+    meter: Box<dyn TotalMeter>,
+    params: Vec<Tensor>,
+    persistent: Persistent,
+    /// The highest-peak snapshot of each phase in the current window.
+    forward: Option<Snapshot>,
+    backward: Option<Snapshot>,
+    optimizer: Option<Snapshot>,
+    pending: Vec<MemoryEvent>,
+    /// Measured bytes when the current backward began.
+    backward_start: u64,
+    /// Categories of the current micro-step's forward, reused for its backward (same graph).
+    micro: Categories,
+    /// Activations walked in this window's first micro-step. Every micro-batch of a window has
+    /// the same shape, so its graph holds the same bytes; later micro-steps reuse the figure.
+    window_activations: Option<u64>,
+    /// Bytes of the last backward's gradient store (all ids, de-duplicated): the part of
+    /// `gradients_transient` visible from outside Candle.
+    pub last_store_bytes: u64,
+}
+
+impl Ledger {
+    pub fn new(meter: Box<dyn TotalMeter>) -> Ledger {
+        Ledger {
+            meter,
+            params: Vec::new(),
+            persistent: Persistent::default(),
+            forward: None,
+            backward: None,
+            optimizer: None,
+            pending: Vec::new(),
+            backward_start: 0,
+            micro: Categories::default(),
+            window_activations: None,
+            last_store_bytes: 0,
+        }
+    }
+
+    pub fn source(&self) -> MemorySource {
+        self.meter.source()
+    }
+
+    pub fn unified(&self) -> bool {
+        self.meter.unified()
+    }
+
+    /// A window for optimizer step `step` (1-based) starts with these parameters and state.
+    pub fn begin_window(&mut self, params: Vec<Tensor>, persistent: Persistent) {
+        self.params = params;
+        self.persistent = persistent;
+        self.window_activations = None;
+        self.forward = None;
+        self.backward = None;
+        self.optimizer = None;
+    }
+
+    /// The optimizer phase starts; `buffer` is the accumulated gradient about to be applied.
+    pub fn optimizer_start(&mut self, buffer: &[&Tensor]) {
+        let mut seen = self.seen_params();
+        let categories = Categories {
+            parameters: self.param_bytes(),
+            gradients: seen.add_all(buffer.iter().copied()),
+            ..self.persistent_categories()
+        };
+        self.optimizer = Some(Snapshot {
+            categories,
+            total: self.meter.live(),
+            peak: 0,
+        });
+        self.meter.reset_peak();
+    }
+
+    /// The optimizer step is done; `persistent` is the state it left (offload may have moved it).
+    pub fn finish_window(&mut self, step: u64, persistent: Persistent) {
+        let opt_peak = self.meter.peak();
+        if let Some(s) = self.optimizer.as_mut() {
+            s.peak = opt_peak;
+        }
+        self.persistent = persistent;
+        let after = Snapshot {
+            categories: Categories {
+                parameters: self.param_bytes(),
+                ..self.persistent_categories()
+            },
+            total: self.meter.live(),
+            peak: 0,
+        };
+        let phases = [
+            (Phase::Forward, self.forward.take()),
+            (Phase::Backward, self.backward.take()),
+            (Phase::Optimizer, self.optimizer.take()),
+        ];
+        let step_peak = phases
+            .iter()
+            .filter_map(|(_, s)| s.map(|s| s.peak))
+            .max()
+            .unwrap_or(0)
+            .max(after.total);
+        for (phase, snap) in phases {
+            if let Some(snap) = snap {
+                self.push(step, phase, snap, snap.peak);
+            }
+        }
+        self.push(step, Phase::Step, after, step_peak);
+    }
+
+    /// Events made since the last call.
+    pub fn take_events(&mut self) -> Vec<MemoryEvent> {
+        std::mem::take(&mut self.pending)
+    }
+
+    fn push(&mut self, step: u64, phase: Phase, snap: Snapshot, peak: u64) {
+        let mut categories = snap.categories;
+        // Phase events explain their peak; the step event explains what stays live after it.
+        let measured = if phase == Phase::Step {
+            snap.total
+        } else {
+            peak
+        };
+        let in_measured = if self.unified() {
+            categories.sum()
+        } else {
+            categories.sum() - categories.offloaded
+        };
+        categories.other = measured.saturating_sub(in_measured);
+        self.pending.push(MemoryEvent {
+            step,
+            phase,
+            source: self.source(),
+            categories,
+            total: snap.total,
+            peak,
+            unified: self.unified(),
+        });
+    }
+
+    fn persistent_categories(&self) -> Categories {
+        Categories {
+            optimizer_state: self.persistent.optimizer_state,
+            offloaded: self.persistent.offloaded,
+            ..Categories::default()
+        }
+    }
+
+    fn seen_params(&self) -> StorageSet {
+        let mut seen = StorageSet::default();
+        seen.add_all(&self.params);
+        seen
+    }
+
+    fn param_bytes(&self) -> u64 {
+        StorageSet::default().add_all(&self.params)
+    }
+
+    /// Categories alive at the end of a forward: parameters, compute weights, the accumulation
+    /// buffer and the activations the graph keeps for backward.
+    fn forward_categories(
+        &mut self,
+        loss: &Tensor,
+        compute_weights: &[Tensor],
+        buffer: &[&Tensor],
+    ) -> Categories {
+        let mut seen = StorageSet::default();
+        let parameters = seen.add_all(&self.params);
+        let compute_weights = seen.add_all(compute_weights);
+        let gradients = seen.add_all(buffer.iter().copied());
+        let activations = *self
+            .window_activations
+            .get_or_insert_with(|| activation_bytes(loss, &mut seen));
+        Categories {
+            parameters,
+            compute_weights,
+            gradients,
+            activations,
+            ..self.persistent_categories()
+        }
+    }
+
+    fn keep_highest(slot: &mut Option<Snapshot>, snap: Snapshot) {
+        if slot.is_none_or(|s| snap.peak >= s.peak) {
+            *slot = Some(snap);
+        }
+    }
+}
+
+impl WindowProbe for Ledger {
+    fn phase_start(&mut self, phase: Phase) {
+        self.meter.reset_peak();
+        if phase == Phase::Backward {
+            self.backward_start = self.meter.live();
+        }
+    }
+
+    fn forward_end(&mut self, loss: &Tensor, compute_weights: &[Tensor], buffer: &[&Tensor]) {
+        let peak = self.meter.peak();
+        self.micro = self.forward_categories(loss, compute_weights, buffer);
+        let snap = Snapshot {
+            categories: self.micro,
+            total: self.meter.live(),
+            peak,
+        };
+        Self::keep_highest(&mut self.forward, snap);
+    }
+
+    /// The graph and buffers are those of the forward; what backward adds is measured as its
+    /// peak over the figure it started from (the store, the gradients in flight, and the
+    /// upstream gradients Candle keeps referenced from f32 weight gradients until the store
+    /// is dropped).
+    fn backward_end(
+        &mut self,
+        _loss: &Tensor,
+        _compute_weights: &[Tensor],
+        store: &GradStore,
+        _buffer: &[&Tensor],
+    ) {
+        let peak = self.meter.peak();
+        self.last_store_bytes = grad_store_bytes(store, &mut StorageSet::default());
+        let added = peak.saturating_sub(self.backward_start);
+        let snap = Snapshot {
+            categories: Categories {
+                gradients_transient: added.max(self.last_store_bytes),
+                ..self.micro
+            },
+            total: self.meter.live(),
+            peak,
+        };
+        Self::keep_highest(&mut self.backward, snap);
+    }
+}

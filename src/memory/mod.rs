@@ -1,0 +1,18 @@
+//! Memory truth: where the bytes of a training step go, measured, with their source named, and
+//! an analytic prediction to set beside them.
+//!
+//! - `alloc`: the counting global allocator (CPU measured total, per-phase peaks);
+//! - `tensors`: bytes per tensor storage, de-duplicated (views share storage);
+//! - `ledger`: the per-category ledger the trainer fills each optimizer step;
+//! - `gpu`: device sources (NVML, the CUDA memory pool, the allocator) and the sampler thread;
+//! - `estimate`: the analytic estimator behind `gaccwb estimate`.
+
+pub mod alloc;
+#[cfg(feature = "cuda")]
+pub mod cuda_pool;
+pub mod estimate;
+pub mod gpu;
+pub mod ledger;
+pub mod tensors;
+
+pub use ledger::{Ledger, NoProbe, Persistent, TotalMeter, WindowProbe};

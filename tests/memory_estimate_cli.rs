@@ -1,0 +1,63 @@
+//! `gaccwb estimate`: tables for people, JSON for scripts, usage errors for bad input.
+
+use assert_cmd::Command;
+
+#[test]
+fn estimate_prints_json_with_the_table_and_the_largest_fitting_micro_batch() {
+    let out = Command::cargo_bin("gaccwb")
+        .unwrap()
+        .args([
+            "estimate",
+            "--set",
+            "train.micro_batch=4",
+            "--set",
+            "train.accum_steps=8",
+        ])
+        .args(["--budget-gib", "0.25", "--json"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(report["effective_batch"], 32);
+    let table = report["table"].as_array().unwrap();
+    assert_eq!(table.len(), 6, "B = 1, 2, 4, 8, 16, 32");
+    let peaks: Vec<u64> = table.iter().map(|r| r["peak"].as_u64().unwrap()).collect();
+    assert!(peaks.windows(2).all(|w| w[0] < w[1]), "{peaks:?}");
+    let fit = &report["largest_fitting"];
+    assert!(fit["peak"].as_u64().unwrap() <= 1 << 28);
+    let next = table
+        .iter()
+        .find(|r| r["micro_batch"].as_u64() > fit["micro_batch"].as_u64());
+    assert!(next.is_none_or(|r| r["peak"].as_u64().unwrap() > 1 << 28));
+    assert_eq!(
+        report["estimate"]["step"]["parameters"].as_u64().unwrap(),
+        report["params"].as_u64().unwrap() * 4
+    );
+}
+
+#[test]
+fn estimate_prints_tables_and_rejects_bad_input() {
+    let text = Command::cargo_bin("gaccwb")
+        .unwrap()
+        .args(["estimate", "baseline", "--effective", "16"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let text = String::from_utf8(text).unwrap();
+    assert!(text.contains("activations"), "{text}");
+    assert!(text.contains("At effective batch 16"), "{text}");
+    Command::cargo_bin("gaccwb")
+        .unwrap()
+        .args(["estimate", "--set", "train.micro_batch=zero"])
+        .assert()
+        .code(2);
+    Command::cargo_bin("gaccwb")
+        .unwrap()
+        .args(["estimate", "--budget-gib", "-1"])
+        .assert()
+        .code(2);
+}
