@@ -40,7 +40,7 @@ fn full_layout_at_160x48_shows_every_pane() {
     for needle in [
         "gaccwb · baseline · cpu · step 40/100",
         "Memory · allocator (CPU)",
-        "live 31.0 MiB",
+        "live 19.0 MiB",
         "peak 33.0 MiB",
         "Memory ledger · allocator at backward of step 40",
         "activation",
@@ -230,4 +230,19 @@ fn help_in_a_replay_lists_seek_and_speed_not_knobs() {
     );
     assert!(!s.contains("accumulation steps K ×2"), "{s}");
     assert!(s.contains("REPLAY paused ×2 (40 steps)"), "{s}");
+}
+
+#[test]
+fn sampled_allocator_memory_is_never_called_nvml() {
+    let mut app = app();
+    app.update(&Event::Device(DeviceEvent {
+        t_ms: 100,
+        source: MemorySource::Allocator,
+        used: Some(10 << 20),
+        total: Some(24 << 30),
+        ..DeviceEvent::default()
+    }));
+    let s = screen(&app, 160, 48);
+    assert!(!s.contains("NVML"), "{s}");
+    assert!(s.contains("Memory · allocator (CPU)"), "{s}");
 }

@@ -108,6 +108,7 @@ pub struct MemPoint {
 /// A device sample placed on the step axis.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DevicePoint {
+    pub source: MemorySource,
     pub x: f64,
     pub used: u64,
     pub total: Option<u64>,
@@ -140,9 +141,12 @@ pub struct App {
     pub memory_source: Option<MemorySource>,
     pub device: VecDeque<DevicePoint>,
     pub device_unavailable: Option<String>,
-    /// Latest measured and estimated ledgers.
+    /// The latest step's fullest measured ledger (usually its backward phase).
     pub measured: Option<MemoryEvent>,
-    pub estimate: Option<MemoryEvent>,
+    /// The fullest measured ledger of the step in progress.
+    pub building: Option<MemoryEvent>,
+    /// The latest estimate of each phase.
+    pub estimates: Vec<MemoryEvent>,
     /// Applied controls: (step, label), drawn as markers on the charts.
     pub markers: VecDeque<(u64, String)>,
     pub log: VecDeque<LogLine>,
@@ -182,7 +186,8 @@ impl App {
             device: VecDeque::new(),
             device_unavailable: None,
             measured: None,
-            estimate: None,
+            building: None,
+            estimates: Vec::new(),
             markers: VecDeque::new(),
             log: VecDeque::new(),
             paused: false,
@@ -316,7 +321,8 @@ impl App {
 
     fn on_memory(&mut self, m: &MemoryEvent) {
         if m.source == MemorySource::Estimate {
-            self.estimate = Some(m.clone());
+            self.estimates.retain(|e| e.phase != m.phase);
+            self.estimates.push(m.clone());
             return;
         }
         self.memory_source = Some(m.source);
@@ -335,13 +341,17 @@ impl App {
                 self.retention,
             ),
         }
-        // The ledger shows the fullest moment of the step (usually backward), not the quiet end.
-        let replace = match &self.measured {
-            Some(old) => old.step != m.step || m.total >= old.total || m.phase == Phase::Backward,
+        // The ledger shows the fullest moment of a finished step (usually backward), not the
+        // quiet end, and not a step still half-way through.
+        let fuller = match &self.building {
+            Some(b) => b.step != m.step || m.total >= b.total,
             None => true,
         };
-        if replace {
-            self.measured = Some(m.clone());
+        if fuller {
+            self.building = Some(m.clone());
+        }
+        if m.phase == Phase::Step || self.measured.is_none() {
+            self.measured = self.building.clone();
         }
     }
 
@@ -356,6 +366,7 @@ impl App {
         let Some(used) = d.used else { return };
         self.device_unavailable = None;
         let point = DevicePoint {
+            source: d.source,
             x: self.last_step() as f64,
             used,
             total: d.total,
@@ -495,6 +506,13 @@ impl App {
             .as_ref()
             .and_then(|h| h.config.train.clip)
             .unwrap_or(1.0)
+    }
+
+    /// The estimate to set beside the measured ledger: the same phase (backward before any
+    /// measurement, the phase that usually peaks).
+    pub fn estimate(&self) -> Option<&MemoryEvent> {
+        let phase = self.measured.as_ref().map_or(Phase::Backward, |m| m.phase);
+        self.estimates.iter().find(|e| e.phase == phase)
     }
 
     /// The latest memory event says device and host memory are one (a CPU run).

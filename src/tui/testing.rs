@@ -78,15 +78,22 @@ pub fn sample_run(steps: u64) -> Vec<Event> {
         if i > 20 {
             s.accum_steps = 4;
         }
-        out.push(Event::Memory(MemoryEvent {
-            step: i,
-            phase: Phase::Backward,
-            source: MemorySource::Allocator,
-            categories: categories(12),
-            total: 31 << 20,
-            peak: 33 << 20,
-            unified: true,
-        }));
+        // As the trainer's ledger reports a step: each phase, the end of the step last.
+        for (phase, activations, total) in [
+            (Phase::Forward, 12, 27u64 << 20),
+            (Phase::Backward, 12, 31 << 20),
+            (Phase::Step, 0, 19 << 20),
+        ] {
+            out.push(Event::Memory(MemoryEvent {
+                step: i,
+                phase,
+                source: MemorySource::Allocator,
+                categories: categories(activations),
+                total,
+                peak: 33 << 20,
+                unified: true,
+            }));
+        }
         out.push(Event::Step(s));
         if i == 20 {
             out.push(Event::Control(ControlEvent {
@@ -102,15 +109,17 @@ pub fn sample_run(steps: u64) -> Vec<Event> {
             }));
         }
     }
-    out.push(Event::Memory(MemoryEvent {
-        step: steps,
-        phase: Phase::Backward,
-        source: MemorySource::Estimate,
-        categories: categories(11),
-        total: 30 << 20,
-        peak: 30 << 20,
-        unified: true,
-    }));
+    for (phase, activations) in [(Phase::Backward, 11), (Phase::Step, 0)] {
+        out.push(Event::Memory(MemoryEvent {
+            step: steps,
+            phase,
+            source: MemorySource::Estimate,
+            categories: categories(activations),
+            total: 30 << 20,
+            peak: 30 << 20,
+            unified: true,
+        }));
+    }
     out.push(Event::Log(LogEvent {
         step: steps,
         level: Level::Warn,

@@ -8,74 +8,92 @@ use ratatui::Frame;
 
 use super::{block, draw_chart, fmt_bytes, placeholder, ChartSpec, Series, Theme};
 use crate::telemetry::MemorySource;
-use crate::tui::app::{App, PaneId};
+use crate::tui::app::{App, MemPoint, PaneId};
 
 fn fmt_axis_bytes(v: f64) -> String {
     fmt_bytes(v.max(0.0) as u64)
 }
 
-pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
+fn source_label(source: MemorySource, cpu: bool) -> &'static str {
+    match source {
+        MemorySource::Nvml => "NVML",
+        MemorySource::CudaPool => "CUDA pool",
+        MemorySource::Allocator if cpu => "allocator (CPU)",
+        MemorySource::Allocator => "allocator (host)",
+        MemorySource::Estimate => "estimate",
+    }
+}
+
+/// Sampled device memory: one series per GPU source (NVML used, CUDA pool), titled by the first.
+fn gpu_series(app: &App, theme: Theme) -> Option<(String, Vec<Series>)> {
     let end = app.view_end() as f64;
-    let nvml = !app.device.is_empty();
-    let (title, series) = if nvml {
-        let total = app.device.back().and_then(|d| d.total);
-        let used = app.device.back().map(|d| d.used).unwrap_or(0);
-        let title = match total {
-            Some(t) => format!(
-                " Device memory · NVML {} / {} ",
-                fmt_bytes(used),
-                fmt_bytes(t)
-            ),
-            None => format!(" Device memory · NVML {} ", fmt_bytes(used)),
-        };
-        let used: Vec<(f64, f64)> = app
+    let sources = [MemorySource::Nvml, MemorySource::CudaPool];
+    let colors = [Color::Green, Color::Blue];
+    let mut series = Vec::new();
+    let mut title = None;
+    for (source, color) in sources.into_iter().zip(colors) {
+        let points: Vec<(f64, f64)> = app
             .device
             .iter()
-            .filter(|d| d.x <= end)
+            .filter(|d| d.source == source && d.x <= end)
             .map(|d| (d.x, d.used as f64))
             .collect();
-        let series = vec![Series {
-            name: "NVML used".into(),
-            points: used,
+        if points.is_empty() {
+            continue;
+        }
+        let last = app.device.iter().rev().find(|d| d.source == source)?;
+        let label = source_label(source, false);
+        let figure = match last.total {
+            Some(t) => format!("{} / {}", fmt_bytes(last.used), fmt_bytes(t)),
+            None => fmt_bytes(last.used),
+        };
+        title.get_or_insert(format!(" Device memory · {label} {figure} "));
+        series.push(Series {
+            name: format!("{label} used"),
+            points,
+            style: theme.fg(color),
+            scatter: false,
+        });
+    }
+    title.map(|t| (t, series))
+}
+
+/// Per-step live and peak bytes from the trainer's measured ledger (the allocator on the CPU).
+fn step_series(app: &App, theme: Theme) -> (String, Vec<Series>) {
+    let end = app.view_end() as f64;
+    let label = app
+        .memory_source
+        .map(|s| source_label(s, app.is_cpu()))
+        .unwrap_or("");
+    let last = app.memory.back();
+    let live_name = last.map_or("live".into(), |p| format!("live {}", fmt_bytes(p.live)));
+    let peak_name = last.map_or("peak".into(), |p| format!("peak {}", fmt_bytes(p.peak)));
+    let pick = |f: fn(&MemPoint) -> u64| -> Vec<(f64, f64)> {
+        app.memory
+            .iter()
+            .filter(|p| p.step as f64 <= end)
+            .map(|p| (p.step as f64, f(p) as f64))
+            .collect()
+    };
+    let series = vec![
+        Series {
+            name: live_name,
+            points: pick(|p| p.live),
             style: theme.fg(Color::Green),
             scatter: false,
-        }];
-        (title, series)
-    } else {
-        let label = match app.memory_source {
-            Some(MemorySource::Allocator) if app.is_cpu() => "allocator (CPU)",
-            Some(MemorySource::Allocator) => "allocator (host)",
-            Some(MemorySource::CudaPool) => "CUDA pool",
-            Some(MemorySource::Nvml) => "NVML",
-            _ => "",
-        };
-        let title = format!(" Memory · {label} ");
-        let last = app.memory.back();
-        let live_name = last.map_or("live".into(), |p| format!("live {}", fmt_bytes(p.live)));
-        let peak_name = last.map_or("peak".into(), |p| format!("peak {}", fmt_bytes(p.peak)));
-        let pick = |f: fn(&crate::tui::app::MemPoint) -> u64| -> Vec<(f64, f64)> {
-            app.memory
-                .iter()
-                .filter(|p| p.step as f64 <= end)
-                .map(|p| (p.step as f64, f(p) as f64))
-                .collect()
-        };
-        let series = vec![
-            Series {
-                name: live_name,
-                points: pick(|p| p.live),
-                style: theme.fg(Color::Green),
-                scatter: false,
-            },
-            Series {
-                name: peak_name,
-                points: pick(|p| p.peak),
-                style: theme.fg(Color::Red),
-                scatter: false,
-            },
-        ];
-        (title, series)
-    };
+        },
+        Series {
+            name: peak_name,
+            points: pick(|p| p.peak),
+            style: theme.fg(Color::Red),
+            scatter: false,
+        },
+    ];
+    (format!(" Memory · {label} "), series)
+}
+
+pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
+    let (title, series) = gpu_series(app, theme).unwrap_or_else(|| step_series(app, theme));
     let mut block = block(title, app, PaneId::DeviceMemory, theme);
     let has_data = series.iter().any(|s| !s.points.is_empty());
     if let Some(reason) = &app.device_unavailable {

@@ -52,12 +52,12 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
         None => " Memory ledger ".into(),
     };
     let block = block(title, app, PaneId::Ledger, theme);
-    if app.measured.is_none() && app.estimate.is_none() {
+    if app.measured.is_none() && app.estimate().is_none() {
         return placeholder(frame, area, block, "no memory data yet", theme);
     }
     let inner = block.inner(area);
     let measured = app.measured.as_ref().map(|m| m.categories);
-    let estimate = app.estimate.as_ref().map(|m| m.categories);
+    let estimate = app.estimate().map(|m| m.categories);
     let lines = rows(measured, estimate, inner.width as usize, theme);
     // Every category always shows; the column heads and the total only when there is room.
     let lines = fit(lines, inner.height as usize);
