@@ -61,6 +61,9 @@ pub struct Live {
     record_base: PathBuf,
     recordings_started: u32,
     trainer_done: bool,
+    /// Events that came before the trainer's header (the sampler can be quicker): a recording
+    /// must open with the header, so they wait for it.
+    before_header: Vec<Event>,
 }
 
 impl Live {
@@ -77,6 +80,7 @@ impl Live {
             recorder,
             record_base,
             trainer_done: false,
+            before_header: Vec::new(),
         })
     }
 
@@ -114,8 +118,16 @@ impl Live {
     }
 
     fn take(&mut self, app: &mut App, e: &Event) -> anyhow::Result<()> {
-        if let Some(r) = self.recorder.as_mut() {
-            r.write(e)?;
+        if app.header.is_none() && !matches!(e, Event::Header(_)) {
+            self.before_header.push(e.clone());
+        } else {
+            let early = std::mem::take(&mut self.before_header);
+            if let Some(r) = self.recorder.as_mut() {
+                r.write(e)?;
+                for x in &early {
+                    r.write(x)?;
+                }
+            }
         }
         app.update(e);
         if matches!(e, Event::End(_)) {
