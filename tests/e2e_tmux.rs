@@ -150,9 +150,10 @@ fn k_up_in_a_real_terminal_applies_records_and_quits_cleanly() {
     });
     tmux.send(&["q"]);
     let s = tmux.wait_for("the exit status", Duration::from_secs(30), |s| {
-        s.contains("EXIT=")
+        // The echoed command line holds `EXIT=$?` too; the status is a line of its own.
+        s.lines().any(|l| l.starts_with("EXIT="))
     });
-    assert!(s.contains("EXIT=0"), "{s}");
+    assert!(s.lines().any(|l| l.trim() == "EXIT=0"), "{s}");
 
     tmux.assert_shell_usable();
 
@@ -188,9 +189,10 @@ fn sigterm_stops_the_run_and_restores_the_terminal() {
         .unwrap();
     assert!(killed.success());
     let s = tmux.wait_for("the exit status", Duration::from_secs(30), |s| {
-        s.contains("EXIT=")
+        // The echoed command line holds `EXIT=$?` too; the status is a line of its own.
+        s.lines().any(|l| l.starts_with("EXIT="))
     });
-    assert!(s.contains("EXIT=0"), "{s}");
+    assert!(s.lines().any(|l| l.trim() == "EXIT=0"), "{s}");
     tmux.assert_shell_usable();
     let rec = gaccwb::record::read_recording(&rec).unwrap();
     assert!(matches!(
