@@ -40,6 +40,16 @@ impl Write for Counter {
     }
 }
 
+/// CPU seconds (user + system) this thread has used, from /proc (Linux); None elsewhere.
+fn thread_cpu_s() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
+    // Fields after the parenthesised name; utime and stime are the 14th and 15th overall.
+    let rest = &text[text.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
@@ -100,8 +110,8 @@ fn scenario(tiny: bool) -> Scenario {
 }
 
 /// The live workbench at 120×40 for `warmup + window`; returns (bytes/s over the window,
-/// per-step tokens/s the trainer reported inside the window).
-fn live_screen(s: Scenario, warmup: Duration, window: Duration) -> (f64, Vec<f64>) {
+/// per-step tokens/s the trainer reported, share of a core the UI thread used in the window).
+fn live_screen(s: Scenario, warmup: Duration, window: Duration) -> (f64, Vec<f64>, f64) {
     let counter = Counter::default();
     let mut terminal = Terminal::with_options(
         CrosstermBackend::new(counter.clone()),
@@ -122,6 +132,7 @@ fn live_screen(s: Scenario, warmup: Duration, window: Duration) -> (f64, Vec<f64
         .unwrap();
     let bytes = counter.0.clone();
     let mut at_start = 0;
+    let mut cpu_at_start = 0.0;
     rt.block_on(async {
         let run = event_loop::run(
             &mut terminal,
@@ -134,14 +145,16 @@ fn live_screen(s: Scenario, warmup: Duration, window: Duration) -> (f64, Vec<f64
         let mark = async {
             tokio::time::sleep(warmup).await;
             at_start = bytes.load(Ordering::Relaxed);
+            cpu_at_start = thread_cpu_s().unwrap_or(f64::NAN);
         };
         let (r, ()) = tokio::join!(run, mark);
         r.unwrap();
     });
     let sent = bytes.load(Ordering::Relaxed) - at_start;
+    let ui_cpu = (thread_cpu_s().unwrap_or(f64::NAN) - cpu_at_start) / window.as_secs_f64();
     // The first steps pay for warming caches; headless skips them too.
     let tok: Vec<f64> = app.steps.iter().skip(3).map(|s| s.tokens_per_s).collect();
-    (sent as f64 / window.as_secs_f64(), tok)
+    (sent as f64 / window.as_secs_f64(), tok, ui_cpu)
 }
 
 fn headless_tokens(mut s: Scenario, steps: u64) -> Vec<f64> {
@@ -194,14 +207,16 @@ fn main() {
         // Alternate screen and headless runs so drifting machine load hits both alike.
         let (mut tui_all, mut head_all) = (Vec::new(), Vec::new());
         for round in 0..rounds {
-            let (bps, tui_tok) = live_screen(scenario(tiny), warmup, window);
+            let (bps, tui_tok, ui_cpu) = live_screen(scenario(tiny), warmup, window);
             let steps = tui_tok.len() as u64;
             let head_tok = headless_tokens(scenario(tiny), steps.max(5) + 3);
             let (tui, head) = (median(tui_tok.clone()), median(head_tok.clone()));
             println!(
                 "{name} round {round}: {:.2} KiB/s to the terminal at 120x40 over {secs} s \
-                 ({steps} steps); tokens/s median: TUI {tui:.0}, headless {head:.0} ({:+.1}%)",
+                 ({steps} steps); UI thread {:.2}% of a core; tokens/s median: TUI {tui:.0}, \
+                 headless {head:.0} ({:+.1}%)",
                 bps / 1024.0,
+                ui_cpu * 100.0,
                 (head - tui) / head * 100.0
             );
             tui_all.extend(tui_tok);
