@@ -30,11 +30,16 @@ pub struct Summary {
 }
 
 pub fn run(scenario: Scenario, device: Device, opts: HeadlessOptions) -> anyhow::Result<Summary> {
-    let total = scenario.train.steps;
+    run_trainer(train::Trainer::new(scenario, device)?, opts)
+}
+
+/// `run` for a trainer built by the caller (e.g. resumed from a checkpoint).
+pub fn run_trainer(trainer: train::Trainer, opts: HeadlessOptions) -> anyhow::Result<Summary> {
+    let total = trainer.scenario.train.steps;
     let mut recorder = opts.record.as_deref().map(Recorder::create).transpose()?;
-    let sampler_device = device.clone();
-    let (mut handle, sink) = train::spawn(scenario, device)?;
-    let _sampler = crate::memory::gpu::start_sampler(sink, &sampler_device);
+    let device = trainer.device.clone();
+    let (mut handle, sink) = train::spawn_trainer(trainer)?;
+    let _sampler = crate::memory::gpu::start_sampler(sink, &device);
     let bar = progress_bar(total, opts.quiet);
     let mut summary = Summary::default();
     while let Some(event) = handle.events.blocking_recv() {

@@ -5,6 +5,7 @@
 //! watches a run — the TUI, the headless progress bar, the recorder, replay, export — consumes
 //! those same events.
 
+pub mod checkpoint;
 pub mod data;
 pub mod device;
 pub mod export;

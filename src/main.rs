@@ -9,7 +9,9 @@ use gaccwb::headless::{self, HeadlessOptions};
 use gaccwb::presets;
 use gaccwb::record::read_recording;
 use gaccwb::scenario::{DataSource, Scenario};
+use gaccwb::train::Trainer;
 use gaccwb::tui::{self, keymap::KeyMap, LiveOptions};
+use gaccwb::{checkpoint, export};
 
 /// A terminal workbench for gradient accumulation: train a small GPT and watch memory,
 /// gradients and the loss scale answer every knob.
@@ -28,11 +30,11 @@ enum Command {
     Presets,
     /// Play a recording on the workbench screen (no Candle, no GPU needed).
     Replay(ReplayArgs),
-    /// Turn a recording into another format.
-    Export(ExportArgs),
     /// Predict memory per category for a preset, how it moves with the micro-batch at a fixed
     /// effective batch, and the largest micro-batch that fits a budget.
     Estimate(EstimateArgs),
+    /// Turn a recording into CSV files, SVG charts or an asciinema cast of the screen.
+    Export(ExportArgs),
 }
 
 #[derive(Args)]
@@ -48,28 +50,6 @@ struct ReplayArgs {
     /// Key bindings (TOML); default: $XDG_CONFIG_HOME/gaccwb/keys.toml when it exists.
     #[arg(long, value_name = "FILE")]
     keys: Option<PathBuf>,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum ExportFormat {
-    /// asciinema v2 recording of the replayed screen.
-    Cast,
-}
-
-#[derive(Args)]
-struct ExportArgs {
-    /// A recording written by --record (JSON Lines).
-    file: PathBuf,
-    #[arg(long, value_enum)]
-    to: ExportFormat,
-    #[arg(short, long, value_name = "OUT")]
-    output: PathBuf,
-    /// Screen size of the cast, COLSxROWS.
-    #[arg(long, default_value = "120x40", value_parser = parse_size)]
-    size: (u16, u16),
-    /// Cast time runs this many times faster than the recorded step times.
-    #[arg(long, default_value_t = 1.0)]
-    speed: f64,
 }
 
 fn parse_size(s: &str) -> Result<(u16, u16), String> {
@@ -104,6 +84,32 @@ struct EstimateArgs {
     json: bool,
 }
 
+#[derive(Args)]
+struct ExportArgs {
+    /// A recording made with --record.
+    file: PathBuf,
+    /// csv: a directory of steps.csv, memory.csv, controls.csv, evals.csv; svg: one chart file.
+    #[arg(long = "to", value_enum)]
+    format: ExportFormat,
+    /// Output directory (csv) or file (svg, cast).
+    #[arg(short = 'o', long = "out", value_name = "OUT")]
+    out: PathBuf,
+    /// cast: screen size, COLSxROWS.
+    #[arg(long, default_value = "120x40", value_parser = parse_size)]
+    size: (u16, u16),
+    /// cast: time runs this many times faster than the recorded step times.
+    #[arg(long, default_value_t = 1.0)]
+    speed: f64,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ExportFormat {
+    Csv,
+    Svg,
+    /// asciinema v2 recording of the replayed screen.
+    Cast,
+}
+
 #[derive(Args, Default)]
 struct RunArgs {
     /// Built-in preset name or path to a preset TOML file.
@@ -133,6 +139,15 @@ struct RunArgs {
     /// Key bindings (TOML); default: $XDG_CONFIG_HOME/gaccwb/keys.toml when it exists.
     #[arg(long, value_name = "FILE")]
     keys: Option<PathBuf>,
+    /// Save a checkpoint every N optimizer steps (into --checkpoint-dir).
+    #[arg(long, value_name = "N")]
+    checkpoint_every: Option<u64>,
+    /// Where checkpoints go.
+    #[arg(long, value_name = "DIR", default_value = "checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// Continue the run saved in DIR (its preset and knobs; --steps may extend it).
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
 }
 
 /// A problem with what the user asked for: exit code 2, like a usage error.
@@ -157,8 +172,8 @@ fn main() -> ExitCode {
         Some(Command::Run(args)) => run(args),
         Some(Command::Presets) => list_presets(),
         Some(Command::Replay(args)) => replay(args),
-        Some(Command::Export(args)) => export(args),
         Some(Command::Estimate(args)) => estimate(args),
+        Some(Command::Export(args)) => export(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -197,23 +212,27 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
     let scenario = scenario_from(&args)?;
-    if !args.headless {
-        let keys = KeyMap::load(args.keys.as_deref()).map_err(|e| UsageError(e.to_string()))?;
-        tui::require_terminal().map_err(|e| UsageError(e.to_string()))?;
-        let device = args.device.open()?;
+    let keys = match args.headless {
+        false => {
+            let keys = KeyMap::load(args.keys.as_deref()).map_err(|e| UsageError(e.to_string()))?;
+            tui::require_terminal().map_err(|e| UsageError(e.to_string()))?;
+            Some(keys)
+        }
+        true => None,
+    };
+    let device = args.device.open()?;
+    if let Some(keys) = keys {
         return tui::run_live(
-            scenario,
-            device,
+            build_trainer(&args, scenario, device)?,
             LiveOptions {
                 record: args.record,
                 keys,
             },
         );
     }
-    let device = args.device.open()?;
-    let summary = headless::run(
-        scenario,
-        device,
+    let trainer = build_trainer(&args, scenario, device)?;
+    let summary = headless::run_trainer(
+        trainer,
         HeadlessOptions {
             record: args.record,
             quiet: false,
@@ -246,15 +265,45 @@ fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A fresh trainer for `scenario`, or the one saved in `--resume DIR`; with the checkpoint policy.
+fn build_trainer(
+    args: &RunArgs,
+    scenario: Scenario,
+    device: candle_core::Device,
+) -> anyhow::Result<Trainer> {
+    let mut trainer = match &args.resume {
+        Some(dir) => checkpoint::resume(dir, device, |s| {
+            if let Some(n) = args.steps {
+                s.train.steps = n;
+            }
+        })?,
+        None => Trainer::new(scenario, device)?,
+    };
+    trainer.checkpoint = args.checkpoint_every.map(|every| checkpoint::Policy {
+        every,
+        dir: args.checkpoint_dir.clone(),
+    });
+    Ok(trainer)
+}
+
 fn export(args: ExportArgs) -> anyhow::Result<()> {
     let recording = read_recording(&args.file)?;
     for w in &recording.warnings {
-        eprintln!("warning: {w}");
+        eprintln!("gaccwb: warning: {w}");
     }
-    match args.to {
+    match args.format {
+        ExportFormat::Csv => {
+            for path in export::csv::write_csv(&recording, &args.out)? {
+                println!("{}", path.display());
+            }
+        }
+        ExportFormat::Svg => {
+            export::svg::write_svg(&recording, &args.out)?;
+            println!("{}", args.out.display());
+        }
         ExportFormat::Cast => {
-            let file = std::fs::File::create(&args.output)
-                .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", args.output.display()))?;
+            let file = std::fs::File::create(&args.out)
+                .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", args.out.display()))?;
             let mut out = std::io::BufWriter::new(file);
             let opts = CastOptions {
                 width: args.size.0,
@@ -266,7 +315,7 @@ fn export(args: ExportArgs) -> anyhow::Result<()> {
             std::io::Write::flush(&mut out)?;
             eprintln!(
                 "wrote {}: {} frames, {} control markers, {:.1} s",
-                args.output.display(),
+                args.out.display(),
                 stats.frames,
                 stats.markers,
                 stats.duration_s

@@ -1,7 +1,13 @@
 //! Session recordings: the event stream as JSON Lines, header first.
 //!
-//! The writer flushes at least once a second, so a crash or `kill -9` loses at most the last
-//! second and leaves a file whose only possible defect is a truncated last line.
+//! Line 1 is `Event::Header` (format version, the scenario, device, build); every later line is
+//! one `Event` exactly as the UI received it, applied controls included (`Event::Control` carries
+//! its origin). `telemetry::FORMAT_VERSION` is the major version: additive changes (a new field
+//! with a default, a new event type) keep it; a reader refuses a file with a newer major version.
+//!
+//! The writer pushes every step-level event to the OS at once and samples at least once a second,
+//! so `kill -9` loses at most the last second and leaves a file whose only possible defect is a
+//! truncated last line, which the reader tolerates.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -10,9 +16,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::telemetry::Event;
+use crate::telemetry::{Event, Header, FORMAT_VERSION};
 
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
+
+/// Event types this build knows; a same-major file may hold others (skipped with a warning).
+const KNOWN_TYPES: [&str; 8] = [
+    "header", "step", "control", "eval", "memory", "device", "log", "end",
+];
 
 pub struct Recorder {
     path: PathBuf,
@@ -36,10 +47,13 @@ impl Recorder {
         &self.path
     }
 
+    /// Append one event. Steps, controls and the run's start and end reach the OS at once;
+    /// high-rate samples (memory, device) are batched for at most a second.
     pub fn write(&mut self, event: &Event) -> anyhow::Result<()> {
         serde_json::to_writer(&mut self.out, event)?;
         self.out.write_all(b"\n")?;
-        if self.last_flush.elapsed() >= FLUSH_EVERY {
+        let sample = matches!(event, Event::Memory(_) | Event::Device(_));
+        if !sample || self.last_flush.elapsed() >= FLUSH_EVERY {
             self.flush()?;
         }
         Ok(())
@@ -62,8 +76,9 @@ impl Drop for Recorder {
 }
 
 /// A recording read back: the header, then every event in order (the header included).
+#[derive(Debug)]
 pub struct Recording {
-    pub header: crate::telemetry::Header,
+    pub header: Header,
     pub events: Vec<Event>,
     /// Problems that did not stop reading (e.g. a truncated last line).
     pub warnings: Vec<String>,
@@ -85,59 +100,114 @@ pub enum RecordError {
 /// an error naming its line; a newer major version is refused.
 pub fn read_recording(path: &Path) -> Result<Recording, RecordError> {
     let p = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| RecordError::Io {
+    let bytes = std::fs::read(path).map_err(|e| RecordError::Io {
         path: p.clone(),
         message: e.to_string(),
     })?;
-    let lines: Vec<&str> = text.lines().collect();
-    let ends_with_newline = text.ends_with('\n');
+    parse_recording(&bytes, &p)
+}
+
+/// `read_recording` on bytes already in memory; `origin` names the file in messages.
+pub fn parse_recording(bytes: &[u8], origin: &str) -> Result<Recording, RecordError> {
+    let line_err = |line: usize, message: String| RecordError::Line {
+        path: origin.to_string(),
+        line,
+        message,
+    };
+    let lines: Vec<&[u8]> = bytes.split(|b| *b == b'\n').collect();
+    // `split` yields an empty tail after a final newline; a non-empty tail was cut short.
+    let last = lines.len() - 1;
+    let truncated_tail = !lines[last].is_empty();
     let mut events = Vec::with_capacity(lines.len());
     let mut warnings = Vec::new();
-    for (i, line) in lines.iter().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        match serde_json::from_str::<Event>(line) {
-            Ok(e) => events.push(e),
-            Err(e) if i + 1 == lines.len() && !ends_with_newline => {
+    let mut unknown_types = 0usize;
+    for (i, raw) in lines.iter().enumerate() {
+        let number = i + 1;
+        let parsed = std::str::from_utf8(raw)
+            .map_err(|e| format!("not UTF-8 text ({e})"))
+            .and_then(|text| parse_line(text, events.is_empty(), &mut unknown_types));
+        match parsed {
+            Ok(Some(event)) => {
+                if events.is_empty() {
+                    check_header(&event).map_err(|m| line_err(number, m))?;
+                }
+                events.push(event);
+            }
+            Ok(None) => {}
+            Err(message) if i == last && truncated_tail => {
                 warnings.push(format!(
-                    "{p}:{}: last line is truncated and was skipped ({e})",
-                    i + 1
+                    "{origin}:{number}: the last line is incomplete (the run was cut off while \
+                     writing it) and was skipped: {message}"
                 ));
             }
-            Err(e) => {
-                return Err(RecordError::Line {
-                    path: p,
-                    line: i + 1,
-                    message: e.to_string(),
-                })
-            }
+            Err(message) => return Err(line_err(number, message)),
         }
+    }
+    if unknown_types > 0 {
+        warnings.push(format!(
+            "{origin}: skipped {unknown_types} event(s) of types this gaccwb does not know \
+             (written by a newer minor version)"
+        ));
     }
     let header = match events.first() {
         Some(Event::Header(h)) => h.clone(),
-        _ => {
-            return Err(RecordError::Line {
-                path: p,
-                line: 1,
-                message: "the first line must be the header event".into(),
-            })
-        }
+        _ => return Err(line_err(1, "the file is empty: no header line".into())),
     };
-    if header.version > crate::telemetry::FORMAT_VERSION {
-        return Err(RecordError::Line {
-            path: p,
-            line: 1,
-            message: format!(
-                "recording format version {} is newer than this gaccwb reads ({}); upgrade gaccwb",
-                header.version,
-                crate::telemetry::FORMAT_VERSION
-            ),
-        });
-    }
     Ok(Recording {
         header,
         events,
         warnings,
     })
+}
+
+/// One line: an event, nothing (blank line, unknown event type) or why it is not valid.
+fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Event>, String> {
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("not a JSON object: {e}"))?;
+    if first {
+        check_version(&value)?;
+    }
+    let kind = value
+        .get("type")
+        .and_then(|t| t.as_str())
+        .map(str::to_string);
+    match kind.as_deref() {
+        None => return Err("not an event: no \"type\" field".into()),
+        Some(k) if !KNOWN_TYPES.contains(&k) => {
+            *unknown += 1;
+            return Ok(None);
+        }
+        Some(_) => {}
+    }
+    serde_json::from_value(value)
+        .map(Some)
+        .map_err(|e| format!("bad {} event: {e}", kind.as_deref().unwrap_or("?")))
+}
+
+/// Refuse a newer major version before trying to read the header's fields, which may differ.
+fn check_version(value: &serde_json::Value) -> Result<(), String> {
+    if value.get("type").and_then(|t| t.as_str()) != Some("header") {
+        return Err("the first line must be the header event (\"type\": \"header\")".into());
+    }
+    let version = value
+        .get("version")
+        .and_then(|v| v.as_u64())
+        .ok_or("the header has no numeric \"version\"")?;
+    if version > u64::from(FORMAT_VERSION) {
+        return Err(format!(
+            "recording format version {version} is newer than this gaccwb reads \
+             ({FORMAT_VERSION}); upgrade gaccwb to replay it"
+        ));
+    }
+    Ok(())
+}
+
+fn check_header(first: &Event) -> Result<(), String> {
+    match first {
+        Event::Header(_) => Ok(()),
+        _ => Err("the first line must be the header event".into()),
+    }
 }

@@ -183,22 +183,21 @@ pub enum ScenarioError {
 impl Scenario {
     /// Parse TOML text; `origin` names the file in errors (`file:line:col`).
     pub fn from_toml(text: &str, origin: &str) -> Result<Scenario, ScenarioError> {
-        let scenario: Scenario = toml::from_str(text).map_err(|e| {
-            let location = match e.span() {
-                Some(span) => {
-                    let (line, col) = line_col(text, span.start);
-                    format!("{origin}:{line}:{col}")
-                }
-                None => origin.to_string(),
-            };
-            ScenarioError::Parse {
-                location,
-                message: e.message().trim().to_string(),
+        let located = |offset: Option<usize>| match offset {
+            Some(offset) => {
+                let (line, col) = line_col(text, offset);
+                format!("{origin}:{line}:{col}")
             }
+            None => origin.to_string(),
+        };
+        let scenario: Scenario = toml::from_str(text).map_err(|e| ScenarioError::Parse {
+            location: located(e.span().map(|s| s.start)),
+            message: explain_serde_message(e.message().trim()),
         })?;
-        scenario
-            .validate()
-            .map_err(|m| ScenarioError::Invalid(format!("{origin}: {m}")))?;
+        scenario.check().map_err(|p| ScenarioError::Parse {
+            location: located(span_of_key(text, &p.key)),
+            message: p.message,
+        })?;
         Ok(scenario)
     }
 
@@ -251,8 +250,11 @@ impl Scenario {
             })?;
         let accepted = keys_of(section);
         if !accepted.contains(&field) {
+            let hint = nearest(field, &accepted)
+                .map(|n| format!(", did you mean `{n}`?"))
+                .unwrap_or_default();
             return Err(set_err(format!(
-                "unknown key `{field}`; {section} keys: {}",
+                "unknown key `{field}`{hint}; {section} keys: {}",
                 accepted.join(", ")
             )));
         }
@@ -261,7 +263,7 @@ impl Scenario {
             set_err(format!(
                 "bad value `{}`: {}",
                 raw.trim(),
-                e.message().trim()
+                explain_serde_message(e.message().trim())
             ))
         })?;
         updated.validate().map_err(set_err)?;
@@ -271,6 +273,11 @@ impl Scenario {
 
     /// Checks that serde cannot express. Messages name the key and the fix.
     pub fn validate(&self) -> Result<(), String> {
+        self.check().map_err(|p| p.message)
+    }
+
+    /// `validate`, keeping the offending key so a file error can point at its line.
+    fn check(&self) -> Result<(), Problem> {
         let m = &self.model;
         let t = &self.train;
         let d = &self.data;
@@ -285,56 +292,79 @@ impl Scenario {
         ];
         for (key, v) in at_least_one {
             if v == 0 {
-                return Err(format!("{key} must be at least 1 (got 0)"));
-            }
-        }
-        if !m.d_model.is_multiple_of(m.heads) {
-            return Err(format!(
-                "model.d_model ({}) must be divisible by model.heads ({})",
-                m.d_model, m.heads
-            ));
-        }
-        if m.vocab > 256 {
-            return Err(format!(
-                "model.vocab ({}) must be at most 256: tokens are bytes",
-                m.vocab
-            ));
-        }
-        if d.source == DataSource::Synthetic && (d.alphabet < 2 || d.alphabet + 1 > m.vocab) {
-            return Err(format!(
-                "data.alphabet ({}) must be between 2 and model.vocab - 1 ({})",
-                d.alphabet,
-                m.vocab - 1
-            ));
-        }
-        if d.source == DataSource::File && d.path.is_none() {
-            return Err("data.source = \"file\" needs data.path (or use --data FILE)".into());
-        }
-        if !(0.0..1.0).contains(&d.val_fraction) {
-            return Err(format!(
-                "data.val_fraction ({}) must be in [0, 1)",
-                d.val_fraction
-            ));
-        }
-        if let Some(c) = t.clip {
-            if !positive(c) {
-                return Err(format!(
-                    "train.clip ({c}) must be positive; remove it to turn clipping off"
+                return Err(Problem::new(
+                    key,
+                    format!("{key} must be at least 1 (got 0)"),
                 ));
             }
         }
-        if !non_negative(t.lr) {
-            return Err(format!("train.lr ({}) must be a finite number ≥ 0", t.lr));
+        if !m.d_model.is_multiple_of(m.heads) {
+            return Err(Problem::new(
+                "model.heads",
+                format!(
+                    "model.d_model ({}) must be divisible by model.heads ({})",
+                    m.d_model, m.heads
+                ),
+            ));
         }
-        if !positive(t.loss_scale) {
-            return Err(format!(
-                "train.loss_scale ({}) must be positive",
-                t.loss_scale
+        if m.vocab > 256 {
+            return Err(Problem::new(
+                "model.vocab",
+                format!(
+                    "model.vocab ({}) must be at most 256: tokens are bytes",
+                    m.vocab
+                ),
+            ));
+        }
+        if d.source == DataSource::Synthetic && (d.alphabet < 2 || d.alphabet + 1 > m.vocab) {
+            return Err(Problem::new(
+                "data.alphabet",
+                format!(
+                    "data.alphabet ({}) must be between 2 and model.vocab - 1 ({})",
+                    d.alphabet,
+                    m.vocab - 1
+                ),
+            ));
+        }
+        if d.source == DataSource::File && d.path.is_none() {
+            return Err(Problem::new(
+                "data.source",
+                "data.source = \"file\" needs data.path (or use --data FILE)".into(),
+            ));
+        }
+        if !(0.0..1.0).contains(&d.val_fraction) {
+            return Err(Problem::new(
+                "data.val_fraction",
+                format!("data.val_fraction ({}) must be in [0, 1)", d.val_fraction),
+            ));
+        }
+        if let Some(c) = t.clip {
+            if c.is_nan() || c <= 0.0 {
+                return Err(Problem::new(
+                    "train.clip",
+                    format!("train.clip ({c}) must be positive; remove it to turn clipping off"),
+                ));
+            }
+        }
+        if !(t.lr.is_finite() && t.lr >= 0.0) {
+            return Err(Problem::new(
+                "train.lr",
+                format!("train.lr ({}) must be a finite number ≥ 0", t.lr),
+            ));
+        }
+        if !(t.loss_scale.is_finite() && t.loss_scale > 0.0) {
+            return Err(Problem::new(
+                "train.loss_scale",
+                format!("train.loss_scale ({}) must be positive", t.loss_scale),
             ));
         }
         for (i, e) in self.timeline.iter().enumerate() {
-            validate_control(&e.control)
-                .map_err(|m| format!("timeline[{i}] (step {}): {m}", e.step))?;
+            validate_control(&e.control).map_err(|m| {
+                Problem::new(
+                    &format!("timeline[{i}].control"),
+                    format!("timeline[{i}] (step {}): {m}", e.step),
+                )
+            })?;
         }
         Ok(())
     }
@@ -349,26 +379,102 @@ impl Scenario {
     }
 }
 
+/// A failed check and the key it concerns (`train.clip`, `timeline[2].control`).
+struct Problem {
+    key: String,
+    message: String,
+}
+
+impl Problem {
+    fn new(key: &str, message: String) -> Problem {
+        Problem {
+            key: key.to_string(),
+            message,
+        }
+    }
+}
+
+/// Byte offset of a dotted key (`train.clip`, `timeline[2].control`) in TOML text, so a value
+/// error points at the value the user wrote. `None` when the key is not written (a default).
+fn span_of_key(text: &str, key: &str) -> Option<usize> {
+    use toml::de::{DeTable, DeValue};
+    let root = DeTable::parse(text).ok()?;
+    let mut table = root.get_ref();
+    let mut found = None;
+    for part in key.split('.') {
+        let (name, index) = match part.split_once('[') {
+            Some((n, rest)) => (n, rest.trim_end_matches(']').parse::<usize>().ok()),
+            None => (part, None),
+        };
+        let value = table.iter().find(|(k, _)| k.get_ref() == name)?.1;
+        let value = match (value.get_ref(), index) {
+            (DeValue::Array(items), Some(i)) => items.get(i)?,
+            _ => value,
+        };
+        found = Some(value.span().start);
+        match value.get_ref() {
+            DeValue::Table(t) => table = t,
+            _ => break,
+        }
+    }
+    found
+}
+
+/// serde's "unknown field `acum_steps`, expected one of `steps`, ..." becomes
+/// "unknown field `acum_steps`, did you mean `accum_steps`? (expected one of ...)"; the same for
+/// unknown variants (`dtype = "f61"`, `kind = "set_acum_steps"`).
+fn explain_serde_message(message: &str) -> String {
+    let Some((what, expected)) = message.split_once(", expected one of ") else {
+        return message.to_string();
+    };
+    let Some(given) = what.split('`').nth(1) else {
+        return message.to_string();
+    };
+    let candidates: Vec<&str> = expected
+        .split(", ")
+        .map(|c| c.trim().trim_matches('`'))
+        .collect();
+    match nearest(given, &candidates) {
+        Some(best) => format!("{what}, did you mean `{best}`? (expected one of {expected})"),
+        None => message.to_string(),
+    }
+}
+
+/// The candidate closest to `given`, if it is close enough to be a likely misspelling.
+pub fn nearest<'a>(given: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    // Edits (a swap counts as one) first; similarity of prefixes breaks ties and catches
+    // longer slips such as `micro_batch_size`.
+    let max_edits = (given.chars().count() / 3).max(1);
+    candidates
+        .iter()
+        .map(|c| {
+            (
+                strsim::osa_distance(given, c),
+                strsim::jaro_winkler(given, c),
+                *c,
+            )
+        })
+        .filter(|(edits, similarity, _)| *edits <= max_edits || *similarity >= 0.9)
+        .min_by(|a, b| a.0.cmp(&b.0).then(b.1.total_cmp(&a.1)))
+        .map(|(_, _, c)| c)
+}
+
 /// Value checks shared by presets, the command line and hotkeys.
 pub fn validate_control(c: &Control) -> Result<(), String> {
     match c {
         Control::SetAccumSteps { value: 0 } => Err("accumulation steps must be at least 1".into()),
         Control::SetMicroBatch { value: 0 } => Err("micro-batch must be at least 1".into()),
-        Control::SetClip { value: Some(v) } if !positive(*v) => Err("clip must be positive".into()),
-        Control::SetLr { value } if !non_negative(*value) => Err("lr must be ≥ 0".into()),
-        Control::SetLossScale { value } if !positive(*value) => {
+        Control::SetClip { value: Some(v) } if v.is_nan() || *v <= 0.0 => {
+            Err("clip must be positive".into())
+        }
+        Control::SetLr { value } if !(value.is_finite() && *value >= 0.0) => {
+            Err("lr must be ≥ 0".into())
+        }
+        Control::SetLossScale { value } if !(value.is_finite() && *value > 0.0) => {
             Err("loss scale must be positive".into())
         }
         _ => Ok(()),
     }
-}
-
-fn positive(x: f64) -> bool {
-    x.is_finite() && x > 0.0
-}
-
-fn non_negative(x: f64) -> bool {
-    x.is_finite() && x >= 0.0
 }
 
 pub const SECTIONS: [&str; 3] = ["model", "data", "train"];

@@ -1,1 +1,3 @@
 pub mod cast;
+pub mod csv;
+pub mod svg;

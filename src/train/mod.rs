@@ -33,7 +33,7 @@ use adamw::{AdamW, Hyper};
 use scaler::LossScaler;
 
 /// The knobs a control can turn; the trainer's live configuration.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Knobs {
     pub accum_steps: usize,
     pub micro_batch: usize,
@@ -287,6 +287,8 @@ pub struct Trainer {
     pub overflow_count: u64,
     /// Bytes per category, per step and phase; its events leave with each step.
     pub memory: Ledger,
+    /// Save a checkpoint every N steps into a directory (`--checkpoint-every`).
+    pub checkpoint: Option<crate::checkpoint::Policy>,
     base_batch: usize,
     started: Instant,
 }
@@ -321,6 +323,7 @@ impl Trainer {
             lr_step: 0,
             cursor: 0,
             overflow_count: 0,
+            checkpoint: None,
             started: Instant::now(),
         })
     }
@@ -581,7 +584,11 @@ impl Drop for TrainerHandle {
 /// own thread. `sink_extra` receives a clone of the event sender for other producers (the
 /// device sampler).
 pub fn spawn(scenario: Scenario, device: Device) -> anyhow::Result<(TrainerHandle, EventSink)> {
-    let trainer = Trainer::new(scenario, device)?;
+    spawn_trainer(Trainer::new(scenario, device)?)
+}
+
+/// `spawn` for a trainer built (or resumed from a checkpoint) by the caller.
+pub fn spawn_trainer(trainer: Trainer) -> anyhow::Result<(TrainerHandle, EventSink)> {
     let (ctx, crx) = unbounded_channel();
     let (etx, erx) = unbounded_channel();
     let sink = EventSink::new(etx);
@@ -641,6 +648,9 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
                 }
                 for m in trainer.memory.take_events() {
                     sink.send(Event::Memory(m));
+                }
+                if let Some(log) = crate::checkpoint::maybe_save(&trainer) {
+                    sink.send(log);
                 }
                 maybe_evaluate(&trainer, n, &sink);
             }

@@ -16,12 +16,11 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use candle_core::Device;
 use crossterm::event::EventStream;
 
 use crate::headless::Summary;
-use crate::scenario::Scenario;
 use crate::telemetry::{Event, Level, MemorySource, Phase};
+use crate::train::Trainer;
 use app::App;
 use feed::{Feed, Live, Replay};
 use keymap::KeyMap;
@@ -44,11 +43,11 @@ pub fn require_terminal() -> anyhow::Result<()> {
     )
 }
 
-/// Train `scenario` on `device` with the workbench screen until the user quits.
-pub fn run_live(scenario: Scenario, device: Device, opts: LiveOptions) -> anyhow::Result<()> {
+/// Run `trainer` with the workbench screen until the user quits.
+pub fn run_live(trainer: Trainer, opts: LiveOptions) -> anyhow::Result<()> {
     require_terminal()?;
-    let sampler_device = device.clone();
-    let (handle, sink) = crate::train::spawn(scenario, device)?;
+    let sampler_device = trainer.device.clone();
+    let (handle, sink) = crate::train::spawn_trainer(trainer)?;
     let sampler = crate::memory::gpu::start_sampler(sink, &sampler_device);
     let live = Live::new(handle, opts.record.as_deref())?.with_sampler(sampler);
     let mut app = App {

@@ -1,0 +1,233 @@
+//! Checkpoints: everything a run needs to continue bit-identically.
+//!
+//! A checkpoint directory holds `checkpoint.json` (format, step counters, data cursor, knobs,
+//! loss scaler, AdamW step count, the scenario, and the name of the tensor file) and
+//! `step-NNNNNNNN.safetensors` (model weights `param/NAME`, AdamW moments `adam_m/NAME` and
+//! `adam_v/NAME`, all f32). Both are written to a temporary file, synced and renamed into place,
+//! tensors first: `checkpoint.json` only ever names a complete tensor file, so a crash at any
+//! moment leaves the previous checkpoint or the new one, never a torn one.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::scenario::Scenario;
+use crate::telemetry::{Event, Level, LogEvent};
+use crate::train::scaler::LossScaler;
+use crate::train::{Knobs, Trainer};
+
+/// Version of the checkpoint layout; a newer one is refused.
+pub const CHECKPOINT_VERSION: u32 = 1;
+const STATE_FILE: &str = "checkpoint.json";
+
+/// When and where a running trainer saves.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    pub every: u64,
+    pub dir: PathBuf,
+}
+
+/// The small JSON half of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    pub version: u32,
+    pub step: u64,
+    pub lr_step: u64,
+    pub cursor: u64,
+    pub overflow_count: u64,
+    pub adam_t: u64,
+    pub loss_scale: f64,
+    pub scale_growth_interval: u64,
+    pub scale_clean_steps: u64,
+    pub knobs: Knobs,
+    pub scenario: Scenario,
+    /// The tensor file in the same directory.
+    pub tensors: String,
+}
+
+/// Save after a step when the trainer's policy says so; the result is a log event for the UI.
+pub fn maybe_save(trainer: &Trainer) -> Option<Event> {
+    let policy = trainer.checkpoint.as_ref()?;
+    if policy.every == 0 || !trainer.step.is_multiple_of(policy.every) {
+        return None;
+    }
+    let (level, message) = match save(trainer, &policy.dir) {
+        Ok(path) => (
+            Level::Info,
+            format!(
+                "checkpoint at step {} saved to {}",
+                trainer.step,
+                path.display()
+            ),
+        ),
+        Err(e) => (Level::Warn, format!("checkpoint failed: {e:#}")),
+    };
+    Some(Event::Log(LogEvent {
+        step: trainer.step,
+        level,
+        message,
+    }))
+}
+
+/// Write the trainer's state into `dir` (created if missing); returns the state file's path.
+pub fn save(trainer: &Trainer, dir: &Path) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tensors_name = format!("step-{:08}.safetensors", trainer.step);
+    let tensor_path = dir.join(&tensors_name);
+    let tmp = dir.join(format!(".{tensors_name}.tmp"));
+    candle_core::safetensors::save(&tensor_map(trainer)?, &tmp)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    sync_and_rename(&tmp, &tensor_path)?;
+
+    let state = State {
+        version: CHECKPOINT_VERSION,
+        step: trainer.step,
+        lr_step: trainer.lr_step,
+        cursor: trainer.cursor,
+        overflow_count: trainer.overflow_count,
+        adam_t: trainer.opt.t,
+        loss_scale: trainer.scaler.scale,
+        scale_growth_interval: trainer.scaler.growth_interval,
+        scale_clean_steps: trainer.scaler.clean_steps,
+        knobs: trainer.knobs.clone(),
+        scenario: trainer.scenario.clone(),
+        tensors: tensors_name.clone(),
+    };
+    let state_path = dir.join(STATE_FILE);
+    let tmp = dir.join(format!(".{STATE_FILE}.tmp"));
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&state)?)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    sync_and_rename(&tmp, &state_path)?;
+    remove_stale_tensor_files(dir, &tensors_name);
+    Ok(state_path)
+}
+
+fn tensor_map(trainer: &Trainer) -> anyhow::Result<HashMap<String, Tensor>> {
+    let mut map = HashMap::new();
+    for (i, p) in trainer.model.params.iter().enumerate() {
+        map.insert(format!("param/{}", p.name), p.var.as_tensor().clone());
+        map.insert(format!("adam_m/{}", p.name), trainer.opt.m[i].clone());
+        map.insert(format!("adam_v/{}", p.name), trainer.opt.v[i].clone());
+    }
+    Ok(map)
+}
+
+/// fsync the file, rename it over `to`, then fsync the directory so the rename is durable.
+fn sync_and_rename(tmp: &Path, to: &Path) -> anyhow::Result<()> {
+    File::open(tmp)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("syncing {}", tmp.display()))?;
+    std::fs::rename(tmp, to)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), to.display()))?;
+    if let Some(dir) = to.parent() {
+        // Not every filesystem lets a directory be synced; the rename itself is already atomic.
+        let _ = File::open(dir).and_then(|d| d.sync_all());
+    }
+    Ok(())
+}
+
+/// Older tensor files are no longer referenced once the new state file is in place.
+fn remove_stale_tensor_files(dir: &Path, keep: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("step-") && name.ends_with(".safetensors") && name != keep {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// The state file of the checkpoint in `dir`.
+pub fn read_state(dir: &Path) -> anyhow::Result<State> {
+    let path = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "no checkpoint in {}: cannot read {}",
+            dir.display(),
+            path.display()
+        )
+    })?;
+    let state: State = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not a gaccwb checkpoint", path.display()))?;
+    if state.version > CHECKPOINT_VERSION {
+        bail!(
+            "{}: checkpoint version {} is newer than this gaccwb reads ({CHECKPOINT_VERSION})",
+            path.display(),
+            state.version
+        );
+    }
+    Ok(state)
+}
+
+/// A trainer rebuilt from the checkpoint in `dir`, ready to continue where it stopped.
+/// `adjust` may change the scenario first (e.g. more steps); model shape changes are refused.
+pub fn resume(
+    dir: &Path,
+    device: Device,
+    adjust: impl FnOnce(&mut Scenario),
+) -> anyhow::Result<Trainer> {
+    let state = read_state(dir)?;
+    let mut scenario = state.scenario.clone();
+    adjust(&mut scenario);
+    if scenario.model != state.scenario.model {
+        bail!("a resumed run keeps the checkpoint's model shape; remove the model.* overrides");
+    }
+    let mut trainer = Trainer::new(scenario, device)?;
+    restore(&mut trainer, dir, &state)?;
+    Ok(trainer)
+}
+
+/// Load weights, optimizer state, scaler, knobs and counters into a freshly built trainer.
+pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> anyhow::Result<()> {
+    let path = dir.join(&state.tensors);
+    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)
+        .with_context(|| format!("reading {}", path.display()))?;
+    let mut take = |key: String, like: &Tensor| -> anyhow::Result<Tensor> {
+        let t = tensors
+            .remove(&key)
+            .with_context(|| format!("{}: missing tensor {key}", path.display()))?;
+        if t.shape() != like.shape() {
+            bail!(
+                "{}: {key} has shape {:?}, the model needs {:?}",
+                path.display(),
+                t.shape(),
+                like.shape()
+            );
+        }
+        Ok(t)
+    };
+    for p in &trainer.model.params {
+        let w = take(format!("param/{}", p.name), p.var.as_tensor())?;
+        p.var.set(&w.to_device(p.var.device())?)?;
+    }
+    // Offload follows the checkpoint's knobs; host master copies are retaken from the loaded
+    // weights (going through "off" drops any copies taken from the fresh initialisation).
+    let params = &trainer.model.params;
+    trainer.opt.set_offload(false, params)?;
+    trainer.opt.set_offload(state.knobs.offload, params)?;
+    let state_device = trainer.opt.state_device(&trainer.model.params);
+    for (i, p) in trainer.model.params.iter().enumerate() {
+        let m = take(format!("adam_m/{}", p.name), p.var.as_tensor())?;
+        let v = take(format!("adam_v/{}", p.name), p.var.as_tensor())?;
+        trainer.opt.m[i] = m.to_device(&state_device)?;
+        trainer.opt.v[i] = v.to_device(&state_device)?;
+    }
+    trainer.opt.t = state.adam_t;
+    trainer.scaler = LossScaler {
+        scale: state.loss_scale,
+        growth_interval: state.scale_growth_interval,
+        clean_steps: state.scale_clean_steps,
+    };
+    trainer.knobs = state.knobs.clone();
+    trainer.step = state.step;
+    trainer.lr_step = state.lr_step;
+    trainer.cursor = state.cursor;
+    trainer.overflow_count = state.overflow_count;
+    Ok(())
+}

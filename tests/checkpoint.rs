@@ -1,0 +1,204 @@
+//! Checkpoints: a run saved and resumed continues bit-identically on CPU; a torn save never
+//! replaces a good checkpoint; bad checkpoints are refused with a clear message.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use gaccwb::checkpoint::{self, Policy};
+use gaccwb::scenario::{Scenario, TimelineEntry};
+use gaccwb::telemetry::{Control, Dtype, Event, StepEvent};
+use gaccwb::train::{self, Trainer};
+
+const TOTAL: u64 = 6;
+const SPLIT: u64 = 3;
+
+/// Tiny model; the timeline changes K, the micro-batch, precision and offload around the split
+/// (one entry exactly at it), so every piece of restored state matters.
+fn scenario() -> Scenario {
+    let mut s = Scenario::default();
+    s.model.d_model = 32;
+    s.model.heads = 2;
+    s.model.layers = 1;
+    s.model.seq_len = 16;
+    s.train.micro_batch = 4;
+    s.train.steps = TOTAL;
+    s.train.decay_steps = TOTAL; // the schedule must not depend on where a run stops
+    s.train.warmup = 2;
+    s.train.eval_every = 0;
+    s.train.scale_growth_interval = 2;
+    let at = |step, control| TimelineEntry { step, control };
+    s.timeline = vec![
+        at(1, Control::SetDtype { value: Dtype::F16 }),
+        at(2, Control::SetAccumSteps { value: 2 }),
+        at(SPLIT, Control::SetMicroBatch { value: 2 }),
+        at(SPLIT, Control::SetOffload { value: true }),
+        at(4, Control::SetLossScale { value: 1024.0 }),
+    ];
+    s
+}
+
+/// Run a trainer to its end on the trainer thread, saving at `save_every` into `dir`.
+fn run(mut trainer: Trainer, dir: &Path, save_every: u64) -> Vec<StepEvent> {
+    trainer.checkpoint = Some(Policy {
+        every: save_every,
+        dir: dir.to_path_buf(),
+    });
+    let (mut handle, sink) = train::spawn_trainer(trainer).unwrap();
+    drop(sink);
+    let mut steps = Vec::new();
+    while let Some(e) = handle.events.blocking_recv() {
+        match e {
+            Event::Step(s) => steps.push(s),
+            Event::Log(l) => assert!(l.message.starts_with("checkpoint at step"), "{l:?}"),
+            Event::End(e) => {
+                assert_eq!(e.reason, "completed");
+                break;
+            }
+            _ => {}
+        }
+    }
+    handle.stop();
+    steps
+}
+
+fn tensors(dir: &Path) -> HashMap<String, Tensor> {
+    let state = checkpoint::read_state(dir).unwrap();
+    candle_core::safetensors::load(dir.join(state.tensors), &Device::Cpu).unwrap()
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// Everything but timings.
+fn numbers(s: &StepEvent) -> (u64, u64, u64, u64, u64, usize, usize, bool, u64) {
+    (
+        s.step,
+        s.loss.to_bits(),
+        s.grad_norm.to_bits(),
+        s.lr.to_bits(),
+        s.loss_scale.to_bits(),
+        s.accum_steps,
+        s.micro_batch,
+        s.skipped,
+        s.tokens,
+    )
+}
+
+#[test]
+fn resumed_run_continues_bit_identically() {
+    let straight_dir = tempfile::tempdir().unwrap();
+    let first_dir = tempfile::tempdir().unwrap();
+    let resumed_dir = tempfile::tempdir().unwrap();
+
+    let straight = run(
+        Trainer::new(scenario(), Device::Cpu).unwrap(),
+        straight_dir.path(),
+        TOTAL,
+    );
+
+    let mut first = scenario();
+    first.train.steps = SPLIT;
+    let head = run(
+        Trainer::new(first, Device::Cpu).unwrap(),
+        first_dir.path(),
+        SPLIT,
+    );
+    let resumed =
+        checkpoint::resume(first_dir.path(), Device::Cpu, |s| s.train.steps = TOTAL).unwrap();
+    assert_eq!(resumed.step, SPLIT);
+    let tail = run(resumed, resumed_dir.path(), TOTAL);
+
+    let joined: Vec<_> = head.iter().chain(&tail).map(numbers).collect();
+    let expected: Vec<_> = straight.iter().map(numbers).collect();
+    assert_eq!(
+        joined, expected,
+        "losses, norms, LR and loss scale match step for step"
+    );
+
+    let (a, b) = (tensors(straight_dir.path()), tensors(resumed_dir.path()));
+    assert_eq!(a.len(), b.len());
+    for (name, t) in &a {
+        assert!(bits(t) == bits(&b[name]), "{name} differs");
+    }
+    let (sa, sb) = (
+        checkpoint::read_state(straight_dir.path()).unwrap(),
+        checkpoint::read_state(resumed_dir.path()).unwrap(),
+    );
+    assert_eq!(
+        (
+            sa.step,
+            sa.lr_step,
+            sa.cursor,
+            sa.adam_t,
+            sa.loss_scale,
+            &sa.knobs
+        ),
+        (
+            sb.step,
+            sb.lr_step,
+            sb.cursor,
+            sb.adam_t,
+            sb.loss_scale,
+            &sb.knobs
+        )
+    );
+    assert!(sa.knobs.offload && sa.knobs.dtype == Dtype::F16);
+}
+
+#[test]
+fn a_torn_save_leaves_the_previous_checkpoint_readable() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = scenario();
+    s.train.steps = 2;
+    run(Trainer::new(s, Device::Cpu).unwrap(), dir.path(), 1);
+    let files: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        files.contains(&"step-00000002.safetensors".to_string()) && files.len() == 2,
+        "old tensor files are removed: {files:?}"
+    );
+    // A crash mid-save leaves only temporary files behind.
+    std::fs::write(dir.path().join(".checkpoint.json.tmp"), "{\"vers").unwrap();
+    std::fs::write(dir.path().join(".step-00000003.safetensors.tmp"), [1, 2, 3]).unwrap();
+    let state = checkpoint::read_state(dir.path()).unwrap();
+    assert_eq!(state.step, 2);
+    let t = checkpoint::resume(dir.path(), Device::Cpu, |_| {}).unwrap();
+    assert_eq!(t.step, 2);
+}
+
+#[test]
+fn bad_checkpoints_are_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = checkpoint::resume(dir.path(), Device::Cpu, |_| {})
+        .err()
+        .unwrap();
+    assert!(format!("{err:#}").contains("no checkpoint in"), "{err:#}");
+
+    let mut s = scenario();
+    s.train.steps = 1;
+    run(Trainer::new(s, Device::Cpu).unwrap(), dir.path(), 1);
+    let err = checkpoint::resume(dir.path(), Device::Cpu, |s| s.model.d_model = 64)
+        .err()
+        .unwrap();
+    assert!(format!("{err:#}").contains("model shape"), "{err:#}");
+
+    let state_path = dir.path().join("checkpoint.json");
+    let text = std::fs::read_to_string(&state_path).unwrap();
+    std::fs::write(
+        &state_path,
+        text.replace("\"version\": 1", "\"version\": 7"),
+    )
+    .unwrap();
+    let err = checkpoint::read_state(dir.path()).err().unwrap();
+    assert!(format!("{err:#}").contains("newer"), "{err:#}");
+}

@@ -1,0 +1,374 @@
+//! Recordings: the reader's tolerance and refusals, record → read → export round trips, and a
+//! real `kill -9` of the binary mid-recording.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use gaccwb::export::{csv, svg};
+use gaccwb::headless::{self, HeadlessOptions};
+use gaccwb::presets;
+use gaccwb::record::{parse_recording, read_recording, Recorder, Recording};
+use gaccwb::scenario::Scenario;
+use gaccwb::telemetry::{Categories, Event, MemoryEvent, MemorySource, Phase, StepEvent};
+
+/// A small, quick scenario with a timeline (so controls are recorded).
+fn tiny(steps: u64) -> Scenario {
+    let mut s = presets::resolve("accumulate-to-fit").unwrap();
+    for set in [
+        "model.d_model=32",
+        "model.heads=2",
+        "model.layers=1",
+        "model.seq_len=16",
+        "train.micro_batch=4",
+        "train.eval_every=2",
+    ] {
+        s.set(set).unwrap();
+    }
+    s.train.steps = steps;
+    s.timeline[0].step = 2;
+    s.timeline[0].control = gaccwb::telemetry::Control::SetMicroBatch { value: 2 };
+    s.timeline[1].step = 2;
+    s
+}
+
+fn step_events(events: &[Event]) -> Vec<StepEvent> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step(s) => Some(s.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn memory_events(events: &[Event]) -> Vec<MemoryEvent> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Memory(m) => Some(m.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Record a real run, then append memory measurements of every phase and source (the trainer
+/// may not emit them yet) so the memory series is exercised either way.
+fn recorded_run(dir: &Path) -> (std::path::PathBuf, headless::Summary) {
+    let path = dir.join("run.jsonl");
+    let summary = headless::run(
+        tiny(4),
+        Device::Cpu,
+        HeadlessOptions {
+            record: Some(path.clone()),
+            quiet: true,
+        },
+    )
+    .unwrap();
+    let mut recording = read_recording(&path).unwrap();
+    let mut rec = Recorder::create(&path).unwrap();
+    for (i, e) in recording.events.drain(..).enumerate() {
+        rec.write(&e).unwrap();
+        if let Event::Step(s) = &e {
+            for (j, phase) in [
+                Phase::Forward,
+                Phase::Backward,
+                Phase::Optimizer,
+                Phase::Step,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let v = (i * 1000 + j * 10) as u64;
+                let categories = Categories {
+                    parameters: v + 1,
+                    compute_weights: v + 2,
+                    gradients: v + 3,
+                    gradients_transient: v + 4,
+                    optimizer_state: v + 5,
+                    offloaded: v + 6,
+                    activations: v + 7,
+                    other: v + 8,
+                };
+                rec.write(&Event::Memory(MemoryEvent {
+                    step: s.step,
+                    phase,
+                    source: [MemorySource::Allocator, MemorySource::CudaPool][j % 2],
+                    categories,
+                    total: categories.sum(),
+                    peak: categories.sum() + 5,
+                    unified: j % 2 == 0,
+                }))
+                .unwrap();
+            }
+        }
+    }
+    drop(rec);
+    (path, summary)
+}
+
+/// Parse a CSV made by `export::csv` (numbers and bare words only) into rows of cells.
+fn rows(text: &str) -> (Vec<String>, Vec<Vec<String>>) {
+    let mut lines = text.lines();
+    let header = lines
+        .next()
+        .unwrap()
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    let body = lines
+        .map(|l| l.split(',').map(str::to_string).collect())
+        .collect();
+    (header, body)
+}
+
+fn cell<T: std::str::FromStr>(header: &[String], row: &[String], name: &str) -> T
+where
+    T::Err: std::fmt::Debug,
+{
+    let i = header.iter().position(|h| h == name).unwrap();
+    row[i].parse().unwrap()
+}
+
+#[test]
+fn record_read_export_round_trip_reproduces_step_and_memory_series() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, summary) = recorded_run(dir.path());
+    let recording = read_recording(&path).unwrap();
+    assert!(recording.warnings.is_empty(), "{:?}", recording.warnings);
+    let steps = step_events(&recording.events);
+    assert_eq!(
+        steps, summary.steps,
+        "the file holds exactly what the run saw"
+    );
+    assert_eq!(recording.header.config, tiny(4));
+    let controls = recording
+        .events
+        .iter()
+        .filter(|e| matches!(e, Event::Control(_)))
+        .count();
+    assert_eq!(controls, 2, "applied controls are recorded");
+
+    let out = dir.path().join("csv");
+    let files = csv::write_csv(&recording, &out).unwrap();
+    assert_eq!(files.len(), 4);
+
+    let (header, body) = rows(&std::fs::read_to_string(out.join("steps.csv")).unwrap());
+    assert_eq!(header, csv::STEP_COLUMNS);
+    assert_eq!(body.len(), steps.len());
+    for (row, s) in body.iter().zip(&steps) {
+        assert_eq!(cell::<u64>(&header, row, "step"), s.step);
+        assert_eq!(cell::<f64>(&header, row, "loss"), s.loss);
+        assert_eq!(cell::<f64>(&header, row, "grad_norm"), s.grad_norm);
+        assert_eq!(
+            cell::<f64>(&header, row, "grad_norm_clipped"),
+            s.grad_norm_clipped
+        );
+        assert_eq!(cell::<f64>(&header, row, "lr"), s.lr);
+        assert_eq!(cell::<f64>(&header, row, "loss_scale"), s.loss_scale);
+        assert_eq!(cell::<usize>(&header, row, "accum_steps"), s.accum_steps);
+        assert_eq!(cell::<usize>(&header, row, "micro_batch"), s.micro_batch);
+        assert_eq!(cell::<u64>(&header, row, "tokens"), s.tokens);
+        assert_eq!(cell::<bool>(&header, row, "skipped"), s.skipped);
+    }
+
+    let memory = memory_events(&recording.events);
+    assert_eq!(memory.len(), 4 * steps.len());
+    let (header, body) = rows(&std::fs::read_to_string(out.join("memory.csv")).unwrap());
+    assert_eq!(header, csv::memory_columns());
+    assert_eq!(body.len(), memory.len());
+    for (row, m) in body.iter().zip(&memory) {
+        assert_eq!(cell::<u64>(&header, row, "step"), m.step);
+        assert_eq!(cell::<u64>(&header, row, "total"), m.total);
+        assert_eq!(cell::<u64>(&header, row, "peak"), m.peak);
+        assert_eq!(cell::<bool>(&header, row, "unified"), m.unified);
+        let phase: String = cell(&header, row, "phase");
+        assert_eq!(serde_json::to_value(m.phase).unwrap(), phase.as_str());
+        let source: String = cell(&header, row, "source");
+        assert_eq!(serde_json::to_value(m.source).unwrap(), source.as_str());
+        for (name, value) in Categories::NAMES.iter().zip(m.categories.values()) {
+            assert_eq!(cell::<u64>(&header, row, name), value, "{name}");
+        }
+    }
+
+    let chart = svg::render_svg(&recording).unwrap();
+    assert!(chart.starts_with("<svg"), "{}", &chart[..80]);
+    for label in [
+        "loss (nats/token)",
+        "before clip",
+        "after clip",
+        "loss scale",
+        "activations",
+        "validation",
+    ] {
+        assert!(chart.contains(label), "chart lacks {label}");
+    }
+}
+
+#[test]
+fn export_cli_writes_csv_and_svg() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = recorded_run(dir.path());
+    let bin = env!("CARGO_BIN_EXE_gaccwb");
+    let out = dir.path().join("out");
+    let status = Command::new(bin)
+        .args(["export", path.to_str().unwrap(), "--to", "csv", "-o"])
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    for f in ["steps.csv", "memory.csv", "controls.csv", "evals.csv"] {
+        assert!(out.join(f).is_file(), "{f}");
+    }
+    let controls = std::fs::read_to_string(out.join("controls.csv")).unwrap();
+    assert!(
+        controls.contains("2,scenario,set_micro_batch,micro-batch=2"),
+        "{controls}"
+    );
+    let chart = dir.path().join("charts.svg");
+    let status = Command::new(bin)
+        .args(["export", path.to_str().unwrap(), "--to", "svg", "-o"])
+        .arg(&chart)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(std::fs::read_to_string(&chart).unwrap().contains("<svg"));
+}
+
+fn valid_recording_bytes() -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = recorded_run(dir.path());
+    std::fs::read(path).unwrap()
+}
+
+fn parse(bytes: &[u8]) -> Result<Recording, String> {
+    parse_recording(bytes, "r.jsonl").map_err(|e| e.to_string())
+}
+
+#[test]
+fn truncated_last_line_is_tolerated_with_a_warning() {
+    let bytes = valid_recording_bytes();
+    let whole = parse(&bytes).unwrap();
+    let cut = &bytes[..bytes.len() - 20];
+    let r = parse(cut).unwrap();
+    assert_eq!(r.events.len(), whole.events.len() - 1);
+    assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+    let lines = bytes.iter().filter(|b| **b == b'\n').count();
+    assert!(
+        r.warnings[0].starts_with(&format!("r.jsonl:{lines}: the last line is incomplete")),
+        "{}",
+        r.warnings[0]
+    );
+    // Cut inside a multi-byte character: still only a warning.
+    let mut odd = bytes[..bytes.len() - 1].to_vec();
+    odd.extend_from_slice(&[b'{', 0xE2, 0x82]);
+    let r = parse(&odd).unwrap();
+    assert_eq!(r.warnings.len(), 1);
+}
+
+#[test]
+fn a_corrupt_line_elsewhere_is_an_error_naming_its_line() {
+    let text = String::from_utf8(valid_recording_bytes()).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines[3] = "{\"type\":\"step\",\"step\":";
+    let err = parse((lines.join("\n") + "\n").as_bytes()).unwrap_err();
+    assert!(err.starts_with("r.jsonl:4: "), "{err}");
+    lines[3] = "{\"type\":\"step\",\"step\":\"four\"}";
+    let err = parse((lines.join("\n") + "\n").as_bytes()).unwrap_err();
+    assert!(err.starts_with("r.jsonl:4: bad step event"), "{err}");
+}
+
+#[test]
+fn newer_major_versions_are_refused_and_unknown_event_types_skipped() {
+    let text = String::from_utf8(valid_recording_bytes()).unwrap();
+    let mut header: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    header["version"] = 99.into();
+    // A future header may not even have today's fields.
+    header.as_object_mut().unwrap().remove("config");
+    let rest: Vec<&str> = text.lines().skip(1).collect();
+    let newer = format!("{header}\n{}\n", rest.join("\n"));
+    let err = parse(newer.as_bytes()).unwrap_err();
+    assert!(
+        err.starts_with("r.jsonl:1: recording format version 99 is newer"),
+        "{err}"
+    );
+
+    let with_unknown = format!(
+        "{}\n{{\"type\":\"hologram\",\"step\":1}}\n{}\n",
+        text.lines().next().unwrap(),
+        rest.join("\n")
+    );
+    let r = parse(with_unknown.as_bytes()).unwrap();
+    assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+    assert!(r.warnings[0].contains("skipped 1 event"));
+
+    let err = parse(b"").unwrap_err();
+    assert!(err.contains("no header"), "{err}");
+    let err = parse(rest.join("\n").as_bytes()).unwrap_err();
+    assert!(
+        err.starts_with("r.jsonl:1: the first line must be the header"),
+        "{err}"
+    );
+}
+
+/// Count complete step lines written so far.
+fn steps_on_disk(path: &Path) -> usize {
+    std::fs::read_to_string(path)
+        .map(|t| {
+            t.lines()
+                .filter(|l| l.starts_with("{\"type\":\"step\""))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn kill_dash_nine_mid_recording_leaves_a_file_that_replays() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("killed.jsonl");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gaccwb"))
+        .args([
+            "run",
+            "baseline",
+            "--headless",
+            "--device",
+            "cpu",
+            "--steps",
+            "0",
+        ])
+        .args(["--set", "model.d_model=32", "--set", "model.heads=2"])
+        .args(["--set", "model.layers=1", "--set", "model.seq_len=16"])
+        .arg("--record")
+        .arg(&path)
+        .env("RAYON_NUM_THREADS", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while steps_on_disk(&path) < 3 {
+        assert!(Instant::now() < deadline, "no steps reached the file");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    child.kill().unwrap(); // SIGKILL on Unix: no destructor, no final flush
+    child.wait().unwrap();
+    let seen = steps_on_disk(&path);
+    let r = read_recording(&path).unwrap_or_else(|e| panic!("{e}"));
+    let steps = step_events(&r.events);
+    assert!(
+        steps.len() >= 3 && steps.len() >= seen,
+        "{} steps",
+        steps.len()
+    );
+    assert!(
+        steps.windows(2).all(|w| w[1].step == w[0].step + 1),
+        "steps are contiguous"
+    );
+    assert!(
+        !matches!(r.events.last(), Some(Event::End(_))),
+        "the run was killed"
+    );
+}
