@@ -18,3 +18,4 @@ pub mod record;
 pub mod scenario;
 pub mod telemetry;
 pub mod train;
+pub mod tui;
