@@ -129,8 +129,10 @@ impl Summary {
             last.overflow_count
         );
         if let Some((peak, source)) = self.peak_memory {
+            let source = serde_json::to_value(source).unwrap_or_default();
+            let source = source.as_str().unwrap_or("?").to_string();
             out += &format!(
-                "; peak {:.1} MiB ({source:?})",
+                "; peak {:.1} MiB ({source})",
                 peak as f64 / (1 << 20) as f64
             );
         }

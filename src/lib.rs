@@ -19,3 +19,4 @@ pub mod record;
 pub mod scenario;
 pub mod telemetry;
 pub mod train;
+pub mod tui;

@@ -4,11 +4,13 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 
 use gaccwb::device::DeviceChoice;
+use gaccwb::export::cast::{write_cast, CastOptions};
 use gaccwb::headless::{self, HeadlessOptions};
 use gaccwb::presets;
 use gaccwb::record::read_recording;
 use gaccwb::scenario::{DataSource, Scenario};
 use gaccwb::train::Trainer;
+use gaccwb::tui::{self, keymap::KeyMap, LiveOptions};
 use gaccwb::{checkpoint, export};
 
 /// A terminal workbench for gradient accumulation: train a small GPT and watch memory,
@@ -26,13 +28,40 @@ enum Command {
     Run(RunArgs),
     /// List the built-in presets.
     Presets,
+    /// Play a recording on the workbench screen (no Candle, no GPU needed).
+    Replay(ReplayArgs),
     /// Predict memory per category for a preset, how it moves with the micro-batch at a fixed
     /// effective batch, and the largest micro-batch that fits a budget.
     Estimate(EstimateArgs),
-    /// Turn a recording into CSV files or SVG charts.
+    /// Turn a recording into CSV files, SVG charts or an asciinema cast of the screen.
     Export(ExportArgs),
     /// Measure training tokens/s of the default model on CPU.
     Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// A recording written by --record (JSON Lines).
+    file: PathBuf,
+    /// Playback speed against the recorded step times (2 = twice as fast).
+    #[arg(long, default_value_t = 1.0)]
+    speed: f64,
+    /// No screen: print the run's summary.
+    #[arg(long)]
+    headless: bool,
+    /// Key bindings (TOML); default: $XDG_CONFIG_HOME/gaccwb/keys.toml when it exists.
+    #[arg(long, value_name = "FILE")]
+    keys: Option<PathBuf>,
+}
+
+fn parse_size(s: &str) -> Result<(u16, u16), String> {
+    let bad = || format!("bad size `{s}`: expected COLSxROWS, at least 80x24, e.g. 120x40");
+    let (w, h) = s.split_once('x').ok_or_else(bad)?;
+    let (w, h): (u16, u16) = (w.parse().map_err(|_| bad())?, h.parse().map_err(|_| bad())?);
+    if w < 80 || h < 24 {
+        return Err(bad());
+    }
+    Ok((w, h))
 }
 
 #[derive(Args)]
@@ -64,15 +93,23 @@ struct ExportArgs {
     /// csv: a directory of steps.csv, memory.csv, controls.csv, evals.csv; svg: one chart file.
     #[arg(long = "to", value_enum)]
     format: ExportFormat,
-    /// Output directory (csv) or file (svg).
+    /// Output directory (csv) or file (svg, cast).
     #[arg(short = 'o', long = "out", value_name = "OUT")]
     out: PathBuf,
+    /// cast: screen size, COLSxROWS.
+    #[arg(long, default_value = "120x40", value_parser = parse_size)]
+    size: (u16, u16),
+    /// cast: time runs this many times faster than the recorded step times.
+    #[arg(long, default_value_t = 1.0)]
+    speed: f64,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum ExportFormat {
     Csv,
     Svg,
+    /// asciinema v2 recording of the replayed screen.
+    Cast,
 }
 
 #[derive(Args)]
@@ -137,6 +174,9 @@ struct RunArgs {
     /// Write the session's events to FILE as JSON Lines.
     #[arg(long, value_name = "FILE")]
     record: Option<PathBuf>,
+    /// Key bindings (TOML); default: $XDG_CONFIG_HOME/gaccwb/keys.toml when it exists.
+    #[arg(long, value_name = "FILE")]
+    keys: Option<PathBuf>,
     /// Save a checkpoint every N optimizer steps (into --checkpoint-dir).
     #[arg(long, value_name = "N")]
     checkpoint_every: Option<u64>,
@@ -169,6 +209,7 @@ fn main() -> ExitCode {
         }),
         Some(Command::Run(args)) => run(args),
         Some(Command::Presets) => list_presets(),
+        Some(Command::Replay(args)) => replay(args),
         Some(Command::Estimate(args)) => estimate(args),
         Some(Command::Export(args)) => export(args),
         Some(Command::Bench(args)) => bench(args),
@@ -210,11 +251,23 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
     let scenario = scenario_from(&args)?;
+    let keys = match args.headless {
+        false => {
+            let keys = KeyMap::load(args.keys.as_deref()).map_err(|e| UsageError(e.to_string()))?;
+            tui::require_terminal().map_err(|e| UsageError(e.to_string()))?;
+            Some(keys)
+        }
+        true => None,
+    };
     let device = args.device.open()?;
-    if !args.headless {
-        anyhow::bail!(UsageError(
-            "the terminal UI is not built yet; add --headless".into()
-        ));
+    if let Some(keys) = keys {
+        return tui::run_live(
+            build_trainer(&args, scenario, device)?,
+            LiveOptions {
+                record: args.record,
+                keys,
+            },
+        );
     }
     let trainer = build_trainer(&args, scenario, device)?;
     let summary = headless::run_trainer(
@@ -231,12 +284,39 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn replay(args: ReplayArgs) -> anyhow::Result<()> {
+    if !(args.speed > 0.0 && args.speed.is_finite()) {
+        anyhow::bail!(UsageError(format!(
+            "--speed {}: expected a positive number, e.g. 2 or 0.5",
+            args.speed
+        )));
+    }
+    if !args.headless {
+        let keys = KeyMap::load(args.keys.as_deref()).map_err(|e| UsageError(e.to_string()))?;
+        tui::require_terminal().map_err(|e| UsageError(e.to_string()))?;
+        return tui::run_replay(&args.file, args.speed, &keys);
+    }
+    let recording = read_recording(&args.file)?;
+    for w in &recording.warnings {
+        eprintln!("warning: {w}");
+    }
+    println!("{}", tui::summarize(&recording.events).render());
+    Ok(())
+}
+
 /// A fresh trainer for `scenario`, or the one saved in `--resume DIR`; with the checkpoint policy.
 fn build_trainer(
     args: &RunArgs,
     scenario: Scenario,
     device: candle_core::Device,
 ) -> anyhow::Result<Trainer> {
+    if args.resume.is_some() && (!args.sets.is_empty() || args.data.is_some()) {
+        anyhow::bail!(UsageError(
+            "--resume continues the checkpoint's own scenario; only --steps may change \
+             (drop --set/--data)"
+                .into()
+        ));
+    }
     let mut trainer = match &args.resume {
         Some(dir) => checkpoint::resume(dir, device, |s| {
             if let Some(n) = args.steps {
@@ -266,6 +346,26 @@ fn export(args: ExportArgs) -> anyhow::Result<()> {
         ExportFormat::Svg => {
             export::svg::write_svg(&recording, &args.out)?;
             println!("{}", args.out.display());
+        }
+        ExportFormat::Cast => {
+            let file = std::fs::File::create(&args.out)
+                .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", args.out.display()))?;
+            let mut out = std::io::BufWriter::new(file);
+            let opts = CastOptions {
+                width: args.size.0,
+                height: args.size.1,
+                speed: args.speed,
+                ..CastOptions::default()
+            };
+            let stats = write_cast(&recording.events, &mut out, &opts)?;
+            std::io::Write::flush(&mut out)?;
+            eprintln!(
+                "wrote {}: {} frames, {} control markers, {:.1} s",
+                args.out.display(),
+                stats.frames,
+                stats.markers,
+                stats.duration_s
+            );
         }
     }
     Ok(())

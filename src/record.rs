@@ -29,6 +29,9 @@ pub struct Recorder {
     path: PathBuf,
     out: BufWriter<File>,
     last_flush: Instant,
+    /// Events that arrived before the header (the device sampler can beat the trainer); they
+    /// are written right after it so the header is always line 1.
+    before_header: Option<Vec<Event>>,
 }
 
 impl Recorder {
@@ -40,7 +43,15 @@ impl Recorder {
             path: path.to_path_buf(),
             out: BufWriter::new(file),
             last_flush: Instant::now(),
+            before_header: Some(Vec::new()),
         })
+    }
+
+    /// Start a recording of a run already under way (e.g. a hotkey in the UI): `header` first.
+    pub fn create_with_header(path: &Path, header: &Header) -> anyhow::Result<Recorder> {
+        let mut r = Recorder::create(path)?;
+        r.write(&Event::Header(header.clone()))?;
+        Ok(r)
     }
 
     pub fn path(&self) -> &Path {
@@ -50,12 +61,29 @@ impl Recorder {
     /// Append one event. Steps, controls and the run's start and end reach the OS at once;
     /// high-rate samples (memory, device) are batched for at most a second.
     pub fn write(&mut self, event: &Event) -> anyhow::Result<()> {
-        serde_json::to_writer(&mut self.out, event)?;
-        self.out.write_all(b"\n")?;
+        if let Some(waiting) = &mut self.before_header {
+            if !matches!(event, Event::Header(_)) {
+                waiting.push(event.clone());
+                return Ok(());
+            }
+            let waiting = self.before_header.take().unwrap_or_default();
+            self.write_line(event)?;
+            for e in &waiting {
+                self.write_line(e)?;
+            }
+            return self.flush();
+        }
+        self.write_line(event)?;
         let sample = matches!(event, Event::Memory(_) | Event::Device(_));
         if !sample || self.last_flush.elapsed() >= FLUSH_EVERY {
             self.flush()?;
         }
+        Ok(())
+    }
+
+    fn write_line(&mut self, event: &Event) -> anyhow::Result<()> {
+        serde_json::to_writer(&mut self.out, event)?;
+        self.out.write_all(b"\n")?;
         Ok(())
     }
 

@@ -339,20 +339,20 @@ impl Scenario {
             ));
         }
         if let Some(c) = t.clip {
-            if c.is_nan() || c <= 0.0 {
+            if !positive(c) {
                 return Err(Problem::new(
                     "train.clip",
                     format!("train.clip ({c}) must be positive; remove it to turn clipping off"),
                 ));
             }
         }
-        if !(t.lr.is_finite() && t.lr >= 0.0) {
+        if !non_negative(t.lr) {
             return Err(Problem::new(
                 "train.lr",
                 format!("train.lr ({}) must be a finite number ≥ 0", t.lr),
             ));
         }
-        if !(t.loss_scale.is_finite() && t.loss_scale > 0.0) {
+        if !positive(t.loss_scale) {
             return Err(Problem::new(
                 "train.loss_scale",
                 format!("train.loss_scale ({}) must be positive", t.loss_scale),
@@ -464,13 +464,9 @@ pub fn validate_control(c: &Control) -> Result<(), String> {
     match c {
         Control::SetAccumSteps { value: 0 } => Err("accumulation steps must be at least 1".into()),
         Control::SetMicroBatch { value: 0 } => Err("micro-batch must be at least 1".into()),
-        Control::SetClip { value: Some(v) } if v.is_nan() || *v <= 0.0 => {
-            Err("clip must be positive".into())
-        }
-        Control::SetLr { value } if !(value.is_finite() && *value >= 0.0) => {
-            Err("lr must be ≥ 0".into())
-        }
-        Control::SetLossScale { value } if !(value.is_finite() && *value > 0.0) => {
+        Control::SetClip { value: Some(v) } if !positive(*v) => Err("clip must be positive".into()),
+        Control::SetLr { value } if !non_negative(*value) => Err("lr must be ≥ 0".into()),
+        Control::SetLossScale { value } if !positive(*value) => {
             Err("loss scale must be positive".into())
         }
         _ => Ok(()),
@@ -546,6 +542,14 @@ pub fn line_col(text: &str, offset: usize) -> (usize, usize) {
         .unwrap_or(0)
         + 1;
     (line, col)
+}
+
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+fn non_negative(x: f64) -> bool {
+    x.is_finite() && x >= 0.0
 }
 
 #[cfg(test)]

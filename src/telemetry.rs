@@ -293,10 +293,13 @@ pub struct StepEvent {
     /// Optimizer steps completed, counting this one (1-based).
     pub step: u64,
     /// Window loss under the configured normalisation (unscaled), nats/token.
+    #[serde(with = "json_float")]
     pub loss: f64,
     /// Global L2 norm of the unscaled accumulated gradient, before clipping.
+    #[serde(with = "json_float")]
     pub grad_norm: f64,
     /// The same norm after clipping (equals `grad_norm` when clipping is off or not triggered).
+    #[serde(with = "json_float")]
     pub grad_norm_clipped: f64,
     pub lr: f64,
     pub accum_steps: usize,
@@ -338,6 +341,7 @@ pub struct ControlEvent {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EvalEvent {
     pub step: u64,
+    #[serde(with = "json_float")]
     pub val_loss: f64,
 }
 
@@ -496,5 +500,47 @@ mod tests {
         assert_eq!(LrRule::None.factor(64, 16), 1.0);
         assert_eq!(LrRule::Linear.factor(64, 16), 4.0);
         assert_eq!(LrRule::Sqrt.factor(64, 16), 2.0);
+    }
+}
+
+/// JSON has no NaN or infinity (serde_json writes `null`), but an overflowing fp16 step has an
+/// infinite gradient norm and its loss may be NaN. Non-finite values are written as the strings
+/// `"NaN"`, `"inf"`, `"-inf"`; reading also accepts `null` (as NaN) from older files.
+pub mod json_float {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if x.is_finite() {
+            s.serialize_f64(*x)
+        } else if x.is_nan() {
+            s.serialize_str("NaN")
+        } else if *x > 0.0 {
+            s.serialize_str("inf")
+        } else {
+            s.serialize_str("-inf")
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Repr {
+        Number(f64),
+        Text(String),
+        Null(()),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        match Repr::deserialize(d)? {
+            Repr::Number(x) => Ok(x),
+            Repr::Null(()) => Ok(f64::NAN),
+            Repr::Text(t) => match t.as_str() {
+                "NaN" => Ok(f64::NAN),
+                "inf" => Ok(f64::INFINITY),
+                "-inf" => Ok(f64::NEG_INFINITY),
+                other => Err(serde::de::Error::custom(format!(
+                    "expected a number, \"NaN\", \"inf\" or \"-inf\", got \"{other}\""
+                ))),
+            },
+        }
     }
 }

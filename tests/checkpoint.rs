@@ -202,3 +202,59 @@ fn bad_checkpoints_are_refused_with_the_reason() {
     let err = checkpoint::read_state(dir.path()).err().unwrap();
     assert!(format!("{err:#}").contains("newer"), "{err:#}");
 }
+
+#[test]
+fn cli_saves_every_n_steps_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let gaccwb = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_gaccwb"))
+            .args(["run", "--headless", "--device", "cpu"])
+            .args(args)
+            .env("RAYON_NUM_THREADS", "1")
+            .output()
+            .unwrap()
+    };
+    let small = [
+        "--set",
+        "model.d_model=32",
+        "--set",
+        "model.heads=2",
+        "--set",
+        "model.layers=1",
+        "--set",
+        "model.seq_len=16",
+        "--set",
+        "train.eval_every=0",
+    ];
+    let mut first = vec![
+        "k-ramp",
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+    ];
+    first.push(ckpt.to_str().unwrap());
+    first.extend(small);
+    let out = gaccwb(&first);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(checkpoint::read_state(&ckpt).unwrap().step, 2);
+
+    let out = gaccwb(&["--resume", ckpt.to_str().unwrap(), "--steps", "3"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.starts_with("3 steps (completed)"), "{stdout}");
+
+    let out = gaccwb(&["--resume", ckpt.to_str().unwrap(), "--set", "train.lr=1"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("only --steps may change"));
+}

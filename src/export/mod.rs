@@ -1,2 +1,3 @@
+pub mod cast;
 pub mod csv;
 pub mod svg;

@@ -18,8 +18,9 @@
 //! in f32, what each weight gradient keeps referenced until the store is dropped (Candle computes
 //! `lhsᵀ·grad` without detaching: a zero tensor and the product, 2·|W|, and the upstream
 //! gradient, N·out). The measured figure is the backward's peak over its start, so the estimate
-//! adds what is in flight at that peak (`in_flight_bytes`) and removes what only exists after
-//! it (`after_peak_bytes`).
+//! takes the larger of two peaks: block 0's GELU (the store and retention so far plus what is in
+//! flight there, `in_flight_bytes`, less what only exists after it, `after_peak_bytes`) and the
+//! loss head's log-softmax at the very start (`head_peak_bytes`).
 
 use serde::Serialize;
 
@@ -299,10 +300,22 @@ pub fn after_peak_bytes(cfg: &Config) -> u64 {
     grads + retention + mask
 }
 
-/// What backward holds at its peak on top of what it started from.
+/// Bytes in flight at the top of the backward, in the loss's log-softmax (always f32), when
+/// the gradient of the shifted logits is processed: its accumulated gradient, the one before
+/// it, exp's `grad·exp(x)` and exp's own gradient (the tracked sum keeps all four), the logits'
+/// new gradient, and the broadcast max's zero tensor and result: 7·N·V·4. Nothing else is in the
+/// store yet.
+pub fn head_peak_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    7 * s.n * s.v * F32
+}
+
+/// What backward holds at its peak on top of what it started from: the larger of the two
+/// candidate peaks, the loss head (first) and block 0's GELU (last, with everything retained).
 pub fn transient_bytes(cfg: &Config) -> u64 {
-    (grad_store_bytes(cfg) + weight_grad_retention(cfg) + in_flight_bytes(cfg))
-        .saturating_sub(after_peak_bytes(cfg))
+    let block0 = (grad_store_bytes(cfg) + weight_grad_retention(cfg) + in_flight_bytes(cfg))
+        .saturating_sub(after_peak_bytes(cfg));
+    block0.max(head_peak_bytes(cfg))
 }
 
 pub fn estimate(cfg: &Config) -> Estimate {

@@ -1,0 +1,733 @@
+//! The workbench's state: what the panes draw. `update` folds in one `Event`, `apply` turns an
+//! `Action` into the `Control`s to send. No I/O here, so tests and replay drive it directly.
+
+use std::collections::VecDeque;
+
+use crate::telemetry::{
+    Control, ControlEvent, DeviceEvent, Dtype, Event, Header, Level, LrRule, MemoryEvent,
+    MemorySource, Origin, Phase, StepEvent,
+};
+
+use super::keymap::Action;
+
+/// Steps kept in every history; older points fall off.
+pub const DEFAULT_RETENTION: usize = 10_000;
+/// Lines kept in the event log.
+const LOG_RETENTION: usize = 500;
+/// Narrowest and default time windows (steps shown by the charts).
+const MIN_ZOOM: u64 = 16;
+const DEFAULT_ZOOM: u64 = 256;
+
+/// The panes, in focus order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PaneId {
+    DeviceMemory,
+    Ledger,
+    Loss,
+    GradNorm,
+    LossScale,
+    Status,
+    EventLog,
+}
+
+impl PaneId {
+    pub const ALL: [PaneId; 7] = [
+        PaneId::DeviceMemory,
+        PaneId::Ledger,
+        PaneId::Loss,
+        PaneId::GradNorm,
+        PaneId::LossScale,
+        PaneId::Status,
+        PaneId::EventLog,
+    ];
+
+    fn index(self) -> usize {
+        PaneId::ALL.iter().position(|p| *p == self).unwrap_or(0)
+    }
+
+    fn shifted(self, by: isize) -> PaneId {
+        let n = PaneId::ALL.len() as isize;
+        PaneId::ALL[((self.index() as isize + by).rem_euclid(n)) as usize]
+    }
+}
+
+/// The knobs as the trainer last reported them (header config, then applied controls and steps).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Knobs {
+    pub accum_steps: usize,
+    pub micro_batch: usize,
+    pub clip: Option<f64>,
+    /// Base learning rate (before schedule and LR rule).
+    pub lr: f64,
+    pub lr_rule: LrRule,
+    pub dtype: Dtype,
+    pub offload: bool,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            accum_steps: 1,
+            micro_batch: 1,
+            clip: None,
+            lr: 0.0,
+            lr_rule: LrRule::None,
+            dtype: Dtype::F32,
+            offload: false,
+        }
+    }
+}
+
+impl Knobs {
+    fn apply(&mut self, c: &Control) {
+        match *c {
+            Control::SetAccumSteps { value } => self.accum_steps = value,
+            Control::SetMicroBatch { value } => self.micro_batch = value,
+            Control::SetClip { value } => self.clip = value,
+            Control::SetLr { value } => self.lr = value,
+            Control::SetLrRule { value } => self.lr_rule = value,
+            Control::SetDtype { value } => self.dtype = value,
+            Control::SetOffload { value } => self.offload = value,
+            _ => {}
+        }
+    }
+
+    pub fn effective_batch(&self) -> usize {
+        self.accum_steps * self.micro_batch
+    }
+}
+
+/// A point of the measured-memory series: live bytes after the step and the step's peak.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MemPoint {
+    pub step: u64,
+    pub live: u64,
+    pub peak: u64,
+}
+
+/// A device sample placed on the step axis.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DevicePoint {
+    pub source: MemorySource,
+    pub x: f64,
+    pub used: u64,
+    pub total: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogLine {
+    pub step: u64,
+    pub level: Level,
+    pub text: String,
+}
+
+/// Where a replay stands (shown in the header line).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplayStatus {
+    pub speed: f64,
+    pub paused: bool,
+    pub last_step: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct App {
+    pub header: Option<Header>,
+    pub knobs: Knobs,
+    /// Controls sent but not yet reported applied, oldest first.
+    pub pending: Vec<Control>,
+    pub steps: VecDeque<StepEvent>,
+    pub evals: VecDeque<(u64, f64)>,
+    pub memory: VecDeque<MemPoint>,
+    pub memory_source: Option<MemorySource>,
+    pub device: VecDeque<DevicePoint>,
+    pub device_unavailable: Option<String>,
+    /// The latest step's fullest measured ledger (usually its backward phase).
+    pub measured: Option<MemoryEvent>,
+    /// The fullest measured ledger of the step in progress.
+    pub building: Option<MemoryEvent>,
+    /// The latest estimate of each phase.
+    pub estimates: Vec<MemoryEvent>,
+    /// Applied controls: (step, label), drawn as markers on the charts.
+    pub markers: VecDeque<(u64, String)>,
+    pub log: VecDeque<LogLine>,
+    pub paused: bool,
+    pub ended: Option<String>,
+    pub retention: usize,
+    // Display state.
+    pub help: bool,
+    pub frozen: Option<u64>,
+    pub zoom: u64,
+    pub focus: PaneId,
+    pub expanded: bool,
+    pub color: bool,
+    pub recording: Option<String>,
+    pub replay: Option<ReplayStatus>,
+    pub quit: bool,
+    /// Something visible changed since the last frame.
+    pub dirty: bool,
+}
+
+impl Default for App {
+    fn default() -> Self {
+        App::new(DEFAULT_RETENTION)
+    }
+}
+
+impl App {
+    pub fn new(retention: usize) -> App {
+        App {
+            header: None,
+            knobs: Knobs::default(),
+            pending: Vec::new(),
+            steps: VecDeque::new(),
+            evals: VecDeque::new(),
+            memory: VecDeque::new(),
+            memory_source: None,
+            device: VecDeque::new(),
+            device_unavailable: None,
+            measured: None,
+            building: None,
+            estimates: Vec::new(),
+            markers: VecDeque::new(),
+            log: VecDeque::new(),
+            paused: false,
+            ended: None,
+            retention: retention.max(1),
+            help: false,
+            frozen: None,
+            zoom: DEFAULT_ZOOM,
+            focus: PaneId::Loss,
+            expanded: false,
+            color: true,
+            recording: None,
+            replay: None,
+            quit: false,
+            dirty: true,
+        }
+    }
+
+    /// Drop the run's data but keep display settings (replay seeks rebuild from the start).
+    pub fn reset_run(&mut self) {
+        let fresh = App {
+            help: self.help,
+            zoom: self.zoom,
+            focus: self.focus,
+            expanded: self.expanded,
+            color: self.color,
+            recording: self.recording.clone(),
+            replay: self.replay.clone(),
+            ..App::new(self.retention)
+        };
+        *self = fresh;
+    }
+
+    /// Steps completed so far.
+    pub fn last_step(&self) -> u64 {
+        self.steps.back().map(|s| s.step).unwrap_or(0)
+    }
+
+    pub fn last(&self) -> Option<&StepEvent> {
+        self.steps.back()
+    }
+
+    /// The last step the charts show: the frozen step, or the newest.
+    pub fn view_end(&self) -> u64 {
+        self.frozen.unwrap_or_else(|| self.last_step())
+    }
+
+    /// Knobs as they will be once every pending control is applied.
+    pub fn target_knobs(&self) -> Knobs {
+        let mut k = self.knobs.clone();
+        for c in &self.pending {
+            k.apply(c);
+        }
+        k
+    }
+
+    pub fn update(&mut self, event: &Event) {
+        match event {
+            Event::Header(h) => self.on_header(h),
+            Event::Step(s) => self.on_step(s),
+            Event::Control(c) => self.on_control(c),
+            Event::Eval(e) => push_bounded(&mut self.evals, (e.step, e.val_loss), self.retention),
+            Event::Memory(m) => self.on_memory(m),
+            Event::Device(d) => self.on_device(d),
+            Event::Log(l) => self.log(l.step, l.level, l.message.clone()),
+            Event::End(e) => {
+                self.ended = Some(e.reason.clone());
+                self.log(e.step, Level::Info, format!("run ended: {}", e.reason));
+            }
+        }
+        self.dirty = true;
+    }
+
+    fn on_header(&mut self, h: &Header) {
+        let t = &h.config.train;
+        self.knobs = Knobs {
+            accum_steps: t.accum_steps,
+            micro_batch: t.micro_batch,
+            clip: t.clip,
+            lr: t.lr,
+            lr_rule: t.lr_rule,
+            dtype: t.dtype,
+            offload: t.offload,
+        };
+        self.header = Some(h.clone());
+    }
+
+    fn on_step(&mut self, s: &StepEvent) {
+        // What the trainer used for this window is the truth for the knobs it reports.
+        self.knobs.accum_steps = s.accum_steps;
+        self.knobs.micro_batch = s.micro_batch;
+        self.knobs.clip = s.clip;
+        self.knobs.dtype = s.dtype;
+        self.knobs.offload = s.offload;
+        if s.skipped {
+            self.log(
+                s.step,
+                Level::Warn,
+                format!(
+                    "overflow: step skipped, loss scale 2^{:.0} → halved",
+                    s.loss_scale.log2()
+                ),
+            );
+        }
+        push_bounded(&mut self.steps, s.clone(), self.retention);
+    }
+
+    fn on_control(&mut self, c: &ControlEvent) {
+        self.knobs.apply(&c.control);
+        match c.control {
+            Control::Pause => self.paused = true,
+            Control::Resume => self.paused = false,
+            Control::SingleStep => self.paused = true,
+            _ => {}
+        }
+        // Only the very change is done: a newer value for the same knob may still be on its way.
+        if let Some(i) = self.pending.iter().position(|p| *p == c.control) {
+            self.pending.remove(i);
+        }
+        let origin = match c.origin {
+            Origin::Key => "key",
+            Origin::Scenario => "preset",
+            Origin::Cli => "cli",
+        };
+        let label = c.control.describe();
+        self.log(c.step, Level::Info, format!("{label} applied ({origin})"));
+        if !c.control.is_flow() {
+            push_bounded(&mut self.markers, (c.step, label), self.retention);
+        }
+    }
+
+    fn on_memory(&mut self, m: &MemoryEvent) {
+        if m.source == MemorySource::Estimate {
+            self.estimates.retain(|e| e.phase != m.phase);
+            self.estimates.push(m.clone());
+            return;
+        }
+        self.memory_source = Some(m.source);
+        match self.memory.back_mut() {
+            Some(p) if p.step == m.step => {
+                p.live = m.total;
+                p.peak = p.peak.max(m.peak);
+            }
+            _ => push_bounded(
+                &mut self.memory,
+                MemPoint {
+                    step: m.step,
+                    live: m.total,
+                    peak: m.peak.max(m.total),
+                },
+                self.retention,
+            ),
+        }
+        // The ledger shows the fullest moment of a finished step (usually backward), not the
+        // quiet end, and not a step still half-way through.
+        let fuller = match &self.building {
+            Some(b) => b.step != m.step || m.total >= b.total,
+            None => true,
+        };
+        if fuller {
+            self.building = Some(m.clone());
+        }
+        if m.phase == Phase::Step || self.measured.is_none() {
+            self.measured = self.building.clone();
+        }
+    }
+
+    fn on_device(&mut self, d: &DeviceEvent) {
+        if let Some(reason) = &d.unavailable {
+            if self.device_unavailable.as_deref() != Some(reason) {
+                self.log(self.last_step(), Level::Warn, reason.clone());
+            }
+            self.device_unavailable = Some(reason.clone());
+            return;
+        }
+        let Some(used) = d.used else { return };
+        self.device_unavailable = None;
+        let point = DevicePoint {
+            source: d.source,
+            x: self.last_step() as f64,
+            used,
+            total: d.total,
+        };
+        push_bounded(&mut self.device, point, self.retention);
+    }
+
+    fn log(&mut self, step: u64, level: Level, text: String) {
+        push_bounded(&mut self.log, LogLine { step, level, text }, LOG_RETENTION);
+    }
+
+    /// Act on a key's action. Knob actions become controls for the trainer (also held as
+    /// pending until the trainer reports them); display actions change the view only.
+    /// Recording and replay actions belong to the loop that owns the file or the replay.
+    pub fn apply(&mut self, action: Action) -> Vec<Control> {
+        self.dirty = true;
+        if self.help && !matches!(action, Action::Help | Action::Quit) {
+            // Any key closes the overlay without acting.
+            self.help = false;
+            return Vec::new();
+        }
+        let controls = match action {
+            Action::Help => {
+                self.help = !self.help;
+                Vec::new()
+            }
+            Action::Quit => {
+                self.quit = true;
+                Vec::new()
+            }
+            Action::Freeze => {
+                self.frozen = match self.frozen {
+                    Some(_) => None,
+                    None => Some(self.last_step()),
+                };
+                Vec::new()
+            }
+            Action::ZoomIn => {
+                self.zoom = (self.zoom / 2).max(MIN_ZOOM);
+                Vec::new()
+            }
+            Action::ZoomOut => {
+                self.zoom = (self.zoom * 2).min(self.retention.max(MIN_ZOOM as usize) as u64);
+                Vec::new()
+            }
+            Action::Expand => {
+                self.expanded = !self.expanded;
+                Vec::new()
+            }
+            Action::FocusNext => {
+                self.focus = self.focus.shifted(1);
+                Vec::new()
+            }
+            Action::FocusPrev => {
+                self.focus = self.focus.shifted(-1);
+                Vec::new()
+            }
+            Action::RecordToggle
+            | Action::SeekBack
+            | Action::SeekForward
+            | Action::SpeedDown
+            | Action::SpeedUp => Vec::new(),
+            knob => self.knob_controls(knob),
+        };
+        if self.replay.is_some() {
+            // A replay is read-only: the file already says what happened.
+            return Vec::new();
+        }
+        for c in &controls {
+            self.pending.retain(|p| !supersedes(c, p));
+            self.pending.push(c.clone());
+        }
+        controls
+    }
+
+    fn knob_controls(&self, action: Action) -> Vec<Control> {
+        let k = self.target_knobs();
+        let control = match action {
+            Action::AccumUp => Control::SetAccumSteps {
+                value: k.accum_steps.saturating_mul(2),
+            },
+            Action::AccumDown => Control::SetAccumSteps {
+                value: (k.accum_steps / 2).max(1),
+            },
+            Action::MicroBatchUp => Control::SetMicroBatch {
+                value: k.micro_batch.saturating_mul(2),
+            },
+            Action::MicroBatchDown => Control::SetMicroBatch {
+                value: (k.micro_batch / 2).max(1),
+            },
+            Action::ClipDown => Control::SetClip {
+                value: Some(k.clip.unwrap_or(self.configured_clip()) / 2.0),
+            },
+            Action::ClipUp => Control::SetClip {
+                value: Some(k.clip.unwrap_or(self.configured_clip()) * 2.0),
+            },
+            Action::ClipToggle => Control::SetClip {
+                value: match k.clip {
+                    Some(_) => None,
+                    None => Some(self.configured_clip()),
+                },
+            },
+            Action::OffloadToggle => Control::SetOffload { value: !k.offload },
+            Action::PrecisionCycle => Control::SetDtype {
+                value: k.dtype.next(),
+            },
+            Action::LrRuleCycle => Control::SetLrRule {
+                value: k.lr_rule.next(),
+            },
+            Action::PauseResume if self.target_paused() => Control::Resume,
+            Action::PauseResume => Control::Pause,
+            Action::SingleStep => Control::SingleStep,
+            _ => return Vec::new(),
+        };
+        if k.accum_steps == 0 || crate::scenario::validate_control(&control).is_err() {
+            return Vec::new();
+        }
+        vec![control]
+    }
+
+    /// Paused once the pending flow controls are applied.
+    fn target_paused(&self) -> bool {
+        self.pending
+            .iter()
+            .rev()
+            .find_map(|c| match c {
+                Control::Pause | Control::SingleStep => Some(true),
+                Control::Resume => Some(false),
+                _ => None,
+            })
+            .unwrap_or(self.paused)
+    }
+
+    /// The clip `x` turns back on: the preset's value, else 1.0.
+    fn configured_clip(&self) -> f64 {
+        self.header
+            .as_ref()
+            .and_then(|h| h.config.train.clip)
+            .unwrap_or(1.0)
+    }
+
+    /// The estimate to set beside the measured ledger: the same phase (backward before any
+    /// measurement, the phase that usually peaks).
+    pub fn estimate(&self) -> Option<&MemoryEvent> {
+        let phase = self.measured.as_ref().map_or(Phase::Backward, |m| m.phase);
+        self.estimates.iter().find(|e| e.phase == phase)
+    }
+
+    /// The latest memory event says device and host memory are one (a CPU run).
+    pub fn unified_memory(&self) -> bool {
+        self.measured.as_ref().is_some_and(|m| m.unified)
+    }
+
+    pub fn device_name(&self) -> &str {
+        self.header
+            .as_ref()
+            .map(|h| h.device.as_str())
+            .unwrap_or("?")
+    }
+
+    pub fn is_cpu(&self) -> bool {
+        self.device_name() == "cpu"
+    }
+}
+
+/// A newer change to the same knob (or the same pause state) replaces an older pending one.
+fn supersedes(new: &Control, old: &Control) -> bool {
+    let flow = |c: &Control| matches!(c, Control::Pause | Control::Resume | Control::SingleStep);
+    std::mem::discriminant(new) == std::mem::discriminant(old) || (flow(new) && flow(old))
+}
+
+fn push_bounded<T>(q: &mut VecDeque<T>, item: T, cap: usize) {
+    q.push_back(item);
+    while q.len() > cap {
+        q.pop_front();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn app_with_config() -> App {
+        let mut app = App::default();
+        let mut header = crate::tui::testing::header();
+        header.config.train.accum_steps = 2;
+        header.config.train.micro_batch = 8;
+        app.update(&Event::Header(header));
+        app
+    }
+
+    #[test]
+    fn knob_keys_become_controls_from_the_target_state() {
+        let mut app = app_with_config();
+        assert_eq!(
+            app.apply(Action::AccumUp),
+            vec![Control::SetAccumSteps { value: 4 }]
+        );
+        // A second press before the trainer answers builds on the pending value.
+        assert_eq!(
+            app.apply(Action::AccumUp),
+            vec![Control::SetAccumSteps { value: 8 }]
+        );
+        assert_eq!(app.pending, vec![Control::SetAccumSteps { value: 8 }]);
+        assert_eq!(
+            app.apply(Action::MicroBatchDown),
+            vec![Control::SetMicroBatch { value: 4 }]
+        );
+        assert_eq!(
+            app.apply(Action::MicroBatchUp),
+            vec![Control::SetMicroBatch { value: 8 }]
+        );
+        assert_eq!(
+            app.apply(Action::ClipDown),
+            vec![Control::SetClip { value: Some(0.5) }]
+        );
+        assert_eq!(
+            app.apply(Action::ClipToggle),
+            vec![Control::SetClip { value: None }]
+        );
+        assert_eq!(
+            app.apply(Action::ClipToggle),
+            vec![Control::SetClip { value: Some(1.0) }]
+        );
+        assert_eq!(
+            app.apply(Action::OffloadToggle),
+            vec![Control::SetOffload { value: true }]
+        );
+        assert_eq!(
+            app.apply(Action::PrecisionCycle),
+            vec![Control::SetDtype { value: Dtype::Bf16 }]
+        );
+        assert_eq!(
+            app.apply(Action::LrRuleCycle),
+            vec![Control::SetLrRule {
+                value: LrRule::Linear
+            }]
+        );
+        assert_eq!(app.apply(Action::PauseResume), vec![Control::Pause]);
+        // Before the trainer answers, space again undoes the pending pause.
+        assert_eq!(app.apply(Action::PauseResume), vec![Control::Resume]);
+        assert_eq!(app.apply(Action::SingleStep), vec![Control::SingleStep]);
+        assert_eq!(app.apply(Action::PauseResume), vec![Control::Resume]);
+    }
+
+    #[test]
+    fn a_newer_pending_value_survives_an_older_one_being_applied() {
+        let mut app = app_with_config();
+        app.apply(Action::AccumUp);
+        app.apply(Action::AccumUp);
+        let applied = |value| {
+            Event::Control(ControlEvent {
+                step: 1,
+                origin: Origin::Key,
+                control: Control::SetAccumSteps { value },
+            })
+        };
+        app.update(&applied(4));
+        assert_eq!(app.pending, vec![Control::SetAccumSteps { value: 8 }]);
+        app.update(&applied(8));
+        assert!(app.pending.is_empty());
+    }
+
+    #[test]
+    fn key_presses_become_controls() {
+        use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+        let keys = crate::tui::keymap::KeyMap::default();
+        let mut app = app_with_config();
+        let mut press = |c: char| {
+            let e = KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE);
+            keys.action_for(&e)
+                .map(|a| app.apply(a))
+                .unwrap_or_default()
+        };
+        assert_eq!(press('+'), vec![Control::SetAccumSteps { value: 4 }]);
+        assert_eq!(press('-'), vec![Control::SetAccumSteps { value: 2 }]);
+        assert_eq!(press('B'), vec![Control::SetMicroBatch { value: 16 }]);
+        assert_eq!(press('C'), vec![Control::SetClip { value: Some(2.0) }]);
+        assert_eq!(press('x'), vec![Control::SetClip { value: None }]);
+        assert_eq!(press('o'), vec![Control::SetOffload { value: true }]);
+        assert_eq!(press('p'), vec![Control::SetDtype { value: Dtype::Bf16 }]);
+        assert_eq!(
+            press('l'),
+            vec![Control::SetLrRule {
+                value: LrRule::Linear
+            }]
+        );
+        assert_eq!(press(' '), vec![Control::Pause]);
+        assert_eq!(press('n'), vec![Control::SingleStep]);
+        assert!(press('f').is_empty() && press('z').is_empty() && press('w').is_empty());
+    }
+
+    #[test]
+    fn k_and_micro_batch_never_go_below_one() {
+        let mut app = App::default();
+        assert_eq!(
+            app.apply(Action::AccumDown),
+            vec![Control::SetAccumSteps { value: 1 }]
+        );
+        assert_eq!(
+            app.apply(Action::MicroBatchDown),
+            vec![Control::SetMicroBatch { value: 1 }]
+        );
+    }
+
+    #[test]
+    fn pending_clears_when_the_trainer_reports_the_control() {
+        let mut app = app_with_config();
+        app.apply(Action::AccumUp);
+        assert_eq!(app.knobs.accum_steps, 2);
+        app.update(&Event::Control(ControlEvent {
+            step: 3,
+            origin: Origin::Key,
+            control: Control::SetAccumSteps { value: 4 },
+        }));
+        assert!(app.pending.is_empty());
+        assert_eq!(app.knobs.accum_steps, 4);
+        assert_eq!(app.markers.back(), Some(&(3, "K=4".to_string())));
+    }
+
+    #[test]
+    fn display_actions_send_nothing() {
+        let mut app = app_with_config();
+        for a in [
+            Action::Freeze,
+            Action::ZoomIn,
+            Action::ZoomOut,
+            Action::Expand,
+            Action::FocusNext,
+            Action::RecordToggle,
+        ] {
+            assert!(app.apply(a).is_empty(), "{a:?}");
+        }
+        assert!(app.frozen.is_some() && app.expanded);
+        assert_eq!(app.focus, PaneId::GradNorm);
+        app.apply(Action::Help);
+        assert!(app.help);
+        // With help open, a knob key only closes it.
+        assert!(app.apply(Action::AccumUp).is_empty());
+        assert!(!app.help);
+    }
+
+    #[test]
+    fn a_replay_is_read_only() {
+        let mut app = app_with_config();
+        app.replay = Some(ReplayStatus {
+            speed: 1.0,
+            paused: false,
+            last_step: 0,
+        });
+        assert!(app.apply(Action::AccumUp).is_empty());
+        assert!(app.pending.is_empty());
+    }
+
+    #[test]
+    fn histories_are_bounded() {
+        let mut app = App::new(5);
+        for i in 1..=12 {
+            app.update(&Event::Step(crate::tui::testing::step(i, 2.0)));
+        }
+        assert_eq!(app.steps.len(), 5);
+        assert_eq!(app.steps.front().unwrap().step, 8);
+    }
+}

@@ -1,0 +1,360 @@
+//! Where the App's events come from: the live trainer (with the recorder beside it) or a
+//! recording replayed at a chosen speed. Both move the same `Event`s into `App::update`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::memory::gpu::SamplerHandle;
+use crate::record::Recorder;
+use crate::telemetry::{Event, Level, LogEvent};
+use crate::train::TrainerHandle;
+
+use super::app::{App, ReplayStatus};
+use super::keymap::Action;
+
+pub enum Feed {
+    Live(Live),
+    Replay(Replay),
+}
+
+impl Feed {
+    /// Wait for the next event(s) and fold them into `app`. Never resolves once there is
+    /// nothing more to come (a finished trainer, a paused or finished replay).
+    pub async fn next(&mut self, app: &mut App) -> anyhow::Result<()> {
+        match self {
+            Feed::Live(l) => l.next(app).await,
+            Feed::Replay(r) => {
+                r.next(app).await;
+                Ok(())
+            }
+        }
+    }
+
+    pub fn act(&mut self, app: &mut App, action: Action) -> anyhow::Result<()> {
+        match self {
+            Feed::Live(l) => l.act(app, action),
+            Feed::Replay(r) => {
+                r.act(app, action);
+                Ok(())
+            }
+        }
+    }
+
+    /// Stop the trainer and flush the recording.
+    pub fn finish(&mut self, app: &mut App) -> anyhow::Result<()> {
+        match self {
+            Feed::Live(l) => l.finish(app),
+            Feed::Replay(_) => Ok(()),
+        }
+    }
+}
+
+/// A running trainer.
+pub struct Live {
+    pub handle: TrainerHandle,
+    /// The device sampler feeding the same stream; stopped when the run ends.
+    sampler: Option<SamplerHandle>,
+    recorder: Option<Recorder>,
+    /// Where `--record` writes, or the base name for recordings started with the key.
+    record_base: PathBuf,
+    recordings_started: u32,
+    trainer_done: bool,
+    /// Events that came before the trainer's header (the sampler can be quicker): a recording
+    /// must open with the header, so they wait for it.
+    before_header: Vec<Event>,
+}
+
+impl Live {
+    /// `record`: record from the first event to this file.
+    pub fn new(handle: TrainerHandle, record: Option<&Path>) -> anyhow::Result<Live> {
+        let recorder = record.map(Recorder::create).transpose()?;
+        let record_base = record
+            .map(Path::to_path_buf)
+            .unwrap_or_else(default_record_path);
+        Ok(Live {
+            handle,
+            sampler: None,
+            recordings_started: u32::from(recorder.is_some()),
+            recorder,
+            record_base,
+            trainer_done: false,
+            before_header: Vec::new(),
+        })
+    }
+
+    pub fn with_sampler(mut self, sampler: SamplerHandle) -> Live {
+        self.sampler = Some(sampler);
+        self
+    }
+
+    /// Where recordings started with the key go (default: `gaccwb-<unix time>.jsonl`).
+    pub fn set_record_base(&mut self, path: PathBuf) {
+        self.record_base = path;
+    }
+
+    /// The path of the recording in progress, for the header line.
+    pub fn recording_path(&self) -> Option<String> {
+        self.recorder
+            .as_ref()
+            .map(|r| r.path().display().to_string())
+    }
+
+    async fn next(&mut self, app: &mut App) -> anyhow::Result<()> {
+        if self.trainer_done {
+            return std::future::pending().await;
+        }
+        let Some(first) = self.handle.events.recv().await else {
+            self.trainer_done = true;
+            return Ok(());
+        };
+        self.take(app, &first)?;
+        // Drain what else is waiting so a fast trainer costs one wake-up per burst.
+        while let Ok(e) = self.handle.events.try_recv() {
+            self.take(app, &e)?;
+        }
+        Ok(())
+    }
+
+    fn take(&mut self, app: &mut App, e: &Event) -> anyhow::Result<()> {
+        if app.header.is_none() && !matches!(e, Event::Header(_)) {
+            self.before_header.push(e.clone());
+        } else {
+            let early = std::mem::take(&mut self.before_header);
+            if let Some(r) = self.recorder.as_mut() {
+                r.write(e)?;
+                for x in &early {
+                    r.write(x)?;
+                }
+            }
+        }
+        app.update(e);
+        if matches!(e, Event::End(_)) {
+            // Nothing is measured after the run: the recording ends with `end`.
+            if let Some(mut s) = self.sampler.take() {
+                s.stop();
+            }
+        }
+        Ok(())
+    }
+
+    fn act(&mut self, app: &mut App, action: Action) -> anyhow::Result<()> {
+        if action == Action::RecordToggle && !app.help {
+            app.dirty = true;
+            return self.toggle_recording(app);
+        }
+        for control in app.apply(action) {
+            self.handle.send(control, crate::telemetry::Origin::Key);
+        }
+        Ok(())
+    }
+
+    fn toggle_recording(&mut self, app: &mut App) -> anyhow::Result<()> {
+        if let Some(mut r) = self.recorder.take() {
+            r.flush()?;
+            let path = r.path().display().to_string();
+            note(app, format!("recording saved to {path}"));
+            app.recording = None;
+            return Ok(());
+        }
+        let path = numbered(&self.record_base, self.recordings_started);
+        let mut r = Recorder::create(&path)?;
+        // A recording must open with a header; mid-run, it carries the knobs as they are now.
+        if let Some(mut header) = app.header.clone() {
+            let t = &mut header.config.train;
+            let k = &app.knobs;
+            t.accum_steps = k.accum_steps;
+            t.micro_batch = k.micro_batch;
+            t.clip = k.clip;
+            t.lr = k.lr;
+            t.lr_rule = k.lr_rule;
+            t.dtype = k.dtype;
+            t.offload = k.offload;
+            header.config.timeline.retain(|e| e.step >= app.last_step());
+            r.write(&Event::Header(header))?;
+        }
+        self.recordings_started += 1;
+        app.recording = Some(path.display().to_string());
+        note(app, format!("recording to {}", path.display()));
+        self.recorder = Some(r);
+        Ok(())
+    }
+
+    fn finish(&mut self, app: &mut App) -> anyhow::Result<()> {
+        if let Some(mut s) = self.sampler.take() {
+            s.stop();
+        }
+        self.handle.stop();
+        // Events sent before the trainer stopped (its `end` among them) belong in the file.
+        while let Ok(e) = self.handle.events.try_recv() {
+            self.take(app, &e)?;
+        }
+        if let Some(r) = self.recorder.as_mut() {
+            r.flush()?;
+        }
+        Ok(())
+    }
+}
+
+fn note(app: &mut App, message: String) {
+    app.update(&Event::Log(LogEvent {
+        step: app.last_step(),
+        level: Level::Info,
+        message,
+    }));
+}
+
+fn default_record_path() -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    PathBuf::from(format!("gaccwb-{secs}.jsonl"))
+}
+
+/// The n-th recording of a session: `base` first, then `base-2`, `base-3`, … (never overwrite).
+fn numbered(base: &Path, n: u32) -> PathBuf {
+    if n == 0 {
+        return base.to_path_buf();
+    }
+    let stem = base
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name = match base.extension() {
+        Some(ext) => format!("{stem}-{}.{}", n + 1, ext.to_string_lossy()),
+        None => format!("{stem}-{}", n + 1),
+    };
+    base.with_file_name(name)
+}
+
+/// Speeds a replay can run at.
+const MIN_SPEED: f64 = 1.0 / 16.0;
+const MAX_SPEED: f64 = 256.0;
+/// A recorded pause longer than this is not worth waiting for.
+const MAX_GAP: Duration = Duration::from_secs(2);
+/// Steps a seek key moves.
+pub const SEEK_STEPS: u64 = 10;
+
+/// A recording played back through the same `App::update`.
+pub struct Replay {
+    events: Vec<Event>,
+    /// Index of the next event to feed.
+    cursor: usize,
+    speed: f64,
+    paused: bool,
+    next_at: Instant,
+}
+
+impl Replay {
+    pub fn new(events: Vec<Event>, speed: f64, app: &mut App) -> Replay {
+        let r = Replay {
+            events,
+            cursor: 0,
+            speed: speed.clamp(MIN_SPEED, MAX_SPEED),
+            paused: false,
+            next_at: Instant::now(),
+        };
+        r.publish(app);
+        r
+    }
+
+    fn publish(&self, app: &mut App) {
+        app.replay = Some(ReplayStatus {
+            speed: self.speed,
+            paused: self.paused,
+            last_step: self.last_recorded_step(),
+        });
+        app.dirty = true;
+    }
+
+    fn last_recorded_step(&self) -> u64 {
+        self.events
+            .iter()
+            .rev()
+            .find_map(|e| match e {
+                Event::Step(s) => Some(s.step),
+                _ => None,
+            })
+            .unwrap_or(0)
+    }
+
+    pub fn at_end(&self) -> bool {
+        self.cursor >= self.events.len()
+    }
+
+    async fn next(&mut self, app: &mut App) {
+        if self.paused || self.at_end() {
+            return std::future::pending().await;
+        }
+        tokio::time::sleep_until(self.next_at).await;
+        let step_ms = self.feed_one_step(app);
+        let wait = Duration::from_secs_f64((step_ms / 1e3 / self.speed).max(0.0)).min(MAX_GAP);
+        self.next_at = Instant::now() + wait;
+    }
+
+    /// Feed events up to and including the next step; returns that step's recorded duration.
+    pub fn feed_one_step(&mut self, app: &mut App) -> f64 {
+        while let Some(e) = self.events.get(self.cursor) {
+            self.cursor += 1;
+            app.update(e);
+            if let Event::Step(s) = e {
+                return s.step_ms;
+            }
+        }
+        0.0
+    }
+
+    fn act(&mut self, app: &mut App, action: Action) {
+        if app.help {
+            app.apply(action);
+            return;
+        }
+        match action {
+            Action::PauseResume => {
+                self.paused = !self.paused;
+                self.next_at = Instant::now();
+            }
+            Action::SingleStep => {
+                self.paused = true;
+                self.feed_one_step(app);
+            }
+            Action::SpeedUp => self.speed = (self.speed * 2.0).min(MAX_SPEED),
+            Action::SpeedDown => self.speed = (self.speed / 2.0).max(MIN_SPEED),
+            Action::SeekBack => self.seek(app, app.last_step().saturating_sub(SEEK_STEPS)),
+            Action::SeekForward => self.seek(app, app.last_step() + SEEK_STEPS),
+            other => {
+                app.apply(other);
+            }
+        }
+        self.publish(app);
+    }
+
+    /// Rebuild the state as it was right after `step`: replay from the start up to there.
+    pub fn seek(&mut self, app: &mut App, step: u64) {
+        app.reset_run();
+        self.cursor = 0;
+        while let Some(e) = self.events.get(self.cursor) {
+            if matches!(e, Event::Step(s) if s.step > step) {
+                break;
+            }
+            app.update(e);
+            self.cursor += 1;
+        }
+        self.next_at = Instant::now();
+        self.publish(app);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn later_recordings_never_overwrite_the_first() {
+        let base = Path::new("/tmp/run.jsonl");
+        assert_eq!(numbered(base, 0), PathBuf::from("/tmp/run.jsonl"));
+        assert_eq!(numbered(base, 1), PathBuf::from("/tmp/run-2.jsonl"));
+    }
+}

@@ -1,0 +1,125 @@
+//! The workbench screen. `App` holds what the panes show and folds in `Event`s; `ui::render`
+//! draws it (a pure function); `event_loop::run` ties keys, the event feed and frames together.
+//! A live run and a replay differ only in their `Feed`.
+
+pub mod app;
+pub mod event_loop;
+pub mod feed;
+pub mod keymap;
+pub mod panes;
+pub mod terminal;
+#[doc(hidden)]
+pub mod testing;
+pub mod ui;
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use crossterm::event::EventStream;
+
+use crate::headless::Summary;
+use crate::telemetry::{Event, Level, MemorySource, Phase};
+use crate::train::Trainer;
+use app::App;
+use feed::{Feed, Live, Replay};
+use keymap::KeyMap;
+use terminal::TerminalGuard;
+
+pub struct LiveOptions {
+    /// Record from the first event to this file.
+    pub record: Option<PathBuf>,
+    pub keys: KeyMap,
+}
+
+/// The UI needs a terminal on stdout; say what to do instead when there is none.
+pub fn require_terminal() -> anyhow::Result<()> {
+    if std::io::stdout().is_terminal() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "stdout is not a terminal, so the workbench screen cannot start; \
+         add --headless for a progress bar and a summary"
+    )
+}
+
+/// Run `trainer` with the workbench screen until the user quits.
+pub fn run_live(trainer: Trainer, opts: LiveOptions) -> anyhow::Result<()> {
+    require_terminal()?;
+    let sampler_device = trainer.device.clone();
+    let (handle, sink) = crate::train::spawn_trainer(trainer)?;
+    let sampler = crate::memory::gpu::start_sampler(sink, &sampler_device);
+    let live = Live::new(handle, opts.record.as_deref())?.with_sampler(sampler);
+    let mut app = App {
+        color: terminal::color_enabled(),
+        recording: live.recording_path(),
+        ..App::default()
+    };
+    let mut feed = Feed::Live(live);
+    on_screen(&mut app, &opts.keys, &mut feed)?;
+    if let Some(path) = &opts.record {
+        eprintln!("recording saved to {}", path.display());
+    }
+    Ok(())
+}
+
+/// Play a recording on the workbench screen.
+pub fn run_replay(path: &Path, speed: f64, keys: &KeyMap) -> anyhow::Result<()> {
+    require_terminal()?;
+    let recording = crate::record::read_recording(path)?;
+    for w in &recording.warnings {
+        eprintln!("warning: {w}");
+    }
+    let mut app = App {
+        color: terminal::color_enabled(),
+        ..App::default()
+    };
+    let replay = Replay::new(recording.events, speed, &mut app);
+    let mut feed = Feed::Replay(replay);
+    on_screen(&mut app, keys, &mut feed)
+}
+
+/// Enter the terminal, run the loop, and restore the terminal whatever happened.
+fn on_screen(app: &mut App, keys: &KeyMap, feed: &mut Feed) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the event loop")?;
+    let mut guard = TerminalGuard::enter().context("preparing the terminal")?;
+    let result = runtime.block_on(event_loop::run(
+        &mut guard.terminal,
+        app,
+        keys,
+        feed,
+        EventStream::new(),
+        terminal::termination(),
+    ));
+    drop(guard);
+    result
+}
+
+/// What a headless run would have printed, from a recording's events.
+pub fn summarize(events: &[Event]) -> Summary {
+    let mut summary = Summary::default();
+    for event in events {
+        match event {
+            Event::Header(h) => summary.header = Some(h.clone()),
+            Event::Step(s) => summary.steps.push(s.clone()),
+            Event::Eval(e) => summary.last_val_loss = Some(e.val_loss),
+            // As the headless run counts it: the highest measured end-of-step peak.
+            Event::Memory(m) if m.phase == Phase::Step && m.source != MemorySource::Estimate => {
+                let best = summary.peak_memory.map_or(0, |(p, _)| p);
+                if m.peak >= best {
+                    summary.peak_memory = Some((m.peak, m.source));
+                }
+            }
+            Event::Log(l) if l.level == Level::Error => summary.errors.push(l.message.clone()),
+            Event::End(e) => summary.end_reason = e.reason.clone(),
+            _ => {}
+        }
+    }
+    if summary.end_reason.is_empty() {
+        summary.end_reason = "recording ends without an end event".into();
+    }
+    summary
+}

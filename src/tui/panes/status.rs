@@ -1,0 +1,142 @@
+//! Controls and status: the knobs in force, pending changes, throughput and the step's phases.
+
+use ratatui::layout::Rect;
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Paragraph, Wrap};
+use ratatui::Frame;
+
+use super::{block, Theme};
+use crate::telemetry::Control;
+use crate::tui::app::{App, PaneId};
+
+pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
+    let block = block(" Controls ", app, PaneId::Status, theme);
+    let mut lines = lines(app, theme);
+    // The preset's story fills whatever room is left.
+    let room = block.inner(area).height as usize;
+    if let Some(h) = &app.header {
+        if lines.len() + 2 <= room && !h.config.explanation.trim().is_empty() {
+            lines.push(Line::raw(""));
+            let text = h.config.explanation.split_whitespace().collect::<Vec<_>>();
+            lines.push(Line::styled(text.join(" "), theme.dim()));
+        }
+    }
+    frame.render_widget(
+        Paragraph::new(lines).block(block).wrap(Wrap { trim: true }),
+        area,
+    );
+}
+
+/// A knob's value, with `→ new` while a change waits for the window boundary.
+fn knob(name: &str, now: String, pending: Option<String>, theme: Theme) -> Vec<Span<'static>> {
+    let mut spans = vec![
+        Span::styled(format!("{name} "), theme.dim()),
+        Span::styled(now, theme.bold()),
+    ];
+    if let Some(p) = pending {
+        spans.push(Span::styled(format!("→{p}"), theme.warn()));
+    }
+    spans.push(Span::raw("  "));
+    spans
+}
+
+fn clip_text(c: Option<f64>) -> String {
+    c.map(|v| format!("{v}")).unwrap_or_else(|| "off".into())
+}
+
+pub fn lines(app: &App, theme: Theme) -> Vec<Line<'static>> {
+    let k = &app.knobs;
+    let t = app.target_knobs();
+    let differs = |a: String, b: String| if a != b { Some(b) } else { None };
+    let mut out = Vec::new();
+    let mut l1 = knob(
+        "K",
+        k.accum_steps.to_string(),
+        differs(k.accum_steps.to_string(), t.accum_steps.to_string()),
+        theme,
+    );
+    l1.extend(knob(
+        "B",
+        k.micro_batch.to_string(),
+        differs(k.micro_batch.to_string(), t.micro_batch.to_string()),
+        theme,
+    ));
+    l1.extend(knob("eff", k.effective_batch().to_string(), None, theme));
+    out.push(Line::from(l1));
+
+    let lr_now = app.last().map(|s| s.lr).unwrap_or(k.lr);
+    let mut l2 = knob(
+        "clip",
+        clip_text(k.clip),
+        differs(clip_text(k.clip), clip_text(t.clip)),
+        theme,
+    );
+    l2.extend(knob("lr", format!("{lr_now:.2e}"), None, theme));
+    l2.extend(knob(
+        "rule",
+        k.lr_rule.name().into(),
+        differs(k.lr_rule.name().into(), t.lr_rule.name().into()),
+        theme,
+    ));
+    out.push(Line::from(l2));
+
+    let onoff = |b: bool| if b { "on" } else { "off" }.to_string();
+    let mut l3 = knob(
+        "dtype",
+        k.dtype.name().into(),
+        differs(k.dtype.name().into(), t.dtype.name().into()),
+        theme,
+    );
+    l3.extend(knob(
+        "offload",
+        onoff(k.offload),
+        differs(onoff(k.offload), onoff(t.offload)),
+        theme,
+    ));
+    l3.extend(knob("dev", app.device_name().to_string(), None, theme));
+    out.push(Line::from(l3));
+
+    if let Some(s) = app.last() {
+        out.push(Line::from(vec![
+            Span::styled("step ", theme.dim()),
+            Span::styled(s.step.to_string(), theme.bold()),
+            Span::raw(format!(
+                "  {:.0} tok/s  {:.0} ms/step",
+                s.tokens_per_s, s.step_ms
+            )),
+        ]));
+        let p = s.phase_ms;
+        out.push(Line::from(vec![
+            Span::styled("fwd/bwd/opt ", theme.dim()),
+            Span::raw(format!(
+                "{:.0}/{:.0}/{:.0} ms",
+                p.forward, p.backward, p.optimizer
+            )),
+        ]));
+        if let Some(err) = s.grad_error {
+            out.push(Line::styled(
+                format!("grad error vs correct path: {:.2}%", err * 100.0),
+                theme.warn(),
+            ));
+        }
+    }
+    out.push(pending_line(&app.pending, theme));
+    if app.unified_memory() {
+        out.push(Line::styled(
+            "CPU: offload moves nothing physically",
+            theme.dim(),
+        ));
+    }
+    out
+}
+
+fn pending_line(pending: &[Control], theme: Theme) -> Line<'static> {
+    if pending.is_empty() {
+        return Line::styled("pending: none", theme.dim());
+    }
+    let text: Vec<String> = pending.iter().map(Control::describe).collect();
+    Line::styled(
+        format!("pending (next boundary): {}", text.join(", ")),
+        theme.warn(),
+    )
+}

@@ -1,0 +1,270 @@
+//! The whole screen as a pure function of `App` (and the key bindings the footer names).
+
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::Color;
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Clear, Paragraph, Wrap};
+use ratatui::Frame;
+
+use super::app::{App, PaneId};
+use super::keymap::{Action, KeyMap};
+use super::panes::{self, Theme};
+
+/// Smallest usable terminal.
+pub const MIN_WIDTH: u16 = 80;
+pub const MIN_HEIGHT: u16 = 24;
+/// From this size up, every pane is on screen at once.
+const FULL_WIDTH: u16 = 120;
+const FULL_HEIGHT: u16 = 36;
+
+pub fn render(frame: &mut Frame, app: &App, keys: &KeyMap) {
+    let area = frame.area();
+    let theme = Theme { color: app.color };
+    if area.width < MIN_WIDTH || area.height < MIN_HEIGHT {
+        return too_small(frame, area);
+    }
+    let [top, body, foot] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Min(0),
+        Constraint::Length(1),
+    ])
+    .areas(area);
+    frame.render_widget(Paragraph::new(header_line(app, theme)), top);
+    frame.render_widget(Paragraph::new(footer_line(app, keys, theme)), foot);
+    if app.expanded {
+        render_pane(frame, body, app, app.focus, theme);
+    } else if area.width >= FULL_WIDTH && area.height >= FULL_HEIGHT {
+        full_layout(frame, body, app, theme);
+    } else {
+        compact_layout(frame, body, app, theme);
+    }
+    if app.help {
+        help_overlay(frame, body, app, keys, theme);
+    }
+}
+
+fn render_pane(frame: &mut Frame, area: Rect, app: &App, pane: PaneId, theme: Theme) {
+    match pane {
+        PaneId::DeviceMemory => panes::device_memory::render(frame, area, app, theme),
+        PaneId::Ledger => panes::ledger::render(frame, area, app, theme),
+        PaneId::Loss => panes::loss::render(frame, area, app, theme),
+        PaneId::GradNorm => panes::grad_norm::render(frame, area, app, theme),
+        PaneId::LossScale => panes::loss_scale::render(frame, area, app, theme),
+        PaneId::Status => panes::status::render(frame, area, app, theme),
+        PaneId::EventLog => panes::event_log::render(frame, area, app, theme),
+    }
+}
+
+/// Three columns of two panes, the event log across the bottom.
+fn full_layout(frame: &mut Frame, body: Rect, app: &App, theme: Theme) {
+    let [grid, log] = Layout::vertical([Constraint::Min(0), Constraint::Length(8)]).areas(body);
+    let [rows_top, rows_bottom] =
+        Layout::vertical([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(grid);
+    let cols = [Constraint::Ratio(1, 3); 3];
+    let top: [Rect; 3] = Layout::horizontal(cols).areas(rows_top);
+    let bottom: [Rect; 3] = Layout::horizontal(cols).areas(rows_bottom);
+    render_pane(frame, top[0], app, PaneId::DeviceMemory, theme);
+    render_pane(frame, top[1], app, PaneId::Loss, theme);
+    render_pane(frame, top[2], app, PaneId::Status, theme);
+    render_pane(frame, bottom[0], app, PaneId::Ledger, theme);
+    render_pane(frame, bottom[1], app, PaneId::GradNorm, theme);
+    render_pane(frame, bottom[2], app, PaneId::LossScale, theme);
+    render_pane(frame, log, app, PaneId::EventLog, theme);
+}
+
+/// Four panes and the newest log lines. The bottom-left slot shows the focused pane when it is
+/// one the grid has no room for, so Tab reaches every pane.
+fn compact_layout(frame: &mut Frame, body: Rect, app: &App, theme: Theme) {
+    let [grid, log] = Layout::vertical([Constraint::Min(0), Constraint::Length(2)]).areas(body);
+    let [r1, r2] =
+        Layout::vertical([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(grid);
+    let halves = [Constraint::Percentage(50), Constraint::Percentage(50)];
+    let [a, b]: [Rect; 2] = Layout::horizontal(halves).areas(r1);
+    let [c, d]: [Rect; 2] = Layout::horizontal(halves).areas(r2);
+    let swappable = matches!(
+        app.focus,
+        PaneId::DeviceMemory | PaneId::LossScale | PaneId::EventLog
+    );
+    let slot = if swappable {
+        app.focus
+    } else {
+        PaneId::GradNorm
+    };
+    render_pane(frame, a, app, PaneId::Loss, theme);
+    render_pane(frame, b, app, PaneId::Status, theme);
+    render_pane(frame, c, app, slot, theme);
+    render_pane(frame, d, app, PaneId::Ledger, theme);
+    frame.render_widget(
+        Paragraph::new(panes::event_log::lines(app, log.height as usize, theme)),
+        log,
+    );
+}
+
+fn header_line(app: &App, theme: Theme) -> Line<'static> {
+    let mut spans = vec![Span::styled(" gaccwb ", theme.bold())];
+    if let Some(h) = &app.header {
+        spans.push(Span::raw(format!("· {} · {} ", h.config.name, h.device)));
+    }
+    let total = app
+        .header
+        .as_ref()
+        .map(|h| h.config.train.steps)
+        .unwrap_or(0);
+    let step = app.last_step();
+    spans.push(Span::raw(if total > 0 {
+        format!("· step {step}/{total} ")
+    } else {
+        format!("· step {step} ")
+    }));
+    let state = match (&app.ended, app.paused) {
+        (Some(reason), _) => Span::styled(format!("· ended: {reason} "), theme.warn()),
+        (None, true) => Span::styled("· PAUSED ".to_string(), theme.warn()),
+        (None, false) => Span::styled("· running ".to_string(), theme.fg(Color::Green)),
+    };
+    if app.replay.is_none() {
+        spans.push(state);
+    }
+    if let Some(r) = &app.replay {
+        let what = if r.paused { "paused" } else { "playing" };
+        spans.push(Span::styled(
+            format!("· REPLAY {what} ×{} ({} steps) ", r.speed, r.last_step),
+            theme.fg(Color::Magenta),
+        ));
+    }
+    if let Some(path) = &app.recording {
+        spans.push(Span::styled(format!("· ● REC {path} "), theme.error()));
+    }
+    if let Some(at) = app.frozen {
+        spans.push(Span::styled(format!("· FROZEN at {at} "), theme.warn()));
+    }
+    spans.push(Span::styled(
+        format!("· window {} steps", app.zoom),
+        theme.dim(),
+    ));
+    Line::from(spans)
+}
+
+/// The most used keys, as many as fit.
+fn footer_line(app: &App, keys: &KeyMap, theme: Theme) -> Line<'static> {
+    let live = [
+        (Action::AccumUp, Action::AccumDown, "K"),
+        (Action::MicroBatchDown, Action::MicroBatchUp, "micro"),
+        (Action::ClipDown, Action::ClipUp, "clip"),
+    ];
+    let mut items: Vec<(String, &str)> = vec![
+        (keys.label_for(Action::Help), "help"),
+        (keys.label_for(Action::Quit), "quit"),
+        (keys.label_for(Action::PauseResume), "pause"),
+    ];
+    if app.replay.is_some() {
+        items.push((
+            format!(
+                "{}/{}",
+                keys.label_for(Action::SeekBack),
+                keys.label_for(Action::SeekForward)
+            ),
+            "seek",
+        ));
+        items.push((
+            format!(
+                "{}/{}",
+                keys.label_for(Action::SpeedDown),
+                keys.label_for(Action::SpeedUp)
+            ),
+            "speed",
+        ));
+    } else {
+        for (a, b, name) in live {
+            items.push((format!("{}/{}", keys.label_for(a), keys.label_for(b)), name));
+        }
+        items.push((keys.label_for(Action::ClipToggle), "clip off"));
+        items.push((keys.label_for(Action::OffloadToggle), "offload"));
+        items.push((keys.label_for(Action::PrecisionCycle), "dtype"));
+        items.push((keys.label_for(Action::LrRuleCycle), "LR rule"));
+    }
+    let mut spans = Vec::new();
+    for (key, what) in items {
+        spans.push(Span::styled(format!(" {key}"), theme.fg(Color::Cyan)));
+        spans.push(Span::raw(format!(" {what} ")));
+    }
+    Line::from(spans)
+}
+
+fn help_overlay(frame: &mut Frame, body: Rect, app: &App, keys: &KeyMap, theme: Theme) {
+    let width = body.width.saturating_sub(4).min(100);
+    let height = body.height.saturating_sub(2);
+    let area = Rect {
+        x: body.x + (body.width - width) / 2,
+        y: body.y + 1,
+        width,
+        height,
+    };
+    let mut lines = Vec::new();
+    if let Some(h) = &app.header {
+        let story = h.config.explanation.split_whitespace().collect::<Vec<_>>();
+        if !story.is_empty() {
+            lines.push(Line::styled(
+                format!("{}: {}", h.config.name, story.join(" ")),
+                theme.fg(Color::Green),
+            ));
+            lines.push(Line::raw(""));
+        }
+    }
+    let shown: Vec<Action> = Action::ALL
+        .into_iter()
+        .filter(|a| match app.replay {
+            Some(_) => !a.live_only(),
+            None => !a.replay_only(),
+        })
+        .collect();
+    // Two columns of "keys  what" so the whole list fits at 80×24.
+    let half = shown.len().div_ceil(2);
+    let col_w = (width as usize).saturating_sub(2) / 2;
+    let key_w = shown
+        .iter()
+        .map(|a| keys.label_for(*a).chars().count())
+        .max()
+        .unwrap_or(1);
+    for i in 0..half {
+        let cell = |a: Option<&Action>| {
+            a.map(|a| format!("{:>key_w$}  {}", keys.label_for(*a), a.describe()))
+                .unwrap_or_default()
+        };
+        let left = cell(shown.get(i));
+        let right = cell(shown.get(i + half));
+        lines.push(Line::raw(format!(
+            "{:<col_w$}{}",
+            truncate(&left, col_w),
+            truncate(&right, col_w)
+        )));
+    }
+    lines.push(Line::raw(""));
+    lines.push(Line::styled(
+        "Knob changes apply at the next window boundary; until then they show as pending. \
+         Any key closes this help.",
+        theme.dim(),
+    ));
+    frame.render_widget(Clear, area);
+    frame.render_widget(
+        Paragraph::new(lines)
+            .wrap(Wrap { trim: false })
+            .block(Block::bordered().title(" Keys (? to close) ")),
+        area,
+    );
+}
+
+fn truncate(s: &str, w: usize) -> String {
+    s.chars().take(w).collect()
+}
+
+fn too_small(frame: &mut Frame, area: Rect) {
+    let text = vec![
+        Line::raw("terminal too small"),
+        Line::raw(format!(
+            "need {MIN_WIDTH}×{MIN_HEIGHT}, have {}×{}",
+            area.width, area.height
+        )),
+        Line::raw("enlarge the window, or press q to quit"),
+    ];
+    frame.render_widget(Paragraph::new(text).wrap(Wrap { trim: true }), area);
+}

@@ -1,0 +1,222 @@
+//! The real binary in a real (tmux) terminal: start, see steps, press K-up, see it applied on
+//! screen and in the recording, quit, and find the shell usable again.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    /// A private tmux server (its own socket) with a 120×40 shell.
+    fn start(tag: &str) -> Tmux {
+        let tmux = Tmux {
+            socket: format!("gaccwb-e2e-{}-{tag}", std::process::id()),
+        };
+        let started = tmux.cmd(&[
+            "new-session",
+            "-d",
+            "-s",
+            "e2e",
+            "-x",
+            "120",
+            "-y",
+            "40",
+            "env",
+            "PS1=e2e$ ",
+            "sh",
+        ]);
+        assert!(started.status.success(), "{started:?}");
+        tmux
+    }
+
+    /// After the program ended: main screen, and the shell takes a command.
+    fn assert_shell_usable(&self) {
+        let alt = self.cmd(&["display-message", "-p", "-t", "e2e", "#{alternate_on}"]);
+        assert_eq!(String::from_utf8_lossy(&alt.stdout).trim(), "0");
+        self.send(&["clear; echo shell-$((40+2))", "Enter"]);
+        self.wait_for("the shell to answer", Duration::from_secs(10), |s| {
+            s.lines().any(|l| l.trim() == "shell-42")
+        });
+    }
+
+    fn cmd(&self, args: &[&str]) -> std::process::Output {
+        Command::new("tmux")
+            .args(["-L", &self.socket, "-f", "/dev/null"])
+            .args(args)
+            .output()
+            .expect("tmux runs")
+    }
+
+    fn screen(&self) -> String {
+        String::from_utf8_lossy(&self.cmd(&["capture-pane", "-p", "-t", "e2e"]).stdout).into()
+    }
+
+    fn send(&self, keys: &[&str]) {
+        let mut args = vec!["send-keys", "-t", "e2e"];
+        args.extend_from_slice(keys);
+        assert!(self.cmd(&args).status.success());
+    }
+
+    /// Poll the screen until `pred` holds; panic with the screen after `timeout`.
+    fn wait_for(&self, what: &str, timeout: Duration, pred: impl Fn(&str) -> bool) -> String {
+        let start = Instant::now();
+        loop {
+            let s = self.screen();
+            if pred(&s) {
+                return s;
+            }
+            if start.elapsed() > timeout {
+                panic!("timed out waiting for {what}; screen:\n{s}");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.cmd(&["kill-server"]);
+    }
+}
+
+fn tmux_available() -> bool {
+    Command::new("tmux")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn steps_on_screen(s: &str) -> u64 {
+    s.lines()
+        .next()
+        .and_then(|l| l.split("step ").nth(1))
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn k_up_in_a_real_terminal_applies_records_and_quits_cleanly() {
+    if !tmux_available() {
+        eprintln!("skipped: tmux is not installed (CI installs it)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let rec = dir.path().join("session.jsonl");
+    let tmux = Tmux {
+        socket: format!("gaccwb-e2e-{}", std::process::id()),
+    };
+    let started = tmux.cmd(&[
+        "new-session",
+        "-d",
+        "-s",
+        "e2e",
+        "-x",
+        "120",
+        "-y",
+        "40",
+        "env",
+        "PS1=e2e$ ",
+        "sh",
+    ]);
+    assert!(started.status.success(), "{started:?}");
+    let command = format!(
+        "RAYON_NUM_THREADS=1 {} run --set model.d_model=32 --set model.layers=1 \
+         --set model.seq_len=32 --device cpu --record {}; echo EXIT=$?",
+        env!("CARGO_BIN_EXE_gaccwb"),
+        rec.display()
+    );
+    tmux.send(&[&command, "Enter"]);
+
+    let s = tmux.wait_for("the first steps", Duration::from_secs(60), |s| {
+        steps_on_screen(s) >= 3
+    });
+    assert!(s.contains("K 1  B 8  eff 8"), "{s}");
+    tmux.send(&["+"]);
+    tmux.wait_for("K=2 applied", Duration::from_secs(30), |s| {
+        s.contains("K 2  B 8  eff 16") && s.contains("K=2 applied (key)")
+    });
+    // Live resize: the compact layout at 80×24, the warning below it.
+    tmux.cmd(&["resize-window", "-t", "e2e", "-x", "80", "-y", "24"]);
+    tmux.wait_for("the compact layout", Duration::from_secs(10), |s| {
+        s.contains("K 2  B 8  eff 16") && s.lines().count() <= 24 && s.contains("? help")
+    });
+    tmux.cmd(&["resize-window", "-t", "e2e", "-x", "70", "-y", "20"]);
+    tmux.wait_for("the too-small notice", Duration::from_secs(10), |s| {
+        s.contains("terminal too small")
+    });
+    tmux.send(&["q"]);
+    let s = tmux.wait_for("the exit status", Duration::from_secs(30), |s| {
+        // The echoed command line holds `EXIT=$?` too; the status is a line of its own.
+        s.lines().any(|l| l.starts_with("EXIT="))
+    });
+    assert!(s.lines().any(|l| l.trim() == "EXIT=0"), "{s}");
+
+    tmux.assert_shell_usable();
+
+    assert_recorded_k2(&rec);
+}
+
+#[test]
+fn sigterm_stops_the_run_and_restores_the_terminal() {
+    if !tmux_available() {
+        eprintln!("skipped: tmux is not installed (CI installs it)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let pidfile = dir.path().join("pid");
+    let rec = dir.path().join("session.jsonl");
+    let tmux = Tmux::start("term");
+    // `exec` keeps the pid the shell wrote: the signal goes to gaccwb itself.
+    let command = format!(
+        "sh -c 'echo $$ > {}; RAYON_NUM_THREADS=1 exec {} run --set model.d_model=32 \
+         --set model.layers=1 --set model.seq_len=32 --device cpu --record {}'; echo EXIT=$?",
+        pidfile.display(),
+        env!("CARGO_BIN_EXE_gaccwb"),
+        rec.display()
+    );
+    tmux.send(&[&command, "Enter"]);
+    tmux.wait_for("the first steps", Duration::from_secs(60), |s| {
+        steps_on_screen(s) >= 2
+    });
+    let pid = std::fs::read_to_string(&pidfile).unwrap();
+    let killed = Command::new("kill")
+        .args(["-TERM", pid.trim()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let s = tmux.wait_for("the exit status", Duration::from_secs(30), |s| {
+        // The echoed command line holds `EXIT=$?` too; the status is a line of its own.
+        s.lines().any(|l| l.starts_with("EXIT="))
+    });
+    assert!(s.lines().any(|l| l.trim() == "EXIT=0"), "{s}");
+    tmux.assert_shell_usable();
+    let rec = gaccwb::record::read_recording(&rec).unwrap();
+    assert!(matches!(
+        rec.events.last(),
+        Some(gaccwb::telemetry::Event::End(e)) if e.reason == "stopped"
+    ));
+}
+
+fn assert_recorded_k2(path: &Path) {
+    let rec = gaccwb::record::read_recording(path).unwrap();
+    let applied = rec.events.iter().any(|e| {
+        matches!(e, gaccwb::telemetry::Event::Control(c)
+            if c.origin == gaccwb::telemetry::Origin::Key
+            && c.control == gaccwb::telemetry::Control::SetAccumSteps { value: 2 })
+    });
+    assert!(
+        applied,
+        "no key control set_accum_steps=2 in {}",
+        path.display()
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(text.contains(r#""kind":"set_accum_steps","value":2"#));
+    assert!(matches!(
+        rec.events.last(),
+        Some(gaccwb::telemetry::Event::End(e)) if e.reason == "stopped"
+    ));
+}

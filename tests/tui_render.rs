@@ -1,0 +1,248 @@
+//! The whole screen rendered into a `TestBackend` at the sizes that matter, from a fixed event
+//! list, and checked for what a user must be able to read.
+
+use gaccwb::telemetry::{Control, ControlEvent, DeviceEvent, Dtype, Event, MemorySource, Origin};
+use gaccwb::tui::app::{App, PaneId};
+use gaccwb::tui::keymap::{Action, KeyMap};
+use gaccwb::tui::testing::{header, sample_run, step};
+use gaccwb::tui::ui;
+use ratatui::backend::TestBackend;
+use ratatui::Terminal;
+
+fn screen(app: &App, w: u16, h: u16) -> String {
+    let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
+    t.draw(|f| ui::render(f, app, &KeyMap::default())).unwrap();
+    let buf = t.backend().buffer();
+    (0..h)
+        .map(|y| {
+            (0..w)
+                .map(|x| buf[(x, y)].symbol().to_string())
+                .collect::<String>()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn app() -> App {
+    let mut app = App {
+        color: false,
+        ..App::default()
+    };
+    for e in sample_run(40) {
+        app.update(&e);
+    }
+    app
+}
+
+#[test]
+fn full_layout_at_160x48_shows_every_pane() {
+    let s = screen(&app(), 160, 48);
+    for needle in [
+        "gaccwb · baseline · cpu · step 40/100",
+        "Memory · allocator (CPU)",
+        "live 19.0 MiB",
+        "peak 33.0 MiB",
+        "Memory ledger · allocator at backward of step 40",
+        "activation",
+        "12.0 MiB",
+        "11.0 MiB",
+        "opt state",
+        "Loss 1.3250 · val 1.3750 · floor 1.2500",
+        "Grad norm",
+        "clip 1.00",
+        "Loss scale: off (f32)",
+        "K 4  B 8  eff 32",
+        "20000 tok/s",
+        "fwd/bwd/opt 20/25/5 ms",
+        "pending: none",
+        "CPU: offload moves nothing physically",
+        "K=4 applied (key)",
+        "something to see in the log",
+        "? help",
+    ] {
+        assert!(s.contains(needle), "missing `{needle}` in\n{s}");
+    }
+}
+
+#[test]
+fn compact_layout_at_80x24_keeps_the_essentials() {
+    let s = screen(&app(), 80, 24);
+    for needle in [
+        "step 40/100",
+        "Loss 1.3250",
+        "K 4  B 8  eff 32",
+        "Memory ledger",
+        "Grad norm",
+        "something to see in the log",
+        "q/ctrl-c quit",
+        "other",
+    ] {
+        assert!(s.contains(needle), "missing `{needle}` in\n{s}");
+    }
+    insta::assert_snapshot!("compact_80x24", s);
+}
+
+#[test]
+fn compact_layout_reaches_hidden_panes_by_focus() {
+    let mut app = app();
+    app.focus = PaneId::LossScale;
+    assert!(screen(&app, 80, 24).contains("Loss scale: off (f32)"));
+    app.focus = PaneId::DeviceMemory;
+    assert!(screen(&app, 80, 24).contains("allocator (CPU)"));
+    app.expanded = true;
+    let s = screen(&app, 80, 24);
+    assert!(
+        s.contains("allocator (CPU)") && !s.contains("Memory ledger"),
+        "{s}"
+    );
+}
+
+#[test]
+fn help_overlay_lists_every_live_key_and_the_story() {
+    let mut app = app();
+    app.apply(Action::Help);
+    let s = screen(&app, 80, 24);
+    let keys = KeyMap::default();
+    for a in Action::ALL.into_iter().filter(|a| !a.replay_only()) {
+        let label = keys.label_for(a);
+        assert!(s.contains(&label), "no key `{label}` for {a:?} in\n{s}");
+    }
+    for needle in [
+        "accumulation steps K ×2",
+        "micro-batch ÷2",
+        "quit",
+        "seeded Markov",
+    ] {
+        assert!(s.contains(needle), "missing `{needle}` in\n{s}");
+    }
+    insta::assert_snapshot!("help_80x24", s);
+}
+
+#[test]
+fn too_small_says_so() {
+    let s = screen(&app(), 60, 20);
+    assert!(s.contains("terminal too small"), "{s}");
+    assert!(s.contains("need 80×24, have 60×20"), "{s}");
+}
+
+#[test]
+fn pending_changes_show_until_applied() {
+    let mut app = app();
+    let sent = app.apply(Action::AccumUp);
+    assert_eq!(sent, vec![Control::SetAccumSteps { value: 8 }]);
+    let s = screen(&app, 160, 48);
+    assert!(s.contains("K 4→8"), "{s}");
+    assert!(s.contains("pending (next boundary): K=8"), "{s}");
+    app.update(&Event::Control(ControlEvent {
+        step: 41,
+        origin: Origin::Key,
+        control: Control::SetAccumSteps { value: 8 },
+    }));
+    let s = screen(&app, 160, 48);
+    assert!(
+        s.contains("K 8  B 8  eff 64") && s.contains("pending: none"),
+        "{s}"
+    );
+}
+
+#[test]
+fn memory_panes_wait_for_data_and_report_nvml_trouble() {
+    let mut app = App::default();
+    app.update(&Event::Header(header()));
+    app.update(&Event::Step(step(1, 3.0)));
+    let s = screen(&app, 160, 48);
+    assert_eq!(s.matches("no memory data yet").count(), 2, "{s}");
+    app.update(&Event::Device(DeviceEvent {
+        source: MemorySource::Nvml,
+        unavailable: Some("NVML unavailable: libnvidia-ml.so not found".into()),
+        ..DeviceEvent::default()
+    }));
+    let s = screen(&app, 160, 48);
+    assert!(
+        s.contains("NVML unavailable: libnvidia-ml.so not found"),
+        "{s}"
+    );
+}
+
+#[test]
+fn nvml_samples_draw_used_over_total() {
+    let mut app = App::default();
+    let mut h = header();
+    h.device = "cuda:0".into();
+    app.update(&Event::Header(h));
+    for i in 1..=5 {
+        app.update(&Event::Step(step(i, 2.0)));
+        app.update(&Event::Device(DeviceEvent {
+            t_ms: i * 100,
+            source: MemorySource::Nvml,
+            used: Some((1 + i) << 30),
+            total: Some(80 << 30),
+            ..DeviceEvent::default()
+        }));
+    }
+    let s = screen(&app, 160, 48);
+    assert!(s.contains("NVML 6.0 GiB / 80.0 GiB"), "{s}");
+}
+
+#[test]
+fn fp16_overflows_show_in_the_loss_scale_pane_and_the_log() {
+    let mut app = App::default();
+    app.update(&Event::Header(header()));
+    for i in 1..=10 {
+        let mut s = step(i, 2.0);
+        s.dtype = Dtype::F16;
+        s.loss_scale = 65536.0;
+        s.skipped = i == 7;
+        s.overflow_count = u64::from(i >= 7);
+        app.update(&Event::Step(s));
+    }
+    let s = screen(&app, 160, 48);
+    assert!(s.contains("Loss scale 2^16 · 1 skipped"), "{s}");
+    assert!(s.contains("overflow: step skipped"), "{s}");
+}
+
+#[test]
+fn no_color_renders_without_colours() {
+    use ratatui::style::Color;
+    let app = app();
+    let mut t = Terminal::new(TestBackend::new(160, 48)).unwrap();
+    t.draw(|f| ui::render(f, &app, &KeyMap::default())).unwrap();
+    let buf = t.backend().buffer();
+    assert!(buf
+        .content()
+        .iter()
+        .all(|c| c.fg == Color::Reset && c.bg == Color::Reset));
+}
+
+#[test]
+fn help_in_a_replay_lists_seek_and_speed_not_knobs() {
+    let mut app = app();
+    app.replay = Some(gaccwb::tui::app::ReplayStatus {
+        speed: 2.0,
+        paused: true,
+        last_step: 40,
+    });
+    app.apply(Action::Help);
+    let s = screen(&app, 120, 40);
+    assert!(
+        s.contains("replay: 10 steps back") && s.contains("replay: double speed"),
+        "{s}"
+    );
+    assert!(!s.contains("accumulation steps K ×2"), "{s}");
+    assert!(s.contains("REPLAY paused ×2 (40 steps)"), "{s}");
+}
+
+#[test]
+fn sampled_allocator_memory_is_never_called_nvml() {
+    let mut app = app();
+    app.update(&Event::Device(DeviceEvent {
+        t_ms: 100,
+        source: MemorySource::Allocator,
+        used: Some(10 << 20),
+        total: Some(24 << 30),
+        ..DeviceEvent::default()
+    }));
+    let s = screen(&app, 160, 48);
+    assert!(!s.contains("NVML"), "{s}");
+    assert!(s.contains("Memory · allocator (CPU)"), "{s}");
+}
