@@ -304,10 +304,12 @@ pub fn after_peak_bytes(cfg: &Config) -> u64 {
 /// the gradient of the shifted logits is processed: its accumulated gradient, the one before
 /// it, exp's `grad·exp(x)` and exp's own gradient (the tracked sum keeps all four), the logits'
 /// new gradient, and the broadcast max's zero tensor and result: 7·N·V·4. Nothing else is in the
-/// store yet.
+/// store yet. The fused loss (CPU f32) has one backward tensor: the logits' gradient, with the
+/// store's zero tensor and sum: 3·N·V·4.
 pub fn head_peak_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
-    7 * s.n * s.v * F32
+    let tensors = if fused(cfg) { 3 } else { 7 };
+    tensors * s.n * s.v * F32
 }
 
 /// What backward holds at its peak on top of what it started from: the larger of the two
