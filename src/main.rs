@@ -200,7 +200,22 @@ impl std::fmt::Display for UsageError {
 
 impl std::error::Error for UsageError {}
 
+/// Keep freed buffers in the process instead of returning them to the OS after every step:
+/// with glibc's defaults, a CPU training step spends a large share of its time in mmap/munmap and
+/// page faults (measured: kernel CPU time per 8 steps 0.40–0.49 s by default, 0.06–0.12 s tuned).
+/// 32 MiB is the largest mmap threshold glibc accepts.
+fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only adjusts allocator parameters; called before any other thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
+    }
+}
+
 fn main() -> ExitCode {
+    tune_allocator();
     let cli = Cli::parse();
     let result = match cli.command {
         None => run(RunArgs {
