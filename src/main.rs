@@ -174,6 +174,10 @@ struct RunArgs {
     /// Write the session's events to FILE as JSON Lines.
     #[arg(long, value_name = "FILE")]
     record: Option<PathBuf>,
+    /// Apply a control at a step, reported with origin `cli`: STEP:KIND[=VALUE], e.g.
+    /// 100:set_accum_steps=8 or 0:set_clip (off). Repeatable.
+    #[arg(long = "control", value_name = "STEP:KIND[=VALUE]")]
+    controls: Vec<String>,
     /// Key bindings (TOML); default: $XDG_CONFIG_HOME/gaccwb/keys.toml when it exists.
     #[arg(long, value_name = "FILE")]
     keys: Option<PathBuf>,
@@ -340,6 +344,11 @@ fn build_trainer(
         })?,
         None => Trainer::new(scenario, device)?,
     };
+    trainer.cli_controls = args
+        .controls
+        .iter()
+        .map(|c| gaccwb::scenario::parse_control_arg(c).map_err(UsageError))
+        .collect::<Result<_, _>>()?;
     trainer.checkpoint = args.checkpoint_every.map(|every| checkpoint::Policy {
         every,
         dir: args.checkpoint_dir.clone(),

@@ -521,6 +521,33 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
 }
 
 /// `4` → integer, `1e-3` → float, `true` → bool, anything else → string.
+/// A control from the command line: `STEP:KIND[=VALUE]`, e.g. `100:set_accum_steps=8`,
+/// `0:set_clip` (clipping off), `50:set_dtype=f16`.
+pub fn parse_control_arg(arg: &str) -> Result<TimelineEntry, String> {
+    let usage = "expected STEP:KIND[=VALUE], e.g. 100:set_accum_steps=8";
+    let (step, rest) = arg
+        .split_once(':')
+        .ok_or_else(|| format!("--control {arg}: {usage}"))?;
+    let step: u64 = step
+        .trim()
+        .parse()
+        .map_err(|_| format!("--control {arg}: `{step}` is not a step number; {usage}"))?;
+    let mut table = toml::Table::new();
+    let (kind, value) = match rest.split_once('=') {
+        Some((k, v)) => (k.trim(), Some(parse_value(v.trim()))),
+        None => (rest.trim(), None),
+    };
+    table.insert("kind".into(), toml::Value::String(kind.to_string()));
+    if let Some(v) = value {
+        table.insert("value".into(), v);
+    }
+    let control: Control = toml::Value::Table(table)
+        .try_into()
+        .map_err(|e: toml::de::Error| format!("--control {arg}: {}", e.message().trim()))?;
+    validate_control(&control).map_err(|m| format!("--control {arg}: {m}"))?;
+    Ok(TimelineEntry { step, control })
+}
+
 fn parse_value(raw: &str) -> toml::Value {
     let wrapped = format!("v = {raw}");
     match toml::from_str::<toml::Table>(&wrapped) {
@@ -574,6 +601,28 @@ mod tests {
         assert!(err.contains("at least 1"), "{err}");
         let err = s.set("train.dtype=f8").unwrap_err().to_string();
         assert!(err.contains("f8"), "{err}");
+    }
+
+    #[test]
+    fn command_line_controls_parse_like_timeline_entries() {
+        let e = parse_control_arg("100:set_accum_steps=8").unwrap();
+        assert_eq!(
+            (e.step, e.control),
+            (100, Control::SetAccumSteps { value: 8 })
+        );
+        let e = parse_control_arg("0:set_clip").unwrap();
+        assert_eq!(e.control, Control::SetClip { value: None });
+        let e = parse_control_arg("5:set_dtype=f16").unwrap();
+        assert_eq!(e.control, Control::SetDtype { value: Dtype::F16 });
+        assert!(parse_control_arg("x:set_clip")
+            .unwrap_err()
+            .contains("step number"));
+        assert!(parse_control_arg("3:set_accum_steps=0")
+            .unwrap_err()
+            .contains("at least 1"));
+        assert!(parse_control_arg("3:set_acum_steps=2")
+            .unwrap_err()
+            .contains("set_acum_steps"));
     }
 
     #[test]

@@ -181,3 +181,47 @@ fn the_recording_holds_the_documented_step_fields() {
     assert_eq!(last["type"], "end");
     assert_eq!(last["reason"], "completed");
 }
+
+#[test]
+fn a_command_line_control_is_applied_and_reported_with_origin_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("run.jsonl");
+    let (code, _, stderr) = run_headless(&[
+        "--control",
+        "1:set_accum_steps=2",
+        "--record",
+        path.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let events: Vec<serde_json::Value> = std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let control = events
+        .iter()
+        .find(|e| e["type"] == "control")
+        .expect("a control event");
+    assert_eq!(control["origin"], "cli");
+    assert_eq!(control["step"], 1);
+    assert_eq!(
+        control["control"],
+        serde_json::json!({"kind": "set_accum_steps", "value": 2})
+    );
+    let ks: Vec<&serde_json::Value> = events
+        .iter()
+        .filter(|e| e["type"] == "step")
+        .map(|e| &e["accum_steps"])
+        .collect();
+    assert_eq!(ks, [1, 2]);
+}
+
+#[test]
+fn a_bad_command_line_control_is_a_usage_error() {
+    let (code, _, stderr) = run_headless(&["--control", "1:set_accum_steps=0"]);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("--control 1:set_accum_steps=0") && stderr.contains("at least 1"),
+        "{stderr}"
+    );
+}

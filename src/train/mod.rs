@@ -24,7 +24,7 @@ use crate::data::{Batch, Corpus, Sample, Split};
 use crate::device::device_name;
 use crate::memory::{Ledger, NoProbe, Persistent, WindowProbe};
 use crate::model::{Gpt, Param};
-use crate::scenario::Scenario;
+use crate::scenario::{Scenario, TimelineEntry};
 use crate::telemetry::{
     BuildInfo, Control, ControlEvent, ControlMsg, Dtype, EndEvent, EvalEvent, Event, Header, Level,
     LogEvent, LossNorm, LrRule, Origin, Phase, PhaseMs, StepEvent, ZeroGrad, FORMAT_VERSION,
@@ -289,6 +289,8 @@ pub struct Trainer {
     pub memory: Ledger,
     /// Save a checkpoint every N steps into a directory (`--checkpoint-every`).
     pub checkpoint: Option<crate::checkpoint::Policy>,
+    /// Controls given with `--control STEP:KIND=VALUE`: a timeline reported with origin `cli`.
+    pub cli_controls: Vec<TimelineEntry>,
     base_batch: usize,
     started: Instant,
 }
@@ -324,6 +326,7 @@ impl Trainer {
             cursor: 0,
             overflow_count: 0,
             checkpoint: None,
+            cli_controls: Vec::new(),
             started: Instant::now(),
         })
     }
@@ -707,14 +710,18 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
         Vec::new()
     } else {
         flow.timeline_done = Some(step);
-        trainer
+        let scenario = trainer
             .scenario
             .timeline
             .iter()
-            .filter(|e| e.step == step)
-            .map(|e| ControlMsg {
+            .map(|e| (e, Origin::Scenario));
+        let cli = trainer.cli_controls.iter().map(|e| (e, Origin::Cli));
+        scenario
+            .chain(cli)
+            .filter(|(e, _)| e.step == step)
+            .map(|(e, origin)| ControlMsg {
                 control: e.control.clone(),
-                origin: Origin::Scenario,
+                origin,
             })
             .collect()
     };
