@@ -210,6 +210,62 @@ impl Control {
     }
 }
 
+/// The knobs a control can turn: the trainer's live configuration, and the UI's picture of it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Knobs {
+    pub accum_steps: usize,
+    pub micro_batch: usize,
+    pub clip: Option<f64>,
+    /// Base learning rate (before schedule and LR rule).
+    pub lr: f64,
+    pub lr_rule: LrRule,
+    pub dtype: Dtype,
+    pub offload: bool,
+    pub loss_norm: LossNorm,
+    pub zero_grad: ZeroGrad,
+}
+
+impl Knobs {
+    pub fn from_scenario(s: &Scenario) -> Knobs {
+        let t = &s.train;
+        Knobs {
+            accum_steps: t.accum_steps,
+            micro_batch: t.micro_batch,
+            clip: t.clip,
+            lr: t.lr,
+            lr_rule: t.lr_rule,
+            dtype: t.dtype,
+            offload: t.offload,
+            loss_norm: t.loss_norm,
+            zero_grad: t.zero_grad,
+        }
+    }
+
+    pub fn effective_batch(&self) -> usize {
+        self.accum_steps * self.micro_batch
+    }
+
+    /// The knob a control sets; flow controls and the loss scale (not a knob) change nothing.
+    pub fn apply(&mut self, c: &Control) {
+        match *c {
+            Control::SetAccumSteps { value } => self.accum_steps = value,
+            Control::SetMicroBatch { value } => self.micro_batch = value,
+            Control::SetClip { value } => self.clip = value,
+            Control::SetLr { value } => self.lr = value,
+            Control::SetLrRule { value } => self.lr_rule = value,
+            Control::SetDtype { value } => self.dtype = value,
+            Control::SetOffload { value } => self.offload = value,
+            Control::SetLossNorm { value } => self.loss_norm = value,
+            Control::SetZeroGrad { value } => self.zero_grad = value,
+            Control::SetLossScale { .. }
+            | Control::Pause
+            | Control::Resume
+            | Control::SingleStep
+            | Control::Stop => {}
+        }
+    }
+}
+
 /// Where a control came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -25,47 +25,13 @@ use crate::device::device_name;
 use crate::memory::{Ledger, NoProbe, Persistent, WindowProbe};
 use crate::model::{Gpt, Param};
 use crate::scenario::{Scenario, TimelineEntry};
+pub use crate::telemetry::Knobs;
 use crate::telemetry::{
-    BuildInfo, Control, ControlEvent, ControlMsg, Dtype, EndEvent, EvalEvent, Event, Header, Level,
-    LogEvent, LossNorm, LrRule, Origin, Phase, PhaseMs, StepEvent, ZeroGrad, FORMAT_VERSION,
+    BuildInfo, Control, ControlEvent, ControlMsg, EndEvent, EvalEvent, Event, Header, Level,
+    LogEvent, LossNorm, Origin, Phase, PhaseMs, StepEvent, ZeroGrad, FORMAT_VERSION,
 };
 use adamw::{AdamW, Hyper};
 use scaler::LossScaler;
-
-/// The knobs a control can turn; the trainer's live configuration.
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Knobs {
-    pub accum_steps: usize,
-    pub micro_batch: usize,
-    pub clip: Option<f64>,
-    pub lr: f64,
-    pub lr_rule: LrRule,
-    pub dtype: Dtype,
-    pub offload: bool,
-    pub loss_norm: LossNorm,
-    pub zero_grad: ZeroGrad,
-}
-
-impl Knobs {
-    pub fn from_scenario(s: &Scenario) -> Knobs {
-        let t = &s.train;
-        Knobs {
-            accum_steps: t.accum_steps,
-            micro_batch: t.micro_batch,
-            clip: t.clip,
-            lr: t.lr,
-            lr_rule: t.lr_rule,
-            dtype: t.dtype,
-            offload: t.offload,
-            loss_norm: t.loss_norm,
-            zero_grad: t.zero_grad,
-        }
-    }
-
-    pub fn effective_batch(&self) -> usize {
-        self.accum_steps * self.micro_batch
-    }
-}
 
 /// The gradients of one window, before the boundary.
 pub struct WindowGrads {
@@ -509,23 +475,12 @@ impl Trainer {
     /// Apply a knob change now (the caller makes sure "now" is a window boundary).
     pub fn apply_control(&mut self, c: &Control) -> anyhow::Result<()> {
         crate::scenario::validate_control(c).map_err(anyhow::Error::msg)?;
-        let k = &mut self.knobs;
         match *c {
-            Control::SetAccumSteps { value } => k.accum_steps = value,
-            Control::SetMicroBatch { value } => k.micro_batch = value,
-            Control::SetClip { value } => k.clip = value,
-            Control::SetLr { value } => k.lr = value,
-            Control::SetLrRule { value } => k.lr_rule = value,
-            Control::SetDtype { value } => k.dtype = value,
-            Control::SetOffload { value } => {
-                self.opt.set_offload(value, &self.model.params)?;
-                k.offload = value;
-            }
+            Control::SetOffload { value } => self.opt.set_offload(value, &self.model.params)?,
             Control::SetLossScale { value } => self.scaler.force(value),
-            Control::SetLossNorm { value } => k.loss_norm = value,
-            Control::SetZeroGrad { value } => k.zero_grad = value,
-            Control::Pause | Control::Resume | Control::SingleStep | Control::Stop => {}
+            _ => {}
         }
+        self.knobs.apply(c);
         Ok(())
     }
 

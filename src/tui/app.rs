@@ -4,8 +4,8 @@
 use std::collections::VecDeque;
 
 use crate::telemetry::{
-    Control, ControlEvent, DeviceEvent, Dtype, Event, Header, Level, LrRule, MemoryEvent,
-    MemorySource, Origin, Phase, StepEvent,
+    Control, ControlEvent, DeviceEvent, Event, Header, Knobs, Level, MemoryEvent, MemorySource,
+    Origin, Phase, StepEvent,
 };
 
 use super::keymap::Action;
@@ -48,52 +48,6 @@ impl PaneId {
     fn shifted(self, by: isize) -> PaneId {
         let n = PaneId::ALL.len() as isize;
         PaneId::ALL[((self.index() as isize + by).rem_euclid(n)) as usize]
-    }
-}
-
-/// The knobs as the trainer last reported them (header config, then applied controls and steps).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Knobs {
-    pub accum_steps: usize,
-    pub micro_batch: usize,
-    pub clip: Option<f64>,
-    /// Base learning rate (before schedule and LR rule).
-    pub lr: f64,
-    pub lr_rule: LrRule,
-    pub dtype: Dtype,
-    pub offload: bool,
-}
-
-impl Default for Knobs {
-    fn default() -> Self {
-        Knobs {
-            accum_steps: 1,
-            micro_batch: 1,
-            clip: None,
-            lr: 0.0,
-            lr_rule: LrRule::None,
-            dtype: Dtype::F32,
-            offload: false,
-        }
-    }
-}
-
-impl Knobs {
-    fn apply(&mut self, c: &Control) {
-        match *c {
-            Control::SetAccumSteps { value } => self.accum_steps = value,
-            Control::SetMicroBatch { value } => self.micro_batch = value,
-            Control::SetClip { value } => self.clip = value,
-            Control::SetLr { value } => self.lr = value,
-            Control::SetLrRule { value } => self.lr_rule = value,
-            Control::SetDtype { value } => self.dtype = value,
-            Control::SetOffload { value } => self.offload = value,
-            _ => {}
-        }
-    }
-
-    pub fn effective_batch(&self) -> usize {
-        self.accum_steps * self.micro_batch
     }
 }
 
@@ -177,7 +131,7 @@ impl App {
     pub fn new(retention: usize) -> App {
         App {
             header: None,
-            knobs: Knobs::default(),
+            knobs: Knobs::from_scenario(&Default::default()),
             pending: Vec::new(),
             steps: VecDeque::new(),
             evals: VecDeque::new(),
@@ -262,16 +216,7 @@ impl App {
     }
 
     fn on_header(&mut self, h: &Header) {
-        let t = &h.config.train;
-        self.knobs = Knobs {
-            accum_steps: t.accum_steps,
-            micro_batch: t.micro_batch,
-            clip: t.clip,
-            lr: t.lr,
-            lr_rule: t.lr_rule,
-            dtype: t.dtype,
-            offload: t.offload,
-        };
+        self.knobs = Knobs::from_scenario(&h.config);
         self.header = Some(h.clone());
     }
 
@@ -548,6 +493,7 @@ fn push_bounded<T>(q: &mut VecDeque<T>, item: T, cap: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::telemetry::{Dtype, LrRule};
 
     fn app_with_config() -> App {
         let mut app = App::default();
@@ -662,6 +608,8 @@ mod tests {
     #[test]
     fn k_and_micro_batch_never_go_below_one() {
         let mut app = App::default();
+        app.knobs.accum_steps = 1;
+        app.knobs.micro_batch = 1;
         assert_eq!(
             app.apply(Action::AccumDown),
             vec![Control::SetAccumSteps { value: 1 }]
