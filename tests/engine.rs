@@ -1,6 +1,8 @@
 //! The engine's exact semantics: accumulation equals the full batch, normalisation, clipping,
 //! controls at boundaries, learning to the entropy floor, and clear errors for bad input.
 
+mod common;
+
 use candle_core::{Device, Tensor};
 use gaccwb::data::{Sample, Split};
 use gaccwb::scenario::Scenario;
@@ -8,15 +10,9 @@ use gaccwb::telemetry::{Control, Event, LossNorm, Origin, ZeroGrad};
 use gaccwb::train::{self, global_norm, relative_error, window_gradients, Knobs, Trainer};
 
 fn tiny() -> Scenario {
-    let mut s = Scenario::default();
-    s.model.vocab = 32;
-    s.model.d_model = 32;
-    s.model.layers = 2;
-    s.model.heads = 2;
-    s.model.seq_len = 32;
+    let mut s = common::tiny_scenario();
     s.data.min_doc_len = 4;
     s.train.micro_batch = 2;
-    s.train.eval_every = 0;
     s
 }
 

@@ -1,21 +1,17 @@
 //! Mixed precision, dynamic loss scaling and optimizer-state offload.
 
+mod common;
+
 use candle_core::Device;
 use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Control, Dtype, StepEvent};
 use gaccwb::train::Trainer;
 
 fn tiny() -> Scenario {
-    let mut s = Scenario::default();
-    s.model.vocab = 32;
-    s.model.d_model = 32;
-    s.model.layers = 2;
-    s.model.heads = 2;
-    s.model.seq_len = 32;
+    let mut s = common::tiny_scenario();
     s.train.micro_batch = 4;
     s.train.accum_steps = 2;
     s.train.warmup = 2;
-    s.train.eval_every = 0;
     s
 }
 
