@@ -90,7 +90,6 @@ impl Gpt {
         let (b, t) = ids.dims2()?;
         let cfg = &self.cfg;
         let (d, h) = (cfg.d_model, cfg.heads);
-        let hd = d / h;
 
         let mut compute_weights = Vec::new();
         let mut weights = self.params.iter().map(|p| {
@@ -125,24 +124,13 @@ impl Gpt {
             let (wfc, bfc, wout, bout) = (next()?, next()?, next()?, next()?);
 
             let a = ops::layer_norm(&x, &g1, &b1, LN_EPS)?;
-            let qkv = linear(&a, &wqkv, &bqkv)?
-                .reshape((b, t, 3, h, hd))?
-                .permute((2, 0, 3, 1, 4))?; // [3, B, H, T, hd]
-            let q = qkv.get(0)?.contiguous()?;
-            let k = qkv.get(1)?.contiguous()?;
-            let v = qkv.get(2)?.contiguous()?;
-            let scores = q.matmul(&k.t()?)?;
-            let att = ops::causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
-            let y = att
-                .matmul(&v)?
-                .transpose(1, 2)?
-                .contiguous()?
-                .reshape((b * t, d))?;
-            x = (x + linear(&y, &wproj, &bproj)?)?;
+            let qkv = ops::linear(&a, &wqkv, &bqkv)?;
+            let y = ops::causal_attention(&qkv, b, t, h)?;
+            x = (x + ops::linear(&y, &wproj, &bproj)?)?;
 
             let m = ops::layer_norm(&x, &g2, &b2, LN_EPS)?;
-            let m = ops::gelu(&linear(&m, &wfc, &bfc)?)?;
-            x = (x + linear(&m, &wout, &bout)?)?;
+            let hidden = ops::linear(&m, &wfc, &bfc)?;
+            x = (x + ops::gelu_linear(&hidden, &wout, &bout)?)?;
         }
         let (gf, bf) = (next()?, next()?);
         let head = next()?;
@@ -154,10 +142,6 @@ impl Gpt {
             compute_weights,
         })
     }
-}
-
-fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    ops::bias_add(&x.matmul(w)?, b)
 }
 
 struct Init<'a> {

@@ -11,6 +11,7 @@ use candle_core::{DType, Result, Tensor};
 
 pub mod composite;
 pub mod fused;
+pub mod vmath;
 
 /// True when every tensor is an f32 CPU tensor: the fused ops' domain.
 fn fused_domain(tensors: &[&Tensor]) -> bool {
@@ -43,6 +44,34 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
         fused::gelu(x)
     } else {
         composite::gelu(x)
+    }
+}
+
+/// `x·w + b` for `x` `[N, I]`, `w` `[I, O]`, `b` `[O]`.
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fused_domain(&[x, w, b]) {
+        fused::linear(x, w, b)
+    } else {
+        composite::linear(x, w, b)
+    }
+}
+
+/// `gelu(h)·w + b`: the MLP's output layer. The fused version does not keep `gelu(h)`.
+pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fused_domain(&[h, w, b]) {
+        fused::gelu_linear(h, w, b)
+    } else {
+        composite::linear(&composite::gelu(h)?, w, b)
+    }
+}
+
+/// Causal multi-head self-attention: `qkv` `[B·T, 3·D]` (queries, keys, values side by side,
+/// heads within each) to `[B·T, D]`, scores scaled by 1/√(D/heads).
+pub fn causal_attention(qkv: &Tensor, batch: usize, t: usize, heads: usize) -> Result<Tensor> {
+    if fused_domain(&[qkv]) {
+        fused::causal_attention(qkv, batch, t, heads)
+    } else {
+        composite::causal_attention(qkv, batch, t, heads)
     }
 }
 
@@ -197,6 +226,64 @@ mod tests {
                 &inputs,
             );
         }
+    }
+
+    #[test]
+    fn fused_linear_matches_composite() {
+        for (n, i, o) in [(3, 5, 7), (700, 48, 40)] {
+            let inputs = [
+                random(&[n, i], 1.0, 21),
+                random(&[i, o], 0.5, 22),
+                random(&[o], 1.0, 23),
+            ];
+            assert_equivalent(
+                "linear",
+                |t| fused::linear(&t[0], &t[1], &t[2]),
+                |t| composite::linear(&t[0], &t[1], &t[2]),
+                &inputs,
+            );
+            assert_equivalent(
+                "gelu_linear",
+                |t| fused::gelu_linear(&t[0], &t[1], &t[2]),
+                |t| composite::linear(&composite::gelu(&t[0])?, &t[1], &t[2]),
+                &[
+                    random(&[n, i], 4.0, 24),
+                    inputs[1].clone(),
+                    inputs[2].clone(),
+                ],
+            );
+        }
+    }
+
+    #[test]
+    fn fused_attention_matches_composite() {
+        // (batch, tokens, heads, d_model): one head of one token; several heads, odd sizes.
+        for (b, t, h, d) in [(1, 1, 1, 4), (3, 9, 2, 12), (2, 40, 4, 32)] {
+            let inputs = [random(&[b * t, 3 * d], 2.0, 31)];
+            assert_equivalent(
+                "causal_attention",
+                |x| fused::causal_attention(&x[0], b, t, h),
+                |x| composite::causal_attention(&x[0], b, t, h),
+                &inputs,
+            );
+        }
+    }
+
+    #[test]
+    fn fused_attention_ignores_the_future() {
+        // Changing the last token's keys and values leaves every earlier output unchanged.
+        let (t, d) = (6, 8);
+        let qkv = random(&[t, 3 * d], 1.0, 41);
+        let mut changed: Vec<f32> = qkv.flatten_all().unwrap().to_vec1().unwrap();
+        changed[(t - 1) * 3 * d + d..]
+            .iter_mut()
+            .for_each(|v| *v += 1.0);
+        let changed = Tensor::from_vec(changed, (t, 3 * d), &Device::Cpu).unwrap();
+        let y0 = fused::causal_attention(&qkv, 1, t, 2).unwrap();
+        let y1 = fused::causal_attention(&changed, 1, t, 2).unwrap();
+        let early = |y: &Tensor| y.narrow(0, 0, t - 1).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(early(&y0), early(&y1));
+        assert_ne!(y0.to_vec2::<f32>().unwrap(), y1.to_vec2::<f32>().unwrap());
     }
 
     #[test]

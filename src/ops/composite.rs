@@ -24,6 +24,29 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     x.broadcast_add(bias)
 }
 
+/// `x·w + b`.
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    bias_add(&x.matmul(w)?, b)
+}
+
+/// Causal multi-head self-attention over `qkv` `[B·T, 3·D]`: split heads, softmax(QKᵀ/√hd)V,
+/// merge heads.
+pub fn causal_attention(qkv: &Tensor, batch: usize, t: usize, heads: usize) -> Result<Tensor> {
+    let d = qkv.dim(1)? / 3;
+    let hd = d / heads;
+    let qkv = qkv
+        .reshape((batch, t, 3, heads, hd))?
+        .permute((2, 0, 3, 1, 4))?; // [3, B, H, T, hd]
+    let q = qkv.get(0)?.contiguous()?;
+    let k = qkv.get(1)?.contiguous()?;
+    let v = qkv.get(2)?.contiguous()?;
+    let att = crate::ops::causal_softmax(&q.matmul(&k.t()?)?, 1.0 / (hd as f64).sqrt())?;
+    att.matmul(&v)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((batch * t, d))
+}
+
 /// GELU, tanh approximation.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
     x.gelu()

@@ -9,6 +9,14 @@ use std::ops::Range;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
+use crate::ops::vmath;
+
+mod attention;
+mod linear;
+
+pub use attention::causal_attention;
+pub use linear::{gelu_linear, linear};
+
 // ---------------------------------------------------------------------------------------------
 // Plumbing
 
@@ -35,6 +43,11 @@ unsafe impl Send for Shared {}
 unsafe impl Sync for Shared {}
 
 impl Shared {
+    fn offset(&self, elements: usize) -> *mut f32 {
+        // SAFETY: callers stay inside the buffer the pointer was made from.
+        unsafe { self.0.add(elements) }
+    }
+
     /// Rows `rows` of a row-major buffer with `width` columns.
     /// SAFETY: callers hand each row range to exactly one writer.
     #[allow(clippy::mut_from_ref)]
@@ -61,6 +74,121 @@ fn for_units(n_rows: usize, width: usize, f: impl Fn(usize, Range<usize>) + Sync
         run(0..units);
     } else {
         candle_core::utils::barrier_pool().execute_chunked(units, run);
+    }
+}
+
+/// Run `f(units)` over disjoint ranges of `0..units` on Candle's CPU pool (one unit each when
+/// units are few).
+fn for_each_unit(units: usize, f: impl Fn(Range<usize>) + Sync) {
+    if units <= 1 || candle_core::utils::get_num_threads() <= 1 {
+        f(0..units);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(units, f);
+    }
+}
+
+/// `n` f32 values the caller overwrites completely before anything reads them.
+fn uninit(n: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n);
+    // SAFETY: f32 has no invalid bit patterns; every caller writes all `n` values first.
+    unsafe { v.set_len(n) };
+    v
+}
+
+/// A read-only strided f32 matrix.
+#[derive(Clone, Copy)]
+struct Mat {
+    ptr: *const f32,
+    rows: usize,
+    cols: usize,
+    row_stride: isize,
+    col_stride: isize,
+}
+
+impl Mat {
+    /// `rows × cols` with rows `row_stride` apart and contiguous columns.
+    fn new(ptr: *const f32, rows: usize, cols: usize, row_stride: usize) -> Mat {
+        Mat {
+            ptr,
+            rows,
+            cols,
+            row_stride: row_stride as isize,
+            col_stride: 1,
+        }
+    }
+
+    /// A contiguous row-major matrix of `cols` columns.
+    fn rows(v: &[f32], cols: usize) -> Mat {
+        Mat::new(v.as_ptr(), v.len() / cols, cols, cols)
+    }
+
+    fn t(self) -> Mat {
+        Mat {
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
+    }
+}
+
+/// A writable strided f32 matrix (rows `row_stride` apart, contiguous columns).
+struct MatMut {
+    ptr: *mut f32,
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+}
+
+impl MatMut {
+    fn new(ptr: *mut f32, rows: usize, cols: usize, row_stride: usize) -> MatMut {
+        MatMut {
+            ptr,
+            rows,
+            cols,
+            row_stride,
+        }
+    }
+
+    fn rows(v: &mut [f32], cols: usize) -> MatMut {
+        MatMut::new(v.as_mut_ptr(), v.len() / cols, cols, cols)
+    }
+}
+
+/// `dst = a·b`, or `dst += a·b` when `accumulate`; on every pool thread when `parallel`.
+/// Callers pass views of live buffers with matching shapes and no overlap of `dst` with `a`, `b`.
+fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) {
+    assert!(a.rows == dst.rows && b.cols == dst.cols && a.cols == b.rows);
+    let threads = candle_core::utils::get_num_threads();
+    let parallelism = if parallel && threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the views are in bounds of live buffers (callers' contract) and dst is disjoint.
+    unsafe {
+        gemm::gemm(
+            dst.rows,
+            dst.cols,
+            a.cols,
+            dst.ptr,
+            1,
+            dst.row_stride as isize,
+            accumulate,
+            a.ptr,
+            a.col_stride,
+            a.row_stride,
+            b.ptr,
+            b.col_stride,
+            b.row_stride,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        )
     }
 }
 
@@ -299,33 +427,38 @@ impl CustomOp1 for ColumnSum {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_slice(s, l, self.name())?;
-        let (n, d) = last_dim(l.shape())?;
-        let units = n.div_ceil(unit_rows(d));
-        let partial = output(units * d, |out| {
-            for_units(n, d, |unit, rows| {
-                let acc = unsafe { out.rows(&(unit..unit + 1), d) };
-                for row in x[rows.start * d..rows.end * d].chunks_exact(d) {
-                    for i in 0..d {
-                        acc[i] += row[i];
-                    }
-                }
-            })
-        });
+        let (_, d) = last_dim(l.shape())?;
         let mut sum = vec![0f32; d];
-        for unit in partial.chunks_exact(d) {
-            for i in 0..d {
-                sum[i] += unit[i];
-            }
-        }
+        column_sums(x, d, &mut sum);
         Ok((CpuStorage::F32(sum), Shape::from(d)))
+    }
+}
+
+/// `dst` = the sum over all rows of `x` (rows of `dst.len()`): per unit row by row
+/// (vectorised), then units in order, so the result does not depend on the thread count.
+fn column_sums(x: &[f32], d: usize, dst: &mut [f32]) {
+    let n = x.len() / d;
+    let units = n.div_ceil(unit_rows(d));
+    let partial = output(units * d, |out| {
+        for_units(n, d, |unit, rows| {
+            let acc = unsafe { out.rows(&(unit..unit + 1), d) };
+            for row in x[rows.start * d..rows.end * d].chunks_exact(d) {
+                for i in 0..d {
+                    acc[i] += row[i];
+                }
+            }
+        })
+    });
+    dst.fill(0.0);
+    for unit in partial.chunks_exact(d) {
+        for i in 0..d {
+            dst[i] += unit[i];
+        }
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // GELU (tanh approximation)
-
-const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-const GELU_C: f32 = 0.044_715;
 
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Gelu)
@@ -333,22 +466,19 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 
 struct Gelu;
 
-/// tanh through one exp: exact to f32 rounding, and vectorises better than libm's tanhf.
-#[inline]
-fn tanh_fast(u: f32) -> f32 {
-    let e = (2.0 * u.clamp(-20.0, 20.0)).exp();
-    (e - 1.0) / (e + 1.0)
-}
-
 /// `n` outputs, written by `f(range, dst)` for disjoint index ranges in parallel.
 fn map_range(n: usize, f: impl Fn(Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
+    let mut v = uninit(n);
+    let out = Shared(v.as_mut_ptr());
+    for_ranges(n, |range| f(range.clone(), unsafe { out.rows(&range, 1) }));
+    v
+}
+
+/// `f(range)` for disjoint ranges covering `0..n`, in parallel.
+fn for_ranges(n: usize, f: impl Fn(Range<usize>) + Sync) {
     const WIDTH: usize = 1024;
-    output(n, |out| {
-        for_units(n.div_ceil(WIDTH), WIDTH, |_, blocks| {
-            let range = blocks.start * WIDTH..(blocks.end * WIDTH).min(n);
-            let dst = unsafe { out.rows(&range, 1) };
-            f(range, dst);
-        })
+    for_units(n.div_ceil(WIDTH), WIDTH, |_, blocks| {
+        f(blocks.start * WIDTH..(blocks.end * WIDTH).min(n))
     })
 }
 
@@ -360,10 +490,14 @@ impl CustomOp1 for Gelu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_slice(s, l, self.name())?;
         let y = map_range(x.len(), |range, dst| {
-            for (y, &x) in dst.iter_mut().zip(&x[range]) {
-                let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
-                *y = 0.5 * x * (1.0 + t);
-            }
+            vmath::widest(
+                #[inline(always)]
+                || {
+                    for (y, &x) in dst.iter_mut().zip(&x[range]) {
+                        *y = linear::gelu_value(x);
+                    }
+                },
+            )
         });
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
@@ -395,12 +529,14 @@ impl CustomOp2 for GeluBackward {
             candle_core::bail!("gelu backward: shape mismatch");
         }
         let dx = map_range(x.len(), |range, dst| {
-            for ((d, &x), &g) in dst.iter_mut().zip(&x[range.clone()]).zip(&g[range]) {
-                let x2 = x * x;
-                let t = tanh_fast(SQRT_2_OVER_PI * (x + GELU_C * x2 * x));
-                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x2);
-                *d = g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du);
-            }
+            vmath::widest(
+                #[inline(always)]
+                || {
+                    for ((d, &x), &g) in dst.iter_mut().zip(&x[range.clone()]).zip(&g[range]) {
+                        *d = g * linear::gelu_and_slope(x).1;
+                    }
+                },
+            )
         });
         Ok((CpuStorage::F32(dx), xl.shape().clone()))
     }
