@@ -141,6 +141,11 @@ struct MatMut {
     row_stride: usize,
 }
 
+// SAFETY: row blocks of one MatMut are written by one thread each (see `matmul`).
+unsafe impl Sync for MatMut {}
+unsafe impl Send for Mat {}
+unsafe impl Sync for Mat {}
+
 impl MatMut {
     fn new(ptr: *mut f32, rows: usize, cols: usize, row_stride: usize) -> MatMut {
         MatMut {
@@ -156,27 +161,43 @@ impl MatMut {
     }
 }
 
-/// `dst = a·b`, or `dst += a·b` when `accumulate`; on every pool thread when `parallel`.
+/// `dst = a·b`, or `dst += a·b` when `accumulate`. With `parallel`, blocks of `dst` rows go to
+/// Candle's CPU pool, each one single-threaded `gemm` call: the same pool as every other fused
+/// op (a second pool, rayon's, would compete with it for the cores), and block sizes that
+/// depend on the shape alone, so results do not depend on the thread count.
 /// Callers pass views of live buffers with matching shapes and no overlap of `dst` with `a`, `b`.
 fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) {
     assert!(a.rows == dst.rows && b.cols == dst.cols && a.cols == b.rows);
-    let threads = candle_core::utils::get_num_threads();
-    let parallelism = if parallel && threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the views are in bounds of live buffers (callers' contract) and dst is disjoint.
+    if !parallel || candle_core::utils::get_num_threads() <= 1 {
+        return gemm_block(&dst, a, b, accumulate, 0..dst.rows);
+    }
+    // ≥ 32 rows and ≥ ~64K multiply-adds per block, at most 16 blocks.
+    let work_per_row = (a.cols * b.cols).max(1);
+    let rows = (dst.rows.div_ceil(16)).max(32).max((1 << 16) / work_per_row);
+    let blocks = dst.rows.div_ceil(rows);
+    let dst = &dst;
+    for_each_unit(blocks, |range| {
+        for block in range {
+            let r = block * rows..((block + 1) * rows).min(dst.rows);
+            gemm_block(dst, a, b, accumulate, r);
+        }
+    });
+}
+
+/// Rows `r` of `dst = a·b` (or `+=`), on the calling thread.
+fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, r: Range<usize>) {
+    // SAFETY: the views are in bounds of live buffers (callers' contract), rows `r` of dst are
+    // written by this call alone, and dst does not overlap a or b.
     unsafe {
         gemm::gemm(
-            dst.rows,
+            r.len(),
             dst.cols,
             a.cols,
-            dst.ptr,
+            dst.ptr.add(r.start * dst.row_stride),
             1,
             dst.row_stride as isize,
             accumulate,
-            a.ptr,
+            a.ptr.offset(r.start as isize * a.row_stride),
             a.col_stride,
             a.row_stride,
             b.ptr,
@@ -187,7 +208,7 @@ fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) {
             false,
             false,
             false,
-            parallelism,
+            gemm::Parallelism::None,
         )
     }
 }
