@@ -10,8 +10,13 @@ const LN_2_LO: f32 = -2.121_944_4e-4;
 /// `e^x` for `x` in [-87, 88] (clamped outside: 1.6e-38 below, 1.7e38 above).
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
+    // Round x·log2(e) to the nearest integer n by adding 1.5·2²³: n then sits in the low
+    // mantissa bits, which become 2ⁿ's exponent field with integer ops that vectorise (a float
+    // to int cast does not, on every target).
+    const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2_E + 0.5).floor();
+    let shifted = x * LOG2_E + ROUND;
+    let n = shifted - ROUND;
     let r = x - n * LN_2_HI - n * LN_2_LO;
     let mut p = 1.987_569_1e-4;
     p = p * r + 1.398_199_9e-3;
@@ -20,7 +25,8 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 5.000_000_1e-1;
     let e = p * r * r + r + 1.0;
-    e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    let two_n = (shifted.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127)) << 23;
+    e * f32::from_bits(two_n)
 }
 
 /// Runs `kernel` compiled for AVX-512 or AVX2 when the CPU has them, else as built.
