@@ -14,7 +14,7 @@ pub mod fused;
 pub mod vmath;
 
 /// True when every tensor is an f32 CPU tensor: the fused ops' domain.
-fn fused_domain(tensors: &[&Tensor]) -> bool {
+pub fn fused_domain(tensors: &[&Tensor]) -> bool {
     tensors
         .iter()
         .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)

@@ -4,6 +4,7 @@
 use candle_core::{Device, Result, Tensor};
 
 use crate::model::Param;
+use crate::ops::{self, fused::AdamWStep};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Hyper {
@@ -100,7 +101,8 @@ impl AdamW {
         Ok(())
     }
 
-    /// One update with learning rate `lr` from the (unscaled, clipped) gradients.
+    /// One update with learning rate `lr` from the (unscaled, clipped) gradients. CPU f32 state
+    /// is updated in place by one fused kernel; elsewhere by Candle ops (same maths).
     pub fn step(&mut self, params: &[Param], grads: &[Tensor], lr: f64) -> Result<()> {
         let Hyper {
             beta1,
@@ -114,6 +116,24 @@ impl AdamW {
         let state_device = self.state_device(params);
         for (i, p) in params.iter().enumerate() {
             let g = grads[i].to_device(&state_device)?;
+            let decay = if p.decay {
+                1.0 - lr * weight_decay
+            } else {
+                1.0
+            };
+            let w = p.var.as_tensor();
+            if self.master.is_none() && ops::fused_domain(&[w, &self.m[i], &self.v[i], &g]) {
+                let step = AdamWStep {
+                    beta1: beta1 as f32,
+                    beta2: beta2 as f32,
+                    eps: eps as f32,
+                    step_size: (lr / bc1) as f32,
+                    inv_bc2: (1.0 / bc2) as f32,
+                    decay: decay as f32,
+                };
+                ops::fused::adamw_update(w, &self.m[i], &self.v[i], &g, step)?;
+                continue;
+            }
             let w = match &self.master {
                 Some(master) => master[i].clone(),
                 None => p.var.as_tensor().clone(),
@@ -122,11 +142,6 @@ impl AdamW {
             self.v[i] = (self.v[i].affine(beta2, 0.0)? + g.sqr()?.affine(1.0 - beta2, 0.0)?)?;
             let denom = (self.v[i].affine(1.0 / bc2, 0.0)?.sqrt()? + eps)?;
             let update = self.m[i].affine(lr / bc1, 0.0)?.div(&denom)?;
-            let decay = if p.decay {
-                1.0 - lr * weight_decay
-            } else {
-                1.0
-            };
             let updated = (w.affine(decay, 0.0)? - update)?;
             p.var.set(&updated.to_device(p.var.device())?)?;
             if let Some(master) = &mut self.master {

@@ -197,6 +197,10 @@ fn fold(
 pub fn global_norm(tensors: &[Tensor]) -> Result<f64> {
     let mut sum = 0f64;
     for t in tensors {
+        if crate::ops::fused_domain(&[t]) {
+            sum += crate::ops::fused::sum_squares(t)?;
+            continue;
+        }
         sum += f64::from(
             t.sqr()?
                 .sum_all()?

@@ -13,9 +13,11 @@ use crate::ops::vmath;
 
 mod attention;
 mod linear;
+mod optim;
 
 pub use attention::causal_attention;
 pub use linear::{gelu_linear, linear};
+pub use optim::{adamw_update, sum_squares, AdamWStep};
 
 // ---------------------------------------------------------------------------------------------
 // Plumbing
@@ -245,11 +247,12 @@ struct LayerNorm {
 }
 
 /// Mean and 1/std of one row (two passes, like the composite version).
-#[inline]
-fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
+#[inline(always)]
+fn row_stats(row: &[f32], eps: f32, centred: &mut [f32]) -> (f32, f32) {
     let d = row.len() as f32;
-    let mean = row.iter().sum::<f32>() / d;
-    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d;
+    let mean = vmath::sum(row) / d;
+    centred.iter_mut().zip(row).for_each(|(c, &v)| *c = v - mean);
+    let var = vmath::dot(centred, centred) / d;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -278,12 +281,18 @@ impl CustomOp3 for LayerNorm {
             for_units(n, d, |_, rows| {
                 let dst = unsafe { out.rows(&rows, d) };
                 let src = &x[rows.start * d..rows.end * d];
-                for (yr, xr) in dst.chunks_exact_mut(d).zip(src.chunks_exact(d)) {
-                    let (mean, rstd) = row_stats(xr, self.eps);
-                    for i in 0..d {
-                        yr[i] = (xr[i] - mean) * rstd * g[i] + b[i];
-                    }
-                }
+                let mut centred = vec![0f32; d];
+                vmath::widest(
+                    #[inline(always)]
+                    || {
+                        for (yr, xr) in dst.chunks_exact_mut(d).zip(src.chunks_exact(d)) {
+                            let (_, rstd) = row_stats(xr, self.eps, &mut centred);
+                            for (((y, &c), &g), &b) in yr.iter_mut().zip(&centred).zip(g).zip(b) {
+                                *y = c * rstd * g + b;
+                            }
+                        }
+                    },
+                )
             })
         });
         Ok((CpuStorage::F32(y), xl.shape().clone()))
@@ -345,27 +354,35 @@ impl CustomOp3 for LayerNormBackward {
                 let (dg, db) = acc.split_at_mut(d);
                 let xs = &x[rows.start * d..rows.end * d];
                 let dys = &dy[rows.start * d..rows.end * d];
-                let mut xhat = vec![0f32; d];
-                for ((dxr, xr), dyr) in dx
-                    .chunks_exact_mut(d)
-                    .zip(xs.chunks_exact(d))
-                    .zip(dys.chunks_exact(d))
-                {
-                    let (mean, rstd) = row_stats(xr, self.eps);
-                    let (mut sum_dxhat, mut sum_dxhat_xhat) = (0f32, 0f32);
-                    for i in 0..d {
-                        xhat[i] = (xr[i] - mean) * rstd;
-                        let dxhat = dyr[i] * g[i];
-                        sum_dxhat += dxhat;
-                        sum_dxhat_xhat += dxhat * xhat[i];
-                        dg[i] += dyr[i] * xhat[i];
-                        db[i] += dyr[i];
-                    }
-                    let (m1, m2) = (sum_dxhat / d as f32, sum_dxhat_xhat / d as f32);
-                    for i in 0..d {
-                        dxr[i] = rstd * (dyr[i] * g[i] - m1 - xhat[i] * m2);
-                    }
-                }
+                let (mut xhat, mut dxhat) = (vec![0f32; d], vec![0f32; d]);
+                vmath::widest(
+                    #[inline(always)]
+                    || {
+                        for ((dxr, xr), dyr) in dx
+                            .chunks_exact_mut(d)
+                            .zip(xs.chunks_exact(d))
+                            .zip(dys.chunks_exact(d))
+                        {
+                            let (_, rstd) = row_stats(xr, self.eps, &mut xhat);
+                            xhat.iter_mut().for_each(|v| *v *= rstd);
+                            for (((dh, &dy), &g), ((dg, db), &xh)) in dxhat
+                                .iter_mut()
+                                .zip(dyr)
+                                .zip(g)
+                                .zip(dg.iter_mut().zip(db.iter_mut()).zip(&xhat))
+                            {
+                                *dh = dy * g;
+                                *dg += dy * xh;
+                                *db += dy;
+                            }
+                            let m1 = vmath::sum(&dxhat) / d as f32;
+                            let m2 = vmath::dot(&dxhat, &xhat) / d as f32;
+                            for ((dx, &dh), &xh) in dxr.iter_mut().zip(&dxhat).zip(&xhat) {
+                                *dx = rstd * (dh - m1 - xh * m2);
+                            }
+                        }
+                    },
+                )
             })
         });
         let (dg, db) = out[n * d..].split_at_mut(d);
