@@ -135,7 +135,7 @@ impl Gpt {
         let (gf, bf) = (next()?, next()?);
         let head = next()?;
         let x = ops::layer_norm(&x, &gf, &bf, LN_EPS)?;
-        let logits = x.matmul(&head)?;
+        let logits = ops::project(&x, &head)?;
         drop(weights);
         Ok(Forward {
             logits,

@@ -56,6 +56,15 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `x·w` for `x` `[N, I]`, `w` `[I, O]`: a layer without bias (the LM head).
+pub fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if fused_domain(&[x, w]) {
+        fused::project(x, w)
+    } else {
+        x.matmul(w)
+    }
+}
+
 /// `gelu(h)·w + b`: the MLP's output layer. The fused version does not keep `gelu(h)`.
 pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     if fused_domain(&[h, w, b]) {
@@ -241,6 +250,12 @@ mod tests {
                 |t| fused::linear(&t[0], &t[1], &t[2]),
                 |t| composite::linear(&t[0], &t[1], &t[2]),
                 &inputs,
+            );
+            assert_equivalent(
+                "project",
+                |t| fused::project(&t[0], &t[1]),
+                |t| t[0].matmul(&t[1]),
+                &inputs[..2],
             );
             assert_equivalent(
                 "gelu_linear",

@@ -25,7 +25,11 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 5.000_000_1e-1;
     let e = p * r * r + r + 1.0;
-    let two_n = (shifted.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127)) << 23;
+    let two_n = (shifted
+        .to_bits()
+        .wrapping_sub(ROUND.to_bits())
+        .wrapping_add(127))
+        << 23;
     e * f32::from_bits(two_n)
 }
 

@@ -3,29 +3,55 @@
 //! which the graph keeps anyway as the first linear's output. Matrices go straight to `gemm`
 //! (no zero-filled outputs, no separate bias pass over the result in the backward).
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::{column_sums, f32_slice, for_ranges, for_units, matmul, uninit, Mat, MatMut, Shared};
 use crate::ops::vmath;
 
 /// `x·w + b` for `x` `[N, I]`, `w` `[I, O]`, `b` `[O]`.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    apply(x, w, b, Linear { gelu_input: false })
+    apply(x, w, b, false)
 }
 
 /// `gelu(h)·w + b` (GELU, tanh approximation) without keeping `gelu(h)`.
 pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    apply(h, w, b, Linear { gelu_input: true })
+    apply(h, w, b, true)
 }
 
-fn apply(x: &Tensor, w: &Tensor, b: &Tensor, op: Linear) -> Result<Tensor> {
+/// `x·w` (no bias: the LM head).
+pub fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    check(&x, &w, None)?;
+    x.apply_op2(
+        &w,
+        Linear {
+            gelu_input: false,
+            bias: false,
+        },
+    )
+}
+
+fn apply(x: &Tensor, w: &Tensor, b: &Tensor, gelu_input: bool) -> Result<Tensor> {
     let (x, w, b) = (x.contiguous()?, w.contiguous()?, b.contiguous()?);
+    check(&x, &w, Some(&b))?;
+    let op = Linear {
+        gelu_input,
+        bias: true,
+    };
+    x.apply_op3(&w, &b, op)
+}
+
+fn check(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<()> {
     let (_, i) = x.dims2()?;
     let (wi, o) = w.dims2()?;
-    if wi != i || b.dims1()? != o {
-        candle_core::bail!("linear: x [_, {i}], w [{wi}, {o}], b {:?}", b.dims());
+    let bias_ok = b.map_or(Ok(true), |b| b.dims1().map(|n| n == o))?;
+    if wi != i || !bias_ok {
+        candle_core::bail!(
+            "linear: x [_, {i}], w [{wi}, {o}], b {:?}",
+            b.map(|b| b.dims())
+        );
     }
-    x.apply_op3(&w, &b, op)
+    Ok(())
 }
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -70,6 +96,85 @@ fn gelu_of(h: &[f32]) -> Vec<f32> {
 struct Linear {
     /// The input is `h` and the layer multiplies `gelu(h)`.
     gelu_input: bool,
+    bias: bool,
+}
+
+impl Linear {
+    /// `input·w (+ b)` with `input` = `x` or `gelu(x)`.
+    fn forward(&self, x: &[f32], w: &[f32], b: Option<&[f32]>, o: usize) -> Vec<f32> {
+        let i = w.len() / o;
+        let n = x.len() / i;
+        let gelu;
+        let input = if self.gelu_input {
+            gelu = gelu_of(x);
+            &gelu[..]
+        } else {
+            x
+        };
+        let mut y = uninit(n * o);
+        if let Some(b) = b {
+            let out = Shared(y.as_mut_ptr());
+            for_units(n, o, |_, rows| {
+                let dst = unsafe { out.rows(&rows, o) };
+                dst.chunks_exact_mut(o)
+                    .for_each(|row| row.copy_from_slice(b));
+            });
+        }
+        matmul(
+            MatMut::rows(&mut y, o),
+            Mat::rows(input, i),
+            Mat::rows(w, o),
+            b.is_some(),
+            true,
+        );
+        y
+    }
+
+    /// Gradients of `x`, `w` (and `b`) from one packed buffer.
+    fn backward(&self, x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<Vec<Tensor>> {
+        let (n, i) = x.dims2()?;
+        let o = w.dim(1)?;
+        let packed = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LinearBackward(*self))?;
+        let mut grads = vec![
+            packed.narrow(0, 0, n * i)?.reshape((n, i))?,
+            packed.narrow(0, n * i, i * o)?.reshape((i, o))?,
+        ];
+        if self.bias {
+            grads.push(packed.narrow(0, n * i + i * o, o)?);
+        }
+        Ok(grads)
+    }
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "gaccwb-project"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(xs, xl, CustomOp2::name(self))?;
+        let w = f32_slice(ws, wl, CustomOp2::name(self))?;
+        let (n, o) = (xl.dims()[0], wl.dims()[1]);
+        let y = self.forward(x, w, None, o);
+        Ok((CpuStorage::F32(y), Shape::from((n, o))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let mut g = self.backward(x, w, grad)?.into_iter();
+        Ok((g.next(), g.next()))
+    }
 }
 
 impl CustomOp3 for Linear {
@@ -90,32 +195,11 @@ impl CustomOp3 for Linear {
         bs: &CpuStorage,
         bl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(xs, xl, self.name())?;
-        let w = f32_slice(ws, wl, self.name())?;
-        let b = f32_slice(bs, bl, self.name())?;
-        let (i, o) = (w.len() / b.len(), b.len());
-        let n = x.len() / i;
-        let gelu;
-        let input = if self.gelu_input {
-            gelu = gelu_of(x);
-            &gelu[..]
-        } else {
-            x
-        };
-        let mut y = uninit(n * o);
-        let out = Shared(y.as_mut_ptr());
-        for_units(n, o, |_, rows| {
-            let dst = unsafe { out.rows(&rows, o) };
-            dst.chunks_exact_mut(o)
-                .for_each(|row| row.copy_from_slice(b));
-        });
-        matmul(
-            MatMut::rows(&mut y, o),
-            Mat::rows(input, i),
-            Mat::rows(w, o),
-            true,
-            true,
-        );
+        let x = f32_slice(xs, xl, CustomOp3::name(self))?;
+        let w = f32_slice(ws, wl, CustomOp3::name(self))?;
+        let b = f32_slice(bs, bl, CustomOp3::name(self))?;
+        let (n, o) = (xl.dims()[0], b.len());
+        let y = self.forward(x, w, Some(b), o);
         Ok((CpuStorage::F32(y), Shape::from((n, o))))
     }
 
@@ -123,19 +207,12 @@ impl CustomOp3 for Linear {
         &self,
         x: &Tensor,
         w: &Tensor,
-        b: &Tensor,
+        _b: &Tensor,
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (n, i) = x.dims2()?;
-        let o = b.elem_count();
-        let op = LinearBackward(*self);
-        // One pass yields [dx | dw | db] in one buffer.
-        let packed = x.apply_op3_no_bwd(w, &grad.contiguous()?, &op)?;
-        let dx = packed.narrow(0, 0, n * i)?.reshape((n, i))?;
-        let dw = packed.narrow(0, n * i, i * o)?.reshape((i, o))?;
-        let db = packed.narrow(0, n * i + i * o, o)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let mut g = self.backward(x, w, grad)?.into_iter();
+        Ok((g.next(), g.next(), g.next()))
     }
 }
 
@@ -146,7 +223,8 @@ impl CustomOp3 for LinearBackward {
         "gaccwb-linear-backward"
     }
 
-    /// dx = dy·wᵀ (times gelu′(h) for a GELU input), dw = inputᵀ·dy, db = Σ_rows dy.
+    /// dx = dy·wᵀ (times gelu′(h) for a GELU input), dw = inputᵀ·dy, db = Σ_rows dy (when the
+    /// layer has a bias).
     fn cpu_fwd(
         &self,
         xs: &CpuStorage,
@@ -161,7 +239,8 @@ impl CustomOp3 for LinearBackward {
         let dy = f32_slice(gs, gl, self.name())?;
         let (n, i) = (xl.dims()[0], xl.dims()[1]);
         let o = w.len() / i;
-        let mut packed = uninit(n * i + i * o + o);
+        let bias = if self.0.bias { o } else { 0 };
+        let mut packed = uninit(n * i + i * o + bias);
         let (dx, rest) = packed.split_at_mut(n * i);
         let (dw, db) = rest.split_at_mut(i * o);
         let (input, slope) = if self.0.gelu_input {
@@ -185,7 +264,9 @@ impl CustomOp3 for LinearBackward {
             false,
             true,
         );
-        column_sums(dy, o, db);
+        if self.0.bias {
+            column_sums(dy, o, db);
+        }
         if let Some(slope) = slope {
             let out = Shared(dx.as_mut_ptr());
             for_ranges(slope.len(), |r| {
@@ -193,7 +274,8 @@ impl CustomOp3 for LinearBackward {
                 dst.iter_mut().zip(&slope[r]).for_each(|(d, s)| *d *= s);
             });
         }
-        Ok((CpuStorage::F32(packed), Shape::from(n * i + i * o + o)))
+        let len = packed.len();
+        Ok((CpuStorage::F32(packed), Shape::from(len)))
     }
 }
 

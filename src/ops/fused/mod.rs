@@ -16,7 +16,7 @@ mod linear;
 mod optim;
 
 pub use attention::causal_attention;
-pub use linear::{gelu_linear, linear};
+pub use linear::{gelu_linear, linear, project};
 pub use optim::{adamw_update, sum_squares, AdamWStep};
 
 // ---------------------------------------------------------------------------------------------
@@ -175,7 +175,9 @@ fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) {
     }
     // ≥ 32 rows and ≥ ~64K multiply-adds per block, at most 16 blocks.
     let work_per_row = (a.cols * b.cols).max(1);
-    let rows = (dst.rows.div_ceil(16)).max(32).max((1 << 16) / work_per_row);
+    let rows = (dst.rows.div_ceil(16))
+        .max(32)
+        .max((1 << 16) / work_per_row);
     let blocks = dst.rows.div_ceil(rows);
     let dst = &dst;
     for_each_unit(blocks, |range| {
@@ -251,7 +253,10 @@ struct LayerNorm {
 fn row_stats(row: &[f32], eps: f32, centred: &mut [f32]) -> (f32, f32) {
     let d = row.len() as f32;
     let mean = vmath::sum(row) / d;
-    centred.iter_mut().zip(row).for_each(|(c, &v)| *c = v - mean);
+    centred
+        .iter_mut()
+        .zip(row)
+        .for_each(|(c, &v)| *c = v - mean);
     let var = vmath::dot(centred, centred) / d;
     (mean, 1.0 / (var + eps).sqrt())
 }
@@ -683,12 +688,15 @@ pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tenso
 
 struct NllSum;
 
-/// `(max, log Σ exp(row − max))` of one row of logits.
-#[inline]
-fn log_sum_exp(row: &[f32]) -> (f32, f32) {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let sum: f32 = row.iter().map(|&v| (v - max).exp()).sum();
-    (max, sum.ln())
+/// `(max, log Σ exp(row − max))` of one row of logits; `scratch` holds the row's exps.
+#[inline(always)]
+fn log_sum_exp(row: &[f32], scratch: &mut [f32]) -> (f32, f32) {
+    let max = vmath::max(row);
+    scratch
+        .iter_mut()
+        .zip(row)
+        .for_each(|(e, &v)| *e = vmath::exp(v - max));
+    (max, vmath::sum(scratch).ln())
 }
 
 impl CustomOp3 for NllSum {
@@ -712,18 +720,33 @@ impl CustomOp3 for NllSum {
         if targets.len() != n || mask.len() != n {
             candle_core::bail!("nll: {n} rows of logits, {} targets", targets.len());
         }
-        let mut total = 0f32;
-        for (i, row) in logits.chunks_exact(v).enumerate() {
-            if mask[i] == 0.0 {
-                continue;
-            }
-            let (max, lse) = log_sum_exp(row);
-            let t = targets[i] as usize;
-            if t >= v {
-                candle_core::bail!("nll: target {t} outside vocab {v}");
-            }
-            total -= mask[i] * (row[t] - max - lse);
+        if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
+            candle_core::bail!("nll: target {t} outside vocab {v}");
         }
+        // Per-unit partial sums, added in unit order: the same total for any thread count.
+        let units = n.div_ceil(unit_rows(v));
+        let partial = output(units, |out| {
+            for_units(n, v, |unit, rows| {
+                let mut scratch = vec![0f32; v];
+                let total = vmath::widest(
+                    #[inline(always)]
+                    || {
+                        let mut total = 0f32;
+                        for i in rows.clone() {
+                            if mask[i] == 0.0 {
+                                continue;
+                            }
+                            let row = &logits[i * v..(i + 1) * v];
+                            let (max, lse) = log_sum_exp(row, &mut scratch);
+                            total -= mask[i] * (row[targets[i] as usize] - max - lse);
+                        }
+                        total
+                    },
+                );
+                unsafe { out.rows(&(unit..unit + 1), 1)[0] = total };
+            })
+        });
+        let total: f32 = partial.iter().sum();
         Ok((CpuStorage::F32(vec![total]), Shape::from(())))
     }
 
@@ -773,19 +796,26 @@ impl CustomOp3 for NllBackward {
             for_units(n, v, |_, rows| {
                 let dst = unsafe { out.rows(&rows, v) };
                 let src = &logits[rows.start * v..rows.end * v];
-                for (r, (dr, row)) in dst.chunks_exact_mut(v).zip(src.chunks_exact(v)).enumerate() {
-                    let i = rows.start + r;
-                    let w = scale * mask[i];
-                    if w == 0.0 {
-                        continue;
-                    }
-                    let (max, lse) = log_sum_exp(row);
-                    let shift = max + lse;
-                    for (d, &x) in dr.iter_mut().zip(row) {
-                        *d = w * (x - shift).exp();
-                    }
-                    dr[targets[i] as usize] -= w;
-                }
+                let mut scratch = vec![0f32; v];
+                vmath::widest(
+                    #[inline(always)]
+                    || {
+                        let rows_iter = dst.chunks_exact_mut(v).zip(src.chunks_exact(v));
+                        for (r, (dr, row)) in rows_iter.enumerate() {
+                            let i = rows.start + r;
+                            let w = scale * mask[i];
+                            if w == 0.0 {
+                                continue;
+                            }
+                            let (max, lse) = log_sum_exp(row, &mut scratch);
+                            let shift = max + lse;
+                            for (d, &x) in dr.iter_mut().zip(row) {
+                                *d = w * vmath::exp(x - shift);
+                            }
+                            dr[targets[i] as usize] -= w;
+                        }
+                    },
+                )
             })
         });
         Ok((CpuStorage::F32(d), ll.shape().clone()))
