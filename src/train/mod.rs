@@ -222,7 +222,16 @@ pub fn relative_error(a: &[Tensor], reference: &[Tensor]) -> Result<f64> {
 }
 
 fn scale_all(tensors: &[Tensor], factor: f64) -> Result<Vec<Tensor>> {
-    tensors.iter().map(|t| t.affine(factor, 0.0)).collect()
+    tensors
+        .iter()
+        .map(|t| {
+            if crate::ops::fused_domain(&[t]) {
+                crate::ops::fused::scale(t, factor as f32)
+            } else {
+                t.affine(factor, 0.0)
+            }
+        })
+        .collect()
 }
 
 /// Where events go. Sending never blocks; a gone receiver is noticed and ends the run.

@@ -17,7 +17,7 @@ mod optim;
 
 pub use attention::causal_attention;
 pub use linear::{gelu_linear, linear, project};
-pub use optim::{adamw_update, sum_squares, AdamWStep};
+pub use optim::{adamw_update, scale, sum_squares, AdamWStep};
 
 // ---------------------------------------------------------------------------------------------
 // Plumbing
