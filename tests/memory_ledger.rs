@@ -20,7 +20,7 @@ fn memory_ledger_physics_and_accounting() {
     gradients_and_optimizer_state_do_not_depend_on_k_or_b();
     smaller_micro_batch_at_the_same_effective_batch_lowers_the_peak();
     parameters_are_the_parameter_count_times_four_bytes();
-    other_is_at_most_five_percent_at_the_backward_peak_of_the_default_preset();
+    other_is_the_matmul_workspace_within_five_percent_at_the_default_presets_backward_peak();
     the_estimator_is_within_ten_percent_of_measured_for_every_category();
     offload_moves_the_moments_out_of_optimizer_state();
     a_device_meter_keeps_offloaded_bytes_out_of_the_device_total();
@@ -152,19 +152,28 @@ fn parameters_are_the_parameter_count_times_four_bytes() {
     }
 }
 
-fn other_is_at_most_five_percent_at_the_backward_peak_of_the_default_preset() {
-    let mut s = gaccwb::presets::resolve("baseline").unwrap();
-    s.set("train.eval_every=0").unwrap();
+/// Accounting closes: what no category explains is `gemm`'s per-thread packing workspace, which
+/// the estimator predicts (cache size × threads), give or take 5% of the measured total.
+fn other_is_the_matmul_workspace_within_five_percent_at_the_default_presets_backward_peak() {
+    let s = default_preset();
+    let workspace = Config::from_scenario(&s, true).workspace;
     let e = at(&measure(s), Phase::Backward);
-    let share = e.categories.other as f64 / e.peak as f64;
+    let other = e.categories.other;
+    let unexplained = (other as f64 - workspace as f64).abs() / e.peak as f64;
     println!(
-        "default preset backward peak {:.2} MiB, other {:.2} MiB = {:.2}%",
+        "default preset backward peak {:.2} MiB, other {:.2} MiB = {:.2}%, of which matmul \
+         workspace {:.2} MiB; unexplained {:.2}%",
         mib(e.peak),
-        mib(e.categories.other),
-        100.0 * share
+        mib(other),
+        100.0 * other as f64 / e.peak as f64,
+        mib(workspace),
+        100.0 * unexplained
     );
     assert_eq!(e.source, MemorySource::Allocator);
-    assert!(share <= 0.05, "other {share}");
+    assert!(
+        unexplained <= 0.05,
+        "other {other} vs workspace {workspace}"
+    );
 }
 
 fn the_estimator_is_within_ten_percent_of_measured_for_every_category() {
@@ -173,6 +182,7 @@ fn the_estimator_is_within_ten_percent_of_measured_for_every_category() {
         ("f32 B=8 K=4", tiny(8, 4, &[])),
         ("bf16 B=4 K=2", tiny(4, 2, &["train.dtype=bf16"])),
         ("f32 B=16 K=2 offload", tiny(16, 2, &["train.offload=true"])),
+        ("default preset", default_preset()),
     ];
     println!(
         "{:<22}{:<10}{:<22}{:>12}{:>12}{:>8}",
@@ -212,6 +222,13 @@ fn the_estimator_is_within_ten_percent_of_measured_for_every_category() {
             }
         }
     }
+}
+
+/// The default preset, whose backward peaks in block 0's MLP rather than at the loss head.
+fn default_preset() -> Scenario {
+    let mut s = gaccwb::presets::resolve("baseline").unwrap();
+    s.set("train.eval_every=0").unwrap();
+    s
 }
 
 fn offload_moves_the_moments_out_of_optimizer_state() {

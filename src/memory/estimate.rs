@@ -5,13 +5,15 @@
 //! Activations. Candle keeps every tensor of the graph alive until the loss is dropped (each op
 //! holds its inputs), so activations are every new storage the forward allocates; views
 //! (reshape, permute, transpose, narrow, broadcast) add none. With N = B·T tokens, d model
-//! width, H heads, V vocab and c the compute dtype's bytes, one block holds
-//! 40·N·d·c + 6·B·H·T²·c + small per-row terms (f32: 5·N·d per layer norm, 15·N·d for
-//! attention's projections and copies, 15·N·d for the MLP; scores, scaled scores, masked scores,
-//! softmax's shifted, exponentiated and normalised copies). This is the transformer form of
-//! Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-//! s·b·h·(α + β·a·s/h) per layer, with this model's constants (α = 40, β = 6, ×4 bytes in f32,
-//! no dropout) in place of their 34 and 5 for a 16-bit Megatron block.
+//! width, H heads, V vocab and c the compute dtype's bytes, one block of composite ops (CUDA,
+//! bf16/f16) holds 40·N·d·c + 6·B·H·T²·c + small per-row terms (f32: 5·N·d per layer norm,
+//! 15·N·d for attention's projections and copies, 15·N·d for the MLP; scores, scaled scores,
+//! masked scores, softmax's shifted, exponentiated and normalised copies). This is the
+//! transformer form of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+//! Transformer Models", s·b·h·(α + β·a·s/h) per layer, with this model's constants (α = 40,
+//! β = 6, ×4 bytes in f32, no dropout) in place of their 34 and 5 for a 16-bit Megatron block.
+//! The fused CPU ops keep 14·N·d·4 per block and no T² term (β = 0): attention and the GELU
+//! are recomputed in the backward, as in their "selective recomputation".
 //!
 //! Transient gradients: the store one backward returns (one f32 gradient per parameter, plus the
 //! gradients of constants: each layer's broadcast causal mask, B·H·T², and the loss mask, N) and,
@@ -44,6 +46,9 @@ pub struct Config {
     pub pitfall: bool,
     /// Host and device are one memory (CPU): offload keeps no separate master copy.
     pub unified: bool,
+    /// Workspace outside any tensor (`other`): on CPU in f32, `gemm`'s packing slab on every
+    /// thread of Candle's pool (this machine's cache size × thread count); 0 elsewhere.
+    pub workspace: u64,
 }
 
 impl Config {
@@ -56,6 +61,12 @@ impl Config {
             offload: k.offload,
             pitfall: k.loss_norm != LossNorm::Tokens || k.zero_grad != ZeroGrad::PerWindow,
             unified,
+            workspace: if unified && k.dtype == Dtype::F32 {
+                crate::ops::fused::matmul_workspace_per_thread()
+                    * candle_core::utils::get_num_threads() as u64
+            } else {
+                0
+            },
         }
     }
 
@@ -224,19 +235,21 @@ pub fn activation_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     let (n, d, c) = (s.n, s.d, s.c);
     let embedding = 2 * n * d * c;
-    // qkv (matmul, +bias), q/k/v copies, kᵀ copy, att·v, its transposed copy, proj (2),
-    // residual: 15·N·d; scores, ×scale, +mask, shifted, exp, normalised: 6·BHT²; max and sum
-    // per row: 2·BHT.
-    // Fused: no kᵀ copy (14·N·d), and the causal softmax keeps only scores and result.
-    let attention = if fused(cfg) {
-        14 * n * d * c + 2 * s.scores * c
-    } else {
-        15 * n * d * c + 6 * s.scores * c + 2 * (s.scores / s.t) * c
-    };
-    // fc (matmul, +bias: 8), gelu (4), out (matmul, +bias: 2), residual (1).
-    let mlp = 15 * n * d * c;
     let ln = layer_norm_bytes(&s, fused(cfg));
-    let block = 2 * ln + attention + mlp;
+    let block = if fused(cfg) {
+        // Two norms' outputs (2), qkv (3), attention output (1: it recomputes its
+        // probabilities), proj (1), residual (1), fc (4), GELU-linear output (1: it recomputes
+        // the GELU), residual (1): 14·N·d.
+        14 * n * d * c
+    } else {
+        // qkv (matmul, +bias), q/k/v copies, kᵀ copy, att·v, its transposed copy, proj (2),
+        // residual: 15·N·d; scores, ×scale, +mask, shifted, exp, normalised: 6·BHT²; max and
+        // sum per row: 2·BHT.
+        let attention = 15 * n * d * c + 6 * s.scores * c + 2 * (s.scores / s.t) * c;
+        // fc (matmul, +bias: 8), gelu (4), out (matmul, +bias: 2), residual (1).
+        let mlp = 15 * n * d * c;
+        2 * ln + attention + mlp
+    };
     let logits = n * s.v * c + if s.cast { n * s.v * F32 } else { 0 };
     // Composite: log-softmax keeps shifted, exp and result (N·V) and max, sum, log (N); gather
     // and ×mask (N); sum, neg and the scaled loss are scalars. Fused: the sum and the scaled loss.
@@ -261,7 +274,8 @@ pub fn grad_store_bytes(cfg: &Config) -> u64 {
 /// Bytes f32 weight gradients keep referenced until the store is dropped (0 when the weights
 /// are cast: the cast is processed and detached).
 pub fn weight_grad_retention(cfg: &Config) -> u64 {
-    if cfg.dtype != Dtype::F32 {
+    // The fused ops' backward results are not tracked, so they reference nothing.
+    if cfg.dtype != Dtype::F32 || fused(cfg) {
         return 0;
     }
     let s = Shape::new(cfg);
@@ -269,35 +283,44 @@ pub fn weight_grad_retention(cfg: &Config) -> u64 {
     (2 * matmul_weights(&cfg.model) + upstream) * F32
 }
 
-/// Bytes in flight at the backward's peak, which falls at block 0's GELU (the last block
-/// processed, when retention is largest). Candle's GELU backward builds its derivative from
-/// the tracked pre-activation, so its whole expression stays referenced until that node is
-/// processed: zeros, x³, 0.0357·x³, 0.798·x, their sum, tanh, 0.5·tanh, 0.0535·x³, 0.399·x, their
-/// sum, tanh², 1−tanh², the product, the sum, +0.5, grad·gelu′ and the accumulated sum (17
-/// tensors of 4·N·d), plus the GELU output's own gradient with the zeros and `grad·Wᵀ` it
-/// references (3 × 4·N·d) and the residual stream's pending gradient (N·d): 81·N·d.
-/// The fused GELU backward is one tensor: its input's gradient (derivative, zeros, sum) and
-/// its output's gradient (3 each × 4·N·d) and the residual's (N·d): 25·N·d.
+/// Bytes in flight at the backward's block-0 peak, when retention and the store are largest.
+///
+/// Composite ops: the peak falls at block 0's GELU. Candle's GELU backward builds its
+/// derivative from the tracked pre-activation, so its whole expression stays referenced until
+/// that node is processed: zeros, x³, 0.0357·x³, 0.798·x, their sum, tanh, 0.5·tanh, 0.0535·x³,
+/// 0.399·x, their sum, tanh², 1−tanh², the product, the sum, +0.5, grad·gelu′ and the
+/// accumulated sum (17 tensors of 4·N·d), plus the GELU output's own gradient with the zeros and
+/// `grad·Wᵀ` it references (3 × 4·N·d) and the residual stream's pending gradient (N·d): 81·N·d.
+///
+/// Fused ops (CPU f32): the peak falls inside block 0's GELU-linear backward, which holds its
+/// packed result (dh, 4·N·d, and dW, db: 4·d² + d) and its recomputed GELU and slope (2 × 4·N·d),
+/// beside the output's gradient and the residual stream's pending one (2·N·d): 14·N·d + 4·d² + d.
 pub fn in_flight_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
-    let tensors = if fused(cfg) { 25 } else { 81 };
-    tensors * s.n * s.d * s.c
+    if fused(cfg) {
+        return (14 * s.n * s.d + 4 * s.d * s.d + s.d) * F32;
+    }
+    81 * s.n * s.d * s.c
 }
 
-/// Bytes of the end-of-backward figure that do not exist yet at the peak: gradients of block 0's
-/// parameters before its MLP output and of the embeddings, block 0's weight retention for qkv,
-/// proj and fc, and (composite path) block 0's causal-mask gradient.
+/// Bytes of the end-of-backward figure that do not exist yet at the block-0 peak: gradients
+/// still to come (composite: block 0's parameters before its MLP output and the embeddings;
+/// fused: all of block 0's and the embeddings), block 0's weight retention for qkv, proj and fc,
+/// and (composite path) block 0's causal-mask gradient.
 pub fn after_peak_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     let (d, n) = (s.d, s.n);
-    let grads = (8 * d * d + 12 * d + s.v * d + s.t * d) * F32;
+    let embeddings = s.v * d + s.t * d;
+    if fused(cfg) {
+        return (12 * d * d + 13 * d + embeddings) * F32;
+    }
+    let grads = (8 * d * d + 12 * d + embeddings) * F32;
     let retention = if cfg.dtype == Dtype::F32 {
         (16 * d * d + 8 * n * d) * F32
     } else {
         0
     };
-    let mask = if fused(cfg) { 0 } else { s.scores * s.c };
-    grads + retention + mask
+    grads + retention + s.scores * s.c
 }
 
 /// Bytes in flight at the top of the backward, in the loss's log-softmax (always f32), when
@@ -313,7 +336,7 @@ pub fn head_peak_bytes(cfg: &Config) -> u64 {
 }
 
 /// What backward holds at its peak on top of what it started from: the larger of the two
-/// candidate peaks, the loss head (first) and block 0's GELU (last, with everything retained).
+/// candidate peaks, the loss head (first) and block 0's MLP (last, with everything retained).
 pub fn transient_bytes(cfg: &Config) -> u64 {
     let block0 = (grad_store_bytes(cfg) + weight_grad_retention(cfg) + in_flight_bytes(cfg))
         .saturating_sub(after_peak_bytes(cfg));
@@ -334,6 +357,7 @@ pub fn estimate(cfg: &Config) -> Estimate {
         parameters: p,
         optimizer_state,
         offloaded,
+        other: cfg.workspace,
         ..Categories::default()
     };
     // The accumulation buffer exists inside a window from its second micro-batch on.
@@ -536,6 +560,7 @@ mod tests {
             offload: false,
             pitfall: false,
             unified: true,
+            workspace: 0,
         }
     }
 
@@ -567,7 +592,7 @@ mod tests {
         assert_eq!(on.step.optimizer_state, 0);
         assert_eq!(on.step.offloaded, 3 * on.step.parameters);
         let cfg = tiny(1, 1);
-        let small = largest_micro_batch(&cfg, 64, 20 << 20).unwrap();
+        let small = largest_micro_batch(&cfg, 64, 4 << 20).unwrap();
         let large = largest_micro_batch(&cfg, 64, 200 << 20).unwrap();
         assert!(small.micro_batch < large.micro_batch);
         assert!(largest_micro_batch(&cfg, 64, 1).is_none());

@@ -6,7 +6,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{f32_slice, for_each_unit, Mat, MatMut, Shared};
+use super::{f32_slice, filled, for_each_unit, Mat, MatMut};
 use crate::ops::vmath;
 
 /// Causal self-attention over `qkv` of `batch` sequences of `t` tokens with `heads` heads.
@@ -85,18 +85,19 @@ impl CustomOp1 for Attention {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let qkv = f32_slice(s, l, self.name())?;
         let (n, d, t) = (self.batch * self.t, self.d, self.t);
-        let mut y = super::uninit(n * d);
-        let out = Shared(y.as_mut_ptr());
-        for_each_unit(self.units(), |units| {
-            let mut p = vec![0f32; t * t];
-            for unit in units {
-                let (b, h) = (unit / self.heads, unit % self.heads);
-                self.probabilities(qkv, b, h, &mut p);
-                let v = self.part(qkv, 2, b, h);
-                let dst = out.offset(b * t * d + h * self.head_dim());
-                let dst = MatMut::new(dst, t, self.head_dim(), d);
-                super::matmul(dst, Mat::rows(&p, t), v, false, false);
-            }
+        // Every (sequence, head) writes its T×hd block of y: all of it.
+        let y = filled(n * d, |out| {
+            for_each_unit(self.units(), |units| {
+                let mut p = vec![0f32; t * t];
+                for unit in units {
+                    let (b, h) = (unit / self.heads, unit % self.heads);
+                    self.probabilities(qkv, b, h, &mut p);
+                    let v = self.part(qkv, 2, b, h);
+                    let dst = out.offset(b * t * d + h * self.head_dim());
+                    let dst = MatMut::new(dst, t, self.head_dim(), d);
+                    super::matmul(dst, Mat::rows(&p, t), v, false, false);
+                }
+            })
         });
         Ok((CpuStorage::F32(y), Shape::from((n, d))))
     }
@@ -127,40 +128,41 @@ impl CustomOp2 for AttentionBackward {
         let a = &self.0;
         let (n, d, t, hd) = (a.batch * a.t, a.d, a.t, a.head_dim());
         let scale = a.scale();
-        let mut dqkv = super::uninit(n * 3 * d);
-        let out = Shared(dqkv.as_mut_ptr());
-        for_each_unit(a.units(), |units| {
-            let (mut p, mut ds) = (vec![0f32; t * t], vec![0f32; t * t]);
-            for unit in units {
-                let (b, h) = (unit / a.heads, unit % a.heads);
-                a.probabilities(qkv, b, h, &mut p);
-                let (q, k, v) = (
-                    a.part(qkv, 0, b, h),
-                    a.part(qkv, 1, b, h),
-                    a.part(qkv, 2, b, h),
-                );
-                let dy = Mat::new(dy[b * t * d + h * hd..].as_ptr(), t, hd, d);
-                // dP = dY Vᵀ, then dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)).
-                super::matmul(MatMut::rows(&mut ds, t), dy, v.t(), false, false);
-                vmath::widest(
-                    #[inline(always)]
-                    || {
-                        for (dr, pr) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-                            let dot = vmath::dot(dr, pr);
-                            for (d, &p) in dr.iter_mut().zip(pr) {
-                                *d = scale * p * (*d - dot);
+        // Every (sequence, head) writes its dQ, dK and dV blocks: all of dqkv.
+        let dqkv = filled(n * 3 * d, |out| {
+            for_each_unit(a.units(), |units| {
+                let (mut p, mut ds) = (vec![0f32; t * t], vec![0f32; t * t]);
+                for unit in units {
+                    let (b, h) = (unit / a.heads, unit % a.heads);
+                    a.probabilities(qkv, b, h, &mut p);
+                    let (q, k, v) = (
+                        a.part(qkv, 0, b, h),
+                        a.part(qkv, 1, b, h),
+                        a.part(qkv, 2, b, h),
+                    );
+                    let dy = Mat::new(dy[b * t * d + h * hd..].as_ptr(), t, hd, d);
+                    // dP = dY Vᵀ, then dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)).
+                    super::matmul(MatMut::rows(&mut ds, t), dy, v.t(), false, false);
+                    vmath::widest(
+                        #[inline(always)]
+                        || {
+                            for (dr, pr) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+                                let dot = vmath::dot(dr, pr);
+                                for (d, &p) in dr.iter_mut().zip(pr) {
+                                    *d = scale * p * (*d - dot);
+                                }
                             }
-                        }
-                    },
-                );
-                let grad = |part: usize| {
-                    let dst = out.offset(b * t * 3 * d + part * d + h * hd);
-                    MatMut::new(dst, t, hd, 3 * d)
-                };
-                super::matmul(grad(0), Mat::rows(&ds, t), k, false, false);
-                super::matmul(grad(1), Mat::rows(&ds, t).t(), q, false, false);
-                super::matmul(grad(2), Mat::rows(&p, t).t(), dy, false, false);
-            }
+                        },
+                    );
+                    let grad = |part: usize| {
+                        let dst = out.offset(b * t * 3 * d + part * d + h * hd);
+                        MatMut::new(dst, t, hd, 3 * d)
+                    };
+                    super::matmul(grad(0), Mat::rows(&ds, t), k, false, false);
+                    super::matmul(grad(1), Mat::rows(&ds, t).t(), q, false, false);
+                    super::matmul(grad(2), Mat::rows(&p, t).t(), dy, false, false);
+                }
+            })
         });
         Ok((CpuStorage::F32(dqkv), Shape::from((n, 3 * d))))
     }

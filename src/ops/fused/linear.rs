@@ -5,7 +5,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{column_sums, f32_slice, for_ranges, for_units, matmul, uninit, Mat, MatMut, Shared};
+use super::{column_sums, f32_slice, filled, for_ranges, for_units, matmul, Mat, MatMut};
 use crate::ops::vmath;
 
 /// `x·w + b` for `x` `[N, I]`, `w` `[I, O]`, `b` `[O]`.
@@ -76,20 +76,16 @@ pub fn gelu_value(x: f32) -> f32 {
 
 /// `gelu(h)` into a fresh buffer, in parallel.
 fn gelu_of(h: &[f32]) -> Vec<f32> {
-    let mut g = uninit(h.len());
-    let out = Shared(g.as_mut_ptr());
-    for_ranges(h.len(), |r| {
-        let dst = unsafe { out.rows(&r, 1) };
+    super::map_range(h.len(), |r, dst| {
         vmath::widest(
             #[inline(always)]
             || {
-                for (g, &x) in dst.iter_mut().zip(&h[r.clone()]) {
-                    *g = gelu_value(x);
+                for (g, &x) in dst.iter_mut().zip(&h[r]) {
+                    g.write(gelu_value(x));
                 }
             },
         )
-    });
-    g
+    })
 }
 
 #[derive(Clone, Copy)]
@@ -111,23 +107,27 @@ impl Linear {
         } else {
             x
         };
-        let mut y = uninit(n * o);
-        if let Some(b) = b {
-            let out = Shared(y.as_mut_ptr());
-            for_units(n, o, |_, rows| {
-                let dst = unsafe { out.rows(&rows, o) };
-                dst.chunks_exact_mut(o)
-                    .for_each(|row| row.copy_from_slice(b));
-            });
-        }
-        matmul(
-            MatMut::rows(&mut y, o),
-            Mat::rows(input, i),
-            Mat::rows(w, o),
-            b.is_some(),
-            true,
-        );
-        y
+        // With a bias, every row starts as the bias and the product adds to it; without, the
+        // product writes every value.
+        filled(n * o, |out| {
+            if let Some(b) = b {
+                for_units(n, o, |_, rows| {
+                    let dst = unsafe { out.uninit_rows(&rows, o) };
+                    for row in dst.chunks_exact_mut(o) {
+                        row.iter_mut().zip(b).for_each(|(d, &b)| {
+                            d.write(b);
+                        });
+                    }
+                });
+            }
+            matmul(
+                MatMut::new(out.offset(0), n, o, o),
+                Mat::rows(input, i),
+                Mat::rows(w, o),
+                b.is_some(),
+                true,
+            );
+        })
     }
 
     /// Gradients of `x`, `w` (and `b`) from one packed buffer.
@@ -240,9 +240,6 @@ impl CustomOp3 for LinearBackward {
         let (n, i) = (xl.dims()[0], xl.dims()[1]);
         let o = w.len() / i;
         let bias = if self.0.bias { o } else { 0 };
-        let mut packed = uninit(n * i + i * o + bias);
-        let (dx, rest) = packed.split_at_mut(n * i);
-        let (dw, db) = rest.split_at_mut(i * o);
         let (input, slope) = if self.0.gelu_input {
             let (g, s) = gelu_with_slope(x);
             (g, Some(s))
@@ -250,30 +247,38 @@ impl CustomOp3 for LinearBackward {
             (Vec::new(), None)
         };
         let input = if slope.is_some() { &input[..] } else { x };
-        matmul(
-            MatMut::rows(dx, i),
-            Mat::rows(dy, o),
-            Mat::rows(w, o).t(),
-            false,
-            true,
-        );
-        matmul(
-            MatMut::rows(dw, o),
-            Mat::rows(input, i).t(),
-            Mat::rows(dy, o),
-            false,
-            true,
-        );
-        if self.0.bias {
-            column_sums(dy, o, db);
-        }
-        if let Some(slope) = slope {
-            let out = Shared(dx.as_mut_ptr());
-            for_ranges(slope.len(), |r| {
-                let dst = unsafe { out.rows(&r, 1) };
-                dst.iter_mut().zip(&slope[r]).for_each(|(d, s)| *d *= s);
-            });
-        }
+        // dx and dw are written by the products, db by its zeroing and sum.
+        let packed = filled(n * i + i * o + bias, |out| {
+            matmul(
+                MatMut::new(out.offset(0), n, i, i),
+                Mat::rows(dy, o),
+                Mat::rows(w, o).t(),
+                false,
+                true,
+            );
+            matmul(
+                MatMut::new(out.offset(n * i), i, o, o),
+                Mat::rows(input, i).t(),
+                Mat::rows(dy, o),
+                false,
+                true,
+            );
+            if self.0.bias {
+                let db = unsafe { out.uninit_rows(&(n * i + i * o..n * i + i * o + o), 1) };
+                db.iter_mut().for_each(|v| {
+                    v.write(0.0);
+                });
+                let db = unsafe { out.rows(&(n * i + i * o..n * i + i * o + o), 1) };
+                column_sums(dy, o, db);
+            }
+            if let Some(slope) = slope {
+                // dx is written (above): scale it in place.
+                for_ranges(slope.len(), |r| {
+                    let dst = unsafe { out.rows(&r, 1) };
+                    dst.iter_mut().zip(&slope[r]).for_each(|(d, s)| *d *= s);
+                });
+            }
+        });
         let len = packed.len();
         Ok((CpuStorage::F32(packed), Shape::from(len)))
     }
@@ -281,18 +286,24 @@ impl CustomOp3 for LinearBackward {
 
 /// `gelu(h)` and `gelu′(h)`, in parallel.
 fn gelu_with_slope(h: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    let (mut g, mut s) = (uninit(h.len()), uninit(h.len()));
-    let (gp, sp) = (Shared(g.as_mut_ptr()), Shared(s.as_mut_ptr()));
-    for_ranges(h.len(), |r| {
-        let (g, s) = unsafe { (gp.rows(&r, 1), sp.rows(&r, 1)) };
-        vmath::widest(
-            #[inline(always)]
-            || {
-                for ((g, s), &x) in g.iter_mut().zip(s.iter_mut()).zip(&h[r.clone()]) {
-                    (*g, *s) = gelu_and_slope(x);
-                }
-            },
-        )
+    let mut slope = Vec::new();
+    // Both buffers are written over every range `for_ranges` covers: all of them.
+    let gelu = filled(h.len(), |gp| {
+        slope = filled(h.len(), |sp| {
+            for_ranges(h.len(), |r| {
+                let (g, s) = unsafe { (gp.uninit_rows(&r, 1), sp.uninit_rows(&r, 1)) };
+                vmath::widest(
+                    #[inline(always)]
+                    || {
+                        for ((g, s), &x) in g.iter_mut().zip(s.iter_mut()).zip(&h[r.clone()]) {
+                            let (value, slope) = gelu_and_slope(x);
+                            g.write(value);
+                            s.write(slope);
+                        }
+                    },
+                )
+            })
+        })
     });
-    (g, s)
+    (gelu, slope)
 }

@@ -1,0 +1,163 @@
+//! The optimizer's element-wise work on CPU f32 tensors, in place: AdamW's moment and weight
+//! updates as three passes over storage that already exists (the composite version allocates a
+//! dozen temporaries per parameter), and the sum of squares behind the gradient norm.
+
+use candle_core::{CpuStorage, CustomOp1, InplaceOp2, InplaceOp3, Layout, Result, Shape, Tensor};
+
+use super::{f32_slice, for_ranges, map_range, Shared};
+use crate::ops::vmath;
+
+/// One AdamW update's scalars (the caller's `AdamW::step` documents the maths).
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWStep {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// lr / (1 − β₁ᵗ).
+    pub step_size: f32,
+    /// 1 / (1 − β₂ᵗ).
+    pub inv_bc2: f32,
+    /// 1 − lr·weight_decay, or 1 without decay.
+    pub decay: f32,
+}
+
+/// `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`, `w ← decay·w − step_size·m / (√(v·inv_bc2) + ε)`,
+/// all in place.
+pub fn adamw_update(w: &Tensor, m: &Tensor, v: &Tensor, g: &Tensor, s: AdamWStep) -> Result<()> {
+    let g = g.contiguous()?;
+    m.inplace_op2(
+        &g,
+        &Moment {
+            beta: s.beta1,
+            squared: false,
+        },
+    )?;
+    v.inplace_op2(
+        &g,
+        &Moment {
+            beta: s.beta2,
+            squared: true,
+        },
+    )?;
+    w.inplace_op3(m, v, &Update(s))
+}
+
+/// Σ x² of a CPU f32 tensor, accumulated in f64 per block of 1024 values.
+pub fn sum_squares(t: &Tensor) -> Result<f64> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("sum_squares: expects a CPU tensor");
+    };
+    let x = f32_slice(cpu, layout, "sum_squares")?;
+    Ok(x.chunks(1024)
+        .map(|c| {
+            vmath::widest(
+                #[inline(always)]
+                || f64::from(vmath::dot(c, c)),
+            )
+        })
+        .sum())
+}
+
+/// `factor · t` (no gradient: for gradients themselves, e.g. clipping).
+pub fn scale(t: &Tensor, factor: f32) -> Result<Tensor> {
+    t.contiguous()?.apply_op1_no_bwd(&Scale(factor))
+}
+
+struct Scale(f32);
+
+impl CustomOp1 for Scale {
+    fn name(&self) -> &'static str {
+        "gaccwb-scale"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l, self.name())?;
+        let k = self.0;
+        let y = map_range(x.len(), |r, dst| {
+            dst.iter_mut().zip(&x[r]).for_each(|(y, &x)| {
+                y.write(k * x);
+            })
+        });
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+}
+
+fn slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout, op: &str) -> Result<&'a mut [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Ok(&mut v[a..b]),
+        _ => candle_core::bail!("{op}: expects contiguous f32 storage"),
+    }
+}
+
+/// `dst[i] = f(dst[i], a[i], b[i])` over disjoint ranges in parallel, vectorised.
+fn update_in_place(dst: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32, f32) -> f32 + Sync) {
+    assert!(a.len() == dst.len() && b.len() == dst.len());
+    let out = Shared(dst.as_mut_ptr());
+    for_ranges(dst.len(), |r| {
+        let d = unsafe { out.rows(&r, 1) };
+        let (a, b) = (&a[r.clone()], &b[r]);
+        vmath::widest(
+            #[inline(always)]
+            || {
+                for ((x, &a), &b) in d.iter_mut().zip(a).zip(b) {
+                    *x = f(*x, a, b);
+                }
+            },
+        )
+    });
+}
+
+struct Moment {
+    beta: f32,
+    squared: bool,
+}
+
+impl InplaceOp2 for Moment {
+    fn name(&self) -> &'static str {
+        "gaccwb-adamw-moment"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout, gs: &CpuStorage, gl: &Layout) -> Result<()> {
+        let g = f32_slice(gs, gl, self.name())?;
+        let m = slice_mut(s, l, self.name())?;
+        if m.len() != g.len() {
+            candle_core::bail!("adamw: moment of {} for a gradient of {}", m.len(), g.len());
+        }
+        let (beta, rest) = (self.beta, 1.0 - self.beta);
+        if self.squared {
+            update_in_place(m, g, g, |m, g, _| beta * m + rest * (g * g));
+        } else {
+            update_in_place(m, g, g, |m, g, _| beta * m + rest * g);
+        }
+        Ok(())
+    }
+}
+
+struct Update(AdamWStep);
+
+impl InplaceOp3 for Update {
+    fn name(&self) -> &'static str {
+        "gaccwb-adamw-update"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ws: &mut CpuStorage,
+        wl: &Layout,
+        ms: &CpuStorage,
+        ml: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<()> {
+        let m = f32_slice(ms, ml, self.name())?;
+        let v = f32_slice(vs, vl, self.name())?;
+        let w = slice_mut(ws, wl, self.name())?;
+        let s = self.0;
+        update_in_place(w, m, v, |w, m, v| {
+            s.decay * w - s.step_size * m / ((v * s.inv_bc2).sqrt() + s.eps)
+        });
+        Ok(())
+    }
+}
