@@ -225,3 +225,33 @@ fn a_bad_command_line_control_is_a_usage_error() {
         "{stderr}"
     );
 }
+
+/// Fused kernels split work by shape, never by thread count: one thread and two train to the
+/// same bits (losses and gradient norms of every step).
+#[test]
+fn training_is_bitwise_identical_at_one_and_two_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = |threads: &str| -> Vec<String> {
+        let path = dir.path().join(format!("threads-{threads}.jsonl"));
+        let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "3"];
+        args.extend_from_slice(TINY);
+        args.extend_from_slice(&["--record", path.to_str().unwrap()]);
+        let out = Command::cargo_bin("gaccwb")
+            .unwrap()
+            .env("RAYON_NUM_THREADS", threads)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|e| e["type"] == "step")
+            .map(|e| format!("{} {} {}", e["loss"], e["grad_norm"], e["grad_norm_clipped"]))
+            .collect()
+    };
+    let (one, two) = (steps("1"), steps("2"));
+    assert_eq!(one.len(), 3);
+    assert_eq!(one, two);
+}
