@@ -242,13 +242,22 @@ fn training_is_bitwise_identical_at_one_and_two_threads() {
             .args(&args)
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         std::fs::read_to_string(&path)
             .unwrap()
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             .filter(|e| e["type"] == "step")
-            .map(|e| format!("{} {} {}", e["loss"], e["grad_norm"], e["grad_norm_clipped"]))
+            .map(|e| {
+                format!(
+                    "{} {} {}",
+                    e["loss"], e["grad_norm"], e["grad_norm_clipped"]
+                )
+            })
             .collect()
     };
     let (one, two) = (steps("1"), steps("2"));

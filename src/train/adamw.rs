@@ -4,7 +4,10 @@
 use candle_core::{Device, Result, Tensor};
 
 use crate::model::Param;
-use crate::ops::{self, fused::AdamWStep};
+use crate::ops::{
+    self,
+    fused::{AdamWJob, AdamWStep},
+};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Hyper {
@@ -114,6 +117,7 @@ impl AdamW {
         let bc1 = 1.0 - beta1.powi(self.t as i32);
         let bc2 = 1.0 - beta2.powi(self.t as i32);
         let state_device = self.state_device(params);
+        let mut fused = Vec::new();
         for (i, p) in params.iter().enumerate() {
             let g = grads[i].to_device(&state_device)?;
             let decay = if p.decay {
@@ -131,7 +135,7 @@ impl AdamW {
                     inv_bc2: (1.0 / bc2) as f32,
                     decay: decay as f32,
                 };
-                ops::fused::adamw_update(w, &self.m[i], &self.v[i], &g, step)?;
+                fused.push((i, g, step));
                 continue;
             }
             let w = match &self.master {
@@ -148,6 +152,16 @@ impl AdamW {
                 master[i] = updated;
             }
         }
-        Ok(())
+        let jobs: Vec<AdamWJob> = fused
+            .into_iter()
+            .map(|(i, g, step)| AdamWJob {
+                w: params[i].var.as_tensor(),
+                m: &self.m[i],
+                v: &self.v[i],
+                g,
+                step,
+            })
+            .collect();
+        ops::fused::adamw_update_all(&jobs)
     }
 }

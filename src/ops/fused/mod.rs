@@ -1,7 +1,8 @@
 //! Fused CPU f32 kernels as Candle custom ops: each forward is one pass over its input, each
 //! backward one more (Candle's composite versions cost a dozen element-wise ops and as many
-//! temporaries). Rows are split over Candle's own CPU thread pool; the split depends only on the
-//! shape, so results do not depend on the thread count.
+//! temporaries). Work is split over Candle's own CPU thread pool, never along a sum: element-wise
+//! work by rows, reductions into per-unit partial sums whose units depend on the shape alone,
+//! products by rows of the result. So results do not depend on the thread count (tested).
 //!
 //! Callers (`crate::ops`) route only f32 CPU tensors here; anything else is an error.
 
@@ -18,7 +19,7 @@ mod optim;
 
 pub use attention::causal_attention;
 pub use linear::{gelu_linear, linear, project};
-pub use optim::{adamw_update, scale, sum_squares, AdamWStep};
+pub use optim::{adamw_update_all, scale, sum_squares, AdamWJob, AdamWStep};
 
 // ---------------------------------------------------------------------------------------------
 // Plumbing
@@ -191,9 +192,12 @@ fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) {
     if !parallel || candle_core::utils::get_num_threads() <= 1 {
         return gemm_block(&dst, a, b, accumulate, 0..dst.rows);
     }
-    // ≥ 32 rows and ≥ ~64K multiply-adds per block, at most 16 blocks.
+    // Two blocks per thread (each block packs `b` again), of ≥ 32 rows and ≥ ~64K
+    // multiply-adds. Splitting rows leaves every dot product's order alone, so the bits do not
+    // depend on the split.
+    let threads = candle_core::utils::get_num_threads();
     let work_per_row = (a.cols * b.cols).max(1);
-    let rows = (dst.rows.div_ceil(16))
+    let rows = (dst.rows.div_ceil(2 * threads))
         .max(32)
         .max((1 << 16) / work_per_row);
     let blocks = dst.rows.div_ceil(rows);

@@ -4,7 +4,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, InplaceOp2, InplaceOp3, Layout, Result, Shape, Tensor};
 
-use super::{f32_slice, for_ranges, map_range, Shared};
+use super::{f32_slice, map_range};
 use crate::ops::vmath;
 
 /// One AdamW update's scalars (the caller's `AdamW::step` documents the maths).
@@ -21,9 +21,32 @@ pub struct AdamWStep {
     pub decay: f32,
 }
 
+/// One parameter's AdamW update: its weight, moments, gradient and scalars.
+pub struct AdamWJob<'a> {
+    pub w: &'a Tensor,
+    pub m: &'a Tensor,
+    pub v: &'a Tensor,
+    pub g: Tensor,
+    pub step: AdamWStep,
+}
+
+/// Every job's `adamw_update`, parameters spread over Candle's CPU pool (one hand-off for the
+/// whole step instead of three per parameter).
+pub fn adamw_update_all(jobs: &[AdamWJob]) -> Result<()> {
+    let first_error = std::sync::Mutex::new(None);
+    super::for_each_unit(jobs.len(), |range| {
+        for j in &jobs[range] {
+            if let Err(e) = adamw_update(j.w, j.m, j.v, &j.g, j.step) {
+                first_error.lock().unwrap().get_or_insert(e);
+            }
+        }
+    });
+    first_error.into_inner().unwrap().map_or(Ok(()), Err)
+}
+
 /// `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`, `w ← decay·w − step_size·m / (√(v·inv_bc2) + ε)`,
-/// all in place.
-pub fn adamw_update(w: &Tensor, m: &Tensor, v: &Tensor, g: &Tensor, s: AdamWStep) -> Result<()> {
+/// all in place, on the calling thread.
+fn adamw_update(w: &Tensor, m: &Tensor, v: &Tensor, g: &Tensor, s: AdamWStep) -> Result<()> {
     let g = g.contiguous()?;
     m.inplace_op2(
         &g,
@@ -91,22 +114,17 @@ fn slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout, op: &str) -> Result<&'a mut 
     }
 }
 
-/// `dst[i] = f(dst[i], a[i], b[i])` over disjoint ranges in parallel, vectorised.
-fn update_in_place(dst: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32, f32) -> f32 + Sync) {
+/// `dst[i] = f(dst[i], a[i], b[i])`, vectorised, on the calling thread.
+fn update_in_place(dst: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32, f32) -> f32) {
     assert!(a.len() == dst.len() && b.len() == dst.len());
-    let out = Shared(dst.as_mut_ptr());
-    for_ranges(dst.len(), |r| {
-        let d = unsafe { out.rows(&r, 1) };
-        let (a, b) = (&a[r.clone()], &b[r]);
-        vmath::widest(
-            #[inline(always)]
-            || {
-                for ((x, &a), &b) in d.iter_mut().zip(a).zip(b) {
-                    *x = f(*x, a, b);
-                }
-            },
-        )
-    });
+    vmath::widest(
+        #[inline(always)]
+        || {
+            for ((x, &a), &b) in dst.iter_mut().zip(a).zip(b) {
+                *x = f(*x, a, b);
+            }
+        },
+    )
 }
 
 struct Moment {
