@@ -1,7 +1,7 @@
-//! `x·W + b` as one op, and `gelu(h)·W + b` as one op: the MLP's second half. The GELU output
-//! (the largest activation of a block, N×4D) is not kept: the backward recomputes it from `h`,
-//! which the graph keeps anyway as the first linear's output. Matrices go straight to `gemm`
-//! (no zero-filled outputs, no separate bias pass over the result in the backward).
+//! Dense layers as single ops: `x·W + b`, `x·W` (the LM head) and `gelu(h)·W + b` (the MLP's
+//! second half). The GELU output (the largest activation of a block, N×4D) is not kept: the
+//! backward recomputes it from `h`, which the graph keeps anyway as the first linear's output.
+//! Products go straight to `gemm`; the backward returns dx, dW and db from one buffer.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
