@@ -29,24 +29,6 @@ pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<
     }
 }
 
-/// `x + bias` with `bias` (`[D]`) broadcast over the rows of `x` (`[.., D]`).
-pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    if fused_domain(&[x, bias]) {
-        fused::bias_add(x, bias)
-    } else {
-        composite::bias_add(x, bias)
-    }
-}
-
-/// GELU, tanh approximation (as GPT-2 and `torch.nn.functional.gelu(approximate="tanh")`).
-pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if fused_domain(&[x]) {
-        fused::gelu(x)
-    } else {
-        composite::gelu(x)
-    }
-}
-
 /// `x·w + b` for `x` `[N, I]`, `w` `[I, O]`, `b` `[O]`.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     if fused_domain(&[x, w, b]) {
@@ -81,16 +63,6 @@ pub fn causal_attention(qkv: &Tensor, batch: usize, t: usize, heads: usize) -> R
         fused::causal_attention(qkv, batch, t, heads)
     } else {
         composite::causal_attention(qkv, batch, t, heads)
-    }
-}
-
-/// Softmax over the last dimension of `scale * scores` (`[.., T, T]`) with a causal mask: row
-/// `i` attends to columns `0..=i`.
-pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
-    if fused_domain(&[scores]) {
-        fused::causal_softmax(scores, scale)
-    } else {
-        composite::causal_softmax(scores, scale)
     }
 }
 
@@ -199,45 +171,6 @@ mod tests {
     }
 
     #[test]
-    fn fused_bias_add_matches_composite() {
-        for (rows, d) in [(5, 12), (2000, 48)] {
-            let inputs = [random(&[rows, d], 1.0, 14), random(&[d], 1.0, 15)];
-            assert_equivalent(
-                "bias_add",
-                |t| fused::bias_add(&t[0], &t[1]),
-                |t| composite::bias_add(&t[0], &t[1]),
-                &inputs,
-            );
-        }
-    }
-
-    #[test]
-    fn fused_gelu_matches_composite() {
-        for n in [37, 50_000] {
-            let inputs = [random(&[n], 6.0, 5)];
-            assert_equivalent(
-                "gelu",
-                |t| fused::gelu(&t[0]),
-                |t| composite::gelu(&t[0]),
-                &inputs,
-            );
-        }
-    }
-
-    #[test]
-    fn fused_causal_softmax_matches_composite() {
-        for shape in [[1, 1, 5, 5], [2, 3, 40, 40]] {
-            let inputs = [random(&shape, 4.0, 6)];
-            assert_equivalent(
-                "causal_softmax",
-                |t| fused::causal_softmax(&t[0], 0.25),
-                |t| composite::causal_softmax(&t[0], 0.25),
-                &inputs,
-            );
-        }
-    }
-
-    #[test]
     fn fused_linear_matches_composite() {
         for (n, i, o) in [(3, 5, 7), (700, 48, 40)] {
             let inputs = [
@@ -302,16 +235,6 @@ mod tests {
     }
 
     #[test]
-    fn fused_causal_softmax_masks_the_future() {
-        let p = fused::causal_softmax(&random(&[1, 4, 4], 1.0, 7), 1.0).unwrap();
-        let rows: Vec<Vec<f32>> = p.squeeze(0).unwrap().to_vec2().unwrap();
-        for (i, row) in rows.iter().enumerate() {
-            assert!(row[i + 1..].iter().all(|&v| v == 0.0), "row {i}: {row:?}");
-            assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-6);
-        }
-    }
-
-    #[test]
     fn fused_nll_matches_composite() {
         let (n, v) = (70, 33);
         let mut rng = ChaCha8Rng::seed_from_u64(8);
@@ -336,8 +259,8 @@ mod tests {
             let f = |t: &[Tensor]| {
                 let h = t[0].to_dtype(dtype)?;
                 let h = layer_norm(&h, &t[1].to_dtype(dtype)?, &t[2].to_dtype(dtype)?, 1e-5)?;
-                let h = gelu(&h)?;
-                let h = causal_softmax(&h.reshape((2, 4, 4))?, 0.5)?;
+                let h = composite::gelu(&h)?;
+                let h = composite::causal_softmax(&h.reshape((2, 4, 4))?, 0.5)?;
                 h.to_dtype(DType::F32)
             };
             let (low, grads) = value_and_grads(f, &[x.clone(), g.clone(), b.clone()], 13);

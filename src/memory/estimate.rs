@@ -20,9 +20,10 @@
 //! in f32, what each weight gradient keeps referenced until the store is dropped (Candle computes
 //! `lhsᵀ·grad` without detaching: a zero tensor and the product, 2·|W|, and the upstream
 //! gradient, N·out). The measured figure is the backward's peak over its start, so the estimate
-//! takes the larger of two peaks: block 0's GELU (the store and retention so far plus what is in
+//! takes the larger of two peaks: block 0's MLP (the store and retention so far plus what is in
 //! flight there, `in_flight_bytes`, less what only exists after it, `after_peak_bytes`) and the
-//! loss head's log-softmax at the very start (`head_peak_bytes`).
+//! loss head at the very start (`head_peak_bytes`). The fused CPU ops return untracked
+//! gradients, so on that path nothing is retained and the store has no constants' gradients.
 
 use serde::Serialize;
 
@@ -265,7 +266,7 @@ pub fn activation_bytes(cfg: &Config) -> u64 {
 pub fn grad_store_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     if fused(cfg) {
-        // The fused softmax has no mask tensor and the fused loss no gradient for its mask.
+        // The fused attention has no mask tensor and the fused loss no gradient for its mask.
         return param_count(&cfg.model) * F32;
     }
     param_count(&cfg.model) * F32 + s.layers * s.scores * s.c + s.n * F32

@@ -40,7 +40,7 @@ pub fn causal_attention(qkv: &Tensor, batch: usize, t: usize, heads: usize) -> R
     let q = qkv.get(0)?.contiguous()?;
     let k = qkv.get(1)?.contiguous()?;
     let v = qkv.get(2)?.contiguous()?;
-    let att = crate::ops::causal_softmax(&q.matmul(&k.t()?)?, 1.0 / (hd as f64).sqrt())?;
+    let att = causal_softmax(&q.matmul(&k.t()?)?, 1.0 / (hd as f64).sqrt())?;
     att.matmul(&v)?
         .transpose(1, 2)?
         .contiguous()?

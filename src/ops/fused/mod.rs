@@ -9,7 +9,7 @@
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use crate::ops::vmath;
 
@@ -424,80 +424,7 @@ impl CustomOp3 for LayerNormBackward {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Bias add
-
-/// `x + bias` with `bias` broadcast over the rows of `x` (`[.., D]` + `[D]`).
-pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op2(&bias.contiguous()?, BiasAdd)
-}
-
-struct BiasAdd;
-
-impl CustomOp2 for BiasAdd {
-    fn name(&self) -> &'static str {
-        "gaccwb-bias-add"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        bs: &CpuStorage,
-        bl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(xs, xl, self.name())?;
-        let b = f32_slice(bs, bl, self.name())?;
-        let (n, d) = last_dim(xl.shape())?;
-        if b.len() != d {
-            candle_core::bail!("bias add: bias of {} for rows of {d}", b.len());
-        }
-        let y = output(n * d, |out| {
-            for_units(n, d, |_, rows| {
-                let dst = unsafe { out.rows(&rows, d) };
-                let src = &x[rows.start * d..rows.end * d];
-                for (yr, xr) in dst.chunks_exact_mut(d).zip(src.chunks_exact(d)) {
-                    for i in 0..d {
-                        yr[i] = xr[i] + b[i];
-                    }
-                }
-            })
-        });
-        Ok((CpuStorage::F32(y), xl.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        bias: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let d = bias.elem_count();
-        let dbias = grad
-            .contiguous()?
-            .apply_op1_no_bwd(&ColumnSum)?
-            .reshape(d)?;
-        Ok((Some(grad.clone()), Some(dbias)))
-    }
-}
-
-/// Sum over all rows of `[.., D]`: `[D]`, accumulated row by row (vectorised) per unit, then
-/// units in order.
-struct ColumnSum;
-
-impl CustomOp1 for ColumnSum {
-    fn name(&self) -> &'static str {
-        "gaccwb-column-sum"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(s, l, self.name())?;
-        let (_, d) = last_dim(l.shape())?;
-        let mut sum = vec![0f32; d];
-        column_sums(x, d, &mut sum);
-        Ok((CpuStorage::F32(sum), Shape::from(d)))
-    }
-}
+// Column sums (a bias's gradient)
 
 /// `dst` = the sum over all rows of `x` (rows of `dst.len()`): per unit row by row
 /// (vectorised), then units in order, so the result does not depend on the thread count.
@@ -523,13 +450,7 @@ fn column_sums(x: &[f32], d: usize, dst: &mut [f32]) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// GELU (tanh approximation)
-
-pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op1(Gelu)
-}
-
-struct Gelu;
+// Element-wise plumbing
 
 /// `n` outputs, written (every one) by `f(range, dst)` for disjoint ranges in parallel.
 fn map_range(n: usize, f: impl Fn(Range<usize>, &mut [MaybeUninit<f32>]) + Sync) -> Vec<f32> {
@@ -547,158 +468,6 @@ fn for_ranges(n: usize, f: impl Fn(Range<usize>) + Sync) {
     for_units(n.div_ceil(WIDTH), WIDTH, |_, blocks| {
         f(blocks.start * WIDTH..(blocks.end * WIDTH).min(n))
     })
-}
-
-impl CustomOp1 for Gelu {
-    fn name(&self) -> &'static str {
-        "gaccwb-gelu"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(s, l, self.name())?;
-        let y = map_range(x.len(), |range, dst| {
-            vmath::widest(
-                #[inline(always)]
-                || {
-                    for (y, &x) in dst.iter_mut().zip(&x[range]) {
-                        y.write(linear::gelu_value(x));
-                    }
-                },
-            )
-        });
-        Ok((CpuStorage::F32(y), l.shape().clone()))
-    }
-
-    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(
-            x.apply_op2_no_bwd(&grad.contiguous()?, &GeluBackward)?,
-        ))
-    }
-}
-
-struct GeluBackward;
-
-impl CustomOp2 for GeluBackward {
-    fn name(&self) -> &'static str {
-        "gaccwb-gelu-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        gs: &CpuStorage,
-        gl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(xs, xl, self.name())?;
-        let g = f32_slice(gs, gl, self.name())?;
-        if x.len() != g.len() {
-            candle_core::bail!("gelu backward: shape mismatch");
-        }
-        let dx = map_range(x.len(), |range, dst| {
-            vmath::widest(
-                #[inline(always)]
-                || {
-                    for ((d, &x), &g) in dst.iter_mut().zip(&x[range.clone()]).zip(&g[range]) {
-                        d.write(g * linear::gelu_and_slope(x).1);
-                    }
-                },
-            )
-        });
-        Ok((CpuStorage::F32(dx), xl.shape().clone()))
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Causal softmax
-
-pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
-    scores.contiguous()?.apply_op1(CausalSoftmax {
-        scale: scale as f32,
-    })
-}
-
-struct CausalSoftmax {
-    scale: f32,
-}
-
-impl CustomOp1 for CausalSoftmax {
-    fn name(&self) -> &'static str {
-        "gaccwb-causal-softmax"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(s, l, self.name())?;
-        let (n, t) = last_dim(l.shape())?;
-        let scale = self.scale;
-        let y = output(n * t, |out| {
-            for_units(n, t, |_, rows| {
-                let dst = unsafe { out.rows(&rows, t) };
-                let src = &x[rows.start * t..rows.end * t];
-                for (r, (yr, xr)) in dst.chunks_exact_mut(t).zip(src.chunks_exact(t)).enumerate() {
-                    // Row i of a [T, T] block sees columns 0..=i; the rest stays 0.
-                    let seen = (rows.start + r) % t + 1;
-                    let (yr, xr) = (&mut yr[..seen], &xr[..seen]);
-                    let max = xr.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
-                    let mut sum = 0f32;
-                    for (y, &x) in yr.iter_mut().zip(xr) {
-                        *y = (x * scale - max).exp();
-                        sum += *y;
-                    }
-                    let inv = 1.0 / sum;
-                    yr.iter_mut().for_each(|y| *y *= inv);
-                }
-            })
-        });
-        Ok((CpuStorage::F32(y), l.shape().clone()))
-    }
-
-    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let op = CausalSoftmaxBackward { scale: self.scale };
-        Ok(Some(res.apply_op2_no_bwd(&grad.contiguous()?, &op)?))
-    }
-}
-
-struct CausalSoftmaxBackward {
-    scale: f32,
-}
-
-impl CustomOp2 for CausalSoftmaxBackward {
-    fn name(&self) -> &'static str {
-        "gaccwb-causal-softmax-backward"
-    }
-
-    /// d scores = scale · p ⊙ (g − Σ g⊙p), on the causal part of each row.
-    fn cpu_fwd(
-        &self,
-        ps: &CpuStorage,
-        pl: &Layout,
-        gs: &CpuStorage,
-        gl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let p = f32_slice(ps, pl, self.name())?;
-        let g = f32_slice(gs, gl, self.name())?;
-        let (n, t) = last_dim(pl.shape())?;
-        let scale = self.scale;
-        let dx = output(n * t, |out| {
-            for_units(n, t, |_, rows| {
-                let dst = unsafe { out.rows(&rows, t) };
-                let (lo, hi) = (rows.start * t, rows.end * t);
-                let rows_iter = dst
-                    .chunks_exact_mut(t)
-                    .zip(p[lo..hi].chunks_exact(t))
-                    .zip(g[lo..hi].chunks_exact(t));
-                for (r, ((dr, pr), gr)) in rows_iter.enumerate() {
-                    let seen = (rows.start + r) % t + 1;
-                    let dot: f32 = pr[..seen].iter().zip(&gr[..seen]).map(|(p, g)| p * g).sum();
-                    for j in 0..seen {
-                        dr[j] = scale * pr[j] * (gr[j] - dot);
-                    }
-                }
-            })
-        });
-        Ok((CpuStorage::F32(dx), pl.shape().clone()))
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
