@@ -184,8 +184,8 @@ pub fn matmul_workspace_per_thread() -> u64 {
 
 /// `dst = a·b`, or `dst += a·b` when `accumulate`. With `parallel`, blocks of `dst` rows go to
 /// Candle's CPU pool, each one single-threaded `gemm` call: the same pool as every other fused
-/// op (a second pool, rayon's, would compete with it for the cores), and block sizes that
-/// depend on the shape alone, so results do not depend on the thread count.
+/// op (a second pool, rayon's, would compete with it for the cores). Blocks split rows only,
+/// never a sum, so results do not depend on the thread count.
 /// Callers pass views of live buffers with matching shapes and no overlap of `dst` with `a`, `b`.
 fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) {
     assert!(a.rows == dst.rows && b.cols == dst.cols && a.cols == b.rows);
