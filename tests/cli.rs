@@ -1,6 +1,7 @@
 //! The command line: bad input gives a clear error and a non-zero exit, never a panic.
 
 use assert_cmd::Command;
+use gaccwb::telemetry::Event;
 
 const TINY: &[&str] = &[
     "--set",
@@ -231,7 +232,7 @@ fn a_bad_command_line_control_is_a_usage_error() {
 #[test]
 fn training_is_bitwise_identical_at_one_and_two_threads() {
     let dir = tempfile::tempdir().unwrap();
-    let steps = |threads: &str| -> Vec<String> {
+    let steps = |threads: &str| -> Vec<[u64; 3]> {
         let path = dir.path().join(format!("threads-{threads}.jsonl"));
         let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "3"];
         args.extend_from_slice(TINY);
@@ -247,16 +248,15 @@ fn training_is_bitwise_identical_at_one_and_two_threads() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        std::fs::read_to_string(&path)
-            .unwrap()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|e| e["type"] == "step")
-            .map(|e| {
-                format!(
-                    "{} {} {}",
-                    e["loss"], e["grad_norm"], e["grad_norm_clipped"]
-                )
+        let recording = gaccwb::record::read_recording(&path).unwrap();
+        recording
+            .events
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Step(s) => {
+                    Some([s.loss, s.grad_norm, s.grad_norm_clipped].map(f64::to_bits))
+                }
+                _ => None,
             })
             .collect()
     };
