@@ -106,23 +106,7 @@ fn k_up_in_a_real_terminal_applies_records_and_quits_cleanly() {
     }
     let dir = tempfile::tempdir().unwrap();
     let rec = dir.path().join("session.jsonl");
-    let tmux = Tmux {
-        socket: format!("gaccwb-e2e-{}", std::process::id()),
-    };
-    let started = tmux.cmd(&[
-        "new-session",
-        "-d",
-        "-s",
-        "e2e",
-        "-x",
-        "120",
-        "-y",
-        "40",
-        "env",
-        "PS1=e2e$ ",
-        "sh",
-    ]);
-    assert!(started.status.success(), "{started:?}");
+    let tmux = Tmux::start("session");
     let command = format!(
         "RAYON_NUM_THREADS=1 {} run --set model.d_model=32 --set model.layers=1 \
          --set model.seq_len=32 --device cpu --record {}; echo EXIT=$?",
