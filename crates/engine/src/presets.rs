@@ -7,27 +7,27 @@ use crate::scenario::{Scenario, ScenarioError};
 
 /// Name and TOML text of every built-in preset, in the order `gaccwb presets` lists them.
 pub const BUILTIN: &[(&str, &str)] = &[
-    ("baseline", include_str!("../presets/baseline.toml")),
+    ("baseline", include_str!("../../../presets/baseline.toml")),
     (
         "accumulate-to-fit",
-        include_str!("../presets/accumulate-to-fit.toml"),
+        include_str!("../../../presets/accumulate-to-fit.toml"),
     ),
-    ("k-ramp", include_str!("../presets/k-ramp.toml")),
-    ("clip-high-lr", include_str!("../presets/clip-high-lr.toml")),
+    ("k-ramp", include_str!("../../../presets/k-ramp.toml")),
+    ("clip-high-lr", include_str!("../../../presets/clip-high-lr.toml")),
     (
         "fp16-overflow",
-        include_str!("../presets/fp16-overflow.toml"),
+        include_str!("../../../presets/fp16-overflow.toml"),
     ),
-    ("offload", include_str!("../presets/offload.toml")),
+    ("offload", include_str!("../../../presets/offload.toml")),
     (
         "pitfall-zero-grad",
-        include_str!("../presets/pitfall-zero-grad.toml"),
+        include_str!("../../../presets/pitfall-zero-grad.toml"),
     ),
     (
         "pitfall-mean-of-means",
-        include_str!("../presets/pitfall-mean-of-means.toml"),
+        include_str!("../../../presets/pitfall-mean-of-means.toml"),
     ),
-    ("lr-rules", include_str!("../presets/lr-rules.toml")),
+    ("lr-rules", include_str!("../../../presets/lr-rules.toml")),
 ];
 
 /// The preset `gaccwb` runs with no arguments.

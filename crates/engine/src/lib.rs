@@ -1,0 +1,19 @@
+//! The gaccwb engine: a small GPT (`model`, `ops`) trained on a seeded corpus (`data`) by a
+//! trainer thread (`train`) that speaks only the vocabulary in `telemetry`: `Control`s in,
+//! `Event`s out. Memory is measured (`memory`) beside its analytic estimate; runs are scripted
+//! (`scenario`, `presets`), recorded (`record`) and checkpointed (`checkpoint`).
+//!
+//! This crate knows nothing of the terminal: no ratatui, crossterm or clap. The `gaccwb` crate
+//! (the faces: TUI, headless, export, CLI) depends on it, never the other way round.
+
+pub mod checkpoint;
+pub mod data;
+pub mod device;
+pub mod memory;
+pub mod model;
+pub mod ops;
+pub mod presets;
+pub mod record;
+pub mod scenario;
+pub mod telemetry;
+pub mod train;
