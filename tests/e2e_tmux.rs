@@ -82,11 +82,18 @@ impl Drop for Tmux {
     }
 }
 
+/// Whether tmux runs here. Under CI (which installs it) a missing tmux fails the test instead of
+/// skipping it: a skipped end-to-end test must never pass for a run that could not see the screen.
 fn tmux_available() -> bool {
-    Command::new("tmux")
+    let found = Command::new("tmux")
         .arg("-V")
         .output()
-        .is_ok_and(|o| o.status.success())
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        found || std::env::var_os("CI").is_none(),
+        "tmux is not installed but CI is set: .ci/run must install it"
+    );
+    found
 }
 
 fn steps_on_screen(s: &str) -> u64 {

@@ -45,7 +45,7 @@ fn a_bad_keymap_names_file_and_line() {
     let e = stderr(&o);
     assert!(e.contains(&format!("{}:3:1", keys.display())), "{e}");
     assert!(
-        e.contains("unknown action `zoom`") && e.contains("zoom_in"),
+        e.contains("unknown action `zoom`, did you mean `zoom_in`?"),
         "{e}"
     );
 }

@@ -221,12 +221,6 @@ impl App {
     }
 
     fn on_step(&mut self, s: &StepEvent) {
-        // What the trainer used for this window is the truth for the knobs it reports.
-        self.knobs.accum_steps = s.accum_steps;
-        self.knobs.micro_batch = s.micro_batch;
-        self.knobs.clip = s.clip;
-        self.knobs.dtype = s.dtype;
-        self.knobs.offload = s.offload;
         if s.skipped {
             self.log(
                 s.step,

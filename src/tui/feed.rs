@@ -160,18 +160,7 @@ impl Live {
         }
         let path = numbered(&self.record_base, self.recordings_started);
         let mut r = Recorder::create(&path)?;
-        // A recording must open with a header; mid-run, it carries the knobs as they are now.
-        if let Some(mut header) = app.header.clone() {
-            let t = &mut header.config.train;
-            let k = &app.knobs;
-            t.accum_steps = k.accum_steps;
-            t.micro_batch = k.micro_batch;
-            t.clip = k.clip;
-            t.lr = k.lr;
-            t.lr_rule = k.lr_rule;
-            t.dtype = k.dtype;
-            t.offload = k.offload;
-            header.config.timeline.retain(|e| e.step >= app.last_step());
+        if let Some(header) = header_now(app) {
             r.write(&Event::Header(header))?;
         }
         self.recordings_started += 1;
@@ -195,6 +184,15 @@ impl Live {
         }
         Ok(())
     }
+}
+
+/// A recording must open with a header; started mid-run, it carries the knobs in force now (all
+/// of them: pitfalls included) and the part of the timeline still to come.
+fn header_now(app: &App) -> Option<crate::telemetry::Header> {
+    let mut header = app.header.clone()?;
+    app.knobs.write_into(&mut header.config.train);
+    header.config.timeline.retain(|e| e.step >= app.last_step());
+    Some(header)
 }
 
 fn note(app: &mut App, message: String) {
@@ -356,5 +354,31 @@ mod tests {
         let base = Path::new("/tmp/run.jsonl");
         assert_eq!(numbered(base, 0), PathBuf::from("/tmp/run.jsonl"));
         assert_eq!(numbered(base, 1), PathBuf::from("/tmp/run-2.jsonl"));
+    }
+
+    #[test]
+    fn a_recording_started_during_a_pitfall_carries_it_in_its_header() {
+        use crate::telemetry::{Control, ControlEvent, LossNorm, Origin, ZeroGrad};
+        let mut app = App::new(100);
+        app.update(&Event::Header(crate::tui::testing::header()));
+        for control in [
+            Control::SetZeroGrad {
+                value: ZeroGrad::PerMicroBatch,
+            },
+            Control::SetLossNorm {
+                value: LossNorm::MeanOfMeans,
+            },
+            Control::SetAccumSteps { value: 4 },
+        ] {
+            app.update(&Event::Control(ControlEvent {
+                step: 3,
+                origin: Origin::Key,
+                control,
+            }));
+        }
+        let t = header_now(&app).unwrap().config.train;
+        assert_eq!(t.zero_grad, ZeroGrad::PerMicroBatch);
+        assert_eq!(t.loss_norm, LossNorm::MeanOfMeans);
+        assert_eq!(t.accum_steps, 4);
     }
 }

@@ -394,8 +394,12 @@ fn default_path() -> Option<std::path::PathBuf> {
 fn parse_action(name: &str) -> Result<Action, String> {
     serde_json::from_value(serde_json::Value::String(name.to_string())).map_err(|_| {
         let names: Vec<String> = Action::ALL.iter().map(|a| a.name()).collect();
+        let candidates: Vec<&str> = names.iter().map(String::as_str).collect();
+        let hint = crate::scenario::nearest(name, &candidates)
+            .map(|n| format!(", did you mean `{n}`?"))
+            .unwrap_or_default();
         format!(
-            "unknown action `{name}`; expected one of: {}",
+            "unknown action `{name}`{hint}; expected one of: {}",
             names.join(", ")
         )
     })
@@ -481,7 +485,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.location, "keys.toml:3:1");
         assert!(e.message.contains("unknown action `accum_upp`"), "{e}");
-        assert!(e.message.contains("accum_up"), "{e}");
+        assert!(e.message.contains("did you mean `accum_up`?"), "{e}");
 
         let e = KeyMap::from_toml("[keys]\nquit = \"meta-q\"\n", "keys.toml").unwrap_err();
         assert_eq!(e.location, "keys.toml:2:8");

@@ -594,7 +594,7 @@ mod tests {
         assert_eq!(s.train.dtype, Dtype::Bf16);
         let err = s.set("train.acum_steps=4").unwrap_err().to_string();
         assert!(
-            err.contains("unknown key `acum_steps`") && err.contains("accum_steps"),
+            err.contains("unknown key `acum_steps`, did you mean `accum_steps`?"),
             "{err}"
         );
         let err = s.set("train.accum_steps=0").unwrap_err().to_string();

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::scenario::Scenario;
+use crate::scenario::{Scenario, TrainConfig};
 
 /// Major version of the event format. Readers reject a newer major version.
 pub const FORMAT_VERSION: u32 = 1;
@@ -239,6 +239,31 @@ impl Knobs {
             loss_norm: t.loss_norm,
             zero_grad: t.zero_grad,
         }
+    }
+
+    /// Write the knobs back into a configuration (the header of a recording started mid-run, a
+    /// checkpoint). The destructuring names every field, so a new knob cannot be forgotten here.
+    pub fn write_into(&self, t: &mut TrainConfig) {
+        let Knobs {
+            accum_steps,
+            micro_batch,
+            clip,
+            lr,
+            lr_rule,
+            dtype,
+            offload,
+            loss_norm,
+            zero_grad,
+        } = self.clone();
+        t.accum_steps = accum_steps;
+        t.micro_batch = micro_batch;
+        t.clip = clip;
+        t.lr = lr;
+        t.lr_rule = lr_rule;
+        t.dtype = dtype;
+        t.offload = offload;
+        t.loss_norm = loss_norm;
+        t.zero_grad = zero_grad;
     }
 
     pub fn effective_batch(&self) -> usize {
