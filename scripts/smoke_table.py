@@ -90,14 +90,8 @@ def trainer_peak(memory_events, device_events):
     return max_or_none(measured + pool)
 
 
-def category_peaks(memory_events, want_estimate):
+def category_peaks(chosen):
     """Highest value of each category over every phase and step, or None without such events."""
-    chosen = [
-        e
-        for e in memory_events
-        if (e.get("source") == "estimate") == want_estimate
-        and (want_estimate or e.get("source") in TRAINER_SOURCES)
-    ]
     if not chosen:
         return None
     return {c: max(e.get("categories", {}).get(c, 0) or 0 for e in chosen) for c in CATEGORIES}
@@ -139,13 +133,18 @@ def summarize(name, path, status, allowance):
         by_type.setdefault(e.get("type"), []).append(e)
     steps = by_type.get("step", [])
     tail = steps[-10:]
-    memory, device = by_type.get("memory", []), by_type.get("device", [])
+    # Estimates are `estimate` events; recordings made before that carried them as `memory`
+    # events with source "estimate" (the reader in crates/engine/src/record.rs migrates the same).
+    memory_all, device = by_type.get("memory", []), by_type.get("device", [])
+    memory = [e for e in memory_all if e.get("source") != "estimate"]
+    estimates = by_type.get("estimate", []) + [e for e in memory_all if e.get("source") == "estimate"]
     ends = by_type.get("end", [])
     end = ends[-1]["reason"] if ends else "no end event"
     nvml, nvml_how = nvml_peak(device)
     trainer = trainer_peak(memory, device)
-    measured, estimate = category_peaks(memory, False), category_peaks(memory, True)
-    estimate_total = max_or_none(e.get("total") for e in memory if e.get("source") == "estimate")
+    measured = category_peaks([e for e in memory if e.get("source") in TRAINER_SOURCES])
+    estimate = category_peaks(estimates)
+    estimate_total = max_or_none(e.get("total") for e in estimates)
     ok = status in ("0", None) and end == "completed"
     return {
         "name": name,

@@ -8,7 +8,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::record::Recorder;
 use crate::scenario::Scenario;
-use crate::telemetry::{Event, Header, Level, MemorySource, Phase, StepEvent};
+use crate::memory::StepFigure;
+use crate::telemetry::{Event, Header, Level, MemorySource, StepEvent};
 use crate::train;
 
 pub struct HeadlessOptions {
@@ -23,8 +24,10 @@ pub struct Summary {
     pub header: Option<Header>,
     pub steps: Vec<StepEvent>,
     pub last_val_loss: Option<f64>,
-    /// Highest measured step peak, and where it was measured.
+    /// Highest measured step figure (`memory::figure`), and where it was measured.
     pub peak_memory: Option<(u64, MemorySource)>,
+    /// The figure of the step being measured.
+    figure: Option<StepFigure>,
     pub end_reason: String,
     pub errors: Vec<String>,
 }
@@ -46,27 +49,19 @@ pub fn run_trainer(trainer: train::Trainer, opts: HeadlessOptions) -> anyhow::Re
         if let Some(r) = recorder.as_mut() {
             r.write(&event)?;
         }
-        match event {
-            Event::Header(h) => summary.header = Some(h),
+        match &event {
             Event::Step(s) => {
                 bar.set_position(s.step);
                 bar.set_message(format!("loss {:.3}  {:.0} tok/s", s.loss, s.tokens_per_s));
-                summary.steps.push(s);
             }
-            Event::Eval(e) => summary.last_val_loss = Some(e.val_loss),
-            Event::Memory(m) if m.phase == Phase::Step && m.source != MemorySource::Estimate => {
-                let best = summary.peak_memory.map_or(0, |(p, _)| p);
-                if m.peak >= best {
-                    summary.peak_memory = Some((m.peak, m.source));
-                }
-            }
-            Event::Log(l) if l.level == Level::Error => summary.errors.push(l.message),
-            Event::Log(l) => bar.println(format!("{:?}: {}", l.level, l.message)),
-            Event::End(e) => {
-                summary.end_reason = e.reason;
-                break;
+            Event::Log(l) if l.level != Level::Error => {
+                bar.println(format!("{:?}: {}", l.level, l.message));
             }
             _ => {}
+        }
+        summary.absorb(&event);
+        if matches!(event, Event::End(_)) {
+            break;
         }
     }
     bar.finish_and_clear();
@@ -96,6 +91,28 @@ fn progress_bar(total: u64, quiet: bool) -> ProgressBar {
 }
 
 impl Summary {
+    /// Fold in one event: the same for a live run and for a recording.
+    pub fn absorb(&mut self, event: &Event) {
+        match event {
+            Event::Header(h) => self.header = Some(h.clone()),
+            Event::Step(s) => self.steps.push(s.clone()),
+            Event::Eval(e) => self.last_val_loss = Some(e.val_loss),
+            Event::Memory(m) => {
+                match self.figure.as_mut() {
+                    Some(f) if f.step == m.step => f.absorb(m),
+                    _ => self.figure = Some(StepFigure::new(m)),
+                }
+                let peak = self.figure.as_ref().map_or(0, |f| f.peak);
+                if self.peak_memory.is_none_or(|(best, _)| peak >= best) {
+                    self.peak_memory = Some((peak, m.source));
+                }
+            }
+            Event::Log(l) if l.level == Level::Error => self.errors.push(l.message.clone()),
+            Event::End(e) => self.end_reason = e.reason.clone(),
+            _ => {}
+        }
+    }
+
     /// One paragraph for the end of a headless run.
     pub fn render(&self) -> String {
         let Some(last) = self.steps.last() else {

@@ -182,9 +182,12 @@ fn a_headless_run_records_measured_and_estimated_memory_and_device_samples() {
             _ => None,
         })
         .collect();
-    let estimates: Vec<_> = memory
+    let estimates: Vec<_> = events
         .iter()
-        .filter(|m| m.source == MemorySource::Estimate && m.phase == Phase::Backward)
+        .filter_map(|e| match e {
+            Event::Estimate(x) if x.phase == Phase::Backward => Some(x),
+            _ => None,
+        })
         .collect();
     assert_eq!(
         estimates.len(),

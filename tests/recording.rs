@@ -112,7 +112,7 @@ fn record_read_export_round_trip_reproduces_step_and_memory_series() {
 
     let out = dir.path().join("csv");
     let files = csv::write_csv(&recording, &out).unwrap();
-    assert_eq!(files.len(), 4);
+    assert_eq!(files.len(), 5);
 
     let (header, body) = rows(&std::fs::read_to_string(out.join("steps.csv")).unwrap());
     assert_eq!(header, csv::STEP_COLUMNS);
@@ -138,7 +138,7 @@ fn record_read_export_round_trip_reproduces_step_and_memory_series() {
     for s in &steps {
         let phases: Vec<Phase> = memory
             .iter()
-            .filter(|m| m.step == s.step && m.source != MemorySource::Estimate)
+            .filter(|m| m.step == s.step)
             .map(|m| m.phase)
             .collect();
         for phase in [Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::Step] {
@@ -188,7 +188,13 @@ fn export_cli_writes_csv_and_svg() {
         .status()
         .unwrap();
     assert!(status.success());
-    for f in ["steps.csv", "memory.csv", "controls.csv", "evals.csv"] {
+    for f in [
+        "steps.csv",
+        "memory.csv",
+        "estimates.csv",
+        "controls.csv",
+        "evals.csv",
+    ] {
         assert!(out.join(f).is_file(), "{f}");
     }
     let controls = std::fs::read_to_string(out.join("controls.csv")).unwrap();
@@ -385,4 +391,22 @@ fn non_finite_step_values_survive_the_round_trip() {
     let old = String::from_utf8(bytes).unwrap().replace("\"inf\"", "null");
     let back = step_events(&parse(old.as_bytes()).unwrap().events).remove(0);
     assert!(back.grad_norm.is_nan());
+}
+
+#[test]
+fn an_estimate_recorded_as_a_memory_event_reads_back_as_an_estimate() {
+    let mut bytes = valid_recording_bytes();
+    let legacy = r#"{"type": "memory", "step": 1, "phase": "step", "source": "estimate", "categories": {"parameters": 4, "compute_weights": 0, "gradients": 0, "gradients_transient": 0, "optimizer_state": 8, "offloaded": 0, "activations": 0, "other": 0}, "total": 12, "peak": 12, "unified": true}"#;
+    bytes.extend_from_slice(legacy.as_bytes());
+    bytes.push(b'\n');
+    let r = parse(&bytes).unwrap();
+    let last = r.events.last().unwrap();
+    match last {
+        Event::Estimate(e) => assert_eq!((e.step, e.total, e.categories.optimizer_state), (1, 12, 8)),
+        other => panic!("expected an estimate, got {other:?}"),
+    }
+    assert!(
+        !memory_events(&r.events).is_empty(),
+        "the run's own measurements stay memory events"
+    );
 }

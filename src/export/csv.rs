@@ -1,21 +1,26 @@
-//! `gaccwb export FILE --to csv -o DIR`: the recording's series as CSV files in DIR.
+//! `gaccwb export FILE --to csv -o DIR`: the recording's series as CSV files in DIR, written by
+//! the `csv` crate from one serde row type per file (quoting and float formatting are its job).
 //!
 //! - `steps.csv`: one row per optimizer step (`Event::Step`), columns `STEP_COLUMNS`.
-//! - `memory.csv`: one row per memory measurement (`Event::Memory`), columns `MEMORY_COLUMNS`
-//!   (bytes per ledger category); header only when the recording has none.
+//! - `memory.csv`: one row per memory measurement (`Event::Memory`), columns `memory_columns()`
+//!   (bytes per ledger category).
+//! - `estimates.csv`: the analytic estimate of each phase whenever it was (re)sent
+//!   (`Event::Estimate`): step, phase, unified, total, then bytes per category.
 //! - `controls.csv`: every applied control: step, origin, kind, label.
 //! - `evals.csv`: validation loss by step.
 //!
-//! Numbers are written in Rust's shortest round-trip form, so parsing a cell gives back the
-//! recorded `f64` exactly; an absent optional value is an empty cell.
+//! Every file has its header even when it has no rows. Floats are written in shortest round-trip
+//! form, so parsing a cell gives back the recorded `f64` exactly; an absent value is an empty cell.
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use serde::Serialize;
 
 use crate::record::Recording;
-use crate::telemetry::{Categories, Event, MemoryEvent, StepEvent};
+use crate::telemetry::{
+    Categories, Dtype, EstimateEvent, Event, MemoryEvent, MemorySource, Origin, Phase, StepEvent,
+};
 
 pub const STEP_COLUMNS: [&str; 21] = [
     "step",
@@ -48,14 +53,26 @@ pub fn memory_columns() -> Vec<&'static str> {
     cols
 }
 
-/// Write the four files into `dir` (created if missing); returns their paths.
+/// `step, phase, unified, total`, then one column per ledger category.
+pub fn estimate_columns() -> Vec<&'static str> {
+    let mut cols = vec!["step", "phase", "unified", "total"];
+    cols.extend(Categories::NAMES);
+    cols
+}
+
+const CONTROL_COLUMNS: [&str; 4] = ["step", "origin", "kind", "label"];
+const EVAL_COLUMNS: [&str; 2] = ["step", "val_loss"];
+
+/// Write the five files into `dir` (created if missing); returns their paths.
 pub fn write_csv(recording: &Recording, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let events = &recording.events;
     let files = [
-        ("steps.csv", steps_csv(&recording.events)),
-        ("memory.csv", memory_csv(&recording.events)),
-        ("controls.csv", controls_csv(&recording.events)),
-        ("evals.csv", evals_csv(&recording.events)),
+        ("steps.csv", steps_csv(events)?),
+        ("memory.csv", memory_csv(events)?),
+        ("estimates.csv", estimates_csv(events)?),
+        ("controls.csv", controls_csv(events)?),
+        ("evals.csv", evals_csv(events)?),
     ];
     let mut written = Vec::new();
     for (name, text) in files {
@@ -66,120 +83,256 @@ pub fn write_csv(recording: &Recording, dir: &Path) -> anyhow::Result<Vec<PathBu
     Ok(written)
 }
 
-pub fn steps_csv(events: &[Event]) -> String {
-    let mut out = STEP_COLUMNS.join(",") + "\n";
-    for s in events.iter().filter_map(|e| match e {
-        Event::Step(s) => Some(s),
+#[derive(Serialize)]
+struct StepRow {
+    step: u64,
+    loss: f64,
+    grad_norm: f64,
+    grad_norm_clipped: f64,
+    lr: f64,
+    accum_steps: usize,
+    micro_batch: usize,
+    effective_batch: usize,
+    tokens: u64,
+    tokens_per_s: f64,
+    step_ms: f64,
+    skipped: bool,
+    loss_scale: f64,
+    overflow_count: u64,
+    dtype: Dtype,
+    offload: bool,
+    clip: Option<f64>,
+    forward_ms: f64,
+    backward_ms: f64,
+    optimizer_ms: f64,
+    grad_error: Option<f64>,
+}
+
+impl From<&StepEvent> for StepRow {
+    fn from(s: &StepEvent) -> Self {
+        StepRow {
+            step: s.step,
+            loss: s.loss,
+            grad_norm: s.grad_norm,
+            grad_norm_clipped: s.grad_norm_clipped,
+            lr: s.lr,
+            accum_steps: s.accum_steps,
+            micro_batch: s.micro_batch,
+            effective_batch: s.effective_batch(),
+            tokens: s.tokens,
+            tokens_per_s: s.tokens_per_s,
+            step_ms: s.step_ms,
+            skipped: s.skipped,
+            loss_scale: s.loss_scale,
+            overflow_count: s.overflow_count,
+            dtype: s.dtype,
+            offload: s.offload,
+            clip: s.clip,
+            forward_ms: s.phase_ms.forward,
+            backward_ms: s.phase_ms.backward,
+            optimizer_ms: s.phase_ms.optimizer,
+            grad_error: s.grad_error,
+        }
+    }
+}
+
+/// Bytes per ledger category, as trailing columns. Destructured field by field, so a new
+/// category cannot be left out of the export.
+#[derive(Serialize)]
+struct CategoryCells {
+    parameters: u64,
+    compute_weights: u64,
+    gradients: u64,
+    gradients_transient: u64,
+    optimizer_state: u64,
+    offloaded: u64,
+    activations: u64,
+    other: u64,
+}
+
+impl From<Categories> for CategoryCells {
+    fn from(c: Categories) -> Self {
+        let Categories {
+            parameters,
+            compute_weights,
+            gradients,
+            gradients_transient,
+            optimizer_state,
+            offloaded,
+            activations,
+            other,
+        } = c;
+        CategoryCells {
+            parameters,
+            compute_weights,
+            gradients,
+            gradients_transient,
+            optimizer_state,
+            offloaded,
+            activations,
+            other,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct MemoryRow {
+    step: u64,
+    phase: Phase,
+    source: MemorySource,
+    unified: bool,
+    total: u64,
+    peak: u64,
+}
+
+#[derive(Serialize)]
+struct EstimateRow {
+    step: u64,
+    phase: Phase,
+    unified: bool,
+    total: u64,
+}
+
+#[derive(Serialize)]
+struct ControlRow {
+    step: u64,
+    origin: Origin,
+    kind: String,
+    label: String,
+}
+
+#[derive(Serialize)]
+struct EvalRow {
+    step: u64,
+    val_loss: f64,
+}
+
+pub fn steps_csv(events: &[Event]) -> anyhow::Result<String> {
+    let rows = events.iter().filter_map(|e| match e {
+        Event::Step(s) => Some(StepRow::from(s)),
         _ => None,
-    }) {
-        out += &step_row(s);
-        out.push('\n');
-    }
-    out
+    });
+    table(&STEP_COLUMNS, rows.map(|r| (r, None)))
 }
 
-fn step_row(s: &StepEvent) -> String {
-    let opt = |v: Option<f64>| v.map(|x| x.to_string()).unwrap_or_default();
-    [
-        s.step.to_string(),
-        s.loss.to_string(),
-        s.grad_norm.to_string(),
-        s.grad_norm_clipped.to_string(),
-        s.lr.to_string(),
-        s.accum_steps.to_string(),
-        s.micro_batch.to_string(),
-        s.effective_batch().to_string(),
-        s.tokens.to_string(),
-        s.tokens_per_s.to_string(),
-        s.step_ms.to_string(),
-        s.skipped.to_string(),
-        s.loss_scale.to_string(),
-        s.overflow_count.to_string(),
-        s.dtype.name().to_string(),
-        s.offload.to_string(),
-        opt(s.clip),
-        s.phase_ms.forward.to_string(),
-        s.phase_ms.backward.to_string(),
-        s.phase_ms.optimizer.to_string(),
-        opt(s.grad_error),
-    ]
-    .join(",")
-}
-
-pub fn memory_csv(events: &[Event]) -> String {
-    let mut out = memory_columns().join(",") + "\n";
-    for m in events.iter().filter_map(|e| match e {
-        Event::Memory(m) => Some(m),
+pub fn memory_csv(events: &[Event]) -> anyhow::Result<String> {
+    let rows = events.iter().filter_map(|e| match e {
+        Event::Memory(m) => Some(memory_row(m)),
         _ => None,
-    }) {
-        out += &memory_row(m);
-        out.push('\n');
-    }
-    out
+    });
+    table(&memory_columns(), rows)
 }
 
-fn memory_row(m: &MemoryEvent) -> String {
-    let mut row = format!(
-        "{},{},{},{},{},{}",
-        m.step,
-        json_name(&m.phase),
-        json_name(&m.source),
-        m.unified,
-        m.total,
-        m.peak
-    );
-    for v in m.categories.values() {
-        let _ = write!(row, ",{v}");
-    }
-    row
+fn memory_row(m: &MemoryEvent) -> (MemoryRow, Option<CategoryCells>) {
+    let row = MemoryRow {
+        step: m.step,
+        phase: m.phase,
+        source: m.source,
+        unified: m.unified,
+        total: m.total,
+        peak: m.peak,
+    };
+    (row, Some(m.categories.into()))
 }
 
-fn controls_csv(events: &[Event]) -> String {
-    let mut out = String::from("step,origin,kind,label\n");
-    for c in events.iter().filter_map(|e| match e {
-        Event::Control(c) => Some(c),
+pub fn estimates_csv(events: &[Event]) -> anyhow::Result<String> {
+    let rows = events.iter().filter_map(|e| match e {
+        Event::Estimate(x) => Some(estimate_row(x)),
         _ => None,
-    }) {
-        let kind = serde_json::to_value(&c.control)
-            .ok()
-            .and_then(|v| v.get("kind").and_then(|k| k.as_str()).map(str::to_string))
-            .unwrap_or_default();
-        let _ = writeln!(
-            out,
-            "{},{},{},{}",
-            c.step,
-            json_name(&c.origin),
-            kind,
-            quote(&c.control.describe())
-        );
-    }
-    out
+    });
+    table(&estimate_columns(), rows)
 }
 
-fn evals_csv(events: &[Event]) -> String {
-    let mut out = String::from("step,val_loss\n");
-    for e in events.iter().filter_map(|e| match e {
-        Event::Eval(e) => Some(e),
+fn estimate_row(e: &EstimateEvent) -> (EstimateRow, Option<CategoryCells>) {
+    let row = EstimateRow {
+        step: e.step,
+        phase: e.phase,
+        unified: e.unified,
+        total: e.total,
+    };
+    (row, Some(e.categories.into()))
+}
+
+fn controls_csv(events: &[Event]) -> anyhow::Result<String> {
+    let rows = events.iter().filter_map(|e| match e {
+        Event::Control(c) => Some(ControlRow {
+            step: c.step,
+            origin: c.origin,
+            kind: serde_json::to_value(&c.control)
+                .ok()
+                .and_then(|v| v.get("kind").and_then(|k| k.as_str()).map(str::to_string))
+                .unwrap_or_default(),
+            label: c.control.describe(),
+        }),
         _ => None,
-    }) {
-        let _ = writeln!(out, "{},{}", e.step, e.val_loss);
-    }
-    out
+    });
+    table(&CONTROL_COLUMNS, rows.map(|r| (r, None)))
 }
 
-/// The name serde gives a unit enum value (`"backward"`, `"cuda-pool"`), as in the recording.
-fn json_name<T: serde::Serialize>(value: &T) -> String {
-    match serde_json::to_value(value) {
-        Ok(serde_json::Value::String(s)) => s,
-        _ => String::new(),
-    }
+fn evals_csv(events: &[Event]) -> anyhow::Result<String> {
+    let rows = events.iter().filter_map(|e| match e {
+        Event::Eval(e) => Some(EvalRow {
+            step: e.step,
+            val_loss: e.val_loss,
+        }),
+        _ => None,
+    });
+    table(&EVAL_COLUMNS, rows.map(|r| (r, None)))
 }
 
-/// RFC 4180 quoting when a cell holds a comma, quote or newline.
-fn quote(cell: &str) -> String {
-    if cell.contains([',', '"', '\n']) {
-        format!("\"{}\"", cell.replace('"', "\"\""))
-    } else {
-        cell.to_string()
+/// The header, then each row (with its category cells, if any) as one record.
+fn table<R: Serialize>(
+    columns: &[&str],
+    rows: impl Iterator<Item = (R, Option<CategoryCells>)>,
+) -> anyhow::Result<String> {
+    let mut w = csv::WriterBuilder::new()
+        .has_headers(false)
+        .from_writer(Vec::new());
+    w.write_record(columns)?;
+    for (row, categories) in rows {
+        match categories {
+            Some(c) => w.serialize((row, c))?,
+            None => w.serialize(row)?,
+        }
+    }
+    Ok(String::from_utf8(w.into_inner()?)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header_of(row: impl Serialize) -> Vec<String> {
+        let mut w = csv::Writer::from_writer(Vec::new());
+        w.serialize(row).unwrap();
+        let text = String::from_utf8(w.into_inner().unwrap()).unwrap();
+        text.lines().next().unwrap().split(',').map(String::from).collect()
+    }
+
+    /// The declared columns are exactly the row types' fields, in order: they cannot drift.
+    #[test]
+    fn declared_columns_match_the_row_types() {
+        let step = crate::tui::testing::step(3, 2.5);
+        assert_eq!(header_of(StepRow::from(&step)), STEP_COLUMNS);
+        let memory = crate::tui::testing::sample_run(2)
+            .into_iter()
+            .find_map(|e| match e {
+                Event::Memory(m) => Some(m),
+                _ => None,
+            })
+            .unwrap();
+        let (row, cells) = memory_row(&memory);
+        let mut columns = header_of(row);
+        columns.extend(header_of(cells.unwrap()));
+        assert_eq!(columns, memory_columns());
+        let estimate = EstimateRow {
+            step: 0,
+            phase: Phase::Step,
+            unified: true,
+            total: 0,
+        };
+        let mut columns = header_of(estimate);
+        columns.extend(header_of(CategoryCells::from(Categories::default())));
+        assert_eq!(columns, estimate_columns());
     }
 }

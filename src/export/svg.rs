@@ -9,7 +9,8 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::record::Recording;
-use crate::telemetry::{Categories, Event, MemoryEvent, StepEvent};
+use crate::memory::step_figures;
+use crate::telemetry::{Categories, Event, StepEvent};
 
 const WIDTH: u32 = 1000;
 const PANEL_HEIGHT: u32 = 320;
@@ -28,6 +29,7 @@ type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
 type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
 /// A named line of (step, value) points.
+#[derive(Debug)]
 struct Series {
     label: String,
     points: Vec<(f64, f64)>,
@@ -145,28 +147,24 @@ fn scale_series(steps: &[&StepEvent]) -> Vec<Series> {
     }]
 }
 
-/// Per category, the measurement with the largest total at each step.
+/// Per category, each step's fullest measured ledger (`memory::figure`). Estimates are their own
+/// event type and never enter this series.
 fn memory_series(recording: &Recording) -> Vec<Series> {
-    let mut peak_by_step: Vec<&MemoryEvent> = Vec::new();
-    for e in &recording.events {
-        let Event::Memory(m) = e else { continue };
-        match peak_by_step.last_mut() {
-            Some(last) if last.step == m.step => {
-                if m.total > last.total {
-                    *last = m;
-                }
-            }
-            _ => peak_by_step.push(m),
-        }
-    }
+    let figures = step_figures(recording.events.iter().filter_map(|e| match e {
+        Event::Memory(m) => Some(m),
+        _ => None,
+    }));
     Categories::NAMES
         .iter()
         .enumerate()
         .map(|(i, name)| Series {
             label: name.replace('_', " "),
-            points: peak_by_step
+            points: figures
                 .iter()
-                .map(|m| (m.step as f64, m.categories.values()[i] as f64 / 1048576.0))
+                .map(|f| {
+                    let bytes = f.fullest.categories.values()[i];
+                    (f.step as f64, bytes as f64 / 1048576.0)
+                })
                 .collect(),
         })
         .filter(|s| s.points.iter().any(|p| p.1 > 0.0))
@@ -240,4 +238,38 @@ fn draw_panel(
         .position(SeriesLabelPosition::UpperRight)
         .draw()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::{EstimateEvent, Phase};
+    use crate::tui::testing::{header, sample_run};
+
+    #[test]
+    fn the_memory_series_holds_measurements_only() {
+        let mut events = sample_run(5);
+        // The trainer sends its estimate before the first measurement, at step 0.
+        let estimate = EstimateEvent {
+            step: 0,
+            phase: Phase::Backward,
+            categories: Categories {
+                activations: 99 << 20,
+                ..Categories::default()
+            },
+            total: 99 << 20,
+            unified: true,
+        };
+        events.insert(1, Event::Estimate(estimate));
+        let recording = Recording {
+            header: header(),
+            events,
+            warnings: Vec::new(),
+        };
+        let series = memory_series(&recording);
+        let activations = series.iter().find(|s| s.label == "activations").unwrap();
+        let steps: Vec<f64> = activations.points.iter().map(|p| p.0).collect();
+        assert_eq!(steps, [1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert!(activations.points.iter().all(|p| p.1 == 12.0), "{activations:?}");
+    }
 }

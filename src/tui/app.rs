@@ -3,9 +3,10 @@
 
 use std::collections::VecDeque;
 
+use crate::memory::StepFigure;
 use crate::telemetry::{
-    Control, ControlEvent, DeviceEvent, Event, Header, Knobs, Level, MemoryEvent, MemorySource,
-    Origin, Phase, StepEvent,
+    Control, ControlEvent, DeviceEvent, EstimateEvent, Event, Header, Knobs, Level, MemoryEvent,
+    MemorySource, Origin, Phase, StepEvent,
 };
 
 use super::keymap::Action;
@@ -51,14 +52,6 @@ impl PaneId {
     }
 }
 
-/// A point of the measured-memory series: live bytes after the step and the step's peak.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MemPoint {
-    pub step: u64,
-    pub live: u64,
-    pub peak: u64,
-}
-
 /// A device sample placed on the step axis.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DevicePoint {
@@ -91,16 +84,15 @@ pub struct App {
     pub pending: Vec<Control>,
     pub steps: VecDeque<StepEvent>,
     pub evals: VecDeque<(u64, f64)>,
-    pub memory: VecDeque<MemPoint>,
+    /// Each step's measured figure (the one rule in `memory::figure`).
+    pub memory: VecDeque<StepFigure>,
     pub memory_source: Option<MemorySource>,
     pub device: VecDeque<DevicePoint>,
     pub device_unavailable: Option<String>,
     /// The latest step's fullest measured ledger (usually its backward phase).
     pub measured: Option<MemoryEvent>,
-    /// The fullest measured ledger of the step in progress.
-    pub building: Option<MemoryEvent>,
     /// The latest estimate of each phase.
-    pub estimates: Vec<MemoryEvent>,
+    pub estimates: Vec<EstimateEvent>,
     /// Applied controls: (step, label), drawn as markers on the charts.
     pub markers: VecDeque<(u64, String)>,
     pub log: VecDeque<LogLine>,
@@ -140,7 +132,6 @@ impl App {
             device: VecDeque::new(),
             device_unavailable: None,
             measured: None,
-            building: None,
             estimates: Vec::new(),
             markers: VecDeque::new(),
             log: VecDeque::new(),
@@ -205,6 +196,10 @@ impl App {
             Event::Control(c) => self.on_control(c),
             Event::Eval(e) => push_bounded(&mut self.evals, (e.step, e.val_loss), self.retention),
             Event::Memory(m) => self.on_memory(m),
+            Event::Estimate(e) => {
+                self.estimates.retain(|x| x.phase != e.phase);
+                self.estimates.push(e.clone());
+            }
             Event::Device(d) => self.on_device(d),
             Event::Log(l) => self.log(l.step, l.level, l.message.clone()),
             Event::End(e) => {
@@ -259,38 +254,17 @@ impl App {
     }
 
     fn on_memory(&mut self, m: &MemoryEvent) {
-        if m.source == MemorySource::Estimate {
-            self.estimates.retain(|e| e.phase != m.phase);
-            self.estimates.push(m.clone());
-            return;
-        }
         self.memory_source = Some(m.source);
         match self.memory.back_mut() {
-            Some(p) if p.step == m.step => {
-                p.live = m.total;
-                p.peak = p.peak.max(m.peak);
-            }
-            _ => push_bounded(
-                &mut self.memory,
-                MemPoint {
-                    step: m.step,
-                    live: m.total,
-                    peak: m.peak.max(m.total),
-                },
-                self.retention,
-            ),
+            Some(figure) if figure.step == m.step => figure.absorb(m),
+            _ => push_bounded(&mut self.memory, StepFigure::new(m), self.retention),
         }
         // The ledger shows the fullest moment of a finished step (usually backward), not the
         // quiet end, and not a step still half-way through.
-        let fuller = match &self.building {
-            Some(b) => b.step != m.step || m.total >= b.total,
-            None => true,
-        };
-        if fuller {
-            self.building = Some(m.clone());
-        }
-        if m.phase == Phase::Step || self.measured.is_none() {
-            self.measured = self.building.clone();
+        if let Some(latest) = self.memory.back() {
+            if latest.complete || self.measured.is_none() {
+                self.measured = Some(latest.fullest.clone());
+            }
         }
     }
 
@@ -449,7 +423,7 @@ impl App {
 
     /// The estimate to set beside the measured ledger: the same phase (backward before any
     /// measurement, the phase that usually peaks).
-    pub fn estimate(&self) -> Option<&MemoryEvent> {
+    pub fn estimate(&self) -> Option<&EstimateEvent> {
         let phase = self.measured.as_ref().map_or(Phase::Backward, |m| m.phase);
         self.estimates.iter().find(|e| e.phase == phase)
     }

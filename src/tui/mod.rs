@@ -19,7 +19,7 @@ use anyhow::Context;
 use crossterm::event::EventStream;
 
 use crate::headless::Summary;
-use crate::telemetry::{Event, Level, MemorySource, Phase};
+use crate::telemetry::Event;
 use crate::train::Trainer;
 use app::App;
 use feed::{Feed, Live, Replay};
@@ -102,21 +102,7 @@ fn on_screen(app: &mut App, keys: &KeyMap, feed: &mut Feed) -> anyhow::Result<()
 pub fn summarize(events: &[Event]) -> Summary {
     let mut summary = Summary::default();
     for event in events {
-        match event {
-            Event::Header(h) => summary.header = Some(h.clone()),
-            Event::Step(s) => summary.steps.push(s.clone()),
-            Event::Eval(e) => summary.last_val_loss = Some(e.val_loss),
-            // As the headless run counts it: the highest measured end-of-step peak.
-            Event::Memory(m) if m.phase == Phase::Step && m.source != MemorySource::Estimate => {
-                let best = summary.peak_memory.map_or(0, |(p, _)| p);
-                if m.peak >= best {
-                    summary.peak_memory = Some((m.peak, m.source));
-                }
-            }
-            Event::Log(l) if l.level == Level::Error => summary.errors.push(l.message.clone()),
-            Event::End(e) => summary.end_reason = e.reason.clone(),
-            _ => {}
-        }
+        summary.absorb(event);
     }
     if summary.end_reason.is_empty() {
         summary.end_reason = "recording ends without an end event".into();

@@ -4,6 +4,7 @@ use crate::scenario::Scenario;
 use crate::telemetry::{
     BuildInfo, Categories, Control, ControlEvent, Dtype, EndEvent, EvalEvent, Event, Header, Level,
     LogEvent, MemoryEvent, MemorySource, Origin, Phase, PhaseMs, StepEvent, FORMAT_VERSION,
+    EstimateEvent,
 };
 
 pub fn header() -> Header {
@@ -110,13 +111,11 @@ pub fn sample_run(steps: u64) -> Vec<Event> {
         }
     }
     for (phase, activations) in [(Phase::Backward, 11), (Phase::Step, 0)] {
-        out.push(Event::Memory(MemoryEvent {
+        out.push(Event::Estimate(EstimateEvent {
             step: steps,
             phase,
-            source: MemorySource::Estimate,
             categories: categories(activations),
             total: 30 << 20,
-            peak: 30 << 20,
             unified: true,
         }));
     }

@@ -21,8 +21,8 @@ use crate::telemetry::{Event, Header, FORMAT_VERSION};
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 
 /// Event types this build knows; a same-major file may hold others (skipped with a warning).
-const KNOWN_TYPES: [&str; 8] = [
-    "header", "step", "control", "eval", "memory", "device", "log", "end",
+const KNOWN_TYPES: [&str; 9] = [
+    "header", "step", "control", "eval", "memory", "estimate", "device", "log", "end",
 ];
 
 pub struct Recorder {
@@ -193,8 +193,9 @@ fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Eve
     if text.trim().is_empty() {
         return Ok(None);
     }
-    let value: serde_json::Value =
+    let mut value: serde_json::Value =
         serde_json::from_str(text).map_err(|e| format!("not a JSON object: {e}"))?;
+    migrate_estimate(&mut value);
     if first {
         check_version(&value)?;
     }
@@ -213,6 +214,18 @@ fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Eve
     serde_json::from_value(value)
         .map(Some)
         .map_err(|e| format!("bad {} event: {e}", kind.as_deref().unwrap_or("?")))
+}
+
+/// Recordings made before estimates had their own event type carried them as `memory` events
+/// with `"source": "estimate"`: read those as the `estimate` events they are.
+fn migrate_estimate(value: &mut serde_json::Value) {
+    let legacy = value.get("type").and_then(|t| t.as_str()) == Some("memory")
+        && value.get("source").and_then(|s| s.as_str()) == Some("estimate");
+    if let (true, Some(object)) = (legacy, value.as_object_mut()) {
+        object.insert("type".into(), "estimate".into());
+        object.remove("source");
+        object.remove("peak");
+    }
 }
 
 /// Refuse a newer major version before trying to read the header's fields, which may differ.

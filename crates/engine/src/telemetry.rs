@@ -6,6 +6,7 @@
 //! one path from "something happened" to "a pane shows it".
 
 use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc::UnboundedSender;
 
 use crate::scenario::{Scenario, TrainConfig};
 
@@ -318,6 +319,7 @@ pub enum Event {
     Control(ControlEvent),
     Eval(EvalEvent),
     Memory(MemoryEvent),
+    Estimate(EstimateEvent),
     Device(DeviceEvent),
     Log(LogEvent),
     End(EndEvent),
@@ -448,8 +450,6 @@ pub enum MemorySource {
     Nvml,
     /// The CUDA default memory pool's counters.
     CudaPool,
-    /// The analytic estimator, not a measurement.
-    Estimate,
 }
 
 /// Bytes per ledger category. See DESIGN.md "Memory truth model".
@@ -508,6 +508,19 @@ pub struct MemoryEvent {
     pub peak: u64,
     /// True when "device" and "host" are the same memory (CPU runs): offload moves bytes
     /// between ledger categories, not between physical memories.
+    #[serde(default)]
+    pub unified: bool,
+}
+
+/// The analytic estimator's prediction for one phase, valid from `step` on (until the next
+/// estimate for that phase). Its own event type, so no consumer can take it for a measurement.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EstimateEvent {
+    pub step: u64,
+    pub phase: Phase,
+    pub categories: Categories,
+    /// Predicted bytes in the measured memory (offloaded bytes excluded unless unified).
+    pub total: u64,
     #[serde(default)]
     pub unified: bool,
 }
@@ -623,5 +636,20 @@ pub mod json_float {
                 ))),
             },
         }
+    }
+}
+
+/// Where events go. Sending never blocks; a gone receiver is noticed and ends the run.
+#[derive(Clone)]
+pub struct EventSink(UnboundedSender<Event>);
+
+impl EventSink {
+    pub fn new(tx: UnboundedSender<Event>) -> Self {
+        EventSink(tx)
+    }
+
+    /// False once nobody is listening.
+    pub fn send(&self, e: Event) -> bool {
+        self.0.send(e).is_ok()
     }
 }

@@ -8,7 +8,8 @@ use ratatui::Frame;
 
 use super::{block, draw_chart, fmt_bytes, placeholder, ChartSpec, Series, Theme};
 use crate::telemetry::MemorySource;
-use crate::tui::app::{App, MemPoint, PaneId};
+use crate::memory::StepFigure;
+use crate::tui::app::{App, PaneId};
 
 fn fmt_axis_bytes(v: f64) -> String {
     fmt_bytes(v.max(0.0) as u64)
@@ -20,7 +21,6 @@ fn source_label(source: MemorySource, cpu: bool) -> &'static str {
         MemorySource::CudaPool => "CUDA pool",
         MemorySource::Allocator if cpu => "allocator (CPU)",
         MemorySource::Allocator => "allocator (host)",
-        MemorySource::Estimate => "estimate",
     }
 }
 
@@ -68,7 +68,7 @@ fn step_series(app: &App, theme: Theme) -> (String, Vec<Series>) {
     let last = app.memory.back();
     let live_name = last.map_or("live".into(), |p| format!("live {}", fmt_bytes(p.live)));
     let peak_name = last.map_or("peak".into(), |p| format!("peak {}", fmt_bytes(p.peak)));
-    let pick = |f: fn(&MemPoint) -> u64| -> Vec<(f64, f64)> {
+    let pick = |f: fn(&StepFigure) -> u64| -> Vec<(f64, f64)> {
         app.memory
             .iter()
             .filter(|p| p.step as f64 <= end)

@@ -28,7 +28,6 @@ fn source_name(m: &MemoryEvent) -> &'static str {
         MemorySource::Allocator => "allocator",
         MemorySource::Nvml => "NVML",
         MemorySource::CudaPool => "CUDA pool",
-        MemorySource::Estimate => "estimate",
     }
 }
 

@@ -29,9 +29,9 @@ use serde::Serialize;
 
 use crate::scenario::{ModelConfig, Scenario};
 use crate::telemetry::{
-    Categories, Control, Dtype, LossNorm, MemoryEvent, MemorySource, Phase, ZeroGrad,
+    Categories, Control, Dtype, EstimateEvent, LossNorm, Phase, ZeroGrad,
 };
-use crate::train::Knobs;
+use crate::telemetry::Knobs;
 
 const F32: u64 = 4;
 
@@ -114,22 +114,15 @@ impl Estimate {
             .unwrap_or(0)
     }
 
-    /// `source: estimate` events for the step the configuration applies from.
-    pub fn events(&self, step: u64) -> Vec<MemoryEvent> {
-        let peak = self.peak();
+    /// `estimate` events for the step the configuration applies from.
+    pub fn events(&self, step: u64) -> Vec<EstimateEvent> {
         self.phases()
             .into_iter()
-            .map(|(phase, categories)| MemoryEvent {
+            .map(|(phase, categories)| EstimateEvent {
                 step,
                 phase,
-                source: MemorySource::Estimate,
                 categories,
                 total: self.resident(&categories),
-                peak: if phase == Phase::Step {
-                    peak
-                } else {
-                    self.resident(&categories)
-                },
                 unified: self.unified,
             })
             .collect()

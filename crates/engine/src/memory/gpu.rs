@@ -21,7 +21,7 @@ use nvml_wrapper::Nvml;
 
 use super::ledger::{AllocatorMeter, TotalMeter};
 use crate::telemetry::{DeviceEvent, Event, MemorySource};
-use crate::train::EventSink;
+use crate::telemetry::EventSink;
 
 /// 10 Hz: fast enough to see memory swing within a step of the default preset.
 pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(100);

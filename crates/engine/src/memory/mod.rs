@@ -5,14 +5,17 @@
 //! - `tensors`: bytes per tensor storage, de-duplicated (views share storage);
 //! - `ledger`: the per-category ledger the trainer fills each optimizer step;
 //! - `gpu`: device sources (NVML, the CUDA memory pool, the allocator) and the sampler thread;
-//! - `estimate`: the analytic estimator behind `gaccwb estimate`.
+//! - `estimate`: the analytic estimator behind `gaccwb estimate`;
+//! - `figure`: the one rule that turns a step's measurements into its figure.
 
 pub mod alloc;
 #[cfg(feature = "cuda")]
 pub mod cuda_pool;
 pub mod estimate;
+pub mod figure;
 pub mod gpu;
 pub mod ledger;
 pub mod tensors;
 
+pub use figure::{step_figures, StepFigure};
 pub use ledger::{Ledger, NoProbe, Persistent, TotalMeter, WindowProbe};

@@ -25,7 +25,7 @@ use crate::device::device_name;
 use crate::memory::{Ledger, NoProbe, Persistent, WindowProbe};
 use crate::model::{Gpt, Param};
 use crate::scenario::{Scenario, TimelineEntry};
-pub use crate::telemetry::Knobs;
+pub use crate::telemetry::{EventSink, Knobs};
 use crate::telemetry::{
     BuildInfo, Control, ControlEvent, ControlMsg, EndEvent, EvalEvent, Event, Header, Level,
     LogEvent, LossNorm, Origin, Phase, PhaseMs, StepEvent, ZeroGrad, FORMAT_VERSION,
@@ -232,21 +232,6 @@ fn scale_all(tensors: &[Tensor], factor: f64) -> Result<Vec<Tensor>> {
             }
         })
         .collect()
-}
-
-/// Where events go. Sending never blocks; a gone receiver is noticed and ends the run.
-#[derive(Clone)]
-pub struct EventSink(UnboundedSender<Event>);
-
-impl EventSink {
-    pub fn new(tx: UnboundedSender<Event>) -> Self {
-        EventSink(tx)
-    }
-
-    /// False once nobody is listening.
-    pub fn send(&self, e: Event) -> bool {
-        self.0.send(e).is_ok()
-    }
 }
 
 pub struct Trainer {
@@ -730,10 +715,10 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
     }
 }
 
-/// The predicted ledger (`source: estimate`) for the windows from the next step on.
+/// The predicted ledger (`estimate` events) for the windows from the next step on.
 fn send_estimate(trainer: &Trainer, sink: &EventSink) {
     for e in trainer.memory_estimate().events(trainer.step) {
-        sink.send(Event::Memory(e));
+        sink.send(Event::Estimate(e));
     }
 }
 
