@@ -192,6 +192,19 @@ fn the_estimator_is_within_ten_percent_of_measured_for_every_category() {
                 &["data.source=docs", "data.tokenizer=bpe", "data.vocab=8192"],
             ),
         ),
+        (
+            "bf16 B=2 K=2 BPE 8192",
+            tiny(
+                2,
+                2,
+                &[
+                    "data.source=docs",
+                    "data.tokenizer=bpe",
+                    "data.vocab=8192",
+                    "train.dtype=bf16",
+                ],
+            ),
+        ),
     ];
     println!(
         "{:<22}{:<10}{:<22}{:>12}{:>12}{:>8}",

@@ -65,7 +65,8 @@ impl Corpus {
                     }
                     TokenizerKind::Bpe => {
                         let t = crate::tokenizer::tokenize(&bytes, &name, data)?;
-                        let windows = ByteCorpus::from_tokens(t.tokens, &name, "tokens", data, model)?;
+                        let windows =
+                            ByteCorpus::from_tokens(t.tokens, &name, "tokens", data, model)?;
                         Ok(Corpus::Bpe {
                             windows,
                             tokenizer: t.info,

@@ -79,7 +79,8 @@ impl TextTokenizer {
             path: path.display().to_string(),
             message,
         };
-        let json = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read it: {e}")))?;
+        let json =
+            std::fs::read_to_string(path).map_err(|e| err(format!("cannot read it: {e}")))?;
         let inner = Tokenizer::from_bytes(json.as_bytes()).map_err(|e| {
             err(format!(
                 "not a Hugging Face tokenizer.json ({e}); give the tokenizer.json of a \
@@ -169,7 +170,10 @@ pub fn tokenize(bytes: &[u8], name: &str, data: &DataConfig) -> Result<Tokenized
     let mut tokens = tokenizer
         .encode(text)
         .map_err(|e| err(format!("tokenizing it with {}: {e}", tokenizer.info.path)))?;
-    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= tokenizer.info.vocab) {
+    if let Some(&id) = tokens
+        .iter()
+        .find(|&&id| id as usize >= tokenizer.info.vocab)
+    {
         return Err(err(format!(
             "{} gives token id {id}, outside its vocabulary of {}; the tokenizer file is inconsistent",
             tokenizer.info.path, tokenizer.info.vocab
@@ -285,7 +289,11 @@ mod tests {
         let first = TextTokenizer::trained_for(CORPUS, "corpus", 8192, a.path()).unwrap();
         let second = TextTokenizer::trained_for(CORPUS, "corpus", 8192, b.path()).unwrap();
         assert!(!first.cache_hit && !second.cache_hit);
-        assert_eq!(first.to_json(), second.to_json(), "same text, same vocabulary");
+        assert_eq!(
+            first.to_json(),
+            second.to_json(),
+            "same text, same vocabulary"
+        );
         assert_eq!(first.info.hash, second.info.hash);
         let hit = TextTokenizer::trained_for(CORPUS, "corpus", 8192, a.path()).unwrap();
         assert!(hit.cache_hit);
@@ -303,12 +311,18 @@ mod tests {
         let path = dir.path().join("tokenizer.json");
         std::fs::write(&path, "{ not json").unwrap();
         let err = TextTokenizer::load_file(&path).err().unwrap().to_string();
-        assert!(err.contains("tokenizer.json") && err.contains("not a Hugging Face"), "{err}");
+        assert!(
+            err.contains("tokenizer.json") && err.contains("not a Hugging Face"),
+            "{err}"
+        );
         let missing = TextTokenizer::load_file(&dir.path().join("nope.json"))
             .err()
             .unwrap()
             .to_string();
-        assert!(missing.contains("nope.json") && missing.contains("cannot read"), "{missing}");
+        assert!(
+            missing.contains("nope.json") && missing.contains("cannot read"),
+            "{missing}"
+        );
     }
 
     #[test]
