@@ -6,7 +6,8 @@
 //! this one: the layering is checked by the compiler.
 
 pub use gaccwb_engine::{
-    checkpoint, data, device, memory, model, ops, presets, record, scenario, telemetry, train,
+    checkpoint, data, device, memory, model, ops, presets, record, scenario, telemetry, tokenizer,
+    train,
 };
 
 pub mod bench;

@@ -404,11 +404,15 @@ fn list_presets() -> anyhow::Result<()> {
 
 fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     use gaccwb::memory::estimate::{self as est, Config};
-    let scenario = scenario_from(&RunArgs {
+    let mut scenario = scenario_from(&RunArgs {
         preset: args.preset.clone(),
         sets: args.sets.clone(),
         ..Default::default()
     })?;
+    if scenario.data.tokenizer == gaccwb::scenario::TokenizerKind::Bpe {
+        // The vocabulary is the tokenizer's: train it (or hit the cache) to know it.
+        gaccwb::data::Corpus::open_sizing(&mut scenario)?;
+    }
     if !(args.budget_gib > 0.0 && args.budget_gib.is_finite()) {
         anyhow::bail!(UsageError(format!(
             "--budget-gib {}: expected a positive number of GiB",

@@ -20,6 +20,7 @@ fn valid_recording() -> Vec<u8> {
         build: BuildInfo::current(),
         params: 1000,
         entropy_floor: Some(0.95),
+        tokenizer: None,
         started_unix: 0,
     })];
     for step in 1..=5u64 {

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use candle_core::Device;
-use gaccwb::memory::estimate::{estimate, grad_store_bytes, Config};
+use gaccwb::memory::estimate::{estimate, grad_store_bytes, head_bytes, Config};
 use gaccwb::memory::{Ledger, TotalMeter};
 use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Categories, Control, MemoryEvent, MemorySource, Phase};
@@ -183,16 +183,45 @@ fn the_estimator_is_within_ten_percent_of_measured_for_every_category() {
         ("bf16 B=4 K=2", tiny(4, 2, &["train.dtype=bf16"])),
         ("f32 B=16 K=2 offload", tiny(16, 2, &["train.offload=true"])),
         ("default preset", default_preset()),
+        // Real text at an 8k BPE vocabulary: the head, logits and their gradient dominate.
+        (
+            "f32 B=4 K=2 BPE 8192",
+            tiny(
+                4,
+                2,
+                &["data.source=docs", "data.tokenizer=bpe", "data.vocab=8192"],
+            ),
+        ),
+        (
+            "bf16 B=2 K=2 BPE 8192",
+            tiny(
+                2,
+                2,
+                &[
+                    "data.source=docs",
+                    "data.tokenizer=bpe",
+                    "data.vocab=8192",
+                    "train.dtype=bf16",
+                ],
+            ),
+        ),
     ];
     println!(
         "{:<22}{:<10}{:<22}{:>12}{:>12}{:>8}",
         "config", "phase", "category", "measured", "estimate", "error"
     );
     for (name, s) in configs {
-        let cfg = Config::from_scenario(&s, true);
-        let predicted = estimate(&cfg);
         let _guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let mut t = warm_trainer(s);
+        // From the trainer's scenario: a tokenizer sets the vocabulary when the data opens.
+        let cfg = Config::from_scenario(&t.scenario, true);
+        let predicted = estimate(&cfg);
+        let head = head_bytes(&cfg);
+        println!(
+            "{name}: V={} head (logits, loss and their gradient at backward's start) {head} bytes = {:.1}% of the backward's predicted total",
+            cfg.model.vocab,
+            100.0 * head as f64 / predicted.resident(&predicted.backward) as f64
+        );
         let measured = step(&mut t);
         assert_eq!(
             t.memory.last_store_bytes,

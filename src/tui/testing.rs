@@ -25,6 +25,7 @@ pub fn header() -> Header {
         },
         params: 1000,
         entropy_floor: Some(1.25),
+        tokenizer: None,
         started_unix: 0,
     }
 }

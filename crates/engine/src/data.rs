@@ -6,14 +6,15 @@
 //!   context has the same successor probabilities (in a context-specific order and support), so
 //!   the entropy rate is known in closed form whatever the stationary distribution.
 //! - `Bytes`: windows of a file's bytes at seeded offsets, with a held-out tail for validation.
-
-use std::path::Path;
+//! - `Bpe`: the same windows over the text's BPE token ids (`crate::tokenizer`); the model's
+//!   vocabulary is the tokenizer's.
 
 use candle_core::{Device, Result as CResult, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::scenario::{DataConfig, DataSource, ModelConfig};
+use crate::scenario::{DataConfig, DataSource, ModelConfig, Scenario, TokenizerKind};
+use crate::tokenizer::TokenizerInfo;
 
 /// Document delimiter (the first input of every synthetic document) and padding value.
 pub const DELIM: u32 = 0;
@@ -38,6 +39,12 @@ pub struct Sample {
 pub enum Corpus {
     Synthetic(Markov),
     Bytes(ByteCorpus),
+    Bpe {
+        windows: ByteCorpus,
+        tokenizer: TokenizerInfo,
+        /// How the tokenizer was obtained, for the run's log.
+        provenance: String,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -50,20 +57,64 @@ impl Corpus {
     pub fn open(data: &DataConfig, model: &ModelConfig) -> std::result::Result<Corpus, DataError> {
         match data.source {
             DataSource::Synthetic => Ok(Corpus::Synthetic(Markov::new(data, model))),
-            DataSource::File => {
-                let path = data
-                    .path
-                    .as_deref()
-                    .expect("validated: file source has a path");
-                ByteCorpus::open(path, data, model).map(Corpus::Bytes)
+            DataSource::File | DataSource::Docs => {
+                let (name, bytes) = text_source(data)?;
+                match data.tokenizer {
+                    TokenizerKind::Bytes => {
+                        ByteCorpus::from_bytes(bytes, &name, data, model).map(Corpus::Bytes)
+                    }
+                    TokenizerKind::Bpe => {
+                        let t = crate::tokenizer::tokenize(&bytes, &name, data)?;
+                        let windows =
+                            ByteCorpus::from_tokens(t.tokens, &name, "tokens", data, model)?;
+                        Ok(Corpus::Bpe {
+                            windows,
+                            tokenizer: t.info,
+                            provenance: t.provenance,
+                        })
+                    }
+                }
             }
+        }
+    }
+
+    /// Opens the scenario's data and sizes its model's vocabulary from the tokenizer, if any
+    /// (the header's config then records the vocabulary used).
+    pub fn open_sizing(scenario: &mut Scenario) -> std::result::Result<Corpus, DataError> {
+        let corpus = Corpus::open(&scenario.data, &scenario.model)?;
+        if let Some(vocab) = corpus.vocab() {
+            scenario.model.vocab = vocab;
+        }
+        Ok(corpus)
+    }
+
+    /// The vocabulary the data fixes (a tokenizer's), which the model must use.
+    pub fn vocab(&self) -> Option<usize> {
+        match self {
+            Corpus::Bpe { tokenizer, .. } => Some(tokenizer.vocab),
+            _ => None,
+        }
+    }
+
+    /// How the tokenizer was obtained (trained, cache hit, loaded) and how long it took.
+    pub fn provenance(&self) -> Option<&str> {
+        match self {
+            Corpus::Bpe { provenance, .. } => Some(provenance),
+            _ => None,
+        }
+    }
+
+    pub fn tokenizer(&self) -> Option<&TokenizerInfo> {
+        match self {
+            Corpus::Bpe { tokenizer, .. } => Some(tokenizer),
+            _ => None,
         }
     }
 
     pub fn sample(&self, split: Split, index: u64) -> Sample {
         match self {
             Corpus::Synthetic(m) => m.sample(split, index),
-            Corpus::Bytes(b) => b.sample(split, index),
+            Corpus::Bytes(b) | Corpus::Bpe { windows: b, .. } => b.sample(split, index),
         }
     }
 
@@ -71,14 +122,14 @@ impl Corpus {
     pub fn entropy_floor(&self) -> Option<f64> {
         match self {
             Corpus::Synthetic(m) => Some(m.entropy_floor()),
-            Corpus::Bytes(_) => None,
+            Corpus::Bytes(_) | Corpus::Bpe { .. } => None,
         }
     }
 
     pub fn has_validation(&self) -> bool {
         match self {
             Corpus::Synthetic(_) => true,
-            Corpus::Bytes(b) => b.val_len() > b.seq_len,
+            Corpus::Bytes(b) | Corpus::Bpe { windows: b, .. } => b.val_len() > b.seq_len,
         }
     }
 }
@@ -184,24 +235,44 @@ impl Markov {
     }
 }
 
+/// The text a file or docs source reads, with the name errors give it.
+fn text_source(data: &DataConfig) -> std::result::Result<(String, Vec<u8>), DataError> {
+    if data.source == DataSource::Docs {
+        return Ok(("the built-in docs corpus".into(), DOCS_CORPUS.to_vec()));
+    }
+    let path = data
+        .path
+        .as_deref()
+        .expect("validated: file source has a path");
+    let bytes = std::fs::read(path).map_err(|e| DataError::File {
+        path: path.display().to_string(),
+        message: format!("cannot read it: {e}"),
+    })?;
+    Ok((path.display().to_string(), bytes))
+}
+
+/// `data.source = "docs"`: the project's own prose, fixed at build time (scripts/assemble-corpus.sh).
+pub const DOCS_CORPUS: &[u8] = include_bytes!("../../../assets/corpus.txt");
+
+/// Windows over a token sequence (bytes, or BPE ids).
 pub struct ByteCorpus {
-    bytes: Vec<u8>,
+    tokens: Vec<u32>,
     train_len: usize,
     seq_len: usize,
     seed: u64,
 }
 
 impl ByteCorpus {
-    fn open(
-        path: &Path,
+    fn from_bytes(
+        bytes: Vec<u8>,
+        name: &str,
         data: &DataConfig,
         model: &ModelConfig,
     ) -> std::result::Result<ByteCorpus, DataError> {
         let err = |message: String| DataError::File {
-            path: path.display().to_string(),
+            path: name.to_string(),
             message,
         };
-        let bytes = std::fs::read(path).map_err(|e| err(format!("cannot read it: {e}")))?;
         if bytes.is_empty() {
             return Err(err(
                 "it is empty; give a file with at least model.seq_len + 1 bytes".into(),
@@ -213,16 +284,31 @@ impl ByteCorpus {
                 bytes[pos], model.vocab
             )));
         }
-        let train_len = ((bytes.len() as f64) * (1.0 - data.val_fraction)).floor() as usize;
+        let tokens = bytes.into_iter().map(u32::from).collect();
+        ByteCorpus::from_tokens(tokens, name, "bytes", data, model)
+    }
+
+    /// `tokens` (counted in `unit` in messages) split into training and held-out tail.
+    fn from_tokens(
+        tokens: Vec<u32>,
+        name: &str,
+        unit: &str,
+        data: &DataConfig,
+        model: &ModelConfig,
+    ) -> std::result::Result<ByteCorpus, DataError> {
+        let train_len = ((tokens.len() as f64) * (1.0 - data.val_fraction)).floor() as usize;
         if train_len < model.seq_len + 1 {
-            return Err(err(format!(
-                "its training split has {train_len} bytes but model.seq_len + 1 = {} are needed; \
-                 use a larger file or a smaller model.seq_len",
-                model.seq_len + 1
-            )));
+            return Err(DataError::File {
+                path: name.to_string(),
+                message: format!(
+                    "its training split has {train_len} {unit} but model.seq_len + 1 = {} are needed; \
+                     use a larger file or a smaller model.seq_len",
+                    model.seq_len + 1
+                ),
+            });
         }
         Ok(ByteCorpus {
-            bytes,
+            tokens,
             train_len,
             seq_len: model.seq_len,
             seed: data.seed,
@@ -230,7 +316,7 @@ impl ByteCorpus {
     }
 
     fn val_len(&self) -> usize {
-        self.bytes.len() - self.train_len
+        self.tokens.len() - self.train_len
     }
 
     fn sample(&self, split: Split, index: u64) -> Sample {
@@ -241,12 +327,8 @@ impl ByteCorpus {
         };
         let mut rng = sample_rng(self.seed, split, index);
         let offset = start + rng.random_range(0..=len - self.seq_len - 1);
-        let tokens = self.bytes[offset..offset + self.seq_len + 1]
-            .iter()
-            .map(|&b| u32::from(b))
-            .collect();
         Sample {
-            tokens,
+            tokens: self.tokens[offset..offset + self.seq_len + 1].to_vec(),
             len: self.seq_len,
         }
     }

@@ -16,4 +16,5 @@ pub mod presets;
 pub mod record;
 pub mod scenario;
 pub mod telemetry;
+pub mod tokenizer;
 pub mod train;

@@ -13,7 +13,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../presets/accumulate-to-fit.toml"),
     ),
     ("k-ramp", include_str!("../../../presets/k-ramp.toml")),
-    ("clip-high-lr", include_str!("../../../presets/clip-high-lr.toml")),
+    (
+        "clip-high-lr",
+        include_str!("../../../presets/clip-high-lr.toml"),
+    ),
     (
         "fp16-overflow",
         include_str!("../../../presets/fp16-overflow.toml"),
@@ -28,6 +31,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../presets/pitfall-mean-of-means.toml"),
     ),
     ("lr-rules", include_str!("../../../presets/lr-rules.toml")),
+    ("text-bpe", include_str!("../../../presets/text-bpe.toml")),
 ];
 
 /// The preset `gaccwb` runs with no arguments.

@@ -59,6 +59,20 @@ pub enum DataSource {
     Synthetic,
     /// Bytes of `data.path`.
     File,
+    /// The project's own documentation (`assets/corpus.txt`), compiled into the binary so a
+    /// preset can train on real text from any directory with no download.
+    Docs,
+}
+
+/// How text is cut into tokens (file and docs sources).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerKind {
+    /// One token per byte (vocabulary 256).
+    #[default]
+    Bytes,
+    /// Byte-level BPE: trained on the text (`data.vocab` tokens) or `data.tokenizer_file`.
+    Bpe,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -75,6 +89,12 @@ pub struct DataConfig {
     pub alphabet: usize,
     /// Fraction of a data file held out for validation.
     pub val_fraction: f64,
+    /// Bytes or BPE; with BPE the model's vocabulary is the tokenizer's.
+    pub tokenizer: TokenizerKind,
+    /// Vocabulary size of the BPE trained on the text.
+    pub vocab: usize,
+    /// A `tokenizer.json` to load instead of training one.
+    pub tokenizer_file: Option<PathBuf>,
 }
 
 impl Default for DataConfig {
@@ -87,6 +107,9 @@ impl Default for DataConfig {
             max_doc_len: 0,
             alphabet: 8,
             val_fraction: 0.1,
+            tokenizer: TokenizerKind::Bytes,
+            vocab: 8192,
+            tokenizer_file: None,
         }
     }
 }
@@ -307,11 +330,18 @@ impl Scenario {
                 ),
             ));
         }
-        if m.vocab > 256 {
+        if d.tokenizer == TokenizerKind::Bpe {
+            check_bpe(d)?;
+        } else if d.tokenizer_file.is_some() {
+            return Err(Problem::new(
+                "data.tokenizer_file",
+                "data.tokenizer_file needs data.tokenizer = \"bpe\"".into(),
+            ));
+        } else if m.vocab > 256 {
             return Err(Problem::new(
                 "model.vocab",
                 format!(
-                    "model.vocab ({}) must be at most 256: tokens are bytes",
+                    "model.vocab ({}) must be at most 256: tokens are bytes (data.tokenizer = \"bpe\" sizes it from the text)",
                     m.vocab
                 ),
             ));
@@ -486,6 +516,9 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
         "max_doc_len",
         "alphabet",
         "val_fraction",
+        "tokenizer",
+        "vocab",
+        "tokenizer_file",
     ];
     const TRAIN: &[&str] = &[
         "steps",
@@ -577,6 +610,30 @@ fn positive(x: f64) -> bool {
 
 fn non_negative(x: f64) -> bool {
     x.is_finite() && x >= 0.0
+}
+
+/// Largest BPE vocabulary accepted: Llama 3's is 128,256.
+const MAX_BPE_VOCAB: usize = 1 << 18;
+
+/// A BPE needs text, and a trained one more tokens than the 256 bytes it starts from.
+fn check_bpe(d: &DataConfig) -> Result<(), Problem> {
+    if d.source == DataSource::Synthetic {
+        return Err(Problem::new(
+            "data.tokenizer",
+            "data.tokenizer = \"bpe\" needs text: set data.source = \"file\" (--data FILE) or \"docs\""
+                .into(),
+        ));
+    }
+    if d.tokenizer_file.is_none() && !(257..=MAX_BPE_VOCAB).contains(&d.vocab) {
+        return Err(Problem::new(
+            "data.vocab",
+            format!(
+                "data.vocab ({}) must be between 257 and {MAX_BPE_VOCAB}: a byte-level BPE starts from the 256 bytes",
+                d.vocab
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

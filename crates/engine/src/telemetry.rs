@@ -337,6 +337,9 @@ pub struct Header {
     pub params: u64,
     /// Loss floor of the data source in nats/token, when it is known in closed form.
     pub entropy_floor: Option<f64>,
+    /// The text's tokenizer (BPE runs only): kind, vocabulary and hash. Replay does not need it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<crate::tokenizer::TokenizerInfo>,
     /// Seconds since the Unix epoch when the run started.
     pub started_unix: u64,
 }

@@ -16,8 +16,11 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     if let Some((_, v)) = app.evals.back() {
         title += &format!(" · val {v:.4}");
     }
-    if let Some(f) = floor {
-        title += &format!(" · floor {f:.4}");
+    match floor {
+        Some(f) => title += &format!(" · floor {f:.4}"),
+        // Real text: no closed-form floor, so no line is drawn; say why it is missing.
+        None if app.header.is_some() => title += " · no known floor",
+        None => {}
     }
     title.push(' ');
     let block = block(title, app, PaneId::Loss, theme);

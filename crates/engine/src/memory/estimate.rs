@@ -244,7 +244,14 @@ pub fn activation_bytes(cfg: &Config) -> u64 {
         let mlp = 15 * n * d * c;
         2 * ln + attention + mlp
     };
-    let logits = n * s.v * c + if s.cast { n * s.v * F32 } else { 0 };
+    embedding + s.layers * block + ln + loss_head_activation_bytes(cfg)
+}
+
+/// The activations of the loss head: the logits and what the loss keeps of them.
+fn loss_head_activation_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    let n = s.n;
+    let logits = n * s.v * s.c + if s.cast { n * s.v * F32 } else { 0 };
     // Composite: log-softmax keeps shifted, exp and result (N·V) and max, sum, log (N); gather
     // and ×mask (N); sum, neg and the scaled loss are scalars. Fused: the sum and the scaled loss.
     let loss = if fused(cfg) {
@@ -252,7 +259,14 @@ pub fn activation_bytes(cfg: &Config) -> u64 {
     } else {
         3 * n * s.v * F32 + 5 * n * F32 + loss_scalar_bytes(cfg)
     };
-    embedding + s.layers * block + ln + logits + loss
+    logits + loss
+}
+
+/// What the vocabulary costs at the backward's start: the head's activations (logits and the
+/// loss's copies) and the logits' gradient in flight. It grows with N·V, so at a subword
+/// vocabulary it is the share a smaller micro-batch cuts most.
+pub fn head_bytes(cfg: &Config) -> u64 {
+    loss_head_activation_bytes(cfg) + head_peak_bytes(cfg)
 }
 
 /// Bytes of the gradient store one backward returns, constants' gradients included.

@@ -260,9 +260,9 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    pub fn new(scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
+    pub fn new(mut scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
         scenario.validate().map_err(anyhow::Error::msg)?;
-        let corpus = Corpus::open(&scenario.data, &scenario.model)?;
+        let corpus = Corpus::open_sizing(&mut scenario)?;
         let model = Gpt::new(&scenario.model, scenario.train.seed, &device)
             .context("building the model")?;
         let t = &scenario.train;
@@ -307,6 +307,7 @@ impl Trainer {
             build: BuildInfo::current(),
             params: self.model.param_count(),
             entropy_floor: self.corpus.entropy_floor(),
+            tokenizer: self.corpus.tokenizer().cloned(),
             started_unix: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
@@ -573,6 +574,13 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
         timeline_done: None,
     };
     sink.send(Event::Header(trainer.header()));
+    if let Some(line) = trainer.corpus.provenance() {
+        sink.send(Event::Log(LogEvent {
+            step: 0,
+            level: Level::Info,
+            message: line.to_string(),
+        }));
+    }
     send_estimate(&trainer, &sink);
     let reason = loop {
         flow.drain(&mut controls);
