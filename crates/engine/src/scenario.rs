@@ -687,6 +687,7 @@ mod tests {
         let root = toml::Value::try_from(Scenario {
             data: DataConfig {
                 path: Some("x".into()),
+                tokenizer_file: Some("t.json".into()),
                 ..Default::default()
             },
             ..Default::default()
