@@ -165,7 +165,7 @@ struct RunArgs {
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "auto")]
     device: DeviceChoice,
-    /// Train on the bytes of FILE instead of the synthetic corpus.
+    /// Train on FILE instead of the preset's data: its bytes, or BPE tokens with --set data.tokenizer=bpe.
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
     /// Override a preset field, e.g. --set train.accum_steps=4 (repeatable).

@@ -251,7 +251,8 @@ fn text_source(data: &DataConfig) -> std::result::Result<(String, Vec<u8>), Data
     Ok((path.display().to_string(), bytes))
 }
 
-/// `data.source = "docs"`: the project's own prose, fixed at build time (scripts/assemble-corpus.sh).
+/// `data.source = "docs"`: the project's own prose and code, fixed at build time
+/// (scripts/assemble-corpus.sh).
 pub const DOCS_CORPUS: &[u8] = include_bytes!("../../../assets/corpus.txt");
 
 /// Windows over a token sequence (bytes, or BPE ids).

@@ -59,7 +59,7 @@ pub enum DataSource {
     Synthetic,
     /// Bytes of `data.path`.
     File,
-    /// The project's own documentation (`assets/corpus.txt`), compiled into the binary so a
+    /// The project's own docs and sources (`assets/corpus.txt`), compiled into the binary so a
     /// preset can train on real text from any directory with no download.
     Docs,
 }
@@ -687,6 +687,7 @@ mod tests {
         let root = toml::Value::try_from(Scenario {
             data: DataConfig {
                 path: Some("x".into()),
+                tokenizer_file: Some("t.json".into()),
                 ..Default::default()
             },
             ..Default::default()
