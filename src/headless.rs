@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use candle_core::Device;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::memory::StepFigure;
 use crate::record::Recorder;
 use crate::scenario::Scenario;
-use crate::memory::StepFigure;
 use crate::telemetry::{Event, Header, Level, MemorySource, StepEvent};
 use crate::train;
 

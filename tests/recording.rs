@@ -11,7 +11,7 @@ use gaccwb::headless::{self, HeadlessOptions};
 use gaccwb::presets;
 use gaccwb::record::{parse_recording, read_recording, Recorder, Recording};
 use gaccwb::scenario::Scenario;
-use gaccwb::telemetry::{Categories, Event, MemoryEvent, MemorySource, Phase, StepEvent};
+use gaccwb::telemetry::{Categories, Event, MemoryEvent, Phase, StepEvent};
 
 /// A small, quick scenario with a timeline (so controls are recorded).
 fn tiny(steps: u64) -> Scenario {
@@ -141,7 +141,12 @@ fn record_read_export_round_trip_reproduces_step_and_memory_series() {
             .filter(|m| m.step == s.step)
             .map(|m| m.phase)
             .collect();
-        for phase in [Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::Step] {
+        for phase in [
+            Phase::Forward,
+            Phase::Backward,
+            Phase::Optimizer,
+            Phase::Step,
+        ] {
             assert!(phases.contains(&phase), "step {} lacks {phase:?}", s.step);
         }
     }
@@ -402,7 +407,9 @@ fn an_estimate_recorded_as_a_memory_event_reads_back_as_an_estimate() {
     let r = parse(&bytes).unwrap();
     let last = r.events.last().unwrap();
     match last {
-        Event::Estimate(e) => assert_eq!((e.step, e.total, e.categories.optimizer_state), (1, 12, 8)),
+        Event::Estimate(e) => {
+            assert_eq!((e.step, e.total, e.categories.optimizer_state), (1, 12, 8))
+        }
         other => panic!("expected an estimate, got {other:?}"),
     }
     assert!(

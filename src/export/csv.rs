@@ -306,7 +306,12 @@ mod tests {
         let mut w = csv::Writer::from_writer(Vec::new());
         w.serialize(row).unwrap();
         let text = String::from_utf8(w.into_inner().unwrap()).unwrap();
-        text.lines().next().unwrap().split(',').map(String::from).collect()
+        text.lines()
+            .next()
+            .unwrap()
+            .split(',')
+            .map(String::from)
+            .collect()
     }
 
     /// The declared columns are exactly the row types' fields, in order: they cannot drift.

@@ -8,8 +8,8 @@ use std::path::Path;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::record::Recording;
 use crate::memory::step_figures;
+use crate::record::Recording;
 use crate::telemetry::{Categories, Event, StepEvent};
 
 const WIDTH: u32 = 1000;
@@ -270,6 +270,9 @@ mod tests {
         let activations = series.iter().find(|s| s.label == "activations").unwrap();
         let steps: Vec<f64> = activations.points.iter().map(|p| p.0).collect();
         assert_eq!(steps, [1.0, 2.0, 3.0, 4.0, 5.0]);
-        assert!(activations.points.iter().all(|p| p.1 == 12.0), "{activations:?}");
+        assert!(
+            activations.points.iter().all(|p| p.1 == 12.0),
+            "{activations:?}"
+        );
     }
 }

@@ -2,9 +2,9 @@
 
 use crate::scenario::Scenario;
 use crate::telemetry::{
-    BuildInfo, Categories, Control, ControlEvent, Dtype, EndEvent, EvalEvent, Event, Header, Level,
-    LogEvent, MemoryEvent, MemorySource, Origin, Phase, PhaseMs, StepEvent, FORMAT_VERSION,
-    EstimateEvent,
+    BuildInfo, Categories, Control, ControlEvent, Dtype, EndEvent, EstimateEvent, EvalEvent, Event,
+    Header, Level, LogEvent, MemoryEvent, MemorySource, Origin, Phase, PhaseMs, StepEvent,
+    FORMAT_VERSION,
 };
 
 pub fn header() -> Header {

@@ -7,8 +7,8 @@ use ratatui::text::Line;
 use ratatui::Frame;
 
 use super::{block, draw_chart, fmt_bytes, placeholder, ChartSpec, Series, Theme};
-use crate::telemetry::MemorySource;
 use crate::memory::StepFigure;
+use crate::telemetry::MemorySource;
 use crate::tui::app::{App, PaneId};
 
 fn fmt_axis_bytes(v: f64) -> String {

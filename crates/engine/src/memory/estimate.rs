@@ -28,10 +28,8 @@
 use serde::Serialize;
 
 use crate::scenario::{ModelConfig, Scenario};
-use crate::telemetry::{
-    Categories, Control, Dtype, EstimateEvent, LossNorm, Phase, ZeroGrad,
-};
 use crate::telemetry::Knobs;
+use crate::telemetry::{Categories, Control, Dtype, EstimateEvent, LossNorm, Phase, ZeroGrad};
 
 const F32: u64 = 4;
 

@@ -20,8 +20,8 @@ use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::Nvml;
 
 use super::ledger::{AllocatorMeter, TotalMeter};
-use crate::telemetry::{DeviceEvent, Event, MemorySource};
 use crate::telemetry::EventSink;
+use crate::telemetry::{DeviceEvent, Event, MemorySource};
 
 /// 10 Hz: fast enough to see memory swing within a step of the default preset.
 pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(100);

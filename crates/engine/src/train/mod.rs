@@ -25,11 +25,11 @@ use crate::device::device_name;
 use crate::memory::{Ledger, NoProbe, Persistent, WindowProbe};
 use crate::model::{Gpt, Param};
 use crate::scenario::{Scenario, TimelineEntry};
-pub use crate::telemetry::{EventSink, Knobs};
 use crate::telemetry::{
     BuildInfo, Control, ControlEvent, ControlMsg, EndEvent, EvalEvent, Event, Header, Level,
     LogEvent, LossNorm, Origin, Phase, PhaseMs, StepEvent, ZeroGrad, FORMAT_VERSION,
 };
+pub use crate::telemetry::{EventSink, Knobs};
 use adamw::{AdamW, Hyper};
 use scaler::LossScaler;
 
