@@ -61,3 +61,29 @@ fn storage_key(t: &Tensor) -> usize {
     let (storage, _) = t.storage_and_layout();
     &*storage as *const candle_core::Storage as usize
 }
+
+#[test]
+fn the_estimator_names_the_copies_only_where_the_boundary_makes_them() {
+    use gaccwb::memory::estimate::{estimate, Config};
+    let mut s = gaccwb::scenario::Scenario::default();
+    s.set("train.dtype=f16").unwrap();
+    s.set("train.offload=true").unwrap();
+    let (v, d) = (s.model.vocab as u64, s.model.d_model as u64);
+    let largest = (v * d).max(4 * d * d) * 4;
+    let cpu = estimate(&Config::from_scenario(&s, true));
+    assert_eq!(cpu.optimizer.gradients_transient, 0, "CPU: in place");
+    assert_eq!(
+        cpu.optimizer.offloaded, cpu.step.offloaded,
+        "CPU: no host copy"
+    );
+    let gpu = estimate(&Config::from_scenario(&s, false));
+    assert_eq!(gpu.optimizer.gradients_transient, largest);
+    assert_eq!(gpu.optimizer.offloaded, gpu.step.offloaded + largest);
+    s.set("train.dtype=f32").unwrap();
+    s.train.clip = None;
+    let unscaled = estimate(&Config::from_scenario(&s, false));
+    assert_eq!(
+        unscaled.optimizer.gradients_transient, 0,
+        "nothing to scale"
+    );
+}
