@@ -74,7 +74,8 @@ pub fn bytes(dtype: Dtype) -> u64 {
         0
     };
     let rayon_pool = if r.rayon_pool || uses_rayon_pool(dtype, threads) {
-        threads
+        // `reserve` touches every thread of the pool, whatever its size.
+        rayon::current_num_threads()
     } else {
         0
     };
