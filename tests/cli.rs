@@ -231,36 +231,61 @@ fn a_bad_command_line_control_is_a_usage_error() {
 /// same bits (losses and gradient norms of every step).
 #[test]
 fn training_is_bitwise_identical_at_one_and_two_threads() {
+    // The issue's shape (B=12 rows of 64 tokens: 768-row products) once split differently at 1
+    // and 2 threads; the others cover a tall head (vocab 256) and a product too small to split.
+    let issue = [
+        "model.vocab=32",
+        "model.layers=2",
+        "model.heads=4",
+        "model.d_model=64",
+        "model.seq_len=64",
+        "train.micro_batch=12",
+    ];
+    let tall = [
+        "model.d_model=48",
+        "model.seq_len=48",
+        "train.micro_batch=9",
+    ];
+    let small = ["model.d_model=32", "train.micro_batch=2"];
     let dir = tempfile::tempdir().unwrap();
-    let steps = |threads: &str| -> Vec<[u64; 3]> {
-        let path = dir.path().join(format!("threads-{threads}.jsonl"));
-        let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "3"];
-        args.extend_from_slice(TINY);
-        args.extend_from_slice(&["--record", path.to_str().unwrap()]);
-        let out = Command::cargo_bin("gaccwb")
-            .unwrap()
-            .env("RAYON_NUM_THREADS", threads)
-            .args(&args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let recording = gaccwb::record::read_recording(&path).unwrap();
-        recording
-            .events
-            .into_iter()
-            .filter_map(|e| match e {
-                Event::Step(s) => {
-                    Some([s.loss, s.grad_norm, s.grad_norm_clipped].map(f64::to_bits))
-                }
-                _ => None,
-            })
-            .collect()
-    };
-    let (one, two) = (steps("1"), steps("2"));
-    assert_eq!(one.len(), 3);
-    assert_eq!(one, two);
+    for (name, sets) in [
+        ("issue", &issue[..]),
+        ("tall", &tall[..]),
+        ("small", &small[..]),
+    ] {
+        let steps = |threads: &str| -> Vec<[u64; 3]> {
+            let path = dir.path().join(format!("{name}-threads-{threads}.jsonl"));
+            let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "3"];
+            args.extend_from_slice(TINY);
+            for set in sets {
+                args.extend_from_slice(&["--set", set]);
+            }
+            args.extend_from_slice(&["--record", path.to_str().unwrap()]);
+            let out = Command::cargo_bin("gaccwb")
+                .unwrap()
+                .env("RAYON_NUM_THREADS", threads)
+                .args(&args)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let recording = gaccwb::record::read_recording(&path).unwrap();
+            recording
+                .events
+                .into_iter()
+                .filter_map(|e| match e {
+                    Event::Step(s) => {
+                        Some([s.loss, s.grad_norm, s.grad_norm_clipped].map(f64::to_bits))
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let (one, two) = (steps("1"), steps("2"));
+        assert_eq!(one.len(), 3, "{name}");
+        assert_eq!(one, two, "{name}: 1 vs 2 threads");
+    }
 }

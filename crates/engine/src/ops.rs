@@ -12,6 +12,7 @@ use candle_core::{DType, Result, Tensor};
 pub mod composite;
 pub mod fused;
 pub mod vmath;
+pub mod workspace;
 
 /// True when every tensor is an f32 CPU tensor: the fused ops' domain.
 pub fn fused_domain(tensors: &[&Tensor]) -> bool {

@@ -130,6 +130,7 @@ pub struct TrainConfig {
     /// Linear warm-up steps.
     pub warmup: u64,
     /// Steps of the cosine decay to `min_lr_ratio` × lr; 0 means `steps` (or no decay when steps is 0).
+    /// Counted in applied steps: steps skipped on overflow do not advance the schedule.
     pub decay_steps: u64,
     pub min_lr_ratio: f64,
     /// Global-norm clip threshold; absent means off.
@@ -148,7 +149,8 @@ pub struct TrainConfig {
     pub scale_growth_interval: u64,
     /// Validation every N steps; 0 turns it off.
     pub eval_every: u64,
-    /// Validation micro-batches per evaluation.
+    /// Size of the validation set, in micro-batches of the starting `micro_batch`: the same
+    /// `eval_batches × micro_batch` samples at every evaluation, whatever B and K become.
     pub eval_batches: usize,
 }
 

@@ -45,8 +45,10 @@ pub struct Config {
     pub pitfall: bool,
     /// Host and device are one memory (CPU): offload keeps no separate master copy.
     pub unified: bool,
-    /// Workspace outside any tensor (`other`): on CPU in f32, `gemm`'s packing slab on every
-    /// thread of Candle's pool (this machine's cache size × thread count); 0 elsewhere.
+    /// The boundary multiplies the gradients: f16 unscaling, or a clip threshold is set.
+    pub scales_gradients: bool,
+    /// Workspace outside any tensor (`other`): on CPU, `gemm`'s packing slab on every thread
+    /// that multiplies (`ops::workspace::bytes`); 0 elsewhere.
     pub workspace: u64,
 }
 
@@ -60,9 +62,9 @@ impl Config {
             offload: k.offload,
             pitfall: k.loss_norm != LossNorm::Tokens || k.zero_grad != ZeroGrad::PerWindow,
             unified,
-            workspace: if unified && k.dtype == Dtype::F32 {
-                crate::ops::fused::matmul_workspace_per_thread()
-                    * candle_core::utils::get_num_threads() as u64
+            scales_gradients: k.dtype.needs_loss_scaling() || k.clip.is_some(),
+            workspace: if unified {
+                crate::ops::workspace::bytes(k.dtype)
             } else {
                 0
             },
@@ -137,6 +139,7 @@ pub fn changes_memory(c: &Control) -> bool {
             | Control::SetOffload { .. }
             | Control::SetLossNorm { .. }
             | Control::SetZeroGrad { .. }
+            | Control::SetClip { .. }
     )
 }
 
@@ -349,6 +352,33 @@ pub fn transient_bytes(cfg: &Config) -> u64 {
     block0.max(head_peak_bytes(cfg))
 }
 
+/// Bytes of the largest parameter (f32): the token embedding or head (V·d), or an MLP matrix
+/// (4·d²).
+fn largest_param_bytes(m: &ModelConfig) -> u64 {
+    let (v, d) = (m.vocab as u64, m.d_model as u64);
+    (v * d).max(4 * d * d) * F32
+}
+
+/// Bytes the optimizer phase copies beyond the buffer. On the CPU the boundary unscales and
+/// clips in place and AdamW updates in place: nothing. Elsewhere Candle has no in-place multiply,
+/// so unscaling and clipping replace one gradient at a time by its scaled copy (the largest
+/// parameter's f32 gradient at once, `train::inplace::scale_in_place`).
+pub fn boundary_copy_bytes(cfg: &Config) -> u64 {
+    if cfg.unified || !cfg.scales_gradients {
+        return 0;
+    }
+    largest_param_bytes(&cfg.model)
+}
+
+/// Host bytes the optimizer phase adds while offloaded from a separate device: each gradient
+/// is copied to the host for the host-side update, one parameter at a time.
+pub fn offload_copy_bytes(cfg: &Config) -> u64 {
+    if cfg.unified || !cfg.offload {
+        return 0;
+    }
+    largest_param_bytes(&cfg.model)
+}
+
 pub fn estimate(cfg: &Config) -> Estimate {
     let p = param_count(&cfg.model) * F32;
     let buffers = if cfg.pitfall { 2 } else { 1 };
@@ -385,6 +415,8 @@ pub fn estimate(cfg: &Config) -> Estimate {
     };
     let optimizer = Categories {
         gradients: buffers * p,
+        gradients_transient: boundary_copy_bytes(cfg),
+        offloaded: persistent.offloaded + offload_copy_bytes(cfg),
         ..persistent
     };
     Estimate {
@@ -566,6 +598,7 @@ mod tests {
             offload: false,
             pitfall: false,
             unified: true,
+            scales_gradients: false,
             workspace: 0,
         }
     }

@@ -11,6 +11,7 @@
 //! The trainer knows nothing of terminals: it reads `ControlMsg`s and writes `Event`s.
 
 pub mod adamw;
+pub mod inplace;
 pub mod scaler;
 pub mod schedule;
 
@@ -213,25 +214,7 @@ pub fn global_norm(tensors: &[Tensor]) -> Result<f64> {
 
 /// Relative L2 error of `a` against `reference`.
 pub fn relative_error(a: &[Tensor], reference: &[Tensor]) -> Result<f64> {
-    let diff: Vec<Tensor> = a
-        .iter()
-        .zip(reference)
-        .map(|(x, r)| x - r)
-        .collect::<Result<_>>()?;
-    Ok(global_norm(&diff)? / global_norm(reference)?.max(f64::MIN_POSITIVE))
-}
-
-fn scale_all(tensors: &[Tensor], factor: f64) -> Result<Vec<Tensor>> {
-    tensors
-        .iter()
-        .map(|t| {
-            if crate::ops::fused_domain(&[t]) {
-                crate::ops::fused::scale(t, factor as f32)
-            } else {
-                t.affine(factor, 0.0)
-            }
-        })
-        .collect()
+    inplace::relative_error(a, reference)
 }
 
 pub struct Trainer {
@@ -349,6 +332,12 @@ impl Trainer {
     }
 
     /// Learning rate for the next step: schedule × LR rule for the current effective batch.
+    ///
+    /// The schedule's clock is `lr_step`, the applied steps: a skipped (overflowed) step changed
+    /// no weight, so it spends no schedule. Warm-up and the decay horizon (`decay_steps`, else
+    /// `steps`) are counted in applied steps too, so a run of `steps` optimizer steps with s
+    /// skipped ends s applied steps short of the horizon, its last LR a little above the floor.
+    /// (PyTorch gives the same when `scheduler.step()` follows only the steps `GradScaler` took.)
     pub fn lr(&self) -> f64 {
         let t = &self.scenario.train;
         let decay_steps = if t.decay_steps > 0 {
@@ -381,6 +370,9 @@ impl Trainer {
         between: impl FnMut() -> bool,
     ) -> std::result::Result<StepEvent, Interrupt> {
         let t0 = Instant::now();
+        if self.device.is_cpu() {
+            crate::ops::workspace::reserve(self.knobs.dtype);
+        }
         let cursor = self.cursor;
         let samples = self.next_window();
         let scale = self.loss_scale();
@@ -414,28 +406,29 @@ impl Trainer {
 
     /// The boundary: unscale → non-finite check → norm → clip → step or skip → scaler update.
     fn apply_window(&mut self, w: WindowGrads, scale: f64, t0: Instant) -> Result<StepEvent> {
-        let grads = if scale == 1.0 {
-            w.grads
-        } else {
-            scale_all(&w.grads, 1.0 / scale)?
+        let mut grads = w.grads;
+        // The pitfall's error is a ratio, the same before unscaling (one factor on both
+        // buffers), so the reference is never unscaled and is freed before the step.
+        let grad_error = match w.reference {
+            Some(r) => Some(relative_error(&grads, &r)?),
+            None => None,
         };
+        if scale != 1.0 {
+            inplace::scale_in_place(&mut grads, 1.0 / scale)?;
+        }
         let grad_norm = global_norm(&grads)?;
         let finite = grad_norm.is_finite();
-        let grad_error = match &w.reference {
-            Some(r) if finite => Some(relative_error(&grads, &scale_all(r, 1.0 / scale)?)?),
-            _ => None,
-        };
+        let grad_error = grad_error.filter(|_| finite);
         let lr = self.lr();
         let mut grad_norm_clipped = grad_norm;
         if finite {
-            let grads = match self.knobs.clip {
+            match self.knobs.clip {
                 Some(max) if grad_norm > max => {
-                    let clipped = scale_all(&grads, max / grad_norm)?;
-                    grad_norm_clipped = global_norm(&clipped)?;
-                    clipped
+                    inplace::scale_in_place(&mut grads, max / grad_norm)?;
+                    grad_norm_clipped = global_norm(&grads)?;
                 }
-                _ => grads,
-            };
+                _ => {}
+            }
             self.opt.step(&self.model.params, &grads, lr)?;
             self.lr_step += 1;
         } else {
@@ -483,13 +476,15 @@ impl Trainer {
         Ok(())
     }
 
-    /// Mean validation loss per counted token over a fixed set of validation samples.
+    /// Mean validation loss per counted token over a fixed set of validation samples
+    /// (`eval_samples`), run in micro-batches of the B in force.
     pub fn evaluate(&self) -> Result<f64> {
-        let b = self.knobs.micro_batch;
+        let indices: Vec<u64> = self.eval_samples().collect();
         let (mut sum, mut tokens) = (0f64, 0u64);
-        for i in 0..self.scenario.train.eval_batches {
-            let samples: Vec<Sample> = (0..b)
-                .map(|j| self.corpus.sample(Split::Val, (i * b + j) as u64))
+        for chunk in indices.chunks(self.knobs.micro_batch.max(1)) {
+            let samples: Vec<Sample> = chunk
+                .iter()
+                .map(|&i| self.corpus.sample(Split::Val, i))
                 .collect();
             let batch = Batch::new(&samples, &self.device)?;
             let fwd = self
@@ -502,6 +497,13 @@ impl Trainer {
             tokens += batch.tokens;
         }
         Ok(sum / tokens.max(1) as f64)
+    }
+
+    /// The validation samples: `eval_batches` × the run's starting micro-batch, fixed for the
+    /// whole run, so a change of B or K never changes what the validation curve measures.
+    pub fn eval_samples(&self) -> std::ops::Range<u64> {
+        let t = &self.scenario.train;
+        0..(t.eval_batches * t.micro_batch) as u64
     }
 
     /// Milliseconds since the trainer was built.

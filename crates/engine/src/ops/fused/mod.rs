@@ -19,7 +19,9 @@ mod optim;
 
 pub use attention::causal_attention;
 pub use linear::{gelu_linear, linear, project};
-pub use optim::{adamw_update_all, scale, sum_squares, AdamWJob, AdamWStep};
+pub use optim::{
+    adamw_update_all, scale_in_place, sum_squared_difference, sum_squares, AdamWJob, AdamWStep,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Plumbing
@@ -176,38 +178,39 @@ impl MatMut {
     }
 }
 
-/// Bytes of packing workspace `gemm` keeps per thread that multiplies: an L2-cache-sized slab,
-/// allocated on the thread's first product and held until the thread ends.
-pub fn matmul_workspace_per_thread() -> u64 {
-    gemm_common::cache::CACHE_INFO[1].cache_bytes as u64
-}
-
 /// `dst = a·b`, or `dst += a·b` when `accumulate`. With `parallel`, blocks of `dst` rows go to
 /// Candle's CPU pool, each one single-threaded `gemm` call: the same pool as every other fused
-/// op (a second pool, rayon's, would compete with it for the cores). Blocks split rows only,
-/// never a sum, so results do not depend on the thread count.
+/// op (a second pool, rayon's, would compete with it for the cores).
 /// Callers pass views of live buffers with matching shapes and no overlap of `dst` with `a`, `b`.
 fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) {
     assert!(a.rows == dst.rows && b.cols == dst.cols && a.cols == b.rows);
-    if !parallel || candle_core::utils::get_num_threads() <= 1 {
+    if !parallel {
         return gemm_block(&dst, a, b, accumulate, 0..dst.rows);
     }
-    // Two blocks per thread (each block packs `b` again), of ≥ 32 rows and ≥ ~64K
-    // multiply-adds. Splitting rows leaves every dot product's order alone, so the bits do not
-    // depend on the split.
-    let threads = candle_core::utils::get_num_threads();
-    let work_per_row = (a.cols * b.cols).max(1);
-    let rows = (dst.rows.div_ceil(2 * threads))
-        .max(32)
-        .max((1 << 16) / work_per_row);
+    let rows = matmul_block_rows(dst.rows, a.cols, b.cols);
     let blocks = dst.rows.div_ceil(rows);
     let dst = &dst;
+    // One thread runs the same blocks in order, so the result is the same at any thread count.
     for_each_unit(blocks, |range| {
         for block in range {
             let r = block * rows..((block + 1) * rows).min(dst.rows);
             gemm_block(dst, a, b, accumulate, r);
         }
     });
+}
+
+/// Most row blocks one product is cut into: two per thread up to four threads.
+const MATMUL_MAX_BLOCKS: usize = 8;
+
+/// Rows per block of a parallel product, from its shape alone. `gemm` picks its blocking of
+/// the inner sum from the sizes it is given, so a row's bits depend on the block it falls in;
+/// blocks sized by the thread count made results differ between 1 and 2 threads. Blocks are
+/// ≥ 32 rows and ≥ ~64K multiply-adds (each block packs `b` again).
+fn matmul_block_rows(rows: usize, inner: usize, cols: usize) -> usize {
+    let work_per_row = (inner * cols).max(1);
+    rows.div_ceil(MATMUL_MAX_BLOCKS)
+        .max(32)
+        .max((1 << 16) / work_per_row)
 }
 
 /// Rows `r` of `dst = a·b` (or `+=`), on the calling thread.

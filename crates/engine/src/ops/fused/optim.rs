@@ -1,10 +1,11 @@
 //! The optimizer's element-wise work on CPU f32 tensors, in place: AdamW's moment and weight
 //! updates as three passes over storage that already exists (the composite version allocates a
-//! dozen temporaries per parameter), and the sum of squares behind the gradient norm.
+//! dozen temporaries per parameter), the boundary's unscaling and clipping, and the sums of
+//! squares behind the gradient norm and the pitfall's error.
 
-use candle_core::{CpuStorage, CustomOp1, InplaceOp2, InplaceOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, InplaceOp3, Layout, Result, Tensor};
 
-use super::{f32_slice, map_range};
+use super::f32_slice;
 use crate::ops::vmath;
 
 /// One AdamW update's scalars (the caller's `AdamW::step` documents the maths).
@@ -83,27 +84,57 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
         .sum())
 }
 
-/// `factor · t` (no gradient: for gradients themselves, e.g. clipping).
-pub fn scale(t: &Tensor, factor: f32) -> Result<Tensor> {
-    t.contiguous()?.apply_op1_no_bwd(&Scale(factor))
+/// Σ (a − b)² of two CPU f32 tensors of one shape, with no temporary tensor: the same blocks
+/// of 1024 values and the same sums as `sum_squares` of the difference.
+pub fn sum_squared_difference(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let (a, b) = (a.contiguous()?, b.contiguous()?);
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (candle_core::Storage::Cpu(ca), candle_core::Storage::Cpu(cb)) = (&*sa, &*sb) else {
+        candle_core::bail!("sum_squared_difference: expects CPU tensors");
+    };
+    let x = f32_slice(ca, la, "sum_squared_difference")?;
+    let y = f32_slice(cb, lb, "sum_squared_difference")?;
+    if x.len() != y.len() {
+        candle_core::bail!("sum_squared_difference: {} vs {} values", x.len(), y.len());
+    }
+    let mut diff = [0f32; 1024];
+    Ok(x.chunks(1024)
+        .zip(y.chunks(1024))
+        .map(|(x, y)| {
+            let d = &mut diff[..x.len()];
+            d.iter_mut()
+                .zip(x.iter().zip(y))
+                .for_each(|(d, (x, y))| *d = x - y);
+            vmath::widest(
+                #[inline(always)]
+                || f64::from(vmath::dot(d, d)),
+            )
+        })
+        .sum())
 }
 
-struct Scale(f32);
+/// `t ← factor · t` in the tensor's own storage (gradients at the boundary: unscaling and
+/// clipping). Every tensor sharing that storage sees the change.
+pub fn scale_in_place(t: &Tensor, factor: f32) -> Result<()> {
+    t.inplace_op1(&ScaleInPlace(factor))
+}
 
-impl CustomOp1 for Scale {
+struct ScaleInPlace(f32);
+
+impl InplaceOp1 for ScaleInPlace {
     fn name(&self) -> &'static str {
-        "gaccwb-scale"
+        "gaccwb-scale-in-place"
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(s, l, self.name())?;
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
+        let x = slice_mut(s, l, self.name())?;
         let k = self.0;
-        let y = map_range(x.len(), |r, dst| {
-            dst.iter_mut().zip(&x[r]).for_each(|(y, &x)| {
-                y.write(k * x);
-            })
-        });
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        vmath::widest(
+            #[inline(always)]
+            || x.iter_mut().for_each(|x| *x *= k),
+        );
+        Ok(())
     }
 }
 

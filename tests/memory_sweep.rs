@@ -1,0 +1,186 @@
+//! Every byte named, across the grid: dtype × offload × pitfall × clip × (B, K) × shape, each
+//! phase and category of the measured ledger against the analytic estimate. For every phase the
+//! gap of each category is at most 5% of that phase's measured figure (its peak; the live total
+//! for the step's end), `other` included (its gap is what no category and no prediction explains).
+//!
+//! One test on purpose: the counting allocator sees every thread of the process.
+
+use candle_core::Device;
+use gaccwb::memory::estimate::{estimate, Config};
+use gaccwb::scenario::Scenario;
+use gaccwb::telemetry::{Categories, MemoryEvent, Phase};
+use gaccwb::train::Trainer;
+
+const TOLERANCE: f64 = 0.05;
+
+struct Shape {
+    name: &'static str,
+    sets: &'static [&'static str],
+}
+
+const SHAPES: [Shape; 2] = [
+    Shape {
+        name: "d32 L2 T32",
+        sets: &[
+            "model.d_model=32",
+            "model.layers=2",
+            "model.heads=2",
+            "model.seq_len=32",
+        ],
+    },
+    Shape {
+        name: "d48 L1 T24",
+        sets: &[
+            "model.d_model=48",
+            "model.layers=1",
+            "model.heads=3",
+            "model.seq_len=24",
+        ],
+    },
+];
+
+/// One point of the grid.
+#[derive(Clone, Copy, Debug)]
+struct Point {
+    shape: usize,
+    dtype: &'static str,
+    offload: bool,
+    pitfall: bool,
+    clip: bool,
+    micro_batch: usize,
+    accum_steps: usize,
+}
+
+impl Point {
+    fn label(&self) -> String {
+        format!(
+            "{} {} B{} K{}{}{}{}",
+            SHAPES[self.shape].name,
+            self.dtype,
+            self.micro_batch,
+            self.accum_steps,
+            if self.offload { " offload" } else { "" },
+            if self.pitfall { " mean-of-means" } else { "" },
+            if self.clip { " clip" } else { "" },
+        )
+    }
+
+    fn scenario(&self) -> Scenario {
+        let mut s = Scenario::default();
+        for set in SHAPES[self.shape].sets {
+            s.set(set).unwrap();
+        }
+        s.set("model.vocab=64").unwrap();
+        s.set("train.eval_every=0").unwrap();
+        s.set(&format!("train.micro_batch={}", self.micro_batch))
+            .unwrap();
+        s.set(&format!("train.accum_steps={}", self.accum_steps))
+            .unwrap();
+        s.set(&format!("train.dtype={}", self.dtype)).unwrap();
+        s.set(&format!("train.offload={}", self.offload)).unwrap();
+        if self.pitfall {
+            s.set("train.loss_norm=mean-of-means").unwrap();
+        }
+        // A threshold below any real gradient norm: every step clips.
+        s.train.clip = if self.clip { Some(1e-3) } else { None };
+        s
+    }
+}
+
+fn grid() -> Vec<Point> {
+    let mut points = Vec::new();
+    for shape in 0..SHAPES.len() {
+        for dtype in ["f32", "bf16", "f16"] {
+            for offload in [false, true] {
+                for pitfall in [false, true] {
+                    for clip in [false, true] {
+                        for (micro_batch, accum_steps) in [(4, 1), (2, 3)] {
+                            points.push(Point {
+                                shape,
+                                dtype,
+                                offload,
+                                pitfall,
+                                clip,
+                                micro_batch,
+                                accum_steps,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    points
+}
+
+/// The memory events of the third step (the first two take the one-time allocations).
+fn measure(s: Scenario) -> Vec<MemoryEvent> {
+    let mut t = Trainer::new(s, Device::Cpu).unwrap();
+    for _ in 0..2 {
+        t.train_step(|| true).ok().unwrap();
+        t.memory.take_events();
+    }
+    t.train_step(|| true).ok().unwrap();
+    t.memory.take_events()
+}
+
+/// The largest gap of one phase over the grid.
+#[derive(Default, Clone)]
+struct Worst {
+    share: f64,
+    what: String,
+}
+
+#[test]
+fn every_category_of_every_phase_is_predicted_within_five_percent() {
+    let phases = [
+        Phase::Forward,
+        Phase::Backward,
+        Phase::Optimizer,
+        Phase::Step,
+    ];
+    let mut worst = vec![Worst::default(); phases.len()];
+    let mut failures = Vec::new();
+    for point in grid() {
+        let s = point.scenario();
+        let predicted = estimate(&Config::from_scenario(&s, true));
+        let measured = measure(s);
+        for (slot, (phase, estimated)) in predicted.phases().into_iter().enumerate() {
+            let event = measured.iter().find(|e| e.phase == phase).unwrap();
+            let total = if phase == Phase::Step {
+                event.total
+            } else {
+                event.peak
+            };
+            let pairs = event
+                .categories
+                .values()
+                .into_iter()
+                .zip(estimated.values());
+            for (category, (m, e)) in Categories::NAMES.iter().zip(pairs) {
+                let share = (m as f64 - e as f64).abs() / total as f64;
+                let what = format!(
+                    "{} {phase:?} {category}: measured {m} estimate {e} of {total} ({:+.2}%)",
+                    point.label(),
+                    100.0 * (e as f64 - m as f64) / total as f64
+                );
+                if share > worst[slot].share {
+                    worst[slot] = Worst {
+                        share,
+                        what: what.clone(),
+                    };
+                }
+                if share > TOLERANCE {
+                    failures.push(what);
+                }
+            }
+        }
+    }
+    for (phase, w) in phases.iter().zip(&worst) {
+        println!("worst {phase:?}: {}", w.what);
+    }
+    for f in &failures {
+        println!("over {:.0}%: {f}", 100.0 * TOLERANCE);
+    }
+    assert!(failures.is_empty(), "{} gaps over 5%", failures.len());
+}
