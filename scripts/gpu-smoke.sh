@@ -151,8 +151,15 @@ smoke() {
     phase test "$TEST_LIMIT_S" cargo test --locked --release --features cuda || failed=1
     grep -E '^test result:' "$OUT/test.log" | sed 's/^/   /'
 
+    presets_and_verdict ./target/release/gaccwb 480 "$failed" "$OUT/test.log" "$start"
+}
+
+# presets_and_verdict BIN BUDGET_S FAILED LOGS START: every preset on cuda:0 with BIN, the table,
+# the time against the budget; fails (pointing at LOGS) when FAILED is 1 or the table has a failure.
+presets_and_verdict() {
+    local bin=$1 budget=$2 failed=$3 logs=$4 start=$5
     echo "== presets on cuda:0, $STEPS steps each"
-    run_presets ./target/release/gaccwb cuda:0 "$STEPS" "$OUT/runs"
+    run_presets "$bin" cuda:0 "$STEPS" "$OUT/runs"
 
     echo
     build_table "$OUT/runs" | tee "$OUT/table.txt"
@@ -160,8 +167,8 @@ smoke() {
 
     local total=$((SECONDS - start))
     echo
-    echo "total ${total}s (budget 480s)$([ $total -gt 480 ] && echo ': OVER BUDGET')"
-    [ $failed -eq 0 ] || fail "see the table and $OUT/test.log"
+    echo "total ${total}s (budget ${budget}s)$([ $total -gt "$budget" ] && echo ': OVER BUDGET')"
+    [ "$failed" -eq 0 ] || fail "see the table and $logs"
     echo "gpu-smoke: ok"
 }
 
@@ -260,18 +267,7 @@ smoke_prebuilt() {
             sed 's/^/   /'
     done
 
-    echo "== presets on cuda:0, $STEPS steps each"
-    run_presets "$bin" cuda:0 "$STEPS" "$OUT/runs"
-
-    echo
-    build_table "$OUT/runs" | tee "$OUT/table.txt"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-
-    local total=$((SECONDS - start))
-    echo
-    echo "total ${total}s (budget 360s)$([ $total -gt 360 ] && echo ': OVER BUDGET')"
-    [ $failed -eq 0 ] || fail "see the table and $OUT/test-*.log"
-    echo "gpu-smoke: ok"
+    presets_and_verdict "$bin" 360 "$failed" "$OUT/test-*.log" "$start"
 }
 
 # ---------------------------------------------------------------------------------------------

@@ -42,7 +42,12 @@ fn training_on_the_composite_ops_follows_the_fused_run() {
         let e = (a.loss - b.loss).abs() / a.loss;
         assert!(e < 1e-5, "step {i}: loss {} vs {} ({e:e})", a.loss, b.loss);
         let e = (a.grad_norm - b.grad_norm).abs() / a.grad_norm;
-        assert!(e < 1e-4, "step {i}: grad norm {} vs {}", a.grad_norm, b.grad_norm);
+        assert!(
+            e < 1e-4,
+            "step {i}: grad norm {} vs {}",
+            a.grad_norm,
+            b.grad_norm
+        );
         if i == 0 || i == 7 {
             first_and_last.push(b.loss);
         }
@@ -130,7 +135,10 @@ fn composite_adamw_matches_the_fused_kernel() {
     let fused = adamw_after_two_steps(false, false);
     for (name, other) in [
         ("composite", adamw_after_two_steps(true, false)),
-        ("offload with host master copies", adamw_after_two_steps(false, true)),
+        (
+            "offload with host master copies",
+            adamw_after_two_steps(false, true),
+        ),
     ] {
         let parts = [("weights", &fused.0, &other.0), ("m", &fused.1, &other.1)];
         for (what, a, b) in parts.into_iter().chain([("v", &fused.2, &other.2)]) {

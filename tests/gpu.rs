@@ -47,9 +47,7 @@ fn one_window_of_f32_gradients_matches_the_cpu() {
     };
     let s = tiny();
     let cpu = Trainer::new(s.clone(), Device::Cpu).unwrap();
-    let samples: Vec<_> = (0..8)
-        .map(|i| cpu.corpus.sample(Split::Train, i))
-        .collect();
+    let samples: Vec<_> = (0..8).map(|i| cpu.corpus.sample(Split::Train, i)).collect();
     let knobs = Knobs::from_scenario(&s);
     let on = |model: &Gpt, device: &Device| {
         let w = window_gradients(model, &samples, &knobs, 1.0, device, || true);
@@ -58,12 +56,21 @@ fn one_window_of_f32_gradients_matches_the_cpu() {
     };
     let gpu_model = Gpt::new(&s.model, s.train.seed, &cuda).unwrap();
     let (a, b) = (on(&cpu.model, &Device::Cpu), on(&gpu_model, &cuda));
-    assert!((a.loss - b.loss).abs() / a.loss < 1e-5, "loss {} vs {}", a.loss, b.loss);
+    assert!(
+        (a.loss - b.loss).abs() / a.loss < 1e-5,
+        "loss {} vs {}",
+        a.loss,
+        b.loss
+    );
     let mut worst = 0f64;
     for (p, (g_cpu, g_gpu)) in cpu.model.params.iter().zip(a.grads.iter().zip(&b.grads)) {
         let e = rel(g_gpu, g_cpu);
         worst = worst.max(e);
-        assert!(e <= 1e-4, "{}: cuda gradient off the CPU's by {e:e}", p.name);
+        assert!(
+            e <= 1e-4,
+            "{}: cuda gradient off the CPU's by {e:e}",
+            p.name
+        );
     }
     println!("f32 window gradients, cuda:0 vs CPU fused: worst rel. error {worst:.2e}");
 }
@@ -98,7 +105,11 @@ fn one_adamw_step_matches_the_cpu() {
     let (cpu, gpu) = (step(&Device::Cpu), step(&cuda));
     for (p, q) in cpu.params.iter().zip(&gpu.params) {
         let e = rel(q.var.as_tensor(), p.var.as_tensor());
-        assert!(e <= 1e-5, "{}: weights after one step differ by {e:e}", p.name);
+        assert!(
+            e <= 1e-5,
+            "{}: weights after one step differ by {e:e}",
+            p.name
+        );
     }
 }
 
@@ -160,12 +171,23 @@ fn offload_preset_keeps_host_state_and_trains_on_the_gpu() {
         panic!("offloaded step failed");
     };
     assert!(step.loss.is_finite());
-    assert!(t.opt.m.iter().all(|m| m.device().is_cpu()), "moments on the host");
-    let master = t.opt.master.as_ref().expect("host master copies on a GPU run");
+    assert!(
+        t.opt.m.iter().all(|m| m.device().is_cpu()),
+        "moments on the host"
+    );
+    let master = t
+        .opt
+        .master
+        .as_ref()
+        .expect("host master copies on a GPU run");
     for (p, m) in t.model.params.iter().zip(master) {
         assert!(m.device().is_cpu());
         let e = rel(p.var.as_tensor(), m);
-        assert!(e == 0.0, "{}: device weights and host master differ by {e:e}", p.name);
+        assert!(
+            e == 0.0,
+            "{}: device weights and host master differ by {e:e}",
+            p.name
+        );
     }
 }
 
@@ -203,8 +225,14 @@ fn nvml_sees_at_least_what_the_pool_holds() {
         nvml.process_used, pool.reserved
     );
     assert!(pool_used >= 256 << 20, "the pool holds the 256 MiB tensor");
-    assert!(nvml_used >= pool_used, "NVML counts the pool and the context");
+    assert!(
+        nvml_used >= pool_used,
+        "NVML counts the pool and the context"
+    );
     if let Some(process) = nvml.process_used {
-        assert!(process >= pool_used, "the process's NVML figure includes its pool");
+        assert!(
+            process >= pool_used,
+            "the process's NVML figure includes its pool"
+        );
     }
 }

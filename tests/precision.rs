@@ -187,7 +187,9 @@ fn half_precision_gradients_match_f32_per_parameter() {
                 .iter()
                 .max_by(|a, b| a.1.total_cmp(&b.1))
                 .expect("the model has parameters");
-            println!("{dtype:?} at {tokens} tokens per micro-batch: max rel. error {max:.4e} ({worst})");
+            println!(
+                "{dtype:?} at {tokens} tokens per micro-batch: max rel. error {max:.4e} ({worst})"
+            );
             for (name, e) in &errors {
                 assert!(
                     *e <= bound,
@@ -196,4 +198,45 @@ fn half_precision_gradients_match_f32_per_parameter() {
             }
         }
     }
+}
+
+#[test]
+fn f16_gradients_that_overflow_at_the_scale_floor_end_the_run() {
+    use gaccwb::telemetry::Event;
+    let mut s = tiny();
+    s.train.dtype = Dtype::F16;
+    s.train.steps = 100;
+    s.train.warmup = 0;
+    s.train.loss_scale = 8.0;
+    // A learning rate this large sends the weights past f16's range after one step: every
+    // window after it overflows whatever the scale.
+    s.train.lr = 1e6;
+    let (mut handle, _sink) = gaccwb::train::spawn(s, Device::Cpu).unwrap();
+    let mut skipped = 0;
+    let end = loop {
+        match handle
+            .events
+            .blocking_recv()
+            .expect("the trainer ends with an end event")
+        {
+            Event::Step(step) => {
+                skipped += usize::from(step.skipped);
+                assert!(
+                    step.loss_scale >= 1.0,
+                    "scale {} below the floor",
+                    step.loss_scale
+                );
+            }
+            Event::End(end) => break end,
+            _ => {}
+        }
+    };
+    println!(
+        "ended at step {} after {skipped} skipped: {}",
+        end.step, end.reason
+    );
+    assert!(end.reason.contains("loss-scale floor"), "{}", end.reason);
+    // 8 → 4 → 2 → 1, then FLOOR_PATIENCE overflows at 1.
+    assert!(end.step < 20, "the run went on to step {}", end.step);
+    assert!(skipped >= 6, "{skipped} skipped steps");
 }

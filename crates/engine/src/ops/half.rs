@@ -36,7 +36,10 @@ impl BroadcastAdd {
                 shape
             );
         }
-        Ok((x.binary_impl::<Add>(b, xl, &bl.broadcast_as(&shape)?)?, shape))
+        Ok((
+            x.binary_impl::<Add>(b, xl, &bl.broadcast_as(&shape)?)?,
+            shape,
+        ))
     }
 }
 
@@ -145,14 +148,22 @@ mod tests {
         let (rows, d, vocab) = (4096usize, 8usize, 4usize);
         let dev = Device::Cpu;
         // 1 + k/128: exact in bf16 and f16, so only the reduction can err.
-        let grad: Vec<f32> = (0..rows * d).map(|i| 1.0 + (i % 7) as f32 / 128.0).collect();
+        let grad: Vec<f32> = (0..rows * d)
+            .map(|i| 1.0 + (i % 7) as f32 / 128.0)
+            .collect();
         let grad = Tensor::from_vec(grad, (rows, d), &dev).unwrap();
         let exact = grad.sum(0).unwrap();
         let rel = |g: &Tensor, want: &Tensor| {
             let g = g.to_dtype(DType::F32).unwrap();
             let diff = (g - want).unwrap().abs().unwrap().max_all().unwrap();
             let diff = diff.to_scalar::<f32>().unwrap();
-            diff / want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+            diff / want
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
         };
         for dtype in [DType::BF16, DType::F16] {
             let x = Var::zeros((rows, d), dtype, &dev).unwrap();
@@ -160,7 +171,10 @@ mod tests {
             let y = broadcast_add(x.as_tensor(), b.as_tensor()).unwrap();
             let loss = (y.to_dtype(DType::F32).unwrap() * &grad).unwrap().sum_all();
             let g = loss.unwrap().backward().unwrap();
-            assert!(rel(g.get(b.as_tensor()).unwrap(), &exact) < 4e-3, "{dtype:?}");
+            assert!(
+                rel(g.get(b.as_tensor()).unwrap(), &exact) < 4e-3,
+                "{dtype:?}"
+            );
 
             let table = Var::zeros((vocab, d), dtype, &dev).unwrap();
             let ids = Tensor::from_vec(vec![1u32; rows], rows, &dev).unwrap();
