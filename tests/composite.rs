@@ -81,11 +81,12 @@ fn the_composite_path_is_what_runs_when_forced() {
     );
 }
 
-/// Two AdamW steps on the same weights and gradients, one way and the other.
-fn adamw_after_two_steps(
-    composite: bool,
-    with_master: bool,
-) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+/// One vector of values per parameter.
+type PerParam = Vec<Vec<f32>>;
+
+/// Weights, first and second moments after two AdamW steps on the same weights and gradients,
+/// one way and the other.
+fn adamw_after_two_steps(composite: bool, with_master: bool) -> (PerParam, PerParam, PerParam) {
     let model = Gpt::new(&tiny().model, 3, &Device::Cpu).unwrap();
     let hyper = Hyper {
         beta1: 0.9,
