@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use gaccwb::data::Split;
-use gaccwb::memory::gpu::{sources_for, GpuSource};
+use gaccwb::memory::gpu::sources_for;
 use gaccwb::model::Gpt;
 use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Knobs, MemorySource};
