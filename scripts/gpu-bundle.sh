@@ -63,8 +63,9 @@ if [ ! -e "$link_dir/libcuda.so" ]; then
     done
     cudarc_src=$(cargo metadata --locked --format-version 1 --features cuda |
         python3 -c 'import json,sys; print(next(p["manifest_path"] for p in json.load(sys.stdin)["packages"] if p["name"] == "cudarc").rsplit("/", 1)[0])')
-    grep -ohE 'pub fn cu[A-Za-z0-9_]+\(' "$cudarc_src"/src/driver/sys/*.rs | sed 's/pub fn //; s/($//' |
-        sort -u | sed 's/.*/void &(void) {}/' >"$link_dir/cuda_stub.c"
+    # The driver functions are declared one per line, `fn cuName(...)`, in extern blocks.
+    grep -ohE '^\s*fn cu[A-Za-z0-9_]+\(' "$cudarc_src"/src/driver/sys/*.rs |
+        sed -E 's/^\s*fn //; s/\($//' | sort -u | sed 's/.*/void &(void) {}/' >"$link_dir/cuda_stub.c"
     cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$link_dir/libcuda.so" "$link_dir/cuda_stub.c"
 fi
 export LIBRARY_PATH=$link_dir${LIBRARY_PATH:+:$LIBRARY_PATH}
