@@ -6,11 +6,16 @@
 #
 # Usage:
 #   scripts/gpu-smoke.sh [--steps N] [--out DIR]   the smoke test (default: 40 steps, gpu-smoke-out/)
+#   scripts/gpu-smoke.sh --prebuilt BUNDLE [--steps N] [--out DIR]
+#                                                  the same without compiling, from the bundle that
+#                                                  scripts/gpu-bundle.sh builds (no toolkit needed)
 #   scripts/gpu-smoke.sh --table DIR               rebuild the table from DIR's recordings
 #   scripts/gpu-smoke.sh --self-test BIN           check the table builder without a GPU (CI)
 #
 # Environment: CUDA_HOME (toolkit; else nvcc on PATH or /usr/local/cuda), CUDA_COMPUTE_CAP (else
-# asked of nvidia-smi), GPU_SMOKE_CONTEXT_MIB (NVML-over-trainer allowance, default 1536).
+# asked of nvidia-smi), GPU_SMOKE_CONTEXT_MIB (NVML-over-trainer allowance, default 1536),
+# CUDA_LIB_DIRS (--prebuilt: extra folders for CUDA's libraries; it also looks in python3's
+# site-packages/nvidia/*/lib, where PyTorch's CUDA wheels put them).
 
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +23,7 @@ SCRIPTS=$PWD/scripts
 
 STEPS=40
 OUT=gpu-smoke-out
+PREBUILT=
 BUILD_LIMIT_S=360
 TEST_LIMIT_S=240
 PRESET_LIMIT_S=90
@@ -145,8 +151,15 @@ smoke() {
     phase test "$TEST_LIMIT_S" cargo test --locked --release --features cuda || failed=1
     grep -E '^test result:' "$OUT/test.log" | sed 's/^/   /'
 
+    presets_and_verdict ./target/release/gaccwb 480 "$failed" "$OUT/test.log" "$start"
+}
+
+# presets_and_verdict BIN BUDGET_S FAILED LOGS START: every preset on cuda:0 with BIN, the table,
+# the time against the budget; fails (pointing at LOGS) when FAILED is 1 or the table has a failure.
+presets_and_verdict() {
+    local bin=$1 budget=$2 failed=$3 logs=$4 start=$5
     echo "== presets on cuda:0, $STEPS steps each"
-    run_presets ./target/release/gaccwb cuda:0 "$STEPS" "$OUT/runs"
+    run_presets "$bin" cuda:0 "$STEPS" "$OUT/runs"
 
     echo
     build_table "$OUT/runs" | tee "$OUT/table.txt"
@@ -154,9 +167,107 @@ smoke() {
 
     local total=$((SECONDS - start))
     echo
-    echo "total ${total}s (budget 480s)$([ $total -gt 480 ] && echo ': OVER BUDGET')"
-    [ $failed -eq 0 ] || fail "see the table and $OUT/test.log"
+    echo "total ${total}s (budget ${budget}s)$([ $total -gt "$budget" ] && echo ': OVER BUDGET')"
+    [ "$failed" -eq 0 ] || fail "see the table and $logs"
     echo "gpu-smoke: ok"
+}
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU box without a toolchain: the prebuilt bundle.
+
+# Folders holding CUDA's shared libraries: CUDA_LIB_DIRS, then the NVIDIA wheels of python3's
+# packages (PyTorch's cu13 build carries cuBLAS, cuRAND and NVRTC there).
+cuda_lib_dirs() {
+    local d
+    for d in ${CUDA_LIB_DIRS//:/ }; do [ -d "$d" ] && echo "$d"; done
+    command -v python3 >/dev/null || return 0
+    python3 - <<'PY' 2>/dev/null
+import glob, os, site, sys
+roots = site.getsitepackages() + [site.getusersitepackages()] + sys.path
+seen = set()
+for root in roots:
+    for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib"))):
+        if lib not in seen and glob.glob(os.path.join(lib, "*.so*")):
+            seen.add(lib)
+            print(lib)
+PY
+}
+
+# What the environment offers, before anything runs: a failure later still teaches something.
+print_environment() {
+    local bin=$1 lib
+    echo "date: $(date -u)"
+    echo "host: $(uname -srm), $(nproc) cores"
+    echo "bundle:"
+    sed 's/^/  /' "$PREBUILT/manifest.txt" 2>/dev/null || echo "  (no manifest.txt)"
+    if command -v nvidia-smi >/dev/null; then
+        echo "driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader -i 0 2>&1)," \
+            "CUDA $(nvidia-smi 2>/dev/null | grep -oE 'CUDA Version: [0-9.]+' | cut -d' ' -f3)"
+        echo "nvidia-smi -L:"
+        nvidia-smi -L 2>&1 | sed 's/^/  /'
+    else
+        echo "nvidia-smi: not found"
+    fi
+    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>}"
+    echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+    echo "ldd $bin (not found = missing):"
+    ldd "$bin" 2>&1 | sed 's/^/  /'
+    # NVML is opened at run time (dlopen), so ldd cannot list it: look it up as the loader will.
+    printf 'opened at run time: %s %s\n' libnvidia-ml.so.1 "$(find_library libnvidia-ml.so.1)"
+    if ldd "$bin" 2>&1 | grep -q 'not found'; then
+        echo "MISSING LIBRARIES: set CUDA_LIB_DIRS to the folders that hold them"
+    fi
+}
+
+# Where the loader would find library $1, or "NOT FOUND".
+find_library() {
+    local d
+    for d in ${LD_LIBRARY_PATH//:/ }; do
+        [ -e "$d/$1" ] && { echo "$d/$1"; return; }
+    done
+    ldconfig -p 2>/dev/null | awk -v lib="$1" '$1 == lib {print $NF; found=1; exit} END {if (!found) print "NOT FOUND"}'
+}
+
+# Unpack the bundle's binaries (xz or plain) into $1.
+unpack_bundle() {
+    local dest=$1 f name
+    mkdir -p "$dest/tests"
+    [ -e "$PREBUILT/gaccwb.xz" ] || [ -e "$PREBUILT/gaccwb" ] ||
+        fail "$PREBUILT holds no gaccwb binary: build the bundle with scripts/gpu-bundle.sh"
+    for f in "$PREBUILT"/gaccwb* "$PREBUILT"/tests/*; do
+        [ -e "$f" ] || continue
+        name=${f#"$PREBUILT"/}
+        name=${name%.xz}
+        if [[ $f == *.xz ]]; then
+            xz -dc "$f" >"$dest/$name" || fail "cannot unpack $f"
+        else
+            cp "$f" "$dest/$name"
+        fi
+        chmod +x "$dest/$name"
+    done
+}
+
+smoke_prebuilt() {
+    need_python
+    rm -rf "$OUT"
+    mkdir -p "$OUT/runs" || fail "cannot create $OUT"
+    OUT=$(cd "$OUT" && pwd)
+    local start=$SECONDS failed=0 bin=$OUT/bin/gaccwb t libs
+    libs=$(cuda_lib_dirs | paste -sd: -)
+    export LD_LIBRARY_PATH=${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    unpack_bundle "$OUT/bin"
+    print_environment "$bin" 2>&1 | tee "$OUT/env.txt"
+    echo "bundle size: $(du -sh "$PREBUILT" | cut -f1) packed, $(du -sh "$OUT/bin" | cut -f1) unpacked"
+
+    for t in "$OUT"/bin/tests/*; do
+        [ -x "$t" ] || continue
+        # The tests read presets and fixtures relative to the repository root (this folder).
+        phase "test-$(basename "$t")" "$TEST_LIMIT_S" "$t" --test-threads=1 --nocapture || failed=1
+        grep -E '^test |skipped|rel\. error|^(NVML|fp16|f32)' "$OUT/test-$(basename "$t").log" |
+            sed 's/^/   /'
+    done
+
+    presets_and_verdict "$bin" 360 "$failed" "$OUT/test-*.log" "$start"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -165,10 +276,17 @@ while [ $# -gt 0 ]; do
     case $1 in
         --steps) STEPS=${2:?--steps needs a number}; shift 2 ;;
         --out) OUT=${2:?--out needs a folder}; shift 2 ;;
+        --prebuilt) PREBUILT=${2:?--prebuilt needs the bundle folder}; shift 2 ;;
         --table) build_table "${2:?--table needs a folder}"; exit ;;
         --self-test) self_test "${2:?--self-test needs the gaccwb binary}"; exit ;;
-        -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
         *) fail "unknown argument '$1' (see --help)" ;;
     esac
 done
-smoke
+if [ -n "$PREBUILT" ]; then
+    [ -d "$PREBUILT" ] || fail "--prebuilt $PREBUILT: no such folder"
+    PREBUILT=$(cd "$PREBUILT" && pwd)
+    smoke_prebuilt
+else
+    smoke
+fi

@@ -135,6 +135,8 @@ fn an_unknown_device_is_rejected() {
     );
 }
 
+// A CUDA build on a machine with a GPU runs on cuda:0, so this holds only without the feature.
+#[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_without_the_feature_or_a_gpu_explains_itself() {
     let mut args = vec!["run", "--headless", "--steps", "1", "--device", "cuda:0"];
@@ -288,4 +290,30 @@ fn training_is_bitwise_identical_at_one_and_two_threads() {
         assert_eq!(one.len(), 3, "{name}");
         assert_eq!(one, two, "{name}: 1 vs 2 threads");
     }
+}
+
+#[test]
+fn the_composite_kernels_switch_runs_and_rejects_unknown_values() {
+    let run = |value: &str| {
+        let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "2"];
+        args.extend_from_slice(TINY);
+        let out = Command::cargo_bin("gaccwb")
+            .unwrap()
+            .env("GACCWB_KERNELS", value)
+            .args(&args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stderr) = run("composite");
+    assert_eq!(code, Some(0), "{stderr}");
+    let (code, stderr) = run("tensor-cores");
+    assert_ne!(code, Some(0));
+    assert!(
+        stderr.contains("GACCWB_KERNELS") && stderr.contains("composite"),
+        "{stderr}"
+    );
 }

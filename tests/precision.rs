@@ -147,3 +147,107 @@ fn half_precision_tracks_f32_early_on() {
         }
     }
 }
+
+/// Every parameter's gradient of one micro-batch of `tokens_per_micro` tokens in `dtype` against
+/// f32, as relative L2 error per tensor.
+fn gradient_errors(dtype: Dtype, tokens_per_micro: usize) -> Vec<(String, f64)> {
+    use gaccwb::data::Split;
+    use gaccwb::train::{relative_error, window_gradients, Knobs};
+    let mut s = common::tiny_scenario();
+    s.model.vocab = 64;
+    s.model.d_model = 64;
+    s.model.seq_len = 64;
+    s.train.micro_batch = tokens_per_micro / s.model.seq_len;
+    s.train.accum_steps = 1;
+    let t = Trainer::new(s.clone(), Device::Cpu).unwrap();
+    let samples: Vec<_> = (0..s.train.micro_batch)
+        .map(|i| t.corpus.sample(Split::Train, i as u64))
+        .collect();
+    let grads = |dtype: Dtype, scale: f64| {
+        let mut knobs = Knobs::from_scenario(&s);
+        knobs.dtype = dtype;
+        let w = window_gradients(&t.model, &samples, &knobs, scale, &Device::Cpu, || true);
+        let Ok(w) = w else { panic!("window failed") };
+        w.grads
+            .iter()
+            .map(|g| g.affine(1.0 / scale, 0.0).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let reference = grads(Dtype::F32, 1.0);
+    // f16 runs under a loss scale, as in training; bf16 has f32's range and needs none.
+    let scale = if dtype == Dtype::F16 { 1024.0 } else { 1.0 };
+    let low = grads(dtype, scale);
+    t.model
+        .params
+        .iter()
+        .zip(low.iter().zip(&reference))
+        .map(|(p, (g, r))| {
+            let e = relative_error(std::slice::from_ref(g), std::slice::from_ref(r)).unwrap();
+            (p.name.clone(), e)
+        })
+        .collect()
+}
+
+#[test]
+fn half_precision_gradients_match_f32_per_parameter() {
+    // The bounds: bf16 within 2% of f32 per parameter tensor, f16 within 0.5%.
+    for (dtype, bound) in [(Dtype::Bf16, 0.02), (Dtype::F16, 0.005)] {
+        for tokens in [1024, 4096] {
+            let errors = gradient_errors(dtype, tokens);
+            let (worst, max) = errors
+                .iter()
+                .max_by(|a, b| a.1.total_cmp(&b.1))
+                .expect("the model has parameters");
+            println!(
+                "{dtype:?} at {tokens} tokens per micro-batch: max rel. error {max:.4e} ({worst})"
+            );
+            for (name, e) in &errors {
+                assert!(
+                    *e <= bound,
+                    "{dtype:?}, {tokens} tokens: {name} gradient {e:.3e} off f32 (bound {bound})"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn f16_gradients_that_overflow_at_the_scale_floor_end_the_run() {
+    use gaccwb::telemetry::Event;
+    let mut s = tiny();
+    s.train.dtype = Dtype::F16;
+    s.train.steps = 100;
+    s.train.warmup = 0;
+    s.train.loss_scale = 8.0;
+    // A learning rate this large sends the weights past f16's range after one step: every
+    // window after it overflows whatever the scale.
+    s.train.lr = 1e6;
+    let (mut handle, _sink) = gaccwb::train::spawn(s, Device::Cpu).unwrap();
+    let mut skipped = 0;
+    let end = loop {
+        match handle
+            .events
+            .blocking_recv()
+            .expect("the trainer ends with an end event")
+        {
+            Event::Step(step) => {
+                skipped += usize::from(step.skipped);
+                assert!(
+                    step.loss_scale >= 1.0,
+                    "scale {} below the floor",
+                    step.loss_scale
+                );
+            }
+            Event::End(end) => break end,
+            _ => {}
+        }
+    };
+    println!(
+        "ended at step {} after {skipped} skipped: {}",
+        end.step, end.reason
+    );
+    assert!(end.reason.contains("loss-scale floor"), "{}", end.reason);
+    // 8 → 4 → 2 → 1, then FLOOR_PATIENCE overflows at 1.
+    assert!(end.step < 20, "the run went on to step {}", end.step);
+    assert!(skipped >= 6, "{skipped} skipped steps");
+}

@@ -223,11 +223,15 @@ pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> anyhow::Resu
         scale: state.loss_scale,
         growth_interval: state.scale_growth_interval,
         clean_steps: state.scale_clean_steps,
+        floor_overflows: 0,
     };
     trainer.knobs = state.knobs.clone();
     trainer.step = state.step;
     trainer.lr_step = state.lr_step;
     trainer.cursor = state.cursor;
     trainer.overflow_count = state.overflow_count;
+    // The restored tensors were written on this thread's stream; the trainer's thread must see
+    // them complete before its first kernel reads them.
+    trainer.device.synchronize()?;
     Ok(())
 }

@@ -111,11 +111,9 @@ impl Gpt {
 
         let wte = next()?;
         let wpe = next()?;
-        let tok = wte
-            .index_select(&ids.flatten_all()?, 0)?
-            .reshape((b, t, d))?;
+        let tok = ops::embedding(&wte, &ids.flatten_all()?)?.reshape((b, t, d))?;
         let pos = wpe.narrow(0, 0, t)?;
-        let mut x = tok.broadcast_add(&pos)?.reshape((b * t, d))?;
+        let mut x = ops::broadcast_add(&tok, &pos)?.reshape((b * t, d))?;
 
         for _ in 0..cfg.layers {
             let (g1, b1) = (next()?, next()?);

@@ -7,18 +7,77 @@
 //! tests hold value and gradient of each pair together. The memory estimator
 //! (`memory::estimate`) models both paths: keep it in step when a path changes what it keeps.
 
+use std::cell::Cell;
+use std::sync::OnceLock;
+
 use candle_core::{DType, Result, Tensor};
 
 pub mod composite;
 pub mod fused;
+pub mod half;
 pub mod vmath;
 pub mod workspace;
 
-/// True when every tensor is an f32 CPU tensor: the fused ops' domain.
+/// True when every tensor is an f32 CPU tensor (the fused ops' domain) and this thread has not
+/// asked for the composite ops.
 pub fn fused_domain(tensors: &[&Tensor]) -> bool {
-    tensors
-        .iter()
-        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+    !composite_forced()
+        && tensors
+            .iter()
+            .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+}
+
+/// The environment variable that sets the kernels: `composite` runs the composite ops (the
+/// code every CUDA step runs) on the CPU too, in f32, so the GPU path is testable without one.
+pub const KERNELS_ENV: &str = "GACCWB_KERNELS";
+
+/// Whether `GACCWB_KERNELS=composite` was set when the process first asked (read once).
+/// Any other value but `fused` or empty is reported by `kernels_from_env`.
+pub fn composite_from_env() -> bool {
+    static FROM_ENV: OnceLock<bool> = OnceLock::new();
+    *FROM_ENV.get_or_init(|| matches!(kernels_from_env(), Ok(true)))
+}
+
+/// `GACCWB_KERNELS` parsed: `Ok(true)` for `composite`, `Ok(false)` for `fused` or unset.
+pub fn kernels_from_env() -> std::result::Result<bool, String> {
+    match std::env::var(KERNELS_ENV) {
+        Err(_) => Ok(false),
+        Ok(v) => match v.trim() {
+            "" | "fused" => Ok(false),
+            "composite" => Ok(true),
+            other => Err(format!(
+                "{KERNELS_ENV}={other:?}: expected \"fused\" (the default) or \"composite\""
+            )),
+        },
+    }
+}
+
+thread_local! {
+    static COMPOSITE: Cell<bool> = Cell::new(composite_from_env());
+}
+
+fn composite_forced() -> bool {
+    COMPOSITE.with(Cell::get)
+}
+
+/// Run the composite ops on this thread (`true`) or let f32 CPU tensors take the fused ones,
+/// until the guard drops. Thread-local, so parallel tests do not see each other's choice.
+pub fn force_composite(on: bool) -> KernelsGuard {
+    KernelsGuard {
+        previous: COMPOSITE.with(|c| c.replace(on)),
+    }
+}
+
+/// Restores the thread's previous kernel choice when dropped.
+#[must_use = "the choice lasts only while the guard lives"]
+pub struct KernelsGuard {
+    previous: bool,
+}
+
+impl Drop for KernelsGuard {
+    fn drop(&mut self) {
+        COMPOSITE.with(|c| c.set(self.previous));
+    }
 }
 
 /// Layer norm over the last dimension, computed in f32 whatever the input dtype.
@@ -28,6 +87,22 @@ pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<
     } else {
         composite::layer_norm(x, gain, bias, eps)
     }
+}
+
+/// Rows `ids` (`[N]` u32) of an embedding table `[V, D]`. In half precision the table's
+/// gradient is accumulated in f32 (`half::embedding`).
+pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    if table.dtype() == DType::F32 {
+        table.index_select(ids, 0)
+    } else {
+        half::embedding(table, ids)
+    }
+}
+
+/// `x + b` with `b`'s shape the trailing dimensions of `x`; in half precision `b`'s gradient is
+/// summed in f32.
+pub fn broadcast_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    composite::bias_add(x, b)
 }
 
 /// `x·w + b` for `x` `[N, I]`, `w` `[I, O]`, `b` `[O]`.

@@ -50,6 +50,10 @@ fn shared_nvml() -> Result<Arc<Nvml>, String> {
 pub struct NvmlSource {
     nvml: Result<Arc<Nvml>, String>,
     index: u32,
+    /// The GPU's UUID as NVML spells it (`GPU-…`): NVML numbers every GPU in the machine while
+    /// CUDA numbers those `CUDA_VISIBLE_DEVICES` shows, so the ordinal alone can name another
+    /// GPU. Set for CUDA devices (`for_cuda`); `index` is the fallback.
+    uuid: Option<String>,
     pid: u32,
 }
 
@@ -59,7 +63,28 @@ impl NvmlSource {
         NvmlSource {
             nvml: shared_nvml(),
             index,
+            uuid: None,
             pid: std::process::id(),
+        }
+    }
+
+    /// The GPU behind Candle's CUDA device `gpu_id`, found by UUID when the driver gives one.
+    pub fn for_cuda(device: &Device, gpu_id: usize) -> NvmlSource {
+        NvmlSource {
+            uuid: cuda_uuid(device),
+            ..NvmlSource::new(gpu_id as u32)
+        }
+    }
+
+    /// This source's GPU in NVML: by UUID when known, else by ordinal.
+    fn gpu<'n>(&self, nvml: &'n Nvml) -> Result<nvml_wrapper::Device<'n>, String> {
+        match &self.uuid {
+            Some(uuid) => nvml
+                .device_by_uuid(uuid.as_str())
+                .map_err(|e| nvml_unavailable(format!("GPU {uuid}: {e}"))),
+            None => nvml
+                .device_by_index(self.index)
+                .map_err(|e| nvml_unavailable(format!("GPU {}: {e}", self.index))),
         }
     }
 
@@ -73,6 +98,7 @@ impl NvmlSource {
         NvmlSource {
             nvml,
             index,
+            uuid: None,
             pid: std::process::id(),
         }
     }
@@ -90,9 +116,7 @@ impl GpuSource for NvmlSource {
 
     fn sample(&mut self) -> Result<DeviceEvent, String> {
         let nvml = self.nvml.as_ref().map_err(Clone::clone)?;
-        let gpu = nvml
-            .device_by_index(self.index)
-            .map_err(|e| nvml_unavailable(format!("GPU {}: {e}", self.index)))?;
+        let gpu = self.gpu(nvml)?;
         let memory = gpu.memory_info().map_err(nvml_unavailable)?;
         let process_used = gpu.running_compute_processes().ok().and_then(|ps| {
             ps.into_iter()
@@ -205,8 +229,12 @@ pub struct NvmlMeter {
 
 impl NvmlMeter {
     pub fn new(index: u32) -> NvmlMeter {
+        NvmlMeter::of(NvmlSource::new(index))
+    }
+
+    fn of(source: NvmlSource) -> NvmlMeter {
         NvmlMeter {
-            source: NvmlSource::new(index),
+            source,
             peak: AtomicU64::new(0),
         }
     }
@@ -223,10 +251,11 @@ impl TotalMeter for NvmlMeter {
         let Ok(nvml) = &self.source.nvml else {
             return 0;
         };
-        let used = nvml
-            .device_by_index(self.source.index)
-            .and_then(|d| d.running_compute_processes())
+        let used = self
+            .source
+            .gpu(nvml)
             .ok()
+            .and_then(|d| d.running_compute_processes().ok())
             .and_then(|ps| {
                 ps.into_iter()
                     .filter(|p| p.pid == self.source.pid)
@@ -261,24 +290,52 @@ pub fn meter_for(device: &Device) -> Box<dyn TotalMeter> {
 fn cuda_meter(device: &Device, gpu_id: usize) -> Box<dyn TotalMeter> {
     match super::cuda_pool::CudaPool::for_device(device) {
         Ok(pool) => Box::new(pool),
-        Err(_) => Box::new(NvmlMeter::new(gpu_id as u32)),
+        Err(_) => Box::new(NvmlMeter::of(NvmlSource::for_cuda(device, gpu_id))),
     }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_meter(_device: &Device, gpu_id: usize) -> Box<dyn TotalMeter> {
-    Box::new(NvmlMeter::new(gpu_id as u32))
+fn cuda_meter(device: &Device, gpu_id: usize) -> Box<dyn TotalMeter> {
+    Box::new(NvmlMeter::of(NvmlSource::for_cuda(device, gpu_id)))
 }
 
 /// The sources that describe `device`: the allocator on CPU; NVML and the memory pool on CUDA.
 pub fn sources_for(device: &Device) -> Vec<Box<dyn GpuSource>> {
     match device.location() {
         candle_core::DeviceLocation::Cuda { gpu_id } => {
-            let nvml: Box<dyn GpuSource> = Box::new(NvmlSource::new(gpu_id as u32));
+            let nvml: Box<dyn GpuSource> = Box::new(NvmlSource::for_cuda(device, gpu_id));
             std::iter::once(nvml).chain(pool_source(device)).collect()
         }
         _ => vec![Box::new(AllocatorSource::new())],
     }
+}
+
+/// The CUDA device's UUID in NVML's spelling, `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+#[cfg(feature = "cuda")]
+fn cuda_uuid(device: &Device) -> Option<String> {
+    let cuda = device.as_cuda_device().ok()?;
+    let uuid = cuda.cuda_stream().context().uuid().ok()?;
+    Some(nvml_uuid(&uuid.bytes.map(|b| b as u8)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_uuid(_device: &Device) -> Option<String> {
+    None
+}
+
+/// 16 UUID bytes as NVML prints them.
+pub fn nvml_uuid(bytes: &[u8; 16]) -> String {
+    let hex = |r: std::ops::Range<usize>| -> String {
+        bytes[r].iter().map(|b| format!("{b:02x}")).collect()
+    };
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        hex(0..4),
+        hex(4..6),
+        hex(6..8),
+        hex(8..10),
+        hex(10..16)
+    )
 }
 
 #[cfg(feature = "cuda")]
@@ -375,5 +432,17 @@ fn reading(
                 ..DeviceEvent::default()
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod uuid_tests {
+    #[test]
+    fn uuid_is_spelled_as_nvml_spells_it() {
+        let bytes: [u8; 16] = std::array::from_fn(|i| i as u8 * 17);
+        assert_eq!(
+            super::nvml_uuid(&bytes),
+            "GPU-00112233-4455-6677-8899-aabbccddeeff"
+        );
     }
 }

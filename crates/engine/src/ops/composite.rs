@@ -1,7 +1,10 @@
 //! The reference versions: plain differentiable Candle ops, any dtype, any device. The fused
 //! ops are tested against these.
 
-use candle_core::{DType, Result, Tensor, D};
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, DeviceLocation, Result, Tensor, D};
 
 /// Layer norm over the last dimension, computed in f32 whatever the input dtype.
 pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
@@ -19,9 +22,14 @@ pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<
         .to_dtype(dtype)
 }
 
-/// `x + bias`, broadcast over the rows of `x`.
+/// `x + bias`, broadcast over the rows of `x`. In half precision the bias gradient is summed
+/// in f32 (Candle's broadcast backward would sum it in the half type).
 pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    x.broadcast_add(bias)
+    if x.dtype() == DType::F32 {
+        x.broadcast_add(bias)
+    } else {
+        super::half::broadcast_add(x, bias)
+    }
 }
 
 /// `x·w + b`.
@@ -54,7 +62,27 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 
 /// Causal softmax of `scale * scores` over the last dimension of `[.., T, T]`.
 pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
-    let t = scores.dim(D::Minus1)?;
+    let mask = causal_mask(scores.dim(D::Minus1)?, scores.device(), scores.dtype())?;
+    candle_nn::ops::softmax(&(scores * scale)?.broadcast_add(&mask)?, D::Minus1)
+}
+
+/// Masks kept per thread; a run uses one or two shapes, so a handful is plenty.
+const MASK_CACHE_LIMIT: usize = 8;
+
+type MaskKey = (usize, DeviceLocation, DType);
+
+thread_local! {
+    static MASKS: RefCell<HashMap<MaskKey, Tensor>> = RefCell::new(HashMap::new());
+}
+
+/// The `[T, T]` additive causal mask (0 on and below the diagonal, −∞ above), built once per
+/// size, device and dtype instead of once per layer per micro-batch (on CUDA each build is a
+/// host-to-device copy).
+pub fn causal_mask(t: usize, device: &Device, dtype: DType) -> Result<Tensor> {
+    let key = (t, device.location(), dtype);
+    if let Some(mask) = MASKS.with(|m| m.borrow().get(&key).cloned()) {
+        return Ok(mask);
+    }
     let mask: Vec<f32> = (0..t * t)
         .map(|i| {
             if i % t > i / t {
@@ -64,8 +92,15 @@ pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
             }
         })
         .collect();
-    let mask = Tensor::from_vec(mask, (t, t), scores.device())?.to_dtype(scores.dtype())?;
-    candle_nn::ops::softmax(&(scores * scale)?.broadcast_add(&mask)?, D::Minus1)
+    let mask = Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)?;
+    MASKS.with(|m| {
+        let mut m = m.borrow_mut();
+        if m.len() >= MASK_CACHE_LIMIT {
+            m.clear();
+        }
+        m.insert(key, mask.clone());
+    });
+    Ok(mask)
 }
 
 /// Sum over counted positions of the negative log-likelihood of `targets` (softmax in f32).

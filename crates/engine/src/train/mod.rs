@@ -101,7 +101,10 @@ pub fn window_gradients_probed(
 
     let mut grads: Option<Vec<Tensor>> = None;
     let mut reference: Option<Vec<Tensor>> = None;
-    let (mut loss, mut forward_ms, mut backward_ms) = (0.0, 0.0, 0.0);
+    let (mut forward_ms, mut backward_ms) = (0.0, 0.0);
+    // Each micro-batch's detached token-sum loss and its weight: read back in one transfer at
+    // the end of the window, not one device-to-host sync per micro-batch.
+    let mut losses: Vec<(Tensor, f64)> = Vec::new();
     for chunk in micro {
         if !between() {
             return Err(Interrupt::Stop);
@@ -117,12 +120,16 @@ pub fn window_gradients_probed(
             LossNorm::MeanOfMeans => 1.0 / (batch.tokens.max(1) as f64 * k),
         };
         let scaled = nll.affine(weight * scale, 0.0)?;
-        loss += f64::from(nll.to_scalar::<f32>()?) * weight;
+        losses.push((nll.detach(), weight));
+        // CUDA runs asynchronously: the phase's time and the memory reading are only true
+        // once its kernels have finished (a no-op on the CPU).
+        device.synchronize()?;
         let t1 = Instant::now();
         probe.forward_end(&scaled, &fwd.compute_weights, &buffer(&grads, &reference));
         probe.phase_start(Phase::Backward);
         let t2 = Instant::now();
         let store = scaled.backward()?;
+        device.synchronize()?;
         probe.backward_end(
             &scaled,
             &fwd.compute_weights,
@@ -165,11 +172,25 @@ pub fn window_gradients_probed(
     Ok(WindowGrads {
         grads: grads.unwrap_or_default(),
         reference,
-        loss,
+        loss: window_loss(&losses)?,
         tokens: window_tokens,
         forward_ms,
         backward_ms,
     })
+}
+
+/// Σ weight × loss over the window's micro-batches, with one device-to-host transfer.
+fn window_loss(losses: &[(Tensor, f64)]) -> Result<f64> {
+    if losses.is_empty() {
+        return Ok(0.0);
+    }
+    let tensors: Vec<&Tensor> = losses.iter().map(|(t, _)| t).collect();
+    let values = Tensor::stack(&tensors, 0)?.to_vec1::<f32>()?;
+    Ok(values
+        .iter()
+        .zip(losses)
+        .map(|(v, (_, weight))| f64::from(*v) * weight)
+        .sum())
 }
 
 /// Every tensor of the accumulation buffers (the gradients, and the reference while a pitfall
@@ -197,17 +218,18 @@ fn fold(
 /// Global L2 norm over a set of tensors, in f64 on the host.
 pub fn global_norm(tensors: &[Tensor]) -> Result<f64> {
     let mut sum = 0f64;
+    // Per-tensor sums of squares left on the device, read back together: one host sync.
+    let mut on_device = Vec::new();
     for t in tensors {
         if crate::ops::fused_domain(&[t]) {
             sum += crate::ops::fused::sum_squares(t)?;
             continue;
         }
-        sum += f64::from(
-            t.sqr()?
-                .sum_all()?
-                .to_dtype(candle_core::DType::F32)?
-                .to_scalar::<f32>()?,
-        );
+        on_device.push(t.sqr()?.sum_all()?.to_dtype(candle_core::DType::F32)?);
+    }
+    if !on_device.is_empty() {
+        let sums = Tensor::stack(&on_device, 0)?.to_vec1::<f32>()?;
+        sum += sums.iter().map(|&s| f64::from(s)).sum::<f64>();
     }
     Ok(sum.sqrt())
 }
@@ -238,6 +260,9 @@ pub struct Trainer {
     pub checkpoint: Option<crate::checkpoint::Policy>,
     /// Controls given with `--control STEP:KIND=VALUE`: a timeline reported with origin `cli`.
     pub cli_controls: Vec<TimelineEntry>,
+    /// Run the composite ops (CUDA's code path) even where the fused CPU kernels apply; from
+    /// `GACCWB_KERNELS=composite` (see `ops::KERNELS_ENV`).
+    pub composite: bool,
     base_batch: usize,
     started: Instant,
 }
@@ -258,7 +283,9 @@ impl Trainer {
         let mut opt = AdamW::new(&model.params, hyper)?;
         opt.set_offload(t.offload, &model.params)?;
         let memory = Ledger::new(crate::memory::gpu::meter_for(&device));
+        let composite = crate::ops::kernels_from_env().map_err(anyhow::Error::msg)?;
         Ok(Trainer {
+            composite,
             memory,
             knobs: Knobs::from_scenario(&scenario),
             scaler: LossScaler::new(t.loss_scale, t.scale_growth_interval),
@@ -331,6 +358,12 @@ impl Trainer {
         }
     }
 
+    /// Why the run must end, once f16 gradients keep overflowing at the loss-scale floor.
+    pub fn overflow_exhausted(&self) -> Option<String> {
+        (self.knobs.dtype.needs_loss_scaling() && self.scaler.exhausted())
+            .then(|| self.scaler.exhausted_reason())
+    }
+
     /// Learning rate for the next step: schedule × LR rule for the current effective batch.
     ///
     /// The schedule's clock is `lr_step`, the applied steps: a skipped (overflowed) step changed
@@ -369,6 +402,7 @@ impl Trainer {
         &mut self,
         between: impl FnMut() -> bool,
     ) -> std::result::Result<StepEvent, Interrupt> {
+        let _kernels = crate::ops::force_composite(self.composite);
         let t0 = Instant::now();
         if self.device.is_cpu() {
             crate::ops::workspace::reserve(self.knobs.dtype);
@@ -396,6 +430,7 @@ impl Trainer {
         let t_opt = Instant::now();
         self.memory.optimizer_start(&window.buffer());
         let mut step = self.apply_window(window, scale, t0)?;
+        self.device.synchronize()?;
         self.memory
             .finish_window(step.step, self.persistent_memory());
         step.phase_ms.optimizer = t_opt.elapsed().as_secs_f64() * 1e3;
@@ -479,6 +514,7 @@ impl Trainer {
     /// Mean validation loss per counted token over a fixed set of validation samples
     /// (`eval_samples`), run in micro-batches of the B in force.
     pub fn evaluate(&self) -> Result<f64> {
+        let _kernels = crate::ops::force_composite(self.composite);
         let indices: Vec<u64> = self.eval_samples().collect();
         let (mut sum, mut tokens) = (0f64, 0u64);
         for chunk in indices.chunks(self.knobs.micro_batch.max(1)) {
@@ -548,6 +584,12 @@ pub fn spawn(scenario: Scenario, device: Device) -> anyhow::Result<(TrainerHandl
 
 /// `spawn` for a trainer built (or resumed from a checkpoint) by the caller.
 pub fn spawn_trainer(trainer: Trainer) -> anyhow::Result<(TrainerHandle, EventSink)> {
+    // The model and optimizer state were created on this thread; the trainer's thread must
+    // find them complete (on CUDA, work queued here may still be in flight).
+    trainer
+        .device
+        .synchronize()
+        .context("synchronizing the device before the trainer thread starts")?;
     let (ctx, crx) = unbounded_channel();
     let (etx, erx) = unbounded_channel();
     let sink = EventSink::new(etx);
@@ -619,6 +661,14 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
                     sink.send(log);
                 }
                 maybe_evaluate(&trainer, n, &sink);
+                if let Some(reason) = trainer.overflow_exhausted() {
+                    sink.send(Event::Log(LogEvent {
+                        step: n,
+                        level: Level::Error,
+                        message: reason.clone(),
+                    }));
+                    break reason;
+                }
             }
             Err(Interrupt::Stop) => break "stopped".to_string(),
             Err(Interrupt::Failed(e)) => {

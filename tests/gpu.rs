@@ -1,0 +1,238 @@
+//! On a GPU (`cargo test --features cuda --test gpu`): the CUDA path against the CPU's fused
+//! kernels. Each test prints why it is skipped when no CUDA device answers, so a CUDA build
+//! still passes on a machine without one (CI compiles these; a lent GPU runs them).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use gaccwb::data::Split;
+use gaccwb::memory::gpu::sources_for;
+use gaccwb::model::Gpt;
+use gaccwb::scenario::Scenario;
+use gaccwb::telemetry::{Knobs, MemorySource};
+use gaccwb::train::adamw::{AdamW, Hyper};
+use gaccwb::train::{relative_error, window_gradients, Trainer};
+
+/// `cuda:0`, or `None` after saying why the test does not run.
+fn gpu(test: &str) -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("{test}: skipped, no CUDA device answers: {e}");
+            None
+        }
+    }
+}
+
+fn tiny() -> Scenario {
+    let mut s = common::tiny_scenario();
+    s.train.micro_batch = 4;
+    s.train.accum_steps = 2;
+    s.train.warmup = 2;
+    s
+}
+
+/// Relative L2 error of one tensor against a reference on another device.
+fn rel(a: &Tensor, reference: &Tensor) -> f64 {
+    let a = a.to_device(&Device::Cpu).unwrap();
+    let r = reference.to_device(&Device::Cpu).unwrap();
+    relative_error(&[a], &[r]).unwrap()
+}
+
+#[test]
+fn one_window_of_f32_gradients_matches_the_cpu() {
+    let Some(cuda) = gpu("one_window_of_f32_gradients_matches_the_cpu") else {
+        return;
+    };
+    let s = tiny();
+    let cpu = Trainer::new(s.clone(), Device::Cpu).unwrap();
+    let samples: Vec<_> = (0..8).map(|i| cpu.corpus.sample(Split::Train, i)).collect();
+    let knobs = Knobs::from_scenario(&s);
+    let on = |model: &Gpt, device: &Device| {
+        let w = window_gradients(model, &samples, &knobs, 1.0, device, || true);
+        let Ok(w) = w else { panic!("window failed") };
+        w
+    };
+    let gpu_model = Gpt::new(&s.model, s.train.seed, &cuda).unwrap();
+    let (a, b) = (on(&cpu.model, &Device::Cpu), on(&gpu_model, &cuda));
+    assert!(
+        (a.loss - b.loss).abs() / a.loss < 1e-5,
+        "loss {} vs {}",
+        a.loss,
+        b.loss
+    );
+    let mut worst = 0f64;
+    for (p, (g_cpu, g_gpu)) in cpu.model.params.iter().zip(a.grads.iter().zip(&b.grads)) {
+        let e = rel(g_gpu, g_cpu);
+        worst = worst.max(e);
+        assert!(
+            e <= 1e-4,
+            "{}: cuda gradient off the CPU's by {e:e}",
+            p.name
+        );
+    }
+    println!("f32 window gradients, cuda:0 vs CPU fused: worst rel. error {worst:.2e}");
+}
+
+#[test]
+fn one_adamw_step_matches_the_cpu() {
+    let Some(cuda) = gpu("one_adamw_step_matches_the_cpu") else {
+        return;
+    };
+    let s = tiny();
+    let hyper = Hyper {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let step = |device: &Device| {
+        let model = Gpt::new(&s.model, 5, device).unwrap();
+        let grads: Vec<Tensor> = model
+            .params
+            .iter()
+            .map(|p| {
+                let n = p.var.elem_count();
+                let g: Vec<f32> = (0..n).map(|j| (j % 13) as f32 / 13.0 - 0.4).collect();
+                Tensor::from_vec(g, p.var.shape(), device).unwrap()
+            })
+            .collect();
+        let mut opt = AdamW::new(&model.params, hyper).unwrap();
+        opt.step(&model.params, &grads, 1e-2).unwrap();
+        model
+    };
+    let (cpu, gpu) = (step(&Device::Cpu), step(&cuda));
+    for (p, q) in cpu.params.iter().zip(&gpu.params) {
+        let e = rel(q.var.as_tensor(), p.var.as_tensor());
+        assert!(
+            e <= 1e-5,
+            "{}: weights after one step differ by {e:e}",
+            p.name
+        );
+    }
+}
+
+/// `steps` steps of a built-in preset on `device` with a narrow model.
+fn preset_run(name: &str, device: &Device, steps: u64) -> Trainer {
+    let mut s = gaccwb::presets::resolve(name).unwrap();
+    s.model.d_model = 64;
+    s.model.layers = 2;
+    s.model.heads = 2;
+    s.train.steps = steps;
+    s.train.eval_every = 0;
+    let mut t = Trainer::new(s, device.clone()).unwrap();
+    for _ in 0..steps {
+        let due: Vec<_> = t
+            .scenario
+            .timeline
+            .iter()
+            .filter(|e| e.step == t.step)
+            .map(|e| e.control.clone())
+            .collect();
+        for c in &due {
+            t.apply_control(c).unwrap();
+        }
+        let Ok(step) = t.train_step(|| true) else {
+            panic!("{name}: step {} failed on {device:?}", t.step);
+        };
+        assert!(step.loss.is_finite(), "{name}: loss {}", step.loss);
+    }
+    t
+}
+
+#[test]
+fn fp16_overflow_preset_skips_and_recovers_on_the_gpu() {
+    let Some(cuda) = gpu("fp16_overflow_preset_skips_and_recovers_on_the_gpu") else {
+        return;
+    };
+    let t = preset_run("fp16-overflow", &cuda, 30);
+    println!(
+        "fp16-overflow on cuda:0: {} overflows in {} steps, scale {}",
+        t.overflow_count, t.step, t.scaler.scale
+    );
+    assert!(t.lr_step > 0, "no step was applied");
+    assert!(t.overflow_exhausted().is_none());
+    for p in &t.model.params {
+        let max = p.var.abs().unwrap().max_all().unwrap();
+        assert!(max.to_scalar::<f32>().unwrap().is_finite(), "{}", p.name);
+    }
+}
+
+#[test]
+fn offload_preset_keeps_host_state_and_trains_on_the_gpu() {
+    let Some(cuda) = gpu("offload_preset_keeps_host_state_and_trains_on_the_gpu") else {
+        return;
+    };
+    let mut t = preset_run("offload", &cuda, 6);
+    t.apply_control(&gaccwb::telemetry::Control::SetOffload { value: true })
+        .unwrap();
+    let Ok(step) = t.train_step(|| true) else {
+        panic!("offloaded step failed");
+    };
+    assert!(step.loss.is_finite());
+    assert!(
+        t.opt.m.iter().all(|m| m.device().is_cpu()),
+        "moments on the host"
+    );
+    let master = t
+        .opt
+        .master
+        .as_ref()
+        .expect("host master copies on a GPU run");
+    for (p, m) in t.model.params.iter().zip(master) {
+        assert!(m.device().is_cpu());
+        let e = rel(p.var.as_tensor(), m);
+        assert!(
+            e == 0.0,
+            "{}: device weights and host master differ by {e:e}",
+            p.name
+        );
+    }
+}
+
+#[test]
+fn nvml_sees_at_least_what_the_pool_holds() {
+    let Some(cuda) = gpu("nvml_sees_at_least_what_the_pool_holds") else {
+        return;
+    };
+    // Hold some memory so the pool is not empty.
+    let _held = Tensor::zeros((64, 1024, 1024), candle_core::DType::F32, &cuda).unwrap();
+    cuda.synchronize().unwrap();
+    let readings = sources_for(&cuda)
+        .into_iter()
+        .map(|mut s| (s.source(), s.sample()))
+        .collect::<Vec<_>>();
+    let find = |source: MemorySource| {
+        readings
+            .iter()
+            .find(|(s, _)| *s == source)
+            .map(|(_, r)| r.clone())
+    };
+    let nvml = match find(MemorySource::Nvml) {
+        Some(Ok(e)) => e,
+        other => {
+            println!("nvml_sees_at_least_what_the_pool_holds: skipped, NVML: {other:?}");
+            return;
+        }
+    };
+    let pool = find(MemorySource::CudaPool)
+        .expect("a CUDA device has a pool source")
+        .expect("the pool answers");
+    let (nvml_used, pool_used) = (nvml.used.unwrap(), pool.used.unwrap());
+    println!(
+        "NVML used {nvml_used} B (process {:?}), pool used {pool_used} B reserved {:?}",
+        nvml.process_used, pool.reserved
+    );
+    assert!(pool_used >= 256 << 20, "the pool holds the 256 MiB tensor");
+    assert!(
+        nvml_used >= pool_used,
+        "NVML counts the pool and the context"
+    );
+    if let Some(process) = nvml.process_used {
+        assert!(
+            process >= pool_used,
+            "the process's NVML figure includes its pool"
+        );
+    }
+}
