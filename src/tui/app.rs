@@ -4,8 +4,8 @@
 use std::collections::VecDeque;
 
 use crate::telemetry::{
-    Control, ControlEvent, DeviceEvent, Event, Header, Knobs, Level, MemoryEvent, MemorySource,
-    Origin, Phase, StepEvent,
+    Checkpointing, Control, ControlEvent, DeviceEvent, Event, Header, Knobs, Level, MemoryEvent,
+    MemorySource, Origin, Phase, StepEvent,
 };
 
 use super::keymap::Action;
@@ -415,6 +415,12 @@ impl App {
                 },
             },
             Action::OffloadToggle => Control::SetOffload { value: !k.offload },
+            Action::CheckpointToggle => Control::SetCheckpointing {
+                value: match k.checkpointing {
+                    Checkpointing::None => Checkpointing::Blocks,
+                    _ => Checkpointing::None,
+                },
+            },
             Action::PrecisionCycle => Control::SetDtype {
                 value: k.dtype.next(),
             },
@@ -593,6 +599,12 @@ mod tests {
         assert_eq!(press('C'), vec![Control::SetClip { value: Some(2.0) }]);
         assert_eq!(press('x'), vec![Control::SetClip { value: None }]);
         assert_eq!(press('o'), vec![Control::SetOffload { value: true }]);
+        assert_eq!(
+            press('k'),
+            vec![Control::SetCheckpointing {
+                value: Checkpointing::Blocks
+            }]
+        );
         assert_eq!(press('p'), vec![Control::SetDtype { value: Dtype::Bf16 }]);
         assert_eq!(
             press('l'),

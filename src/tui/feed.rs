@@ -171,6 +171,7 @@ impl Live {
             t.lr_rule = k.lr_rule;
             t.dtype = k.dtype;
             t.offload = k.offload;
+            t.checkpointing = k.checkpointing;
             header.config.timeline.retain(|e| e.step >= app.last_step());
             r.write(&Event::Header(header))?;
         }

@@ -11,6 +11,10 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::ops;
 use crate::scenario::ModelConfig;
+use crate::telemetry::Checkpointing;
+
+mod recompute;
+pub use recompute::ParamGrads;
 
 const LN_EPS: f64 = 1e-5;
 
@@ -23,12 +27,14 @@ pub struct Param {
 }
 
 /// `x·w + b`; `w` stored `[in, out]`.
+#[derive(Clone)]
 pub struct Linear {
     pub w: Var,
     pub b: Var,
 }
 
 /// Layer norm's gain and bias.
+#[derive(Clone)]
 pub struct LayerNorm {
     pub g: Var,
     pub b: Var,
@@ -41,18 +47,21 @@ pub struct Embeddings {
 }
 
 /// Causal multi-head self-attention: one fused query/key/value projection, one output projection.
+#[derive(Clone)]
 pub struct Attention {
     pub qkv: Linear,
     pub proj: Linear,
 }
 
 /// The 4× GELU MLP.
+#[derive(Clone)]
 pub struct Mlp {
     pub fc: Linear,
     pub proj: Linear,
 }
 
 /// One pre-LayerNorm transformer block (`h{l}.*`).
+#[derive(Clone)]
 pub struct Block {
     pub ln1: LayerNorm,
     pub attn: Attention,
@@ -83,6 +92,9 @@ pub struct Forward {
     pub logits: Tensor,
     /// The low-precision weight copies made for this forward (empty in f32).
     pub compute_weights: Vec<Tensor>,
+    /// Gradients of the checkpointed blocks' parameters: they fill during the backward (the
+    /// blocks are recomputed outside the loss's graph) and are empty without checkpointing.
+    pub recomputed: ParamGrads,
 }
 
 /// The weights one forward computes with: the f32 Vars, detached when no graph is wanted, cast
@@ -125,7 +137,7 @@ impl Weights {
 
 /// The shape of the activations a block works on.
 #[derive(Clone, Copy, Debug)]
-pub struct Shape {
+pub struct Dims {
     pub batch: usize,
     pub tokens: usize,
     pub heads: usize,
@@ -171,7 +183,7 @@ impl Block {
     }
 
     /// `x` `[B·T, D]` → `x + attn(ln1(x))`, then `+ mlp(ln2(·))`.
-    pub fn forward(&self, x: &Tensor, shape: Shape, w: &mut Weights) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, shape: Dims, w: &mut Weights) -> Result<Tensor> {
         let a = self.ln1.forward(x, w)?;
         let x = (x + self.attn.forward(&a, shape, w)?)?;
         let m = self.ln2.forward(&x, w)?;
@@ -199,7 +211,7 @@ impl Block {
 }
 
 impl Attention {
-    fn forward(&self, a: &Tensor, s: Shape, w: &mut Weights) -> Result<Tensor> {
+    fn forward(&self, a: &Tensor, s: Dims, w: &mut Weights) -> Result<Tensor> {
         let qkv = ops::linear(a, &w.get(&self.qkv.w)?, &w.get(&self.qkv.b)?)?;
         let y = ops::causal_attention(&qkv, s.batch, s.tokens, s.heads)?;
         ops::linear(&y, &w.get(&self.proj.w)?, &w.get(&self.proj.b)?)
@@ -260,21 +272,44 @@ impl Gpt {
     /// Logits for token ids `[B, T]` (u32). `track` = false detaches the weights (evaluation:
     /// no graph is kept alive).
     pub fn forward(&self, ids: &Tensor, dtype: DType, track: bool) -> Result<Forward> {
+        self.forward_checkpointed(ids, dtype, track, Checkpointing::None)
+    }
+
+    /// `forward`, keeping only each segment's input instead of its blocks' graphs when
+    /// `checkpointing` says so (training only: `track` must be true for it to matter).
+    pub fn forward_checkpointed(
+        &self,
+        ids: &Tensor,
+        dtype: DType,
+        track: bool,
+        checkpointing: Checkpointing,
+    ) -> Result<Forward> {
         let (b, t) = ids.dims2()?;
-        let shape = Shape {
+        let shape = Dims {
             batch: b,
             tokens: t,
             heads: self.cfg.heads,
         };
         let mut w = Weights::new(dtype, track);
+        let recomputed = ParamGrads::default();
         let mut x = self.embed(ids, &mut w)?;
-        for block in &self.blocks {
-            x = block.forward(&x, shape, &mut w)?;
+        match checkpointing.segment().filter(|_| track) {
+            None => {
+                for block in &self.blocks {
+                    x = block.forward(&x, shape, &mut w)?;
+                }
+            }
+            Some(n) => {
+                for segment in self.blocks.chunks(n) {
+                    x = recompute::segment(segment, &x, shape, dtype, &recomputed)?;
+                }
+            }
         }
         let logits = self.logits(&x, &mut w)?;
         Ok(Forward {
             logits,
             compute_weights: w.into_casts(),
+            recomputed,
         })
     }
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::telemetry::{Control, Dtype, LossNorm, LrRule, ZeroGrad};
+use crate::telemetry::{Checkpointing, Control, Dtype, LossNorm, LrRule, ZeroGrad};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -127,6 +127,8 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Validation micro-batches per evaluation.
     pub eval_batches: usize,
+    /// Activation checkpointing: "none", "blocks" or "every-N".
+    pub checkpointing: Checkpointing,
 }
 
 impl Default for TrainConfig {
@@ -155,6 +157,7 @@ impl Default for TrainConfig {
             scale_growth_interval: 2000,
             eval_every: 25,
             eval_batches: 4,
+            checkpointing: Checkpointing::None,
         }
     }
 }
@@ -511,6 +514,7 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
         "scale_growth_interval",
         "eval_every",
         "eval_batches",
+        "checkpointing",
     ];
     match section {
         "model" => MODEL.to_vec(),

@@ -146,6 +146,7 @@ pub fn changes_memory(c: &Control) -> bool {
             | Control::SetOffload { .. }
             | Control::SetLossNorm { .. }
             | Control::SetZeroGrad { .. }
+            | Control::SetCheckpointing { .. }
     )
 }
 
