@@ -10,6 +10,7 @@
 //! kernels in the same order as the plain forward, so the gradients are the same bits.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::backend::BackendStorage;
@@ -20,10 +21,20 @@ use candle_core::{
 };
 
 use super::{Block, Dims, Weights};
+use crate::memory::tensors::{activation_bytes, StorageSet};
 
-/// Parameter gradients computed outside the loss's graph, by parameter (`Var`) id.
+/// Parameter gradients computed outside the loss's graph, by parameter (`Var`) id, and the size
+/// of the largest graph a recompute built.
 #[derive(Clone, Default)]
-pub struct ParamGrads(Arc<Mutex<HashMap<TensorId, Tensor>>>);
+pub struct ParamGrads(Arc<Held>);
+
+#[derive(Default)]
+struct Held {
+    grads: Mutex<HashMap<TensorId, Tensor>>,
+    /// Bytes of the largest recomputed graph (the input's copy, the blocks' activations, the
+    /// `y · grad` product), parameters and compute weights not counted.
+    graph_bytes: AtomicU64,
+}
 
 impl ParamGrads {
     /// The gradient of `var`: from the loss's `store`, or else from the recomputed blocks.
@@ -34,13 +45,19 @@ impl ParamGrads {
         }
     }
 
-    /// Bytes of the gradients held here (the ledger counts them with the backward's).
+    /// The gradients held here, not yet taken.
     pub fn tensors(&self) -> Vec<Tensor> {
         self.lock().values().cloned().collect()
     }
 
+    /// Bytes of the largest graph one recompute kept (0 before the backward, or without
+    /// checkpointing): the activations the backward adds at its peak.
+    pub fn recomputed_graph_bytes(&self) -> u64 {
+        self.0.graph_bytes.load(Ordering::Relaxed)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<TensorId, Tensor>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.0.grads.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -103,6 +120,21 @@ impl Recompute {
     }
 }
 
+impl Recompute {
+    fn record_graph(&self, loss: &Tensor, casts: Vec<Tensor>) {
+        let mut seen = StorageSet::default();
+        seen.add_all(
+            self.blocks
+                .iter()
+                .flat_map(Block::vars)
+                .map(|v| v.as_tensor()),
+        );
+        seen.add_all(&casts);
+        let bytes = activation_bytes(loss, &mut seen);
+        self.grads.0.graph_bytes.fetch_max(bytes, Ordering::Relaxed);
+    }
+}
+
 impl CustomOp1 for Recompute {
     fn name(&self) -> &'static str {
         "checkpointed-blocks"
@@ -130,7 +162,9 @@ impl CustomOp1 for Recompute {
             y = block.forward(&y, self.dims, &mut weights)?;
         }
         // d/dy of sum(y · g) is g exactly (1 · g), so the blocks see the incoming gradient.
-        let store = (y * grad.detach())?.sum_all()?.backward()?;
+        let loss = (y * grad.detach())?.sum_all()?;
+        self.record_graph(&loss, weights.into_casts());
+        let store = loss.backward()?;
         let mut held = self.grads.lock();
         for var in self.blocks.iter().flat_map(Block::vars) {
             if let Some(g) = store.get(var.as_tensor()) {

@@ -127,6 +127,7 @@ pub fn window_gradients_probed(
         probe.phase_start(Phase::Backward);
         let t2 = Instant::now();
         let store = scaled.backward()?;
+        probe.recomputed(fwd.recomputed.recomputed_graph_bytes());
         probe.backward_end(
             &scaled,
             &fwd.compute_weights,
