@@ -31,6 +31,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../presets/pitfall-mean-of-means.toml"),
     ),
     ("lr-rules", include_str!("../../../presets/lr-rules.toml")),
+    (
+        "three-ways-to-fit",
+        include_str!("../../../presets/three-ways-to-fit.toml"),
+    ),
 ];
 
 /// The preset `gaccwb` runs with no arguments.
