@@ -88,7 +88,7 @@ impl Action {
             Action::ClipUp => "clip norm ×2",
             Action::ClipToggle => "clipping off / on",
             Action::OffloadToggle => "optimizer offload on / off",
-            Action::CheckpointToggle => "activation checkpointing off / blocks",
+            Action::CheckpointToggle => "checkpointing off / blocks",
             Action::PrecisionCycle => "precision f32→bf16→f16",
             Action::LrRuleCycle => "LR rule none→linear→sqrt",
             Action::PauseResume => "pause / resume",
