@@ -47,12 +47,13 @@ struct CompareArgs {
     /// The preset every configuration starts from.
     #[arg(default_value = presets::DEFAULT)]
     preset: String,
-    /// Configurations, e.g. "B=32,K=1; B=4,K=8; B=4,K=8,offload; B=32,K=1,ckpt".
+    /// Configurations, e.g. "B=32,K=1; B=4,K=8; B=4,K=8,offload; B=32,K=1,ckpt" (default:
+    /// the preset's [compare] grid).
     #[arg(long)]
-    grid: String,
-    /// Optimizer steps per configuration.
-    #[arg(long, default_value_t = 20)]
-    steps: u64,
+    grid: Option<String>,
+    /// Optimizer steps per configuration (default: the preset's [compare] steps, else 20).
+    #[arg(long)]
+    steps: Option<u64>,
     /// Also write the table as CSV.
     #[arg(long, value_name = "FILE")]
     csv: Option<PathBuf>,
@@ -536,22 +537,25 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
 fn compare(args: CompareArgs) -> anyhow::Result<()> {
     use gaccwb::compare;
     let usage = |e: &dyn std::fmt::Display| UsageError(e.to_string());
-    if args.steps == 0 {
+    let base = presets::resolve(&args.preset).map_err(|e| usage(&e))?;
+    let spec = base.compare.clone().unwrap_or_default();
+    let grid = match args.grid.or(Some(spec.grid).filter(|g| !g.is_empty())) {
+        Some(g) => g,
+        None => anyhow::bail!(UsageError(format!(
+            "preset {} has no [compare] grid; give one with --grid, e.g. \"B=32,K=1; B=4,K=8\"",
+            args.preset
+        ))),
+    };
+    let steps = args.steps.or(spec.steps).unwrap_or(20);
+    if steps == 0 {
         anyhow::bail!(UsageError("--steps must be at least 1".into()));
     }
-    let base = presets::resolve(&args.preset).map_err(|e| usage(&e))?;
-    let configs = compare::parse_grid(&args.grid, &base).map_err(|e| usage(&e))?;
+    let configs = compare::parse_grid(&grid, &base).map_err(|e| usage(&e))?;
     let device = candle_core::Device::Cpu;
     let mut rows = Vec::new();
     for (i, c) in configs.iter().enumerate() {
-        eprintln!(
-            "[{}/{}] {} ({} steps)",
-            i + 1,
-            configs.len(),
-            c.label,
-            args.steps
-        );
-        rows.push(compare::run_one(c, args.steps, &device)?);
+        eprintln!("[{}/{}] {} ({steps} steps)", i + 1, configs.len(), c.label);
+        rows.push(compare::run_one(c, steps, &device)?);
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);

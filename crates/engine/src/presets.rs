@@ -35,6 +35,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         "three-ways-to-fit",
         include_str!("../../../presets/three-ways-to-fit.toml"),
     ),
+    (
+        "notes-table",
+        include_str!("../../../presets/notes-table.toml"),
+    ),
 ];
 
 /// The preset `gaccwb` runs with no arguments.

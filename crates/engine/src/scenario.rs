@@ -27,6 +27,18 @@ pub struct Scenario {
     pub train: TrainConfig,
     #[serde(default)]
     pub timeline: Vec<TimelineEntry>,
+    /// What `gaccwb compare PRESET` runs when no `--grid` is given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compare: Option<CompareSpec>,
+}
+
+/// A preset's `[compare]` table: a grid spec (as `--grid` takes) and steps per configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CompareSpec {
+    pub grid: String,
+    #[serde(default)]
+    pub steps: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
