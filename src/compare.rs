@@ -188,7 +188,7 @@ fn largest_category(c: &crate::telemetry::Categories) -> String {
 pub fn table(rows: &[Row]) -> String {
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let mut out = format!(
-        "{:<28} {:>4} {:>3} {:>5} {:>10} {:<16} {:>10} {:>9} {:>8} {:>8} {:>8}\n",
+        "{:<28} {:>4} {:>3} {:>5} {:>10} {:<20} {:>10} {:>9} {:>8} {:>8} {:>8}\n",
         "configuration",
         "B",
         "K",
@@ -204,7 +204,7 @@ pub fn table(rows: &[Row]) -> String {
     for r in rows {
         let val = r.val_loss.map_or("-".into(), |v| format!("{v:.4}"));
         out += &format!(
-            "{:<28} {:>4} {:>3} {:>5} {:>10.2} {:<16} {:>10.2} {:>9.0} {:>8.2} {:>8.4} {:>8}\n",
+            "{:<28} {:>4} {:>3} {:>5} {:>10.2} {:<20} {:>10.2} {:>9.0} {:>8.2} {:>8.4} {:>8}\n",
             r.config,
             r.micro_batch,
             r.accum_steps,
