@@ -189,6 +189,15 @@ fn y_range(series: &[Series]) -> Range<f64> {
     (lo - pad)..(hi + pad)
 }
 
+/// Steps are whole numbers: a tick between two steps gets no label rather than "20.5".
+fn step_label(x: &f64) -> String {
+    if (x - x.round()).abs() < 1e-9 {
+        format!("{}", x.round() as i64)
+    } else {
+        String::new()
+    }
+}
+
 fn draw_panel(
     area: &Area,
     caption: &str,
@@ -203,7 +212,11 @@ fn draw_panel(
         .x_label_area_size(30)
         .y_label_area_size(70)
         .build_cartesian_2d(x, y.clone())?;
-    chart.configure_mesh().x_desc("optimizer step").draw()?;
+    chart
+        .configure_mesh()
+        .x_desc("optimizer step")
+        .x_label_formatter(&step_label)
+        .draw()?;
     if series.iter().all(|s| s.points.is_empty()) {
         area.draw(&Text::new(
             "no data in this recording",
@@ -240,4 +253,16 @@ fn draw_panel(
         .position(SeriesLabelPosition::UpperRight)
         .draw()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::step_label;
+
+    #[test]
+    fn step_axis_labels_are_whole_numbers() {
+        assert_eq!(step_label(&20.0), "20");
+        assert_eq!(step_label(&0.0), "0");
+        assert_eq!(step_label(&2.5), "");
+    }
 }
