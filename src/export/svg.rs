@@ -82,13 +82,22 @@ pub fn render_svg(recording: &Recording) -> Result<String, Box<dyn std::error::E
             &grad_series(&steps),
             &markers,
         )?;
-        draw_panel(
-            &panels[2],
-            "loss scale (log2)",
-            x.clone(),
-            &scale_series(&steps),
-            &markers,
-        )?;
+        if steps.iter().any(|s| s.loss_scale != 1.0) {
+            draw_panel(
+                &panels[2],
+                "loss scale (log2)",
+                x.clone(),
+                &scale_series(&steps),
+                &markers,
+            )?;
+        } else {
+            // A flat line at 0 with an axis of "0.0 … -0.0" says nothing: say it in words.
+            panels[2].draw(&Text::new(
+                "loss scale: not used (only f16 scales the loss; this run never did)",
+                (40, PANEL_HEIGHT as i32 / 2),
+                ("sans-serif", 16),
+            ))?;
+        }
         draw_panel(
             &panels[3],
             "memory (MiB, largest phase of each step)",
