@@ -37,6 +37,29 @@ enum Command {
     Export(ExportArgs),
     /// Measure training tokens/s of the default model on CPU.
     Bench(BenchArgs),
+    /// Train a preset under several configurations (same seed, same samples) and print one
+    /// table: memory, throughput and loss side by side.
+    Compare(CompareArgs),
+}
+
+#[derive(Args)]
+struct CompareArgs {
+    /// The preset every configuration starts from.
+    #[arg(default_value = presets::DEFAULT)]
+    preset: String,
+    /// Configurations, e.g. "B=32,K=1; B=4,K=8; B=4,K=8,offload; B=32,K=1,ckpt" (default:
+    /// the preset's [compare] grid).
+    #[arg(long)]
+    grid: Option<String>,
+    /// Optimizer steps per configuration (default: the preset's [compare] steps, else 20).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Also write the table as CSV.
+    #[arg(long, value_name = "FILE")]
+    csv: Option<PathBuf>,
+    /// Print the rows as JSON instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -232,6 +255,7 @@ fn main() -> ExitCode {
         Some(Command::Estimate(args)) => estimate(args),
         Some(Command::Export(args)) => export(args),
         Some(Command::Bench(args)) => bench(args),
+        Some(Command::Compare(args)) => compare(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -511,5 +535,40 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "default preset `{}` (B={}, K={}, variable-length documents): {:.2} optimizer steps/s (median; target >= 2)",
         preset.name, default.micro_batch, default.accum_steps, default.median_steps_per_s()
     );
+    Ok(())
+}
+
+fn compare(args: CompareArgs) -> anyhow::Result<()> {
+    use gaccwb::compare;
+    let usage = |e: &dyn std::fmt::Display| UsageError(e.to_string());
+    let base = presets::resolve(&args.preset).map_err(|e| usage(&e))?;
+    let spec = base.compare.clone().unwrap_or_default();
+    let grid = match args.grid.or(Some(spec.grid).filter(|g| !g.is_empty())) {
+        Some(g) => g,
+        None => anyhow::bail!(UsageError(format!(
+            "preset {} has no [compare] grid; give one with --grid, e.g. \"B=32,K=1; B=4,K=8\"",
+            args.preset
+        ))),
+    };
+    let steps = args.steps.or(spec.steps).unwrap_or(20);
+    if steps == 0 {
+        anyhow::bail!(UsageError("--steps must be at least 1".into()));
+    }
+    let configs = compare::parse_grid(&grid, &base).map_err(|e| usage(&e))?;
+    let device = candle_core::Device::Cpu;
+    let mut rows = Vec::new();
+    for (i, c) in configs.iter().enumerate() {
+        eprintln!("[{}/{}] {} ({steps} steps)", i + 1, configs.len(), c.label);
+        rows.push(compare::run_one(c, steps, &device)?);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", compare::table(&rows));
+    }
+    if let Some(path) = &args.csv {
+        std::fs::write(path, compare::csv(&rows))
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+    }
     Ok(())
 }

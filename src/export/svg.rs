@@ -84,13 +84,22 @@ pub fn render_svg(recording: &Recording) -> Result<String, Box<dyn std::error::E
             &grad_series(&steps),
             &markers,
         )?;
-        draw_panel(
-            &panels[2],
-            "loss scale (log2)",
-            x.clone(),
-            &scale_series(&steps),
-            &markers,
-        )?;
+        if steps.iter().any(|s| s.loss_scale != 1.0) {
+            draw_panel(
+                &panels[2],
+                "loss scale (log2)",
+                x.clone(),
+                &scale_series(&steps),
+                &markers,
+            )?;
+        } else {
+            // A flat line at 0 with an axis of "0.0 … -0.0" says nothing: say it in words.
+            panels[2].draw(&Text::new(
+                "loss scale: not used (only f16 scales the loss; this run never did)",
+                (40, PANEL_HEIGHT as i32 / 2),
+                ("sans-serif", 16),
+            ))?;
+        }
         draw_panel(
             &panels[3],
             "memory (MiB, largest phase of each step)",
@@ -187,6 +196,15 @@ fn y_range(series: &[Series]) -> Range<f64> {
     (lo - pad)..(hi + pad)
 }
 
+/// Steps are whole numbers: a tick between two steps gets no label rather than "20.5".
+fn step_label(x: &f64) -> String {
+    if (x - x.round()).abs() < 1e-9 {
+        format!("{}", x.round() as i64)
+    } else {
+        String::new()
+    }
+}
+
 fn draw_panel(
     area: &Area,
     caption: &str,
@@ -201,7 +219,11 @@ fn draw_panel(
         .x_label_area_size(30)
         .y_label_area_size(70)
         .build_cartesian_2d(x, y.clone())?;
-    chart.configure_mesh().x_desc("optimizer step").draw()?;
+    chart
+        .configure_mesh()
+        .x_desc("optimizer step")
+        .x_label_formatter(&step_label)
+        .draw()?;
     if series.iter().all(|s| s.points.is_empty()) {
         area.draw(&Text::new(
             "no data in this recording",
@@ -274,5 +296,12 @@ mod tests {
             activations.points.iter().all(|p| p.1 == 12.0),
             "{activations:?}"
         );
+    }
+
+    #[test]
+    fn step_axis_labels_are_whole_numbers() {
+        assert_eq!(step_label(&20.0), "20");
+        assert_eq!(step_label(&0.0), "0");
+        assert_eq!(step_label(&2.5), "");
     }
 }

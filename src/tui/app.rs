@@ -5,7 +5,8 @@ use std::collections::VecDeque;
 
 use crate::memory::StepFigure;
 use crate::telemetry::{
-    Control, ControlEvent, DeviceEvent, EstimateEvent, Event, Header, Knobs, Level, MemoryEvent,
+    Checkpointing, Control, ControlEvent, DeviceEvent, EstimateEvent, Event, Header, Knobs, Level,
+    MemoryEvent,
     MemorySource, Origin, Phase, StepEvent,
 };
 
@@ -383,6 +384,12 @@ impl App {
                 },
             },
             Action::OffloadToggle => Control::SetOffload { value: !k.offload },
+            Action::CheckpointToggle => Control::SetCheckpointing {
+                value: match k.checkpointing {
+                    Checkpointing::None => Checkpointing::Blocks,
+                    _ => Checkpointing::None,
+                },
+            },
             Action::PrecisionCycle => Control::SetDtype {
                 value: k.dtype.next(),
             },
@@ -561,6 +568,12 @@ mod tests {
         assert_eq!(press('C'), vec![Control::SetClip { value: Some(2.0) }]);
         assert_eq!(press('x'), vec![Control::SetClip { value: None }]);
         assert_eq!(press('o'), vec![Control::SetOffload { value: true }]);
+        assert_eq!(
+            press('k'),
+            vec![Control::SetCheckpointing {
+                value: Checkpointing::Blocks
+            }]
+        );
         assert_eq!(press('p'), vec![Control::SetDtype { value: Dtype::Bf16 }]);
         assert_eq!(
             press('l'),

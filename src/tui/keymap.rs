@@ -19,6 +19,7 @@ pub enum Action {
     ClipUp,
     ClipToggle,
     OffloadToggle,
+    CheckpointToggle,
     PrecisionCycle,
     LrRuleCycle,
     PauseResume,
@@ -39,7 +40,7 @@ pub enum Action {
 }
 
 impl Action {
-    pub const ALL: [Action; 25] = [
+    pub const ALL: [Action; 26] = [
         Action::AccumUp,
         Action::AccumDown,
         Action::MicroBatchDown,
@@ -48,6 +49,7 @@ impl Action {
         Action::ClipUp,
         Action::ClipToggle,
         Action::OffloadToggle,
+        Action::CheckpointToggle,
         Action::PrecisionCycle,
         Action::LrRuleCycle,
         Action::PauseResume,
@@ -86,6 +88,7 @@ impl Action {
             Action::ClipUp => "clip norm ×2",
             Action::ClipToggle => "clipping off / on",
             Action::OffloadToggle => "optimizer offload on / off",
+            Action::CheckpointToggle => "checkpointing off / blocks",
             Action::PrecisionCycle => "precision f32→bf16→f16",
             Action::LrRuleCycle => "LR rule none→linear→sqrt",
             Action::PauseResume => "pause / resume",
@@ -118,6 +121,7 @@ impl Action {
                 | Action::ClipUp
                 | Action::ClipToggle
                 | Action::OffloadToggle
+                | Action::CheckpointToggle
                 | Action::PrecisionCycle
                 | Action::LrRuleCycle
                 | Action::RecordToggle
@@ -235,6 +239,7 @@ const DEFAULTS: &[(&str, Action)] = &[
     ("C", Action::ClipUp),
     ("x", Action::ClipToggle),
     ("o", Action::OffloadToggle),
+    ("k", Action::CheckpointToggle),
     ("p", Action::PrecisionCycle),
     ("l", Action::LrRuleCycle),
     ("space", Action::PauseResume),
@@ -425,6 +430,7 @@ mod tests {
             ('C', Action::ClipUp),
             ('x', Action::ClipToggle),
             ('o', Action::OffloadToggle),
+            ('k', Action::CheckpointToggle),
             ('p', Action::PrecisionCycle),
             ('l', Action::LrRuleCycle),
             (' ', Action::PauseResume),

@@ -11,6 +11,10 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::ops;
 use crate::scenario::ModelConfig;
+use crate::telemetry::Checkpointing;
+
+mod recompute;
+pub use recompute::ParamGrads;
 
 const LN_EPS: f64 = 1e-5;
 
@@ -22,9 +26,64 @@ pub struct Param {
     pub decay: bool,
 }
 
+/// `x·w + b`; `w` stored `[in, out]`.
+#[derive(Clone)]
+pub struct Linear {
+    pub w: Var,
+    pub b: Var,
+}
+
+/// Layer norm's gain and bias.
+#[derive(Clone)]
+pub struct LayerNorm {
+    pub g: Var,
+    pub b: Var,
+}
+
+/// Token and position embeddings (`wte`, `wpe`).
+pub struct Embeddings {
+    pub wte: Var,
+    pub wpe: Var,
+}
+
+/// Causal multi-head self-attention: one fused query/key/value projection, one output projection.
+#[derive(Clone)]
+pub struct Attention {
+    pub qkv: Linear,
+    pub proj: Linear,
+}
+
+/// The 4× GELU MLP.
+#[derive(Clone)]
+pub struct Mlp {
+    pub fc: Linear,
+    pub proj: Linear,
+}
+
+/// One pre-LayerNorm transformer block (`h{l}.*`).
+#[derive(Clone)]
+pub struct Block {
+    pub ln1: LayerNorm,
+    pub attn: Attention,
+    pub ln2: LayerNorm,
+    pub mlp: Mlp,
+}
+
+/// The untied LM head (no bias).
+pub struct Head {
+    pub w: Var,
+}
+
 pub struct Gpt {
     pub cfg: ModelConfig,
+    /// Every parameter in creation order (the checkpoint and optimizer order); the same `Var`s
+    /// as the named layers below.
     pub params: Vec<Param>,
+    pub embeddings: Embeddings,
+    pub blocks: Vec<Block>,
+    /// The final norm before the head.
+    pub lnf: LayerNorm,
+    pub head: Head,
 }
 
 /// What one forward produced.
@@ -33,6 +92,137 @@ pub struct Forward {
     pub logits: Tensor,
     /// The low-precision weight copies made for this forward (empty in f32).
     pub compute_weights: Vec<Tensor>,
+    /// Gradients of the checkpointed blocks' parameters: they fill during the backward (the
+    /// blocks are recomputed outside the loss's graph) and are empty without checkpointing.
+    pub recomputed: ParamGrads,
+}
+
+/// The weights one forward computes with: the f32 Vars, detached when no graph is wanted, cast
+/// once each to the compute dtype.
+pub struct Weights {
+    dtype: DType,
+    track: bool,
+    /// The casts made so far (the forward's compute weights).
+    casts: Vec<Tensor>,
+}
+
+impl Weights {
+    pub fn new(dtype: DType, track: bool) -> Weights {
+        Weights {
+            dtype,
+            track,
+            casts: Vec::new(),
+        }
+    }
+
+    /// `var` as this forward computes with it.
+    pub fn get(&mut self, var: &Var) -> Result<Tensor> {
+        let w = if self.track {
+            var.as_tensor().clone()
+        } else {
+            var.as_tensor().detach()
+        };
+        if w.dtype() == self.dtype {
+            return Ok(w);
+        }
+        let cast = w.to_dtype(self.dtype)?;
+        self.casts.push(cast.clone());
+        Ok(cast)
+    }
+
+    pub fn into_casts(self) -> Vec<Tensor> {
+        self.casts
+    }
+}
+
+/// The shape of the activations a block works on.
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    pub batch: usize,
+    pub tokens: usize,
+    pub heads: usize,
+}
+
+impl Linear {
+    fn new(init: &mut Init, name: &str, shape: [usize; 2], std: f64) -> Result<Linear> {
+        Ok(Linear {
+            w: init.normal(&format!("{name}.w"), &shape, std)?,
+            b: init.constant(&format!("{name}.b"), &[shape[1]], 0.0)?,
+        })
+    }
+}
+
+impl LayerNorm {
+    fn new(init: &mut Init, name: &str, d: usize) -> Result<LayerNorm> {
+        Ok(LayerNorm {
+            g: init.constant(&format!("{name}.g"), &[d], 1.0)?,
+            b: init.constant(&format!("{name}.b"), &[d], 0.0)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, w: &mut Weights) -> Result<Tensor> {
+        ops::layer_norm(x, &w.get(&self.g)?, &w.get(&self.b)?, LN_EPS)
+    }
+}
+
+impl Block {
+    fn new(init: &mut Init, l: usize, d: usize, proj_std: f64) -> Result<Block> {
+        let p = |s: &str| format!("h{l}.{s}");
+        Ok(Block {
+            ln1: LayerNorm::new(init, &p("ln1"), d)?,
+            attn: Attention {
+                qkv: Linear::new(init, &p("attn.qkv"), [d, 3 * d], 0.02)?,
+                proj: Linear::new(init, &p("attn.proj"), [d, d], proj_std)?,
+            },
+            ln2: LayerNorm::new(init, &p("ln2"), d)?,
+            mlp: Mlp {
+                fc: Linear::new(init, &p("mlp.fc"), [d, 4 * d], 0.02)?,
+                proj: Linear::new(init, &p("mlp.proj"), [4 * d, d], proj_std)?,
+            },
+        })
+    }
+
+    /// `x` `[B·T, D]` → `x + attn(ln1(x))`, then `+ mlp(ln2(·))`.
+    pub fn forward(&self, x: &Tensor, shape: Dims, w: &mut Weights) -> Result<Tensor> {
+        let a = self.ln1.forward(x, w)?;
+        let x = (x + self.attn.forward(&a, shape, w)?)?;
+        let m = self.ln2.forward(&x, w)?;
+        &x + self.mlp.forward(&m, w)?
+    }
+
+    /// The block's parameters, in creation order.
+    pub fn vars(&self) -> [&Var; 12] {
+        let (a, m) = (&self.attn, &self.mlp);
+        [
+            &self.ln1.g,
+            &self.ln1.b,
+            &a.qkv.w,
+            &a.qkv.b,
+            &a.proj.w,
+            &a.proj.b,
+            &self.ln2.g,
+            &self.ln2.b,
+            &m.fc.w,
+            &m.fc.b,
+            &m.proj.w,
+            &m.proj.b,
+        ]
+    }
+}
+
+impl Attention {
+    fn forward(&self, a: &Tensor, s: Dims, w: &mut Weights) -> Result<Tensor> {
+        let qkv = ops::linear(a, &w.get(&self.qkv.w)?, &w.get(&self.qkv.b)?)?;
+        let y = ops::causal_attention(&qkv, s.batch, s.tokens, s.heads)?;
+        ops::linear(&y, &w.get(&self.proj.w)?, &w.get(&self.proj.b)?)
+    }
+}
+
+impl Mlp {
+    fn forward(&self, m: &Tensor, w: &mut Weights) -> Result<Tensor> {
+        let hidden = ops::linear(m, &w.get(&self.fc.w)?, &w.get(&self.fc.b)?)?;
+        ops::gelu_linear(&hidden, &w.get(&self.proj.w)?, &w.get(&self.proj.b)?)
+    }
 }
 
 impl Gpt {
@@ -45,29 +235,24 @@ impl Gpt {
         };
         let (v, d, t) = (cfg.vocab, cfg.d_model, cfg.seq_len);
         let proj_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();
-        init.normal("wte", &[v, d], 0.02)?;
-        init.normal("wpe", &[t, d], 0.02)?;
-        for l in 0..cfg.layers {
-            let p = |s: &str| format!("h{l}.{s}");
-            init.constant(&p("ln1.g"), &[d], 1.0)?;
-            init.constant(&p("ln1.b"), &[d], 0.0)?;
-            init.normal(&p("attn.qkv.w"), &[d, 3 * d], 0.02)?;
-            init.constant(&p("attn.qkv.b"), &[3 * d], 0.0)?;
-            init.normal(&p("attn.proj.w"), &[d, d], proj_std)?;
-            init.constant(&p("attn.proj.b"), &[d], 0.0)?;
-            init.constant(&p("ln2.g"), &[d], 1.0)?;
-            init.constant(&p("ln2.b"), &[d], 0.0)?;
-            init.normal(&p("mlp.fc.w"), &[d, 4 * d], 0.02)?;
-            init.constant(&p("mlp.fc.b"), &[4 * d], 0.0)?;
-            init.normal(&p("mlp.proj.w"), &[4 * d, d], proj_std)?;
-            init.constant(&p("mlp.proj.b"), &[d], 0.0)?;
-        }
-        init.constant("lnf.g", &[d], 1.0)?;
-        init.constant("lnf.b", &[d], 0.0)?;
-        init.normal("head.w", &[d, v], 0.02)?;
+        let embeddings = Embeddings {
+            wte: init.normal("wte", &[v, d], 0.02)?,
+            wpe: init.normal("wpe", &[t, d], 0.02)?,
+        };
+        let blocks = (0..cfg.layers)
+            .map(|l| Block::new(&mut init, l, d, proj_std))
+            .collect::<Result<Vec<_>>>()?;
+        let lnf = LayerNorm::new(&mut init, "lnf", d)?;
+        let head = Head {
+            w: init.normal("head.w", &[d, v], 0.02)?,
+        };
         Ok(Gpt {
             cfg: cfg.clone(),
             params: init.params,
+            embeddings,
+            blocks,
+            lnf,
+            head,
         })
     }
 
@@ -87,58 +272,62 @@ impl Gpt {
     /// Logits for token ids `[B, T]` (u32). `track` = false detaches the weights (evaluation:
     /// no graph is kept alive).
     pub fn forward(&self, ids: &Tensor, dtype: DType, track: bool) -> Result<Forward> {
+        self.forward_checkpointed(ids, dtype, track, Checkpointing::None)
+    }
+
+    /// `forward`, keeping only each segment's input instead of its blocks' graphs when
+    /// `checkpointing` says so (training only: `track` must be true for it to matter).
+    pub fn forward_checkpointed(
+        &self,
+        ids: &Tensor,
+        dtype: DType,
+        track: bool,
+        checkpointing: Checkpointing,
+    ) -> Result<Forward> {
         let (b, t) = ids.dims2()?;
-        let cfg = &self.cfg;
-        let (d, h) = (cfg.d_model, cfg.heads);
-
-        let mut compute_weights = Vec::new();
-        let mut weights = self.params.iter().map(|p| {
-            let w = if track {
-                p.var.as_tensor().clone()
-            } else {
-                p.var.as_tensor().detach()
-            };
-            if w.dtype() == dtype {
-                Ok(w)
-            } else {
-                let c = w.to_dtype(dtype)?;
-                compute_weights.push(c.clone());
-                Ok(c)
+        let shape = Dims {
+            batch: b,
+            tokens: t,
+            heads: self.cfg.heads,
+        };
+        let mut w = Weights::new(dtype, track);
+        let recomputed = ParamGrads::default();
+        let mut x = self.embed(ids, &mut w)?;
+        match checkpointing.segment().filter(|_| track) {
+            None => {
+                for block in &self.blocks {
+                    x = block.forward(&x, shape, &mut w)?;
+                }
             }
-        });
-        let mut next =
-            || -> Result<Tensor> { weights.next().expect("parameter order matches Gpt::new") };
-
-        let wte = next()?;
-        let wpe = next()?;
-        let tok = ops::embedding(&wte, &ids.flatten_all()?)?.reshape((b, t, d))?;
-        let pos = wpe.narrow(0, 0, t)?;
-        let mut x = ops::broadcast_add(&tok, &pos)?.reshape((b * t, d))?;
-
-        for _ in 0..cfg.layers {
-            let (g1, b1) = (next()?, next()?);
-            let (wqkv, bqkv, wproj, bproj) = (next()?, next()?, next()?, next()?);
-            let (g2, b2) = (next()?, next()?);
-            let (wfc, bfc, wout, bout) = (next()?, next()?, next()?, next()?);
-
-            let a = ops::layer_norm(&x, &g1, &b1, LN_EPS)?;
-            let qkv = ops::linear(&a, &wqkv, &bqkv)?;
-            let y = ops::causal_attention(&qkv, b, t, h)?;
-            x = (x + ops::linear(&y, &wproj, &bproj)?)?;
-
-            let m = ops::layer_norm(&x, &g2, &b2, LN_EPS)?;
-            let hidden = ops::linear(&m, &wfc, &bfc)?;
-            x = (x + ops::gelu_linear(&hidden, &wout, &bout)?)?;
+            Some(n) => {
+                for segment in self.blocks.chunks(n) {
+                    x = recompute::segment(segment, &x, shape, dtype, &recomputed)?;
+                }
+            }
         }
-        let (gf, bf) = (next()?, next()?);
-        let head = next()?;
-        let x = ops::layer_norm(&x, &gf, &bf, LN_EPS)?;
-        let logits = ops::project(&x, &head)?;
-        drop(weights);
+        let logits = self.logits(&x, &mut w)?;
         Ok(Forward {
             logits,
-            compute_weights,
+            compute_weights: w.into_casts(),
+            recomputed,
         })
+    }
+
+    /// Token + position embeddings, `[B·T, D]`.
+    fn embed(&self, ids: &Tensor, w: &mut Weights) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let d = self.cfg.d_model;
+        let wte = w.get(&self.embeddings.wte)?;
+        let wpe = w.get(&self.embeddings.wpe)?;
+        let tok = ops::embedding(&wte, &ids.flatten_all()?)?.reshape((b, t, d))?;
+        let pos = wpe.narrow(0, 0, t)?;
+        ops::broadcast_add(&tok, &pos)?.reshape((b * t, d))
+    }
+
+    /// Final norm and LM head: `[B·T, D]` → logits `[B·T, vocab]`.
+    fn logits(&self, x: &Tensor, w: &mut Weights) -> Result<Tensor> {
+        let x = self.lnf.forward(x, w)?;
+        ops::project(&x, &w.get(&self.head.w)?)
     }
 }
 
@@ -149,7 +338,7 @@ struct Init<'a> {
 }
 
 impl Init<'_> {
-    fn normal(&mut self, name: &str, shape: &[usize], std: f64) -> Result<()> {
+    fn normal(&mut self, name: &str, shape: &[usize], std: f64) -> Result<Var> {
         let n: usize = shape.iter().product();
         let values: Vec<f32> = (0..n)
             .map(|_| (gaussian(&mut self.rng) * std) as f32)
@@ -157,7 +346,7 @@ impl Init<'_> {
         self.push(name, Tensor::from_vec(values, shape, self.device)?, true)
     }
 
-    fn constant(&mut self, name: &str, shape: &[usize], value: f32) -> Result<()> {
+    fn constant(&mut self, name: &str, shape: &[usize], value: f32) -> Result<Var> {
         let n: usize = shape.iter().product();
         self.push(
             name,
@@ -166,13 +355,15 @@ impl Init<'_> {
         )
     }
 
-    fn push(&mut self, name: &str, t: Tensor, decay: bool) -> Result<()> {
+    /// Record a new parameter (creation order is checkpoint order) and hand back its `Var`.
+    fn push(&mut self, name: &str, t: Tensor, decay: bool) -> Result<Var> {
+        let var = Var::from_tensor(&t)?;
         self.params.push(Param {
             name: name.to_string(),
-            var: Var::from_tensor(&t)?,
+            var: var.clone(),
             decay,
         });
-        Ok(())
+        Ok(var)
     }
 }
 

@@ -32,6 +32,14 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ),
     ("lr-rules", include_str!("../../../presets/lr-rules.toml")),
     ("text-bpe", include_str!("../../../presets/text-bpe.toml")),
+    (
+        "three-ways-to-fit",
+        include_str!("../../../presets/three-ways-to-fit.toml"),
+    ),
+    (
+        "notes-table",
+        include_str!("../../../presets/notes-table.toml"),
+    ),
 ];
 
 /// The preset `gaccwb` runs with no arguments.

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::telemetry::{Control, Dtype, LossNorm, LrRule, ZeroGrad};
+use crate::telemetry::{Checkpointing, Control, Dtype, LossNorm, LrRule, ZeroGrad};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -27,6 +27,18 @@ pub struct Scenario {
     pub train: TrainConfig,
     #[serde(default)]
     pub timeline: Vec<TimelineEntry>,
+    /// What `gaccwb compare PRESET` runs when no `--grid` is given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compare: Option<CompareSpec>,
+}
+
+/// A preset's `[compare]` table: a grid spec (as `--grid` takes) and steps per configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CompareSpec {
+    pub grid: String,
+    #[serde(default)]
+    pub steps: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -152,6 +164,8 @@ pub struct TrainConfig {
     /// Size of the validation set, in micro-batches of the starting `micro_batch`: the same
     /// `eval_batches × micro_batch` samples at every evaluation, whatever B and K become.
     pub eval_batches: usize,
+    /// Activation checkpointing: "none", "blocks" or "every-N".
+    pub checkpointing: Checkpointing,
 }
 
 impl Default for TrainConfig {
@@ -180,6 +194,7 @@ impl Default for TrainConfig {
             scale_growth_interval: 2000,
             eval_every: 25,
             eval_batches: 4,
+            checkpointing: Checkpointing::None,
         }
     }
 }
@@ -546,6 +561,7 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
         "scale_growth_interval",
         "eval_every",
         "eval_batches",
+        "checkpointing",
     ];
     match section {
         "model" => MODEL.to_vec(),

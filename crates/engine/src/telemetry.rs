@@ -13,6 +13,59 @@ use crate::scenario::{Scenario, TrainConfig};
 /// Major version of the event format. Readers reject a newer major version.
 pub const FORMAT_VERSION: u32 = 1;
 
+/// Activation checkpointing: which block inputs the forward keeps instead of the blocks' graphs.
+/// `blocks` recomputes every block in the backward; `every-N` keeps one input per segment of N
+/// blocks and recomputes the segment (fewer inputs kept, a larger graph at the backward peak).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(try_from = "String", into = "String")]
+pub enum Checkpointing {
+    #[default]
+    None,
+    Blocks,
+    Every(usize),
+}
+
+impl Checkpointing {
+    /// Blocks per recomputed segment; `None` when the whole graph is kept.
+    pub fn segment(self) -> Option<usize> {
+        match self {
+            Checkpointing::None => None,
+            Checkpointing::Blocks => Some(1),
+            Checkpointing::Every(n) => Some(n.max(1)),
+        }
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            Checkpointing::None => "none".into(),
+            Checkpointing::Blocks => "blocks".into(),
+            Checkpointing::Every(n) => format!("every-{n}"),
+        }
+    }
+}
+
+impl TryFrom<String> for Checkpointing {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        let bad =
+            || format!("checkpointing `{s}`: expected \"none\", \"blocks\" or \"every-N\" (N ≥ 1)");
+        match s.as_str() {
+            "none" => Ok(Checkpointing::None),
+            "blocks" => Ok(Checkpointing::Blocks),
+            other => match other.strip_prefix("every-").map(str::parse::<usize>) {
+                Some(Ok(n)) if n >= 1 => Ok(Checkpointing::Every(n)),
+                _ => Err(bad()),
+            },
+        }
+    }
+}
+
+impl From<Checkpointing> for String {
+    fn from(c: Checkpointing) -> String {
+        c.name()
+    }
+}
+
 /// Compute precision of the forward/backward. Master weights, the gradients that are applied and
 /// the AdamW moments always stay f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -161,6 +214,9 @@ pub enum Control {
     SetZeroGrad {
         value: ZeroGrad,
     },
+    SetCheckpointing {
+        value: Checkpointing,
+    },
     Pause,
     Resume,
     /// While paused: run exactly one more window, then pause again.
@@ -195,6 +251,7 @@ impl Control {
             Control::SetZeroGrad {
                 value: ZeroGrad::PerMicroBatch,
             } => "zero-grad per micro-batch".into(),
+            Control::SetCheckpointing { value } => format!("checkpointing={}", value.name()),
             Control::Pause => "pause".into(),
             Control::Resume => "resume".into(),
             Control::SingleStep => "single step".into(),
@@ -224,6 +281,8 @@ pub struct Knobs {
     pub offload: bool,
     pub loss_norm: LossNorm,
     pub zero_grad: ZeroGrad,
+    #[serde(default)]
+    pub checkpointing: Checkpointing,
 }
 
 impl Knobs {
@@ -239,6 +298,7 @@ impl Knobs {
             offload: t.offload,
             loss_norm: t.loss_norm,
             zero_grad: t.zero_grad,
+            checkpointing: t.checkpointing,
         }
     }
 
@@ -255,6 +315,7 @@ impl Knobs {
             offload,
             loss_norm,
             zero_grad,
+            checkpointing,
         } = self.clone();
         t.accum_steps = accum_steps;
         t.micro_batch = micro_batch;
@@ -265,6 +326,7 @@ impl Knobs {
         t.offload = offload;
         t.loss_norm = loss_norm;
         t.zero_grad = zero_grad;
+        t.checkpointing = checkpointing;
     }
 
     pub fn effective_batch(&self) -> usize {
@@ -283,6 +345,7 @@ impl Knobs {
             Control::SetOffload { value } => self.offload = value,
             Control::SetLossNorm { value } => self.loss_norm = value,
             Control::SetZeroGrad { value } => self.zero_grad = value,
+            Control::SetCheckpointing { value } => self.checkpointing = value,
             Control::SetLossScale { .. }
             | Control::Pause
             | Control::Resume

@@ -28,8 +28,9 @@
 use serde::Serialize;
 
 use crate::scenario::{ModelConfig, Scenario};
-use crate::telemetry::Knobs;
-use crate::telemetry::{Categories, Control, Dtype, EstimateEvent, LossNorm, Phase, ZeroGrad};
+use crate::telemetry::{
+    Categories, Checkpointing, Control, Dtype, EstimateEvent, Knobs, LossNorm, Phase, ZeroGrad,
+};
 
 const F32: u64 = 4;
 
@@ -50,6 +51,8 @@ pub struct Config {
     /// Workspace outside any tensor (`other`): on CPU, `gemm`'s packing slab on every thread
     /// that multiplies (`ops::workspace::bytes`); 0 elsewhere.
     pub workspace: u64,
+    /// Activation checkpointing (`model/recompute.rs`): see `checkpointed`.
+    pub checkpointing: Checkpointing,
 }
 
 impl Config {
@@ -68,6 +71,7 @@ impl Config {
             } else {
                 0
             },
+            checkpointing: k.checkpointing,
         }
     }
 
@@ -140,6 +144,7 @@ pub fn changes_memory(c: &Control) -> bool {
             | Control::SetLossNorm { .. }
             | Control::SetZeroGrad { .. }
             | Control::SetClip { .. }
+            | Control::SetCheckpointing { .. }
     )
 }
 
@@ -225,13 +230,53 @@ fn loss_scalar_bytes(cfg: &Config) -> u64 {
     }
 }
 
-/// Bytes the graph of one micro-batch keeps for backward.
+/// Bytes the graph of one micro-batch keeps for backward. With checkpointing each segment of
+/// blocks keeps only its output (the next segment's input): `checkpointed`.
 pub fn activation_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     let (n, d, c) = (s.n, s.d, s.c);
     let embedding = 2 * n * d * c;
     let ln = layer_norm_bytes(&s, fused(cfg));
-    let block = if fused(cfg) {
+    let blocks = match checkpointed(cfg) {
+        Some(segments) => segments.kept * n * d * c,
+        None => s.layers * block_bytes(cfg),
+    };
+    embedding + blocks + ln + loss_head_activation_bytes(cfg)
+}
+
+/// How checkpointing splits the blocks: segment outputs kept through the forward, and the
+/// blocks of the largest segment, recomputed at once in the backward.
+pub struct Segments {
+    pub kept: u64,
+    pub largest: u64,
+}
+
+pub fn checkpointed(cfg: &Config) -> Option<Segments> {
+    let per = cfg.checkpointing.segment()? as u64;
+    let layers = cfg.model.layers as u64;
+    Some(Segments {
+        kept: layers.div_ceil(per),
+        largest: per.min(layers),
+    })
+}
+
+/// Bytes the backward's recompute adds to the activations at its peak: the saved input's
+/// copy (a `Var` to differentiate against), the largest segment's graph, the `y · grad` product
+/// and its sum. 0 without checkpointing.
+pub fn recomputed_bytes(cfg: &Config) -> u64 {
+    let Some(segments) = checkpointed(cfg) else {
+        return 0;
+    };
+    let s = Shape::new(cfg);
+    2 * s.n * s.d * s.c + segments.largest * block_bytes(cfg) + s.c
+}
+
+/// Bytes one block's graph keeps for backward.
+fn block_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    let (n, d, c) = (s.n, s.d, s.c);
+    let ln = layer_norm_bytes(&s, fused(cfg));
+    if fused(cfg) {
         // Two norms' outputs (2), qkv (3), attention output (1: it recomputes its
         // probabilities), proj (1), residual (1), fc (4), GELU-linear output (1: it recomputes
         // the GELU), residual (1): 14·N·d.
@@ -244,8 +289,7 @@ pub fn activation_bytes(cfg: &Config) -> u64 {
         // fc (matmul, +bias: 8), gelu (4), out (matmul, +bias: 2), residual (1).
         let mlp = 15 * n * d * c;
         2 * ln + attention + mlp
-    };
-    embedding + s.layers * block + ln + loss_head_activation_bytes(cfg)
+    }
 }
 
 /// The activations of the loss head: the logits and what the loss keeps of them.
@@ -377,6 +421,36 @@ pub fn offload_copy_bytes(cfg: &Config) -> u64 {
         return 0;
     }
     largest_param_bytes(&cfg.model)
+/// Parameters whose compute-dtype copy lives through the micro-step: all of them, or with
+/// checkpointing only those outside the blocks (the blocks cast theirs transiently).
+fn kept_cast_params(cfg: &Config) -> u64 {
+    let all = param_count(&cfg.model);
+    match checkpointed(cfg) {
+        Some(_) => all - cfg.model.layers as u64 * block_params(&cfg.model),
+        None => all,
+    }
+}
+
+fn block_params(m: &ModelConfig) -> u64 {
+    let one = ModelConfig {
+        layers: 1,
+        ..m.clone()
+    };
+    let none = ModelConfig {
+        layers: 0,
+        ..m.clone()
+    };
+    param_count(&one) - param_count(&none)
+}
+
+/// The compute-dtype copies the backward's recompute makes of one segment's weights.
+fn recompute_casts(cfg: &Config) -> u64 {
+    match checkpointed(cfg) {
+        Some(seg) if cfg.dtype != Dtype::F32 => {
+            seg.largest * block_params(&cfg.model) * cfg.dtype.size_in_bytes() as u64
+        }
+        _ => 0,
+    }
 }
 
 pub fn estimate(cfg: &Config) -> Estimate {
@@ -401,7 +475,7 @@ pub fn estimate(cfg: &Config) -> Estimate {
     let compute_weights = if cfg.dtype == Dtype::F32 {
         0
     } else {
-        param_count(&cfg.model) * cfg.dtype.size_in_bytes() as u64
+        kept_cast_params(cfg) * cfg.dtype.size_in_bytes() as u64
     };
     let forward = Categories {
         compute_weights,
@@ -410,7 +484,8 @@ pub fn estimate(cfg: &Config) -> Estimate {
         ..persistent
     };
     let backward = Categories {
-        gradients_transient: transient_bytes(cfg),
+        gradients_transient: transient_bytes(cfg) + recompute_casts(cfg),
+        activations: forward.activations + recomputed_bytes(cfg),
         ..forward
     };
     let optimizer = Categories {
@@ -600,6 +675,7 @@ mod tests {
             unified: true,
             scales_gradients: false,
             workspace: 0,
+            checkpointing: Checkpointing::None,
         }
     }
 

@@ -60,6 +60,9 @@ pub trait WindowProbe {
         _buffer: &[&Tensor],
     ) {
     }
+    /// Activation checkpointing recomputed a graph of `bytes` inside this backward (called
+    /// before `backward_end`).
+    fn recomputed(&mut self, _bytes: u64) {}
 }
 
 /// Measures nothing (callers that only want gradients).
@@ -100,6 +103,8 @@ pub struct Ledger {
     /// Bytes of the last backward's gradient store (all ids, de-duplicated): the part of
     /// `gradients_transient` visible from outside Candle.
     pub last_store_bytes: u64,
+    /// The largest graph activation checkpointing rebuilt in the current backward.
+    recomputed: u64,
 }
 
 impl Ledger {
@@ -116,6 +121,7 @@ impl Ledger {
             micro: Categories::default(),
             window_activations: None,
             last_store_bytes: 0,
+            recomputed: 0,
         }
     }
 
@@ -267,10 +273,15 @@ impl Ledger {
 }
 
 impl WindowProbe for Ledger {
+    fn recomputed(&mut self, bytes: u64) {
+        self.recomputed = bytes;
+    }
+
     fn phase_start(&mut self, phase: Phase) {
         self.meter.reset_peak();
         if phase == Phase::Backward {
             self.backward_start = self.meter.live();
+            self.recomputed = 0;
         }
     }
 
@@ -299,9 +310,13 @@ impl WindowProbe for Ledger {
         let peak = self.meter.peak();
         self.last_store_bytes = grad_store_bytes(store, &mut StorageSet::default());
         let added = peak.saturating_sub(self.backward_start);
+        // A recomputed block's graph is activations held at the backward's peak, not gradients.
         let snap = Snapshot {
             categories: Categories {
-                gradients_transient: added.max(self.last_store_bytes),
+                activations: self.micro.activations + self.recomputed,
+                gradients_transient: added
+                    .saturating_sub(self.recomputed)
+                    .max(self.last_store_bytes),
                 ..self.micro
             },
             total: self.meter.live(),

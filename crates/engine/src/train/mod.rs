@@ -112,7 +112,12 @@ pub fn window_gradients_probed(
         probe.phase_start(Phase::Forward);
         let t0 = Instant::now();
         let batch = Batch::new(chunk, device)?;
-        let fwd = model.forward(&batch.inputs, knobs.dtype.candle(), true)?;
+        let fwd = model.forward_checkpointed(
+            &batch.inputs,
+            knobs.dtype.candle(),
+            true,
+            knobs.checkpointing,
+        )?;
         let nll = crate::ops::nll_sum(&fwd.logits, &batch.targets, &batch.mask)?;
         let correct_weight = 1.0 / window_tokens.max(1) as f64;
         let weight = match knobs.loss_norm {
@@ -130,6 +135,7 @@ pub fn window_gradients_probed(
         let t2 = Instant::now();
         let store = scaled.backward()?;
         device.synchronize()?;
+        probe.recomputed(fwd.recomputed.recomputed_graph_bytes());
         probe.backward_end(
             &scaled,
             &fwd.compute_weights,
@@ -137,6 +143,7 @@ pub fn window_gradients_probed(
             &buffer(&grads, &reference),
         );
         drop(scaled);
+        let recomputed = fwd.recomputed.clone();
         drop(fwd);
         let micro_grads = model
             .params
@@ -145,15 +152,9 @@ pub fn window_gradients_probed(
                 // Detached: a parameter's gradient is computed from activations and would
                 // otherwise keep this micro-batch's whole graph alive through the buffer, the
                 // optimizer moments and every later step.
-                store
-                    .get(p.var.as_tensor())
-                    .map(Tensor::detach)
-                    .ok_or_else(|| {
-                        candle_core::Error::Msg(format!(
-                            "parameter {} received no gradient",
-                            p.name
-                        ))
-                    })
+                recomputed.get(&store, &p.var).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("parameter {} received no gradient", p.name))
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         drop(store);
