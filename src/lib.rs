@@ -6,10 +6,12 @@
 //! this one: the layering is checked by the compiler.
 
 pub use gaccwb_engine::{
-    checkpoint, data, device, memory, model, ops, presets, record, scenario, telemetry, train,
+    checkpoint, data, device, limits, memory, model, ops, presets, record, safe_write, scenario,
+    telemetry, train,
 };
 
 pub mod bench;
 pub mod export;
 pub mod headless;
+pub mod signals;
 pub mod tui;

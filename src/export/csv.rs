@@ -48,9 +48,17 @@ pub fn memory_columns() -> Vec<&'static str> {
     cols
 }
 
-/// Write the four files into `dir` (created if missing); returns their paths.
-pub fn write_csv(recording: &Recording, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+/// Write the four files into `dir` (created if missing); returns their paths. Existing files
+/// of those names are refused (before anything is written) unless `force`.
+pub fn write_csv(
+    recording: &Recording,
+    dir: &Path,
+    force: bool,
+) -> anyhow::Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    for name in ["steps.csv", "memory.csv", "controls.csv", "evals.csv"] {
+        crate::safe_write::check_free(&dir.join(name), "CSV export", force)?;
+    }
     let files = [
         ("steps.csv", steps_csv(&recording.events)),
         ("memory.csv", memory_csv(&recording.events)),
@@ -60,7 +68,7 @@ pub fn write_csv(recording: &Recording, dir: &Path) -> anyhow::Result<Vec<PathBu
     let mut written = Vec::new();
     for (name, text) in files {
         let path = dir.join(name);
-        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        crate::safe_write::write_file(&path, text.as_bytes(), "CSV export", force)?;
         written.push(path);
     }
     Ok(written)

@@ -33,10 +33,11 @@ struct Series {
     points: Vec<(f64, f64)>,
 }
 
-/// Draw the charts into `out`.
-pub fn write_svg(recording: &Recording, out: &Path) -> anyhow::Result<()> {
+/// Draw the charts into `out`; an existing file is refused unless `force`.
+pub fn write_svg(recording: &Recording, out: &Path, force: bool) -> anyhow::Result<()> {
+    crate::safe_write::check_free(out, "chart", force)?;
     let svg = render_svg(recording).map_err(|e| anyhow::anyhow!("drawing the charts: {e}"))?;
-    std::fs::write(out, svg).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))
+    crate::safe_write::write_file(out, svg.as_bytes(), "chart", force)
 }
 
 /// The charts as SVG text.

@@ -201,7 +201,8 @@ impl ByteCorpus {
             path: path.display().to_string(),
             message,
         };
-        let bytes = std::fs::read(path).map_err(|e| err(format!("cannot read it: {e}")))?;
+        let bytes = crate::limits::read_bounded(path, crate::limits::MAX_DATA_BYTES, "corpus")
+            .map_err(err)?;
         if bytes.is_empty() {
             return Err(err(
                 "it is empty; give a file with at least model.seq_len + 1 bytes".into(),

@@ -8,12 +8,14 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod limits;
 pub mod device;
 pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod presets;
 pub mod record;
+pub mod safe_write;
 pub mod scenario;
 pub mod telemetry;
 pub mod train;

@@ -11,6 +11,7 @@ pub mod alloc;
 #[cfg(feature = "cuda")]
 pub mod cuda_pool;
 pub mod estimate;
+pub mod fit;
 pub mod gpu;
 pub mod ledger;
 pub mod tensors;

@@ -11,6 +11,7 @@
 //! The trainer knows nothing of terminals: it reads `ControlMsg`s and writes `Event`s.
 
 pub mod adamw;
+pub mod guard;
 pub mod scaler;
 pub mod schedule;
 
@@ -236,16 +237,22 @@ fn scale_all(tensors: &[Tensor], factor: f64) -> Result<Vec<Tensor>> {
 
 /// Where events go. Sending never blocks; a gone receiver is noticed and ends the run.
 #[derive(Clone)]
-pub struct EventSink(UnboundedSender<Event>);
+pub struct EventSink(UnboundedSender<Event>, guard::LastStep);
 
 impl EventSink {
     pub fn new(tx: UnboundedSender<Event>) -> Self {
-        EventSink(tx)
+        EventSink(tx, guard::LastStep::default())
     }
 
     /// False once nobody is listening.
     pub fn send(&self, e: Event) -> bool {
+        self.1.note(&e);
         self.0.send(e).is_ok()
+    }
+
+    /// The last optimizer step sent (what a crashed trainer's `end` reports).
+    pub fn last_step(&self) -> u64 {
+        self.1.get()
     }
 }
 
@@ -277,6 +284,7 @@ pub struct Trainer {
 impl Trainer {
     pub fn new(scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
         scenario.validate().map_err(anyhow::Error::msg)?;
+        guard::check_model_fits(&scenario, &device).map_err(anyhow::Error::msg)?;
         let corpus = Corpus::open(&scenario.data, &scenario.model)?;
         let model = Gpt::new(&scenario.model, scenario.train.seed, &device)
             .context("building the model")?;
@@ -488,6 +496,7 @@ impl Trainer {
     /// Apply a knob change now (the caller makes sure "now" is a window boundary).
     pub fn apply_control(&mut self, c: &Control) -> anyhow::Result<()> {
         crate::scenario::validate_control(c).map_err(anyhow::Error::msg)?;
+        guard::check_knob_change(self, c).map_err(anyhow::Error::msg)?;
         match *c {
             Control::SetOffload { value } => self.opt.set_offload(value, &self.model.params)?,
             Control::SetLossScale { value } => self.scaler.force(value),
@@ -566,7 +575,7 @@ pub fn spawn_trainer(trainer: Trainer) -> anyhow::Result<(TrainerHandle, EventSi
     let thread_sink = sink.clone();
     let thread = std::thread::Builder::new()
         .name("gaccwb-trainer".into())
-        .spawn(move || run(trainer, crx, thread_sink))
+        .spawn(move || guard::run_catching_panics(trainer, crx, thread_sink))
         .context("starting the trainer thread")?;
     Ok((
         TrainerHandle {
@@ -589,6 +598,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
     };
     sink.send(Event::Header(trainer.header()));
     send_estimate(&trainer, &sink);
+    let mut divergence = guard::Divergence::new(trainer.scenario.train.max_nonfinite_windows);
     let reason = loop {
         flow.drain(&mut controls);
         apply_due(&mut trainer, &mut flow, &sink);
@@ -614,6 +624,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
         match step {
             Ok(step) => {
                 let n = step.step;
+                let diverged = divergence.observe(&step);
                 if !sink.send(Event::Step(step)) {
                     break "stopped".to_string();
                 }
@@ -622,6 +633,10 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
                 }
                 if let Some(log) = crate::checkpoint::maybe_save(&trainer) {
                     sink.send(log);
+                }
+                if let Some(reason) = diverged {
+                    guard::send_error(&sink, trainer.step, &reason);
+                    break reason;
                 }
                 maybe_evaluate(&trainer, n, &sink);
             }
