@@ -174,8 +174,14 @@ fn memory_series(recording: &Recording) -> Vec<Series> {
         .collect()
 }
 
+/// The finite points, clamped to what an axis can span: near f64::MAX the range's width
+/// overflows to infinity and drawing the axis never ends.
 fn finite(points: impl Iterator<Item = (f64, f64)>) -> Vec<(f64, f64)> {
-    points.filter(|p| p.1.is_finite()).collect()
+    let limit = crate::tui::panes::CHART_LIMIT;
+    points
+        .filter(|p| p.1.is_finite())
+        .map(|(x, y)| (x, y.clamp(-limit, limit)))
+        .collect()
 }
 
 fn y_range(series: &[Series]) -> Range<f64> {
