@@ -418,22 +418,12 @@ fn build_trainer(
 /// `--control` values checked against the run's model before the trainer starts, with the
 /// rules presets follow (a window B·K·seq_len that overflows is refused here, not mid-run).
 fn check_cli_controls(trainer: &Trainer) -> Result<(), String> {
-    use gaccwb::telemetry::Control;
-    let (mut b, mut k) = (trainer.knobs.micro_batch, trainer.knobs.accum_steps);
-    let mut entries: Vec<_> = trainer.cli_controls.iter().collect();
-    entries.sort_by_key(|e| e.step);
-    for e in entries {
-        gaccwb::scenario::validate_control(&e.control)
-            .map_err(|m| format!("--control {}:{}: {m}", e.step, e.control.describe()))?;
-        match e.control {
-            Control::SetMicroBatch { value } => b = value,
-            Control::SetAccumSteps { value } => k = value,
-            _ => continue,
-        }
-        gaccwb::limits::check_window(b, k, trainer.scenario.model.seq_len)
-            .map_err(|m| format!("--control {}:{}: {m}", e.step, e.control.describe()))?;
-    }
-    Ok(())
+    let (b, k) = (trainer.knobs.micro_batch, trainer.knobs.accum_steps);
+    let entries = &trainer.cli_controls;
+    gaccwb::limits::check_schedule(b, k, trainer.scenario.model.seq_len, entries).map_err(|(i, m)| {
+        let e = &entries[i];
+        format!("--control {}:{}: {m}", e.step, e.control.describe())
+    })
 }
 
 fn export(args: ExportArgs) -> anyhow::Result<()> {

@@ -67,7 +67,7 @@ fn recorded_run(dir: &Path) -> (std::path::PathBuf, headless::Summary) {
     )
     .unwrap();
     let mut recording = read_recording(&path).unwrap();
-    let mut rec = Recorder::create(&path).unwrap();
+    let mut rec = Recorder::create_replacing(&path).unwrap();
     for (i, e) in recording.events.drain(..).enumerate() {
         rec.write(&e).unwrap();
         if let Event::Step(s) = &e {

@@ -6,7 +6,8 @@
 use std::io::Read;
 use std::path::Path;
 
-use crate::scenario::Scenario;
+use crate::scenario::{Scenario, TimelineEntry};
+use crate::telemetry::Control;
 
 /// Largest preset or keymap file read (they are a few hundred bytes in practice).
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
@@ -117,7 +118,36 @@ pub fn check_scenario(s: &Scenario) -> Result<(), (&'static str, String)> {
     for (key, value) in [("data.min_doc_len", d.min_doc_len), ("data.max_doc_len", d.max_doc_len)] {
         at_most(key, value as u64, MAX_INTEGER).map_err(|e| (key, e))?;
     }
-    check_window(t.micro_batch, t.accum_steps, m.seq_len).map_err(|e| ("train.accum_steps", e))
+    check_window(t.micro_batch, t.accum_steps, m.seq_len).map_err(|e| ("train.accum_steps", e))?;
+    check_timeline_windows(s).map_err(|e| ("timeline", e))
+}
+
+/// The windows the timeline's B and K changes make, in step order, each within bounds.
+fn check_timeline_windows(s: &Scenario) -> Result<(), String> {
+    let (b, k) = (s.train.micro_batch, s.train.accum_steps);
+    check_schedule(b, k, s.model.seq_len, &s.timeline)
+        .map_err(|(i, m)| format!("timeline[{i}] (step {}): {m}", s.timeline[i].step))
+}
+
+/// Walk `entries` in step order from micro-batch `b` and accumulation steps `k`: every window
+/// their changes make must pass `check_window`. The error carries the entry's index.
+pub fn check_schedule(
+    mut b: usize,
+    mut k: usize,
+    seq_len: usize,
+    entries: &[TimelineEntry],
+) -> Result<(), (usize, String)> {
+    let mut order: Vec<usize> = (0..entries.len()).collect();
+    order.sort_by_key(|&i| entries[i].step);
+    for i in order {
+        match entries[i].control {
+            Control::SetMicroBatch { value } => b = value,
+            Control::SetAccumSteps { value } => k = value,
+            _ => continue,
+        }
+        check_window(b, k, seq_len).map_err(|m| (i, m))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -90,7 +90,8 @@ pub fn nice_bounds(min: f64, max: f64) -> (f64, f64) {
         return (0.0, 1.0);
     }
     // Near f64::MAX the span and the rounding overflow; no chart needs more than this.
-    let (min, max) = (min.max(-CHART_LIMIT), max.min(CHART_LIMIT));
+    let limit = |v: f64| v.clamp(-CHART_LIMIT, CHART_LIMIT);
+    let (min, max) = (limit(min), limit(max));
     let span = if max > min {
         max - min
     } else {
