@@ -47,7 +47,11 @@ pub fn run_trainer(trainer: train::Trainer, opts: HeadlessOptions) -> anyhow::Re
 /// Without a screen nobody can resume a paused run: a scripted `pause` or `single_step` would
 /// hang it, so it is refused before the run starts.
 pub fn refuse_screen_controls(trainer: &train::Trainer) -> anyhow::Result<()> {
-    let scripted = trainer.scenario.timeline.iter().map(|e| (e, "the preset's timeline"));
+    let scripted = trainer
+        .scenario
+        .timeline
+        .iter()
+        .map(|e| (e, "the preset's timeline"));
     let cli = trainer.cli_controls.iter().map(|e| (e, "--control"));
     for (entry, from) in scripted.chain(cli) {
         if matches!(entry.control, Control::Pause | Control::SingleStep) {
@@ -110,7 +114,9 @@ pub fn run_recording(
             }
             Event::Log(l) if l.level == Level::Error => {
                 // Errors go to stderr as they happen, not only into the final summary.
-                bar.suspend(|| eprintln!("gaccwb: error at step {}: {}", l.step, strip(&l.message)));
+                bar.suspend(|| {
+                    eprintln!("gaccwb: error at step {}: {}", l.step, strip(&l.message))
+                });
                 summary.errors.push(l.message);
             }
             Event::Log(l) => bar.println(format!("{:?}: {}", l.level, strip(&l.message))),

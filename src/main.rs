@@ -420,10 +420,12 @@ fn build_trainer(
 fn check_cli_controls(trainer: &Trainer) -> Result<(), String> {
     let (b, k) = (trainer.knobs.micro_batch, trainer.knobs.accum_steps);
     let entries = &trainer.cli_controls;
-    gaccwb::limits::check_schedule(b, k, trainer.scenario.model.seq_len, entries).map_err(|(i, m)| {
-        let e = &entries[i];
-        format!("--control {}:{}: {m}", e.step, e.control.describe())
-    })
+    gaccwb::limits::check_schedule(b, k, trainer.scenario.model.seq_len, entries).map_err(
+        |(i, m)| {
+            let e = &entries[i];
+            format!("--control {}:{}: {m}", e.step, e.control.describe())
+        },
+    )
 }
 
 fn export(args: ExportArgs) -> anyhow::Result<()> {

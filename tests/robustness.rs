@@ -33,7 +33,10 @@ fn gaccwb(args: &[&str], dir: &Path) -> (i32, String, String) {
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!stderr.contains("panicked"), "gaccwb {args:?} panicked:\n{stderr}");
+    assert!(
+        !stderr.contains("panicked"),
+        "gaccwb {args:?} panicked:\n{stderr}"
+    );
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -44,6 +47,22 @@ fn gaccwb(args: &[&str], dir: &Path) -> (i32, String, String) {
 fn headless(extra: &[&str], dir: &Path) -> (i32, String, String) {
     let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "2"];
     args.extend_from_slice(TINY);
+    args.extend_from_slice(extra);
+    gaccwb(&args, dir)
+}
+
+/// `run --headless` resuming the checkpoint in `ck` for 3 steps.
+fn resume_ck(extra: &[&str], dir: &Path) -> (i32, String, String) {
+    let mut args = vec![
+        "run",
+        "--headless",
+        "--device",
+        "cpu",
+        "--resume",
+        "ck",
+        "--steps",
+        "3",
+    ];
     args.extend_from_slice(extra);
     gaccwb(&args, dir)
 }
@@ -61,7 +80,12 @@ fn end_reason(path: &Path) -> String {
 fn a_panicking_trainer_sends_end_with_the_reason() {
     use gaccwb::scenario::Scenario;
     let mut s = Scenario::default();
-    (s.model.d_model, s.model.layers, s.model.heads, s.model.seq_len) = (32, 1, 2, 16);
+    (
+        s.model.d_model,
+        s.model.layers,
+        s.model.heads,
+        s.model.seq_len,
+    ) = (32, 1, 2, 16);
     s.train.steps = 3;
     s.train.eval_every = 0;
     let mut trainer = gaccwb::train::Trainer::new(s, candle_core::Device::Cpu).unwrap();
@@ -71,7 +95,10 @@ fn a_panicking_trainer_sends_end_with_the_reason() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut errors = Vec::new();
     let reason = loop {
-        assert!(Instant::now() < deadline, "no `end` after the trainer crashed");
+        assert!(
+            Instant::now() < deadline,
+            "no `end` after the trainer crashed"
+        );
         match handle.events.try_recv() {
             Ok(Event::End(e)) => break e.reason,
             Ok(Event::Log(l)) if l.level == Level::Error => errors.push(l.message),
@@ -91,9 +118,15 @@ fn controls_that_overflow_are_usage_errors_before_the_run() {
     let (code, _, stderr) = headless(&["--control", huge, "--record", "r.jsonl"], dir.path());
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("accumulation steps"), "{stderr}");
-    assert!(!dir.path().join("r.jsonl").exists(), "nothing recorded for a refused run");
+    assert!(
+        !dir.path().join("r.jsonl").exists(),
+        "nothing recorded for a refused run"
+    );
     let window = "1:set_micro_batch=60000";
-    let (code, _, stderr) = headless(&["--control", "1:set_accum_steps=60000", "--control", window], dir.path());
+    let (code, _, stderr) = headless(
+        &["--control", "1:set_accum_steps=60000", "--control", window],
+        dir.path(),
+    );
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("more than"), "{stderr}");
 }
@@ -101,19 +134,22 @@ fn controls_that_overflow_are_usage_errors_before_the_run() {
 #[test]
 fn an_edited_checkpoint_with_huge_knobs_is_refused_on_resume() {
     let dir = tempfile::tempdir().unwrap();
-    let (code, _, stderr) = headless(&["--checkpoint-every", "1", "--checkpoint-dir", "ck"], dir.path());
+    let (code, _, stderr) = headless(
+        &["--checkpoint-every", "1", "--checkpoint-dir", "ck"],
+        dir.path(),
+    );
     assert_eq!(code, 0, "{stderr}");
     let state = dir.path().join("ck/checkpoint.json");
     let text = std::fs::read_to_string(&state).unwrap();
     let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
     json["knobs"]["accum_steps"] = serde_json::json!(2305843009213693952u64);
     std::fs::write(&state, json.to_string()).unwrap();
-    let (code, _, stderr) = gaccwb(
-        &["run", "--headless", "--device", "cpu", "--resume", "ck", "--steps", "3"],
-        dir.path(),
-    );
+    let (code, _, stderr) = resume_ck(&[], dir.path());
     assert_eq!(code, 1, "{stderr}");
-    assert!(stderr.contains("checkpoint.json") && stderr.contains("accumulation steps"), "{stderr}");
+    assert!(
+        stderr.contains("checkpoint.json") && stderr.contains("accumulation steps"),
+        "{stderr}"
+    );
 }
 
 // Item 2: never overwrite what the user made.
@@ -124,12 +160,19 @@ fn record_refuses_an_existing_file_and_force_replaces_it_whole() {
     std::fs::write(&mine, "my notes\n").unwrap();
     let (code, _, stderr) = headless(&["--record", "mine.jsonl"], dir.path());
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("already exists") && stderr.contains("--force"), "{stderr}");
+    assert!(
+        stderr.contains("already exists") && stderr.contains("--force"),
+        "{stderr}"
+    );
     assert_eq!(std::fs::read_to_string(&mine).unwrap(), "my notes\n");
     let (code, _, stderr) = headless(&["--record", "mine.jsonl", "--force"], dir.path());
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(end_reason(&mine), "completed");
-    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
     assert_eq!(names.len(), 1, "no temporary file left: {names:?}");
 }
 
@@ -137,11 +180,20 @@ fn record_refuses_an_existing_file_and_force_replaces_it_whole() {
 fn record_never_writes_over_the_runs_own_input() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = dir.path().join("corpus.txt");
-    std::fs::write(&corpus, "the quick brown fox jumps over the lazy dog\n".repeat(20)).unwrap();
-    let (code, _, stderr) = headless(&["--data", "corpus.txt", "--record", "corpus.txt", "--force"], dir.path());
+    std::fs::write(
+        &corpus,
+        "the quick brown fox jumps over the lazy dog\n".repeat(20),
+    )
+    .unwrap();
+    let (code, _, stderr) = headless(
+        &["--data", "corpus.txt", "--record", "corpus.txt", "--force"],
+        dir.path(),
+    );
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("is an input of this run"), "{stderr}");
-    assert!(std::fs::read_to_string(&corpus).unwrap().starts_with("the quick"));
+    assert!(std::fs::read_to_string(&corpus)
+        .unwrap()
+        .starts_with("the quick"));
 }
 
 #[test]
@@ -151,23 +203,59 @@ fn export_refuses_existing_outputs_and_its_own_input() {
     assert_eq!(code, 0, "{stderr}");
     let before = std::fs::read(dir.path().join("run.jsonl")).unwrap();
     for format in ["svg", "cast"] {
-        let (code, _, stderr) = gaccwb(&["export", "run.jsonl", "--to", format, "-o", "run.jsonl", "--force"], dir.path());
+        let (code, _, stderr) = gaccwb(
+            &[
+                "export",
+                "run.jsonl",
+                "--to",
+                format,
+                "-o",
+                "run.jsonl",
+                "--force",
+            ],
+            dir.path(),
+        );
         assert_eq!(code, 2, "{format}: {stderr}");
     }
     assert_eq!(std::fs::read(dir.path().join("run.jsonl")).unwrap(), before);
     std::fs::write(dir.path().join("chart.svg"), "mine").unwrap();
-    let (code, _, stderr) = gaccwb(&["export", "run.jsonl", "--to", "svg", "-o", "chart.svg"], dir.path());
+    let (code, _, stderr) = gaccwb(
+        &["export", "run.jsonl", "--to", "svg", "-o", "chart.svg"],
+        dir.path(),
+    );
     assert_eq!(code, 1, "{stderr}");
     assert!(stderr.contains("already exists"), "{stderr}");
-    assert_eq!(std::fs::read_to_string(dir.path().join("chart.svg")).unwrap(), "mine");
-    let (code, _, stderr) = gaccwb(&["export", "run.jsonl", "--to", "svg", "-o", "chart.svg", "--force"], dir.path());
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("chart.svg")).unwrap(),
+        "mine"
+    );
+    let (code, _, stderr) = gaccwb(
+        &[
+            "export",
+            "run.jsonl",
+            "--to",
+            "svg",
+            "-o",
+            "chart.svg",
+            "--force",
+        ],
+        dir.path(),
+    );
     assert_eq!(code, 0, "{stderr}");
-    assert!(std::fs::read_to_string(dir.path().join("chart.svg")).unwrap().contains("<svg"));
+    assert!(std::fs::read_to_string(dir.path().join("chart.svg"))
+        .unwrap()
+        .contains("<svg"));
     std::fs::create_dir(dir.path().join("csv")).unwrap();
     std::fs::write(dir.path().join("csv/evals.csv"), "mine").unwrap();
-    let (code, _, stderr) = gaccwb(&["export", "run.jsonl", "--to", "csv", "-o", "csv"], dir.path());
+    let (code, _, stderr) = gaccwb(
+        &["export", "run.jsonl", "--to", "csv", "-o", "csv"],
+        dir.path(),
+    );
     assert_eq!(code, 1, "{stderr}");
-    assert!(!dir.path().join("csv/steps.csv").exists(), "refused before writing anything");
+    assert!(
+        !dir.path().join("csv/steps.csv").exists(),
+        "refused before writing anything"
+    );
 }
 
 #[test]
@@ -180,13 +268,13 @@ fn a_checkpoint_dir_of_another_run_is_refused() {
     let before = std::fs::read(&tensors).unwrap();
     let (code, _, stderr) = headless(&[&save[..], &["--seed", "7"]].concat(), dir.path());
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("already holds another run's checkpoint (step 2)"), "{stderr}");
+    assert!(
+        stderr.contains("already holds another run's checkpoint (step 2)"),
+        "{stderr}"
+    );
     assert_eq!(std::fs::read(&tensors).unwrap(), before);
     // Resuming it saves into it, as before.
-    let (code, _, stderr) = gaccwb(
-        &["run", "--headless", "--device", "cpu", "--resume", "ck", "--steps", "3", "--checkpoint-every", "1", "--checkpoint-dir", "ck"],
-        dir.path(),
-    );
+    let (code, _, stderr) = resume_ck(&save, dir.path());
     assert_eq!(code, 0, "{stderr}");
     assert!(dir.path().join("ck/step-00000003.safetensors").exists());
 }
@@ -195,9 +283,15 @@ fn a_checkpoint_dir_of_another_run_is_refused() {
 #[test]
 fn a_model_the_machine_cannot_hold_is_refused_with_figures() {
     let dir = tempfile::tempdir().unwrap();
-    let (code, _, stderr) = headless(&["--set", "model.d_model=65536", "--set", "model.layers=64"], dir.path());
+    let (code, _, stderr) = headless(
+        &["--set", "model.d_model=65536", "--set", "model.layers=64"],
+        dir.path(),
+    );
     assert_eq!(code, 1, "{stderr}");
-    assert!(stderr.contains("does not fit") && stderr.contains("GiB"), "{stderr}");
+    assert!(
+        stderr.contains("does not fit") && stderr.contains("GiB"),
+        "{stderr}"
+    );
 }
 
 // Item 4: no hang without a screen; signals stop cleanly.
@@ -213,9 +307,22 @@ fn headless_refuses_pause_and_single_step() {
 
 #[test]
 fn sigterm_sigint_and_sighup_end_the_run_with_the_conventional_code() {
-    for (signo, code) in [(libc::SIGTERM, 143), (libc::SIGINT, 130), (libc::SIGHUP, 129)] {
+    for (signo, code) in [
+        (libc::SIGTERM, 143),
+        (libc::SIGINT, 130),
+        (libc::SIGHUP, 129),
+    ] {
         let dir = tempfile::tempdir().unwrap();
-        let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "0", "--record", "r.jsonl"];
+        let mut args = vec![
+            "run",
+            "--headless",
+            "--device",
+            "cpu",
+            "--steps",
+            "0",
+            "--record",
+            "r.jsonl",
+        ];
         args.extend_from_slice(TINY);
         let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("gaccwb"))
             .current_dir(dir.path())
@@ -226,7 +333,10 @@ fn sigterm_sigint_and_sighup_end_the_run_with_the_conventional_code() {
             .unwrap();
         let rec = dir.path().join("r.jsonl");
         let deadline = Instant::now() + Duration::from_secs(60);
-        while !std::fs::read_to_string(&rec).unwrap_or_default().contains("\"type\":\"step\"") {
+        while !std::fs::read_to_string(&rec)
+            .unwrap_or_default()
+            .contains("\"type\":\"step\"")
+        {
             assert!(Instant::now() < deadline, "no step recorded");
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -246,14 +356,23 @@ fn sigterm_sigint_and_sighup_end_the_run_with_the_conventional_code() {
 fn a_run_that_stays_non_finite_ends_as_diverged() {
     let dir = tempfile::tempdir().unwrap();
     let args = [
-        "--set", "train.dtype=\"f16\"", "--set", "train.loss_scale=1e30",
-        "--set", "train.max_nonfinite_windows=2", "--record", "r.jsonl",
+        "--set",
+        "train.dtype=\"f16\"",
+        "--set",
+        "train.loss_scale=1e30",
+        "--set",
+        "train.max_nonfinite_windows=2",
+        "--record",
+        "r.jsonl",
     ];
     let (code, stdout, stderr) = headless(&args, dir.path());
     assert_eq!(code, 1, "{stdout}\n{stderr}");
     assert!(stderr.contains("diverged"), "{stderr}");
     let reason = end_reason(&dir.path().join("r.jsonl"));
-    assert!(reason.starts_with("diverged") && reason.contains("steps 1–2"), "{reason}");
+    assert!(
+        reason.starts_with("diverged") && reason.contains("steps 1–2"),
+        "{reason}"
+    );
 }
 
 // Item 6: bounded inputs.
@@ -267,7 +386,11 @@ fn endless_and_oversized_inputs_are_refused() {
     assert_eq!(code, 1, "{stderr}");
     assert!(stderr.contains("not a regular file"), "{stderr}");
     let big = dir.path().join("big.toml");
-    std::fs::write(&big, vec![b'#'; (gaccwb::limits::MAX_CONFIG_BYTES + 1) as usize]).unwrap();
+    std::fs::write(
+        &big,
+        vec![b'#'; (gaccwb::limits::MAX_CONFIG_BYTES + 1) as usize],
+    )
+    .unwrap();
     let (code, _, stderr) = gaccwb(&["run", "--headless", "big.toml"], dir.path());
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("larger than gaccwb reads"), "{stderr}");
@@ -306,9 +429,15 @@ fn extreme_numbers_in_a_recording_do_not_hang_replay_or_export() {
     std::fs::write(dir.path().join("x.jsonl"), extreme).unwrap();
     let (code, stdout, stderr) = gaccwb(&["replay", "--headless", "x.jsonl"], dir.path());
     assert_eq!(code, 0, "{stderr}");
-    assert!(!stdout.contains('\u{1b}') && stdout.contains("done"), "{stdout:?}");
+    assert!(
+        !stdout.contains('\u{1b}') && stdout.contains("done"),
+        "{stdout:?}"
+    );
     for (format, out) in [("csv", "csv"), ("svg", "x.svg"), ("cast", "x.cast")] {
-        let (code, _, stderr) = gaccwb(&["export", "x.jsonl", "--to", format, "-o", out], dir.path());
+        let (code, _, stderr) = gaccwb(
+            &["export", "x.jsonl", "--to", format, "-o", out],
+            dir.path(),
+        );
         assert_eq!(code, 0, "{format}: {stderr}");
     }
 }
@@ -316,7 +445,10 @@ fn extreme_numbers_in_a_recording_do_not_hang_replay_or_export() {
 #[test]
 fn estimate_refuses_an_effective_batch_it_would_search_forever() {
     let dir = tempfile::tempdir().unwrap();
-    let (code, _, stderr) = gaccwb(&["estimate", "--effective", "1000000000000000000"], dir.path());
+    let (code, _, stderr) = gaccwb(
+        &["estimate", "--effective", "1000000000000000000"],
+        dir.path(),
+    );
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("--effective"), "{stderr}");
 }
@@ -325,17 +457,31 @@ fn estimate_refuses_an_effective_batch_it_would_search_forever() {
 #[test]
 fn a_too_large_number_in_a_preset_names_its_line() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("big.toml"), "name = \"big\"\n\n[train]\nsteps = 18446744073709551615\n").unwrap();
-    let (code, _, stderr) = gaccwb(&["run", "--headless", "big.toml", "--set", "train.lr=0.1"], dir.path());
+    std::fs::write(
+        dir.path().join("big.toml"),
+        "name = \"big\"\n\n[train]\nsteps = 18446744073709551615\n",
+    )
+    .unwrap();
+    let (code, _, stderr) = gaccwb(
+        &["run", "--headless", "big.toml", "--set", "train.lr=0.1"],
+        dir.path(),
+    );
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("big.toml:4") && stderr.contains("train.steps"), "{stderr}");
+    assert!(
+        stderr.contains("big.toml:4") && stderr.contains("train.steps"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("--set"), "{stderr}");
 }
 
 #[test]
 fn a_cut_off_header_line_is_reported_as_such() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("cut.jsonl"), "{\"type\":\"header\",\"version\":1,\"con").unwrap();
+    std::fs::write(
+        dir.path().join("cut.jsonl"),
+        "{\"type\":\"header\",\"version\":1,\"con",
+    )
+    .unwrap();
     let (code, _, stderr) = gaccwb(&["replay", "--headless", "cut.jsonl"], dir.path());
     assert_eq!(code, 1, "{stderr}");
     assert!(stderr.contains("header line is incomplete"), "{stderr}");
@@ -344,7 +490,12 @@ fn a_cut_off_header_line_is_reported_as_such() {
 
 fn tiny_scenario() -> gaccwb::scenario::Scenario {
     let mut s = gaccwb::scenario::Scenario::default();
-    (s.model.d_model, s.model.layers, s.model.heads, s.model.seq_len) = (32, 1, 2, 16);
+    (
+        s.model.d_model,
+        s.model.layers,
+        s.model.heads,
+        s.model.seq_len,
+    ) = (32, 1, 2, 16);
     s.train.eval_every = 0;
     s
 }
@@ -374,7 +525,8 @@ async fn screen(
 #[tokio::test(flavor = "current_thread")]
 async fn the_screen_closes_with_an_error_when_the_trainer_crashes() {
     use gaccwb::tui::feed::{Feed, Live};
-    let mut trainer = gaccwb::train::Trainer::new(tiny_scenario(), candle_core::Device::Cpu).unwrap();
+    let mut trainer =
+        gaccwb::train::Trainer::new(tiny_scenario(), candle_core::Device::Cpu).unwrap();
     trainer.opt.m.clear();
     let (handle, _sink) = gaccwb::train::spawn_trainer(trainer).unwrap();
     let mut feed = Feed::Live(Live::new(handle, None).unwrap());
@@ -382,8 +534,14 @@ async fn the_screen_closes_with_an_error_when_the_trainer_crashes() {
     // No key is ever pressed: only the failure can end the loop.
     let run = screen(&mut feed, &mut app, vec![(600_000, 'q')]);
     let result = tokio::time::timeout(Duration::from_secs(60), run).await;
-    let e = result.expect("the screen kept running after the crash").unwrap_err();
-    assert!(e.to_string().contains("training failed: error: the trainer crashed"), "{e}");
+    let e = result
+        .expect("the screen kept running after the crash")
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("training failed: error: the trainer crashed"),
+        "{e}"
+    );
 }
 
 // Item 2 on the screen: `r` skips names that exist instead of truncating them.
@@ -398,8 +556,13 @@ async fn the_record_key_never_truncates_an_existing_file() {
     live.set_record_base(base.clone());
     let mut feed = Feed::Live(live);
     let mut app = gaccwb::tui::app::App::default();
-    screen(&mut feed, &mut app, vec![(1500, 'r'), (500, 'q')]).await.unwrap();
+    screen(&mut feed, &mut app, vec![(1500, 'r'), (500, 'q')])
+        .await
+        .unwrap();
     assert_eq!(std::fs::read_to_string(&base).unwrap(), "mine\n");
     let second = dir.path().join("rec-2.jsonl");
-    assert!(read_recording(&second).is_ok(), "the recording went to rec-2.jsonl");
+    assert!(
+        read_recording(&second).is_ok(),
+        "the recording went to rec-2.jsonl"
+    );
 }

@@ -50,11 +50,7 @@ pub fn memory_columns() -> Vec<&'static str> {
 
 /// Write the four files into `dir` (created if missing); returns their paths. Existing files
 /// of those names are refused (before anything is written) unless `force`.
-pub fn write_csv(
-    recording: &Recording,
-    dir: &Path,
-    force: bool,
-) -> anyhow::Result<Vec<PathBuf>> {
+pub fn write_csv(recording: &Recording, dir: &Path, force: bool) -> anyhow::Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     for name in ["steps.csv", "memory.csv", "controls.csv", "evals.csv"] {
         crate::safe_write::check_free(&dir.join(name), "CSV export", force)?;

@@ -64,9 +64,6 @@ pub struct Live {
     /// Events that came before the trainer's header (the sampler can be quicker): a recording
     /// must open with the header, so they wait for it.
     before_header: Vec<Event>,
-    /// The run's end reason when it failed (an error, a crash, divergence): the screen closes
-    /// and the process exits non-zero.
-    failure: Option<String>,
 }
 
 impl Live {
@@ -94,7 +91,6 @@ impl Live {
             record_base,
             trainer_done: false,
             before_header: Vec::new(),
-            failure: None,
         }
     }
 
@@ -149,8 +145,8 @@ impl Live {
             if let Some(mut s) = self.sampler.take() {
                 s.stop();
             }
+            // A failed run (an error, a crash, divergence) closes the screen; `finish` reports it.
             if crate::train::guard::is_failure(&end.reason) {
-                self.failure = Some(end.reason.clone());
                 app.quit = true;
             }
         }
@@ -214,9 +210,11 @@ impl Live {
         if let Some(r) = self.recorder.as_mut() {
             r.flush()?;
         }
-        match &self.failure {
-            Some(reason) => anyhow::bail!("training failed: {}", crate::headless::strip(reason)),
-            None => Ok(()),
+        match app.ended.as_deref() {
+            Some(reason) if crate::train::guard::is_failure(reason) => {
+                anyhow::bail!("training failed: {}", crate::headless::strip(reason))
+            }
+            _ => Ok(()),
         }
     }
 

@@ -169,14 +169,23 @@ pub fn read_state(dir: &Path) -> anyhow::Result<State> {
 /// The values of an edited or damaged state file, checked with the rules presets follow.
 fn check_state(state: &State) -> Result<(), String> {
     use crate::limits::{at_most, check_window, MAX_INTEGER};
-    state.scenario.validate().map_err(|e| format!("scenario: {e}"))?;
+    state
+        .scenario
+        .validate()
+        .map_err(|e| format!("scenario: {e}"))?;
     let k = &state.knobs;
     for c in [
-        Control::SetAccumSteps { value: k.accum_steps },
-        Control::SetMicroBatch { value: k.micro_batch },
+        Control::SetAccumSteps {
+            value: k.accum_steps,
+        },
+        Control::SetMicroBatch {
+            value: k.micro_batch,
+        },
         Control::SetClip { value: k.clip },
         Control::SetLr { value: k.lr },
-        Control::SetLossScale { value: state.loss_scale },
+        Control::SetLossScale {
+            value: state.loss_scale,
+        },
     ] {
         crate::scenario::validate_control(&c).map_err(|e| format!("knobs: {e}"))?;
     }

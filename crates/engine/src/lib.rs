@@ -8,8 +8,8 @@
 
 pub mod checkpoint;
 pub mod data;
-pub mod limits;
 pub mod device;
+pub mod limits;
 pub mod memory;
 pub mod model;
 pub mod ops;

@@ -77,7 +77,11 @@ pub fn at_most(key: &str, value: u64, max: u64) -> Result<(), String> {
 /// One window's shape: B and K within bounds, and B·K·seq_len tokens without overflow.
 pub fn check_window(micro_batch: usize, accum_steps: usize, seq_len: usize) -> Result<(), String> {
     at_most("micro-batch", micro_batch as u64, MAX_MICRO_BATCH as u64)?;
-    at_most("accumulation steps", accum_steps as u64, MAX_ACCUM_STEPS as u64)?;
+    at_most(
+        "accumulation steps",
+        accum_steps as u64,
+        MAX_ACCUM_STEPS as u64,
+    )?;
     let tokens = (micro_batch as u64)
         .checked_mul(accum_steps as u64)
         .and_then(|n| n.checked_mul(seq_len as u64));
@@ -99,23 +103,46 @@ pub fn check_scenario(s: &Scenario) -> Result<(), (&'static str, String)> {
         ("model.layers", m.layers as u64, MAX_LAYERS as u64),
         ("model.heads", m.heads as u64, MAX_D_MODEL as u64),
         ("model.seq_len", m.seq_len as u64, MAX_SEQ_LEN as u64),
-        ("train.micro_batch", t.micro_batch as u64, MAX_MICRO_BATCH as u64),
-        ("train.accum_steps", t.accum_steps as u64, MAX_ACCUM_STEPS as u64),
+        (
+            "train.micro_batch",
+            t.micro_batch as u64,
+            MAX_MICRO_BATCH as u64,
+        ),
+        (
+            "train.accum_steps",
+            t.accum_steps as u64,
+            MAX_ACCUM_STEPS as u64,
+        ),
         ("train.steps", t.steps, MAX_INTEGER),
         ("train.seed", t.seed, MAX_INTEGER),
         ("train.base_batch", t.base_batch as u64, MAX_INTEGER),
         ("train.warmup", t.warmup, MAX_INTEGER),
         ("train.decay_steps", t.decay_steps, MAX_INTEGER),
-        ("train.scale_growth_interval", t.scale_growth_interval, MAX_INTEGER),
+        (
+            "train.scale_growth_interval",
+            t.scale_growth_interval,
+            MAX_INTEGER,
+        ),
         ("train.eval_every", t.eval_every, MAX_INTEGER),
-        ("train.eval_batches", t.eval_batches as u64, MAX_MICRO_BATCH as u64),
-        ("train.max_nonfinite_windows", t.max_nonfinite_windows, MAX_INTEGER),
+        (
+            "train.eval_batches",
+            t.eval_batches as u64,
+            MAX_MICRO_BATCH as u64,
+        ),
+        (
+            "train.max_nonfinite_windows",
+            t.max_nonfinite_windows,
+            MAX_INTEGER,
+        ),
         ("data.seed", d.seed, MAX_INTEGER),
     ];
     for (key, value, max) in bounded {
         at_most(key, value, max).map_err(|e| (key, e))?;
     }
-    for (key, value) in [("data.min_doc_len", d.min_doc_len), ("data.max_doc_len", d.max_doc_len)] {
+    for (key, value) in [
+        ("data.min_doc_len", d.min_doc_len),
+        ("data.max_doc_len", d.max_doc_len),
+    ] {
         at_most(key, value as u64, MAX_INTEGER).map_err(|e| (key, e))?;
     }
     check_window(t.micro_batch, t.accum_steps, m.seq_len).map_err(|e| ("train.accum_steps", e))?;

@@ -41,7 +41,11 @@ pub fn check_fits(cfg: &Config, budget: Option<u64>) -> Result<(), String> {
 
 /// `check_fits` for a change from `current` (already allocated) to `next`: only the growth
 /// must fit in `budget`.
-pub fn check_growth(current: Option<&Config>, next: &Config, budget: Option<u64>) -> Result<(), String> {
+pub fn check_growth(
+    current: Option<&Config>,
+    next: &Config,
+    budget: Option<u64>,
+) -> Result<(), String> {
     if rough_bytes(&next.model, next.micro_batch) > ABSURD_BYTES {
         return Err(format!(
             "this configuration needs more than {} GiB; no machine holds it",

@@ -44,7 +44,9 @@ pub fn run_catching_panics(
     sink: EventSink,
 ) {
     let watcher = sink.clone();
-    let outcome = catch_unwind(AssertUnwindSafe(move || super::run(trainer, controls, sink)));
+    let outcome = catch_unwind(AssertUnwindSafe(move || {
+        super::run(trainer, controls, sink)
+    }));
     if let Err(payload) = outcome {
         let what = payload
             .downcast_ref::<&str>()
@@ -141,11 +143,19 @@ mod tests {
         let mut d = Divergence::new(3);
         assert!(d.observe_window(1, false).is_none());
         assert!(d.observe_window(2, false).is_none());
-        assert!(d.observe_window(3, true).is_none(), "a finite window resets the count");
+        assert!(
+            d.observe_window(3, true).is_none(),
+            "a finite window resets the count"
+        );
         assert!(d.observe_window(4, false).is_none());
         assert!(d.observe_window(5, false).is_none());
-        let reason = d.observe_window(6, false).expect("third in a row ends the run");
-        assert!(is_failure(&reason) && reason.contains("steps 4–6"), "{reason}");
+        let reason = d
+            .observe_window(6, false)
+            .expect("third in a row ends the run");
+        assert!(
+            is_failure(&reason) && reason.contains("steps 4–6"),
+            "{reason}"
+        );
         let mut off = Divergence::new(0);
         assert!((1..100).all(|n| off.observe_window(n, false).is_none()));
     }
