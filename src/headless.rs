@@ -91,8 +91,7 @@ pub fn run_recording(
     let bar = progress_bar(total, quiet);
     let mut summary = Summary::default();
     while let Some(mut event) = handle.events.blocking_recv() {
-        if let (Event::End(e), Some(signal)) = (&mut event, crate::signals::caught()) {
-            e.reason = format!("stopped by {}", crate::signals::name(signal.0));
+        if let Some(signal) = crate::signals::mark_end(&mut event) {
             summary.signal = Some(signal);
         }
         if let Some(r) = recorder.as_mut() {

@@ -45,6 +45,16 @@ pub fn caught() -> Option<Signalled> {
     }
 }
 
+/// If a signal stopped the run, say so in its `end` event (the trainer only knows "stopped").
+pub fn mark_end(event: &mut crate::telemetry::Event) -> Option<Signalled> {
+    let crate::telemetry::Event::End(end) = event else {
+        return None;
+    };
+    let signal = caught()?;
+    end.reason = format!("stopped by {}", name(signal.0));
+    Some(signal)
+}
+
 /// The three stopping signals, registered (the default action, dying, is off from here on).
 pub struct Stoppers {
     int: Signal,

@@ -128,6 +128,11 @@ impl Live {
     }
 
     fn take(&mut self, app: &mut App, e: &Event) -> anyhow::Result<()> {
+        let mut marked = e.clone();
+        let e = match crate::signals::mark_end(&mut marked) {
+            Some(_) => &marked,
+            None => e,
+        };
         if app.header.is_none() && !matches!(e, Event::Header(_)) {
             self.before_header.push(e.clone());
         } else {
