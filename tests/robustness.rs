@@ -566,3 +566,22 @@ async fn the_record_key_never_truncates_an_existing_file() {
         "the recording went to rec-2.jsonl"
     );
 }
+
+// Items 1 and 3 at run time: a knob change that breaks the bounds is refused at the boundary,
+// and the knobs stay as they were.
+#[test]
+fn a_knob_change_that_overflows_is_refused_at_the_boundary() {
+    use gaccwb::telemetry::Control;
+    let mut trainer =
+        gaccwb::train::Trainer::new(tiny_scenario(), candle_core::Device::Cpu).unwrap();
+    trainer.knobs.micro_batch = gaccwb::limits::MAX_MICRO_BATCH;
+    let too_many = Control::SetAccumSteps {
+        value: gaccwb::limits::MAX_ACCUM_STEPS,
+    };
+    let e = trainer.apply_control(&too_many).unwrap_err();
+    assert!(e.to_string().contains("more than"), "{e}");
+    assert_eq!(trainer.knobs.accum_steps, 1);
+    assert!(trainer
+        .apply_control(&Control::SetAccumSteps { value: 2 })
+        .is_ok());
+}

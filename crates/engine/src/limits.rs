@@ -11,7 +11,7 @@ use crate::telemetry::Control;
 
 /// Largest preset or keymap file read (they are a few hundred bytes in practice).
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
-/// Largest recording read (a 10 000-step run with memory sampling is a few tens of MiB).
+/// Largest recording read (it is held in memory whole).
 pub const MAX_RECORDING_BYTES: u64 = 1 << 30;
 /// Largest `--data` corpus read (it is held in memory whole).
 pub const MAX_DATA_BYTES: u64 = 1 << 30;
