@@ -334,12 +334,17 @@ fn open_recorder(path: &Path, force: bool) -> anyhow::Result<gaccwb::record::Rec
     recorder.map_err(|e| UsageError(format!("{e:#}")).into())
 }
 
-/// `--record` must not name one of the run's own inputs (the preset, `--data`, a keymap),
-/// `--force` or not: the run reads them.
+/// `--record` must not name an existing file without `--force`, nor one of the run's own
+/// inputs (the preset, `--data`, a keymap) even with it: the run reads them.
 fn check_record_target(record: &Path, args: &RunArgs, scenario: &Scenario) -> anyhow::Result<()> {
     let Ok(target) = record.canonicalize() else {
         return Ok(()); // not there yet: nothing to lose
     };
+    if !args.force {
+        // Checked here too (the recorder refuses it again, race-free) so the screen and
+        // headless both say it before anything starts, as a usage error.
+        anyhow::bail!(UsageError(gaccwb::safe_write::refusal(record, "recording")));
+    }
     let inputs = [
         Some(PathBuf::from(&args.preset)),
         scenario.data.path.clone(),
