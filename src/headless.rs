@@ -9,7 +9,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::memory::StepFigure;
 use crate::record::Recorder;
 use crate::scenario::Scenario;
-use crate::telemetry::{Event, Header, Level, MemorySource, StepEvent};
+use crate::telemetry::{
+    Control, ControlMsg, Event, Header, Level, MemorySource, Origin, Phase, StepEvent,
+};
 use crate::train;
 
 pub struct HeadlessOptions {
@@ -30,6 +32,8 @@ pub struct Summary {
     figure: Option<StepFigure>,
     pub end_reason: String,
     pub errors: Vec<String>,
+    /// The signal that stopped the run, if one did.
+    pub signal: Option<crate::signals::Signalled>,
 }
 
 pub fn run(scenario: Scenario, device: Device, opts: HeadlessOptions) -> anyhow::Result<Summary> {
@@ -38,14 +42,61 @@ pub fn run(scenario: Scenario, device: Device, opts: HeadlessOptions) -> anyhow:
 
 /// `run` for a trainer built by the caller (e.g. resumed from a checkpoint).
 pub fn run_trainer(trainer: train::Trainer, opts: HeadlessOptions) -> anyhow::Result<Summary> {
+    refuse_screen_controls(&trainer)?;
+    let recorder = opts.record.as_deref().map(Recorder::create).transpose()?;
+    run_recording(trainer, recorder, opts.quiet, false)
+}
+
+/// Without a screen nobody can resume a paused run: a scripted `pause` or `single_step` would
+/// hang it, so it is refused before the run starts.
+pub fn refuse_screen_controls(trainer: &train::Trainer) -> anyhow::Result<()> {
+    let scripted = trainer
+        .scenario
+        .timeline
+        .iter()
+        .map(|e| (e, "the preset's timeline"));
+    let cli = trainer.cli_controls.iter().map(|e| (e, "--control"));
+    for (entry, from) in scripted.chain(cli) {
+        if matches!(entry.control, Control::Pause | Control::SingleStep) {
+            anyhow::bail!(
+                "{from} has `{}` at step {}: a headless run has no screen to resume it from; \
+                 remove it, or run without --headless",
+                entry.control.describe(),
+                entry.step
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `run_trainer` with a recorder opened by the caller (e.g. one replacing a file, `--force`).
+/// `stop_on_signals`: SIGINT, SIGTERM and SIGHUP end the run cleanly (the CLI; not in tests,
+/// which share the process).
+pub fn run_recording(
+    trainer: train::Trainer,
+    mut recorder: Option<Recorder>,
+    quiet: bool,
+    stop_on_signals: bool,
+) -> anyhow::Result<Summary> {
     let total = trainer.scenario.train.steps;
-    let mut recorder = opts.record.as_deref().map(Recorder::create).transpose()?;
     let device = trainer.device.clone();
     let (mut handle, sink) = train::spawn_trainer(trainer)?;
+    if stop_on_signals {
+        let controls = handle.controls.clone();
+        crate::signals::watch(move || {
+            let _ = controls.send(ControlMsg {
+                control: Control::Stop,
+                origin: Origin::Key,
+            });
+        })?;
+    }
     let _sampler = crate::memory::gpu::start_sampler(sink, &device);
-    let bar = progress_bar(total, opts.quiet);
+    let bar = progress_bar(total, quiet);
     let mut summary = Summary::default();
-    while let Some(event) = handle.events.blocking_recv() {
+    while let Some(mut event) = handle.events.blocking_recv() {
+        if let Some(signal) = crate::signals::mark_end(&mut event) {
+            summary.signal = Some(signal);
+        }
         if let Some(r) = recorder.as_mut() {
             r.write(&event)?;
         }
@@ -54,9 +105,13 @@ pub fn run_trainer(trainer: train::Trainer, opts: HeadlessOptions) -> anyhow::Re
                 bar.set_position(s.step);
                 bar.set_message(format!("loss {:.3}  {:.0} tok/s", s.loss, s.tokens_per_s));
             }
-            Event::Log(l) if l.level != Level::Error => {
-                bar.println(format!("{:?}: {}", l.level, l.message));
+            Event::Log(l) if l.level == Level::Error => {
+                // Errors go to stderr as they happen, not only into the final summary.
+                bar.suspend(|| {
+                    eprintln!("gaccwb: error at step {}: {}", l.step, strip(&l.message))
+                });
             }
+            Event::Log(l) => bar.println(format!("{:?}: {}", l.level, strip(&l.message))),
             _ => {}
         }
         summary.absorb(&event);
@@ -116,7 +171,7 @@ impl Summary {
     /// One paragraph for the end of a headless run.
     pub fn render(&self) -> String {
         let Some(last) = self.steps.last() else {
-            return format!("no steps ran ({})", self.end_reason);
+            return strip(&format!("no steps ran ({})", self.end_reason));
         };
         let n = self.steps.len();
         let tail = &self.steps[n.saturating_sub(10)..];
@@ -156,6 +211,66 @@ impl Summary {
         for e in &self.errors {
             out += &format!("\n{e}");
         }
-        out
+        // Reasons, errors and the device name may come from a recording someone else wrote.
+        strip(&out)
+    }
+}
+
+/// `text` without terminal escape sequences or other control characters (newlines and tabs
+/// stay), so text read from a recording cannot move the cursor, retitle or clear the terminal.
+pub fn strip(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\x1b' | '\u{9b}' => skip_escape(c, &mut chars),
+            '\n' | '\t' => out.push(c),
+            c if c.is_control() => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Consume the rest of an escape sequence: CSI (`ESC [` … final byte), OSC/DCS/APC/PM/SOS
+/// (… BEL or `ESC \\`), or a two-character escape.
+fn skip_escape(first: char, chars: &mut std::iter::Peekable<std::str::Chars>) {
+    let kind = if first == '\u{9b}' {
+        '['
+    } else {
+        match chars.next() {
+            Some(k) => k,
+            None => return,
+        }
+    };
+    match kind {
+        '[' => {
+            for c in chars.by_ref() {
+                if ('\x40'..='\x7e').contains(&c) {
+                    break;
+                }
+            }
+        }
+        ']' | 'P' | '_' | '^' | 'X' => {
+            while let Some(c) = chars.next() {
+                if c == '\x07' || (c == '\x1b' && chars.next_if_eq(&'\\').is_some()) {
+                    break;
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strip;
+
+    #[test]
+    fn escape_sequences_and_controls_are_removed() {
+        assert_eq!(strip("a\x1b[2J\x1b[31mred\x1b[0m b"), "ared b");
+        assert_eq!(strip("t\x1b]0;pwned\x07itle\x1b]2;x\x1b\\!"), "title!");
+        assert_eq!(strip("bell\x07\r\nnext\tcol"), "bell\nnext\tcol");
+        assert_eq!(strip("plain ünïcode"), "plain ünïcode");
     }
 }

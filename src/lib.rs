@@ -6,12 +6,13 @@
 //! this one: the layering is checked by the compiler.
 
 pub use gaccwb_engine::{
-    checkpoint, data, device, memory, model, ops, presets, record, scenario, telemetry, tokenizer,
-    train,
+    checkpoint, data, device, limits, memory, model, ops, presets, record, safe_write, scenario,
+    telemetry, tokenizer, train,
 };
 
 pub mod bench;
 pub mod compare;
 pub mod export;
 pub mod headless;
+pub mod signals;
 pub mod tui;

@@ -1,11 +1,11 @@
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
 use gaccwb::device::DeviceChoice;
 use gaccwb::export::cast::{write_cast, CastOptions};
-use gaccwb::headless::{self, HeadlessOptions};
+use gaccwb::headless;
 use gaccwb::presets;
 use gaccwb::record::read_recording;
 use gaccwb::scenario::{DataSource, Scenario};
@@ -125,6 +125,9 @@ struct ExportArgs {
     /// cast: time runs this many times faster than the recorded step times.
     #[arg(long, default_value_t = 1.0)]
     speed: f64,
+    /// Replace existing output files (by default they are refused).
+    #[arg(long)]
+    force: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -213,6 +216,10 @@ struct RunArgs {
     /// Continue the run saved in DIR (its preset and knobs; --steps may extend it).
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
+    /// Replace an existing --record file, and save into a --checkpoint-dir that holds another
+    /// run's checkpoint (by default both are refused).
+    #[arg(long)]
+    force: bool,
 }
 
 /// A problem with what the user asked for: exit code 2, like a usage error.
@@ -261,6 +268,9 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gaccwb: {e:#}");
+            if let Some(signal) = e.downcast_ref::<gaccwb::signals::Signalled>() {
+                return ExitCode::from(signal.exit_code());
+            }
             if e.downcast_ref::<UsageError>().is_some() {
                 ExitCode::from(2)
             } else {
@@ -285,6 +295,9 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
         s.train.seed = seed;
         s.data.seed = seed;
     }
+    // Blame a bad --steps/--seed on itself, not on the first --set that re-reads the scenario.
+    s.validate()
+        .map_err(|e| usage(&format!("{e} (from --steps/--seed)")))?;
     for assignment in &args.sets {
         s.set(assignment).map_err(|e| usage(&e))?;
     }
@@ -302,6 +315,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         true => None,
     };
+    if let Some(record) = &args.record {
+        check_record_target(record, &args, &scenario)?;
+    }
     let device = args.device.open()?;
     if let Some(keys) = keys {
         return tui::run_live(
@@ -309,20 +325,63 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             LiveOptions {
                 record: args.record,
                 keys,
+                force: args.force,
             },
         );
     }
     let trainer = build_trainer(&args, scenario, device)?;
-    let summary = headless::run_trainer(
-        trainer,
-        HeadlessOptions {
-            record: args.record,
-            quiet: false,
-        },
-    )?;
+    headless::refuse_screen_controls(&trainer).map_err(|e| UsageError(format!("{e:#}")))?;
+    let recorder = args
+        .record
+        .as_deref()
+        .map(|path| open_recorder(path, args.force))
+        .transpose()?;
+    let summary = headless::run_recording(trainer, recorder, false, true)?;
     println!("{}", summary.render());
-    if summary.end_reason.starts_with("error") {
-        anyhow::bail!("training failed: {}", summary.end_reason);
+    if let Some(signal) = summary.signal {
+        return Err(signal.into());
+    }
+    if gaccwb::train::guard::is_failure(&summary.end_reason) {
+        anyhow::bail!("training failed: {}", headless::strip(&summary.end_reason));
+    }
+    Ok(())
+}
+
+/// A new recording, or (`--force`) one that replaces the file when it is complete.
+fn open_recorder(path: &Path, force: bool) -> anyhow::Result<gaccwb::record::Recorder> {
+    use gaccwb::record::Recorder;
+    let recorder = if force {
+        Recorder::create_replacing(path)
+    } else {
+        Recorder::create(path)
+    };
+    recorder.map_err(|e| UsageError(format!("{e:#}")).into())
+}
+
+/// `--record` must not name an existing file without `--force`, nor one of the run's own
+/// inputs (the preset, `--data`, a keymap) even with it: the run reads them.
+fn check_record_target(record: &Path, args: &RunArgs, scenario: &Scenario) -> anyhow::Result<()> {
+    let Ok(target) = record.canonicalize() else {
+        return Ok(()); // not there yet: nothing to lose
+    };
+    if !args.force {
+        // Checked here too (the recorder refuses it again, race-free) so the screen and
+        // headless both say it before anything starts, as a usage error.
+        anyhow::bail!(UsageError(gaccwb::safe_write::refusal(record, "recording")));
+    }
+    let inputs = [
+        Some(PathBuf::from(&args.preset)),
+        scenario.data.path.clone(),
+        args.keys.clone(),
+    ];
+    for input in inputs.into_iter().flatten() {
+        if input.canonicalize().is_ok_and(|p| p == target) {
+            anyhow::bail!(UsageError(format!(
+                "--record {} is an input of this run ({}); record to another file",
+                record.display(),
+                input.display()
+            )));
+        }
     }
     Ok(())
 }
@@ -341,7 +400,7 @@ fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     }
     let recording = read_recording(&args.file)?;
     for w in &recording.warnings {
-        eprintln!("warning: {w}");
+        eprintln!("warning: {}", headless::strip(w));
     }
     println!("{}", tui::summarize(&recording.events).render());
     Ok(())
@@ -360,6 +419,10 @@ fn build_trainer(
                 .into()
         ));
     }
+    if args.checkpoint_every.is_some() {
+        checkpoint::claim_dir(&args.checkpoint_dir, args.resume.as_deref(), args.force)
+            .map_err(|e| UsageError(format!("{e:#}")))?;
+    }
     let mut trainer = match &args.resume {
         Some(dir) => checkpoint::resume(dir, device, |s| {
             if let Some(n) = args.steps {
@@ -373,6 +436,7 @@ fn build_trainer(
         .iter()
         .map(|c| gaccwb::scenario::parse_control_arg(c).map_err(UsageError))
         .collect::<Result<_, _>>()?;
+    check_cli_controls(&trainer).map_err(UsageError)?;
     trainer.checkpoint = args.checkpoint_every.map(|every| checkpoint::Policy {
         every,
         dir: args.checkpoint_dir.clone(),
@@ -380,25 +444,47 @@ fn build_trainer(
     Ok(trainer)
 }
 
+/// `--control` values checked against the run's model before the trainer starts, with the
+/// rules presets follow (a window B·K·seq_len that overflows is refused here, not mid-run).
+fn check_cli_controls(trainer: &Trainer) -> Result<(), String> {
+    let (b, k) = (trainer.knobs.micro_batch, trainer.knobs.accum_steps);
+    let entries = &trainer.cli_controls;
+    gaccwb::limits::check_schedule(b, k, trainer.scenario.model.seq_len, entries).map_err(
+        |(i, m)| {
+            let e = &entries[i];
+            format!("--control {}:{}: {m}", e.step, e.control.describe())
+        },
+    )
+}
+
 fn export(args: ExportArgs) -> anyhow::Result<()> {
     let recording = read_recording(&args.file)?;
     for w in &recording.warnings {
-        eprintln!("gaccwb: warning: {w}");
+        eprintln!("gaccwb: warning: {}", headless::strip(w));
+    }
+    let same_file = matches!(
+        (args.file.canonicalize(), args.out.canonicalize()),
+        (Ok(a), Ok(b)) if a == b
+    );
+    if same_file {
+        anyhow::bail!(UsageError(format!(
+            "-o {} is the recording being exported; write to another file",
+            args.out.display()
+        )));
     }
     match args.format {
         ExportFormat::Csv => {
-            for path in export::csv::write_csv(&recording, &args.out)? {
+            for path in export::csv::write_csv(&recording, &args.out, args.force)? {
                 println!("{}", path.display());
             }
         }
         ExportFormat::Svg => {
-            export::svg::write_svg(&recording, &args.out)?;
+            export::svg::write_svg(&recording, &args.out, args.force)?;
             println!("{}", args.out.display());
         }
         ExportFormat::Cast => {
-            let file = std::fs::File::create(&args.out)
-                .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", args.out.display()))?;
-            let mut out = std::io::BufWriter::new(file);
+            gaccwb::safe_write::check_free(&args.out, "cast", args.force)?;
+            let mut out = Vec::new();
             let opts = CastOptions {
                 width: args.size.0,
                 height: args.size.1,
@@ -406,7 +492,7 @@ fn export(args: ExportArgs) -> anyhow::Result<()> {
                 ..CastOptions::default()
             };
             let stats = write_cast(&recording.events, &mut out, &opts)?;
-            std::io::Write::flush(&mut out)?;
+            gaccwb::safe_write::write_file(&args.out, &out, "cast", args.force)?;
             eprintln!(
                 "wrote {}: {} frames, {} control markers, {:.1} s",
                 args.out.display(),
@@ -448,6 +534,17 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         .effective
         .unwrap_or(cfg.micro_batch * cfg.accum_steps)
         .max(1);
+    if effective > gaccwb::limits::MAX_EFFECTIVE_BATCH {
+        anyhow::bail!(UsageError(format!(
+            "--effective {effective}: at most {} (the table tries every micro-batch that divides it)",
+            gaccwb::limits::MAX_EFFECTIVE_BATCH
+        )));
+    }
+    let widest = Config {
+        micro_batch: effective.max(cfg.micro_batch),
+        ..cfg.clone()
+    };
+    gaccwb::memory::fit::check_fits(&widest, None).map_err(UsageError)?;
     let budget = (args.budget_gib * (1u64 << 30) as f64) as u64;
     let report = est::Report::new(&scenario.name, &cfg, effective, budget);
     if args.json {

@@ -152,15 +152,23 @@ fn k_up_in_a_real_terminal_applies_records_and_quits_cleanly() {
 }
 
 #[test]
-fn sigterm_stops_the_run_and_restores_the_terminal() {
+fn sigterm_and_sigint_stop_the_run_and_restore_the_terminal() {
     if !tmux_available() {
         eprintln!("skipped: tmux is not installed (CI installs it)");
         return;
     }
+    for (signal, code) in [("TERM", 143), ("INT", 130)] {
+        stop_with(signal, code);
+    }
+}
+
+/// Start the screen in tmux, send `signal` from outside, expect exit `code`, a usable shell and
+/// a recording that ends saying which signal stopped it.
+fn stop_with(signal: &str, code: i32) {
     let dir = tempfile::tempdir().unwrap();
     let pidfile = dir.path().join("pid");
     let rec = dir.path().join("session.jsonl");
-    let tmux = Tmux::start("term");
+    let tmux = Tmux::start(&signal.to_lowercase());
     // `exec` keeps the pid the shell wrote: the signal goes to gaccwb itself.
     let command = format!(
         "sh -c 'echo $$ > {}; RAYON_NUM_THREADS=1 exec {} run --set model.d_model=32 \
@@ -175,7 +183,7 @@ fn sigterm_stops_the_run_and_restores_the_terminal() {
     });
     let pid = std::fs::read_to_string(&pidfile).unwrap();
     let killed = Command::new("kill")
-        .args(["-TERM", pid.trim()])
+        .args([&format!("-{signal}"), pid.trim()])
         .status()
         .unwrap();
     assert!(killed.success());
@@ -183,12 +191,13 @@ fn sigterm_stops_the_run_and_restores_the_terminal() {
         // The echoed command line holds `EXIT=$?` too; the status is a line of its own.
         s.lines().any(|l| l.starts_with("EXIT="))
     });
-    assert!(s.lines().any(|l| l.trim() == "EXIT=0"), "{s}");
+    assert!(s.lines().any(|l| l.trim() == format!("EXIT={code}")), "{s}");
     tmux.assert_shell_usable();
     let rec = gaccwb::record::read_recording(&rec).unwrap();
+    let reason = format!("stopped by SIG{signal}");
     assert!(matches!(
         rec.events.last(),
-        Some(gaccwb::telemetry::Event::End(e)) if e.reason == "stopped"
+        Some(gaccwb::telemetry::Event::End(e)) if e.reason == reason
     ));
 }
 

@@ -63,8 +63,9 @@ pub fn estimate_columns() -> Vec<&'static str> {
 const CONTROL_COLUMNS: [&str; 4] = ["step", "origin", "kind", "label"];
 const EVAL_COLUMNS: [&str; 2] = ["step", "val_loss"];
 
-/// Write the five files into `dir` (created if missing); returns their paths.
-pub fn write_csv(recording: &Recording, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+/// Write the five files into `dir` (created if missing); returns their paths. Existing files
+/// of those names are refused (before anything is written) unless `force`.
+pub fn write_csv(recording: &Recording, dir: &Path, force: bool) -> anyhow::Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let events = &recording.events;
     let files = [
@@ -74,10 +75,13 @@ pub fn write_csv(recording: &Recording, dir: &Path) -> anyhow::Result<Vec<PathBu
         ("controls.csv", controls_csv(events)?),
         ("evals.csv", evals_csv(events)?),
     ];
+    for (name, _) in &files {
+        crate::safe_write::check_free(&dir.join(name), "CSV export", force)?;
+    }
     let mut written = Vec::new();
     for (name, text) in files {
         let path = dir.join(name);
-        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        crate::safe_write::write_file(&path, text.as_bytes(), "CSV export", force)?;
         written.push(path);
     }
     Ok(written)

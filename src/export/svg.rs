@@ -35,10 +35,11 @@ struct Series {
     points: Vec<(f64, f64)>,
 }
 
-/// Draw the charts into `out`.
-pub fn write_svg(recording: &Recording, out: &Path) -> anyhow::Result<()> {
+/// Draw the charts into `out`; an existing file is refused unless `force`.
+pub fn write_svg(recording: &Recording, out: &Path, force: bool) -> anyhow::Result<()> {
+    crate::safe_write::check_free(out, "chart", force)?;
     let svg = render_svg(recording).map_err(|e| anyhow::anyhow!("drawing the charts: {e}"))?;
-    std::fs::write(out, svg).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))
+    crate::safe_write::write_file(out, svg.as_bytes(), "chart", force)
 }
 
 /// The charts as SVG text.
@@ -180,8 +181,14 @@ fn memory_series(recording: &Recording) -> Vec<Series> {
         .collect()
 }
 
+/// The finite points, clamped to what an axis can span: near f64::MAX the range's width
+/// overflows to infinity and drawing the axis never ends.
 fn finite(points: impl Iterator<Item = (f64, f64)>) -> Vec<(f64, f64)> {
-    points.filter(|p| p.1.is_finite()).collect()
+    let limit = crate::tui::panes::CHART_LIMIT;
+    points
+        .filter(|p| p.1.is_finite())
+        .map(|(x, y)| (x, y.clamp(-limit, limit)))
+        .collect()
 }
 
 fn y_range(series: &[Series]) -> Range<f64> {

@@ -67,13 +67,23 @@ pub struct Live {
 }
 
 impl Live {
-    /// `record`: record from the first event to this file.
+    /// `record`: record from the first event to this file (which must not exist yet).
     pub fn new(handle: TrainerHandle, record: Option<&Path>) -> anyhow::Result<Live> {
         let recorder = record.map(Recorder::create).transpose()?;
+        Ok(Live::with_recorder(handle, recorder, record))
+    }
+
+    /// `new` with a recorder opened by the caller; `record` is its path (the base name for
+    /// recordings started with the key).
+    pub fn with_recorder(
+        handle: TrainerHandle,
+        recorder: Option<Recorder>,
+        record: Option<&Path>,
+    ) -> Live {
         let record_base = record
             .map(Path::to_path_buf)
             .unwrap_or_else(default_record_path);
-        Ok(Live {
+        Live {
             handle,
             sampler: None,
             recordings_started: u32::from(recorder.is_some()),
@@ -81,7 +91,7 @@ impl Live {
             record_base,
             trainer_done: false,
             before_header: Vec::new(),
-        })
+        }
     }
 
     pub fn with_sampler(mut self, sampler: SamplerHandle) -> Live {
@@ -118,6 +128,11 @@ impl Live {
     }
 
     fn take(&mut self, app: &mut App, e: &Event) -> anyhow::Result<()> {
+        let mut marked = e.clone();
+        let e = match crate::signals::mark_end(&mut marked) {
+            Some(_) => &marked,
+            None => e,
+        };
         if app.header.is_none() && !matches!(e, Event::Header(_)) {
             self.before_header.push(e.clone());
         } else {
@@ -130,10 +145,14 @@ impl Live {
             }
         }
         app.update(e);
-        if matches!(e, Event::End(_)) {
+        if let Event::End(end) = e {
             // Nothing is measured after the run: the recording ends with `end`.
             if let Some(mut s) = self.sampler.take() {
                 s.stop();
+            }
+            // A failed run (an error, a crash, divergence) closes the screen; `finish` reports it.
+            if crate::train::guard::is_failure(&end.reason) {
+                app.quit = true;
             }
         }
         Ok(())
@@ -142,7 +161,11 @@ impl Live {
     fn act(&mut self, app: &mut App, action: Action) -> anyhow::Result<()> {
         if action == Action::RecordToggle && !app.help {
             app.dirty = true;
-            return self.toggle_recording(app);
+            // A recording that cannot start is reported in the event log; the run goes on.
+            if let Err(e) = self.toggle_recording(app) {
+                note(app, format!("recording not started: {e:#}"));
+            }
+            return Ok(());
         }
         for control in app.apply(action) {
             self.handle.send(control, crate::telemetry::Origin::Key);
@@ -158,8 +181,7 @@ impl Live {
             app.recording = None;
             return Ok(());
         }
-        let path = numbered(&self.record_base, self.recordings_started);
-        let mut r = Recorder::create(&path)?;
+        let (path, mut r) = self.next_free_recording()?;
         if let Some(header) = header_now(app) {
             r.write(&Event::Header(header))?;
         }
@@ -182,7 +204,29 @@ impl Live {
         if let Some(r) = self.recorder.as_mut() {
             r.flush()?;
         }
-        Ok(())
+        match app.ended.as_deref() {
+            Some(reason) if crate::train::guard::is_failure(reason) => {
+                anyhow::bail!("training failed: {}", crate::headless::strip(reason))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The next numbered recording name that is free (a file left by an earlier session is
+    /// skipped, never truncated), opened.
+    fn next_free_recording(&mut self) -> anyhow::Result<(PathBuf, Recorder)> {
+        const TRIES: u32 = 1000;
+        for _ in 0..TRIES {
+            let path = numbered(&self.record_base, self.recordings_started);
+            if path.symlink_metadata().is_err() {
+                return Ok((path.clone(), Recorder::create(&path)?));
+            }
+            self.recordings_started += 1;
+        }
+        anyhow::bail!(
+            "no free recording name after {TRIES} tries beside {}",
+            self.record_base.display()
+        )
     }
 }
 
@@ -288,7 +332,10 @@ impl Replay {
         }
         tokio::time::sleep_until(self.next_at).await;
         let step_ms = self.feed_one_step(app);
-        let wait = Duration::from_secs_f64((step_ms / 1e3 / self.speed).max(0.0)).min(MAX_GAP);
+        // A recorded step time may be anything (1e308, inf): never longer than MAX_GAP.
+        let wait = Duration::try_from_secs_f64((step_ms / 1e3 / self.speed).max(0.0))
+            .unwrap_or(MAX_GAP)
+            .min(MAX_GAP);
         self.next_at = Instant::now() + wait;
     }
 

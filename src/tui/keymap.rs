@@ -363,14 +363,25 @@ impl KeyMap {
                 }
             }
         }
+        if map.keys_for(Action::Quit).is_empty() {
+            return Err(KeyMapError {
+                location: origin.to_string(),
+                message: "no key is left for `quit`, so the screen could not be closed; \
+                          bind one, e.g. quit = \"q\""
+                    .into(),
+            });
+        }
         Ok(map)
     }
 
     pub fn from_file(path: &Path) -> Result<KeyMap, KeyMapError> {
         let origin = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| KeyMapError {
-            location: origin.clone(),
-            message: format!("cannot read the keymap: {e}"),
+        let limit = crate::limits::MAX_CONFIG_BYTES;
+        let text = crate::limits::read_bounded_text(path, limit, "keymap").map_err(|message| {
+            KeyMapError {
+                location: origin.clone(),
+                message,
+            }
         })?;
         KeyMap::from_toml(&text, &origin)
     }

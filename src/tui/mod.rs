@@ -30,6 +30,8 @@ pub struct LiveOptions {
     /// Record from the first event to this file.
     pub record: Option<PathBuf>,
     pub keys: KeyMap,
+    /// Replace an existing `record` file (written beside it, renamed when complete).
+    pub force: bool,
 }
 
 /// The UI needs a terminal on stdout; say what to do instead when there is none.
@@ -49,7 +51,12 @@ pub fn run_live(trainer: Trainer, opts: LiveOptions) -> anyhow::Result<()> {
     let sampler_device = trainer.device.clone();
     let (handle, sink) = crate::train::spawn_trainer(trainer)?;
     let sampler = crate::memory::gpu::start_sampler(sink, &sampler_device);
-    let live = Live::new(handle, opts.record.as_deref())?.with_sampler(sampler);
+    let recorder = match (&opts.record, opts.force) {
+        (Some(path), true) => Some(crate::record::Recorder::create_replacing(path)?),
+        (Some(path), false) => Some(crate::record::Recorder::create(path)?),
+        (None, _) => None,
+    };
+    let live = Live::with_recorder(handle, recorder, opts.record.as_deref()).with_sampler(sampler);
     let mut app = App {
         color: terminal::color_enabled(),
         recording: live.recording_path(),
@@ -95,7 +102,11 @@ fn on_screen(app: &mut App, keys: &KeyMap, feed: &mut Feed) -> anyhow::Result<()
         terminal::termination(),
     ));
     drop(guard);
-    result
+    // Stopped from outside: the conventional exit code once the terminal is back.
+    match crate::signals::caught() {
+        Some(signal) => result.and(Err(signal.into())),
+        None => result,
+    }
 }
 
 /// What a headless run would have printed, from a recording's events.

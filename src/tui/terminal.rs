@@ -1,5 +1,5 @@
 //! The real terminal: raw mode and the alternate screen on the way in, and the way back out on
-//! quit, on error (drop guard), on panic (hook) and on SIGTERM/SIGHUP (the loop's shutdown).
+//! quit, on error (drop guard), on panic (hook) and on SIGTERM/SIGHUP/SIGINT (the loop's shutdown).
 
 use std::io::{self, Stdout, Write};
 
@@ -88,18 +88,14 @@ fn install_panic_hook() {
     }));
 }
 
-/// Resolves on SIGTERM or SIGHUP (an SSH session that goes away).
+/// Resolves on SIGTERM, SIGHUP (an SSH session that goes away) or SIGINT from outside (in raw
+/// mode ctrl-c is a key, not a signal); `signals::caught` then says which.
 pub async fn termination() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut hup)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::hangup()),
-    ) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = hup.recv() => {}
+    match crate::signals::Stoppers::register() {
+        Ok(mut stoppers) => {
+            stoppers.next().await;
+        }
+        Err(_) => std::future::pending().await,
     }
 }
 

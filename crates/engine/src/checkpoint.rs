@@ -16,7 +16,7 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::scenario::Scenario;
-use crate::telemetry::{Event, Level, LogEvent};
+use crate::telemetry::{Control, Event, Level, LogEvent};
 use crate::train::scaler::LossScaler;
 use crate::train::{Knobs, Trainer};
 
@@ -64,7 +64,7 @@ pub fn maybe_save(trainer: &Trainer) -> Option<Event> {
                 path.display()
             ),
         ),
-        Err(e) => (Level::Warn, format!("checkpoint failed: {e:#}")),
+        Err(e) => (Level::Error, format!("checkpoint failed: {e:#}")),
     };
     Some(Event::Log(LogEvent {
         step: trainer.step,
@@ -162,7 +162,90 @@ pub fn read_state(dir: &Path) -> anyhow::Result<State> {
             state.version
         );
     }
+    check_state(&state).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     Ok(state)
+}
+
+/// The values of an edited or damaged state file, checked with the rules presets follow.
+fn check_state(state: &State) -> Result<(), String> {
+    use crate::limits::{at_most, check_window, MAX_INTEGER};
+    state
+        .scenario
+        .validate()
+        .map_err(|e| format!("scenario: {e}"))?;
+    let k = &state.knobs;
+    for c in [
+        Control::SetAccumSteps {
+            value: k.accum_steps,
+        },
+        Control::SetMicroBatch {
+            value: k.micro_batch,
+        },
+        Control::SetClip { value: k.clip },
+        Control::SetLr { value: k.lr },
+        Control::SetLossScale {
+            value: state.loss_scale,
+        },
+    ] {
+        crate::scenario::validate_control(&c).map_err(|e| format!("knobs: {e}"))?;
+    }
+    check_window(k.micro_batch, k.accum_steps, state.scenario.model.seq_len)
+        .map_err(|e| format!("knobs: {e}"))?;
+    // Counters are advanced by at most a window each step; leave room so they never wrap.
+    let counters = [
+        ("step", state.step),
+        ("lr_step", state.lr_step),
+        ("cursor", state.cursor),
+        ("overflow_count", state.overflow_count),
+        ("adam_t", state.adam_t),
+        ("scale_growth_interval", state.scale_growth_interval),
+        ("scale_clean_steps", state.scale_clean_steps),
+    ];
+    for (key, value) in counters {
+        at_most(key, value, MAX_INTEGER >> 1)?;
+    }
+    if state.tensors.contains(['/', '\\']) || state.tensors.starts_with('.') {
+        return Err(format!(
+            "tensors ({}) must name a file in the checkpoint's own directory",
+            state.tensors
+        ));
+    }
+    Ok(())
+}
+
+/// Before a run saves into `dir`: refuse a directory holding another run's checkpoints (saving
+/// would replace them and delete their tensor files) unless it is the one being resumed or the
+/// user said `--force`.
+pub fn claim_dir(dir: &Path, resumed_from: Option<&Path>, force: bool) -> anyhow::Result<()> {
+    if force || !holds_checkpoint(dir) {
+        return Ok(());
+    }
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if resumed_from.is_some_and(|r| same(r, dir)) {
+        return Ok(());
+    }
+    let step = read_state(dir).map(|s| s.step.to_string());
+    bail!(
+        "{} already holds another run's checkpoint (step {}); saving there would replace it. \
+         Choose another --checkpoint-dir, resume it with --resume {}, or add --force to replace it",
+        dir.display(),
+        step.unwrap_or_else(|_| "?".into()),
+        dir.display()
+    )
+}
+
+/// `dir` has a state file or a tensor file this module wrote.
+fn holds_checkpoint(dir: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    entries.flatten().any(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        name == STATE_FILE || (name.starts_with("step-") && name.ends_with(".safetensors"))
+    })
 }
 
 /// A trainer rebuilt from the checkpoint in `dir`, ready to continue where it stopped.

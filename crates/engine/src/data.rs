@@ -244,10 +244,11 @@ fn text_source(data: &DataConfig) -> std::result::Result<(String, Vec<u8>), Data
         .path
         .as_deref()
         .expect("validated: file source has a path");
-    let bytes = std::fs::read(path).map_err(|e| DataError::File {
-        path: path.display().to_string(),
-        message: format!("cannot read it: {e}"),
-    })?;
+    let bytes = crate::limits::read_bounded(path, crate::limits::MAX_DATA_BYTES, "corpus")
+        .map_err(|message| DataError::File {
+            path: path.display().to_string(),
+            message,
+        })?;
     Ok((path.display().to_string(), bytes))
 }
 

@@ -9,11 +9,13 @@
 pub mod checkpoint;
 pub mod data;
 pub mod device;
+pub mod limits;
 pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod presets;
 pub mod record;
+pub mod safe_write;
 pub mod scenario;
 pub mod telemetry;
 pub mod tokenizer;

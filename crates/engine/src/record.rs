@@ -32,19 +32,33 @@ pub struct Recorder {
     /// Events that arrived before the header (the device sampler can beat the trainer); they
     /// are written right after it so the header is always line 1.
     before_header: Option<Vec<Event>>,
+    /// With `create_replacing`: the temporary file written, renamed over `path` when done.
+    replacing: Option<PathBuf>,
 }
 
 impl Recorder {
-    /// Create (or truncate) `path`.
+    /// Create `path`; an existing file is never truncated (an error says so).
     pub fn create(path: &Path) -> anyhow::Result<Recorder> {
-        let file = File::create(path)
-            .with_context(|| format!("cannot create recording {}", path.display()))?;
-        Ok(Recorder {
+        let file = crate::safe_write::create_new(path, "recording")?;
+        Ok(Recorder::writing(path, file, None))
+    }
+
+    /// Replace `path` (`--force`): the events go to a temporary file beside it that takes the
+    /// name when the recording is finished, so the old file stays whole until then.
+    pub fn create_replacing(path: &Path) -> anyhow::Result<Recorder> {
+        let tmp = crate::safe_write::temp_beside(path);
+        let file = crate::safe_write::create_new(&tmp, "recording")?;
+        Ok(Recorder::writing(path, file, Some(tmp)))
+    }
+
+    fn writing(path: &Path, file: File, replacing: Option<PathBuf>) -> Recorder {
+        Recorder {
             path: path.to_path_buf(),
             out: BufWriter::new(file),
             last_flush: Instant::now(),
             before_header: Some(Vec::new()),
-        })
+            replacing,
+        }
     }
 
     /// Start a recording of a run already under way (e.g. a hotkey in the UI): `header` first.
@@ -100,6 +114,9 @@ impl Recorder {
 impl Drop for Recorder {
     fn drop(&mut self) {
         let _ = self.out.flush();
+        if let Some(tmp) = self.replacing.take() {
+            let _ = std::fs::rename(&tmp, &self.path);
+        }
     }
 }
 
@@ -128,9 +145,12 @@ pub enum RecordError {
 /// an error naming its line; a newer major version is refused.
 pub fn read_recording(path: &Path) -> Result<Recording, RecordError> {
     let p = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| RecordError::Io {
-        path: p.clone(),
-        message: e.to_string(),
+    let limit = crate::limits::MAX_RECORDING_BYTES;
+    let bytes = crate::limits::read_bounded(path, limit, "recording").map_err(|message| {
+        RecordError::Io {
+            path: p.clone(),
+            message,
+        }
     })?;
     parse_recording(&bytes, &p)
 }
@@ -179,6 +199,14 @@ pub fn parse_recording(bytes: &[u8], origin: &str) -> Result<Recording, RecordEr
     }
     let header = match events.first() {
         Some(Event::Header(h)) => h.clone(),
+        _ if truncated_tail && last == 0 => {
+            return Err(line_err(
+                1,
+                "the header line is incomplete (the file was cut off while it was written), \
+                 so nothing can be read"
+                    .into(),
+            ))
+        }
         _ => return Err(line_err(1, "the file is empty: no header line".into())),
     };
     Ok(Recording {

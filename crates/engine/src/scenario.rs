@@ -166,6 +166,9 @@ pub struct TrainConfig {
     pub eval_batches: usize,
     /// Activation checkpointing: "none", "blocks" or "every-N".
     pub checkpointing: Checkpointing,
+    /// Consecutive windows with a non-finite loss or gradient (fp16 overflow skips included)
+    /// after which the run ends as diverged; 0 never ends it.
+    pub max_nonfinite_windows: u64,
 }
 
 impl Default for TrainConfig {
@@ -195,6 +198,7 @@ impl Default for TrainConfig {
             eval_every: 25,
             eval_batches: 4,
             checkpointing: Checkpointing::None,
+            max_nonfinite_windows: 20,
         }
     }
 }
@@ -242,9 +246,12 @@ impl Scenario {
     }
 
     pub fn from_file(path: &Path) -> Result<Scenario, ScenarioError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ScenarioError::Io {
-            path: path.display().to_string(),
-            message: e.to_string(),
+        let limit = crate::limits::MAX_CONFIG_BYTES;
+        let text = crate::limits::read_bounded_text(path, limit, "preset").map_err(|message| {
+            ScenarioError::Io {
+                path: path.display().to_string(),
+                message,
+            }
         })?;
         let mut s = Scenario::from_toml(&text, &path.display().to_string())?;
         if s.name.is_empty() {
@@ -338,6 +345,7 @@ impl Scenario {
                 ));
             }
         }
+        crate::limits::check_scenario(self).map_err(|(key, message)| Problem::new(key, message))?;
         if !m.d_model.is_multiple_of(m.heads) {
             return Err(Problem::new(
                 "model.heads",
@@ -516,6 +524,16 @@ pub fn validate_control(c: &Control) -> Result<(), String> {
         Control::SetLossScale { value } if !positive(*value) => {
             Err("loss scale must be positive".into())
         }
+        Control::SetAccumSteps { value } => crate::limits::at_most(
+            "accumulation steps",
+            *value as u64,
+            crate::limits::MAX_ACCUM_STEPS as u64,
+        ),
+        Control::SetMicroBatch { value } => crate::limits::at_most(
+            "micro-batch",
+            *value as u64,
+            crate::limits::MAX_MICRO_BATCH as u64,
+        ),
         _ => Ok(()),
     }
 }
@@ -562,6 +580,7 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
         "eval_every",
         "eval_batches",
         "checkpointing",
+        "max_nonfinite_windows",
     ];
     match section {
         "model" => MODEL.to_vec(),

@@ -5,6 +5,9 @@
 //! JSON Lines and the replayer reads them back into the same `App::update`, so there is exactly
 //! one path from "something happened" to "a pane shows it".
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -705,17 +708,32 @@ pub mod json_float {
     }
 }
 
-/// Where events go. Sending never blocks; a gone receiver is noticed and ends the run.
+/// Where events go. Sending never blocks; a gone receiver is noticed and ends the run. Clones
+/// share the last optimizer step sent (what a crashed trainer's `end` reports).
 #[derive(Clone)]
-pub struct EventSink(UnboundedSender<Event>);
+pub struct EventSink {
+    tx: UnboundedSender<Event>,
+    last_step: Arc<AtomicU64>,
+}
 
 impl EventSink {
     pub fn new(tx: UnboundedSender<Event>) -> Self {
-        EventSink(tx)
+        EventSink {
+            tx,
+            last_step: Arc::default(),
+        }
     }
 
     /// False once nobody is listening.
     pub fn send(&self, e: Event) -> bool {
-        self.0.send(e).is_ok()
+        if let Event::Step(s) = &e {
+            self.last_step.store(s.step, Ordering::Relaxed);
+        }
+        self.tx.send(e).is_ok()
+    }
+
+    /// The last optimizer step sent.
+    pub fn last_step(&self) -> u64 {
+        self.last_step.load(Ordering::Relaxed)
     }
 }

@@ -81,11 +81,17 @@ pub fn x_window(app: &App) -> (f64, f64) {
     (lo as f64, (lo + w) as f64)
 }
 
+/// Largest magnitude a chart axis reaches; larger values are drawn at the edge.
+pub const CHART_LIMIT: f64 = 1e300;
+
 /// Round `[min, max]` outwards to a 1-2-5 grid of about four intervals.
 pub fn nice_bounds(min: f64, max: f64) -> (f64, f64) {
     if !min.is_finite() || !max.is_finite() {
         return (0.0, 1.0);
     }
+    // Near f64::MAX the span and the rounding overflow; no chart needs more than this.
+    let limit = |v: f64| v.clamp(-CHART_LIMIT, CHART_LIMIT);
+    let (min, max) = (limit(min), limit(max));
     let span = if max > min {
         max - min
     } else {
@@ -274,6 +280,14 @@ pub fn steps_in_view(app: &App) -> impl Iterator<Item = &crate::telemetry::StepE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nice_bounds_stay_finite_at_the_edge_of_f64() {
+        let (lo, hi) = nice_bounds(-f64::MAX, f64::MAX);
+        assert!(lo.is_finite() && hi.is_finite() && lo < hi, "{lo} {hi}");
+        let (lo, hi) = nice_bounds(f64::MAX, f64::MAX);
+        assert!(lo.is_finite() && hi.is_finite() && lo < hi, "{lo} {hi}");
+    }
 
     #[test]
     fn nice_bounds_round_outwards() {

@@ -13,6 +13,7 @@ pub mod alloc;
 pub mod cuda_pool;
 pub mod estimate;
 pub mod figure;
+pub mod fit;
 pub mod gpu;
 pub mod ledger;
 pub mod tensors;

@@ -11,6 +11,7 @@
 //! The trainer knows nothing of terminals: it reads `ControlMsg`s and writes `Event`s.
 
 pub mod adamw;
+pub mod guard;
 pub mod inplace;
 pub mod scaler;
 pub mod schedule;
@@ -271,6 +272,7 @@ pub struct Trainer {
 impl Trainer {
     pub fn new(mut scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
         scenario.validate().map_err(anyhow::Error::msg)?;
+        guard::check_model_fits(&scenario, &device).map_err(anyhow::Error::msg)?;
         let corpus = Corpus::open_sizing(&mut scenario)?;
         let model = Gpt::new(&scenario.model, scenario.train.seed, &device)
             .context("building the model")?;
@@ -503,6 +505,7 @@ impl Trainer {
     /// Apply a knob change now (the caller makes sure "now" is a window boundary).
     pub fn apply_control(&mut self, c: &Control) -> anyhow::Result<()> {
         crate::scenario::validate_control(c).map_err(anyhow::Error::msg)?;
+        guard::check_knob_change(self, c).map_err(anyhow::Error::msg)?;
         match *c {
             Control::SetOffload { value } => self.opt.set_offload(value, &self.model.params)?,
             Control::SetLossScale { value } => self.scaler.force(value),
@@ -597,7 +600,7 @@ pub fn spawn_trainer(trainer: Trainer) -> anyhow::Result<(TrainerHandle, EventSi
     let thread_sink = sink.clone();
     let thread = std::thread::Builder::new()
         .name("gaccwb-trainer".into())
-        .spawn(move || run(trainer, crx, thread_sink))
+        .spawn(move || guard::run_catching_panics(trainer, crx, thread_sink))
         .context("starting the trainer thread")?;
     Ok((
         TrainerHandle {
@@ -627,6 +630,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
         }));
     }
     send_estimate(&trainer, &sink);
+    let mut divergence = guard::Divergence::new(trainer.scenario.train.max_nonfinite_windows);
     let reason = loop {
         flow.drain(&mut controls);
         apply_due(&mut trainer, &mut flow, &sink);
@@ -652,6 +656,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
         match step {
             Ok(step) => {
                 let n = step.step;
+                let diverged = divergence.observe(&step);
                 if !sink.send(Event::Step(step)) {
                     break "stopped".to_string();
                 }
@@ -660,6 +665,10 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
                 }
                 if let Some(log) = crate::checkpoint::maybe_save(&trainer) {
                     sink.send(log);
+                }
+                if let Some(reason) = diverged {
+                    guard::send_error(&sink, trainer.step, &reason);
+                    break reason;
                 }
                 maybe_evaluate(&trainer, n, &sink);
                 if let Some(reason) = trainer.overflow_exhausted() {

@@ -1,0 +1,203 @@
+//! Bounds on what gaccwb accepts: input file sizes, and training sizes whose products would
+//! overflow or index past a buffer. Everything the user can type, script or edit (a preset, a
+//! `--set`, a `--control`, a timeline entry, an edited `checkpoint.json`) passes these checks
+//! before it reaches the trainer.
+
+use std::io::Read;
+use std::path::Path;
+
+use crate::scenario::{Scenario, TimelineEntry};
+use crate::telemetry::Control;
+
+/// Largest preset or keymap file read (they are a few hundred bytes in practice).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+/// Largest recording read (it is held in memory whole).
+pub const MAX_RECORDING_BYTES: u64 = 1 << 30;
+/// Largest `--data` corpus read (it is held in memory whole).
+pub const MAX_DATA_BYTES: u64 = 1 << 30;
+
+/// Largest micro-batch, accumulation steps, sequence length and width accepted.
+pub const MAX_MICRO_BATCH: usize = 1 << 16;
+pub const MAX_ACCUM_STEPS: usize = 1 << 16;
+pub const MAX_SEQ_LEN: usize = 1 << 16;
+pub const MAX_D_MODEL: usize = 1 << 17;
+pub const MAX_LAYERS: usize = 1 << 12;
+/// Largest effective batch `gaccwb estimate` tabulates (it tries every divisor).
+pub const MAX_EFFECTIVE_BATCH: usize = 1 << 20;
+/// Largest number of tokens one window (B·K·seq_len) may hold.
+pub const MAX_WINDOW_TOKENS: u64 = 1 << 32;
+/// Largest integer TOML can write back: a preset field above it cannot be re-serialised.
+pub const MAX_INTEGER: u64 = i64::MAX as u64;
+
+/// Read a whole file of at most `limit` bytes. A device, pipe or directory is refused (it may
+/// never end), and so is a file that turns out longer than `limit` while it is read.
+pub fn read_bounded(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read the {what}: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!(
+            "the {what} is not a regular file (a device, pipe or directory could be endless); \
+             copy it to a file first"
+        ));
+    }
+    if meta.len() > limit {
+        return Err(too_large(what, meta.len(), limit));
+    }
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read the {what}: {e}"))?;
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read the {what}: {e}"))?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large(what, bytes.len() as u64, limit));
+    }
+    Ok(bytes)
+}
+
+/// `read_bounded` for text files.
+pub fn read_bounded_text(path: &Path, limit: u64, what: &str) -> Result<String, String> {
+    let bytes = read_bounded(path, limit, what)?;
+    String::from_utf8(bytes).map_err(|e| format!("the {what} is not UTF-8 text: {e}"))
+}
+
+fn too_large(what: &str, size: u64, limit: u64) -> String {
+    format!(
+        "the {what} is larger than gaccwb reads ({} bytes or more; the limit is {limit} bytes)",
+        size
+    )
+}
+
+/// `value` (named `key`) is at most `max`.
+pub fn at_most(key: &str, value: u64, max: u64) -> Result<(), String> {
+    if value > max {
+        return Err(format!("{key} ({value}) must be at most {max}"));
+    }
+    Ok(())
+}
+
+/// One window's shape: B and K within bounds, and B·K·seq_len tokens without overflow.
+pub fn check_window(micro_batch: usize, accum_steps: usize, seq_len: usize) -> Result<(), String> {
+    at_most("micro-batch", micro_batch as u64, MAX_MICRO_BATCH as u64)?;
+    at_most(
+        "accumulation steps",
+        accum_steps as u64,
+        MAX_ACCUM_STEPS as u64,
+    )?;
+    let tokens = (micro_batch as u64)
+        .checked_mul(accum_steps as u64)
+        .and_then(|n| n.checked_mul(seq_len as u64));
+    match tokens {
+        Some(n) if n <= MAX_WINDOW_TOKENS => Ok(()),
+        _ => Err(format!(
+            "a window of micro-batch {micro_batch} × accumulation steps {accum_steps} × \
+             seq_len {seq_len} tokens is more than {MAX_WINDOW_TOKENS} tokens"
+        )),
+    }
+}
+
+/// A scenario's sizes: every integer TOML can hold, the model and the window within bounds.
+/// The error names the key, so a preset error can point at its line.
+pub fn check_scenario(s: &Scenario) -> Result<(), (&'static str, String)> {
+    let (m, t, d) = (&s.model, &s.train, &s.data);
+    let bounded: [(&'static str, u64, u64); 16] = [
+        ("model.d_model", m.d_model as u64, MAX_D_MODEL as u64),
+        ("model.layers", m.layers as u64, MAX_LAYERS as u64),
+        ("model.heads", m.heads as u64, MAX_D_MODEL as u64),
+        ("model.seq_len", m.seq_len as u64, MAX_SEQ_LEN as u64),
+        (
+            "train.micro_batch",
+            t.micro_batch as u64,
+            MAX_MICRO_BATCH as u64,
+        ),
+        (
+            "train.accum_steps",
+            t.accum_steps as u64,
+            MAX_ACCUM_STEPS as u64,
+        ),
+        ("train.steps", t.steps, MAX_INTEGER),
+        ("train.seed", t.seed, MAX_INTEGER),
+        ("train.base_batch", t.base_batch as u64, MAX_INTEGER),
+        ("train.warmup", t.warmup, MAX_INTEGER),
+        ("train.decay_steps", t.decay_steps, MAX_INTEGER),
+        (
+            "train.scale_growth_interval",
+            t.scale_growth_interval,
+            MAX_INTEGER,
+        ),
+        ("train.eval_every", t.eval_every, MAX_INTEGER),
+        (
+            "train.eval_batches",
+            t.eval_batches as u64,
+            MAX_MICRO_BATCH as u64,
+        ),
+        (
+            "train.max_nonfinite_windows",
+            t.max_nonfinite_windows,
+            MAX_INTEGER,
+        ),
+        ("data.seed", d.seed, MAX_INTEGER),
+    ];
+    for (key, value, max) in bounded {
+        at_most(key, value, max).map_err(|e| (key, e))?;
+    }
+    for (key, value) in [
+        ("data.min_doc_len", d.min_doc_len),
+        ("data.max_doc_len", d.max_doc_len),
+    ] {
+        at_most(key, value as u64, MAX_INTEGER).map_err(|e| (key, e))?;
+    }
+    check_window(t.micro_batch, t.accum_steps, m.seq_len).map_err(|e| ("train.accum_steps", e))?;
+    check_timeline_windows(s).map_err(|e| ("timeline", e))
+}
+
+/// The windows the timeline's B and K changes make, in step order, each within bounds.
+fn check_timeline_windows(s: &Scenario) -> Result<(), String> {
+    let (b, k) = (s.train.micro_batch, s.train.accum_steps);
+    check_schedule(b, k, s.model.seq_len, &s.timeline)
+        .map_err(|(i, m)| format!("timeline[{i}] (step {}): {m}", s.timeline[i].step))
+}
+
+/// Walk `entries` in step order from micro-batch `b` and accumulation steps `k`: every window
+/// their changes make must pass `check_window`. The error carries the entry's index.
+pub fn check_schedule(
+    mut b: usize,
+    mut k: usize,
+    seq_len: usize,
+    entries: &[TimelineEntry],
+) -> Result<(), (usize, String)> {
+    let mut order: Vec<usize> = (0..entries.len()).collect();
+    order.sort_by_key(|&i| entries[i].step);
+    for i in order {
+        match entries[i].control {
+            Control::SetMicroBatch { value } => b = value,
+            Control::SetAccumSteps { value } => k = value,
+            _ => continue,
+        }
+        check_window(b, k, seq_len).map_err(|m| (i, m))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_that_overflow_are_refused() {
+        assert!(check_window(8, 4, 128).is_ok());
+        assert!(check_window(8, 2305843009213693952, 128).is_err());
+        assert!(check_window(MAX_MICRO_BATCH, MAX_ACCUM_STEPS, MAX_SEQ_LEN).is_err());
+        assert!(check_window(MAX_MICRO_BATCH + 1, 1, 1).is_err());
+    }
+
+    #[test]
+    fn non_regular_and_oversized_files_are_refused() {
+        let e = read_bounded(Path::new("/dev/zero"), 10, "preset").unwrap_err();
+        assert!(e.contains("not a regular file"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big.toml");
+        std::fs::write(&path, vec![b'#'; 11]).unwrap();
+        let e = read_bounded(&path, 10, "preset").unwrap_err();
+        assert!(e.contains("larger than gaccwb reads"), "{e}");
+        assert_eq!(read_bounded(&path, 11, "preset").unwrap().len(), 11);
+    }
+}

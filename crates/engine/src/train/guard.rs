@@ -1,0 +1,144 @@
+//! What keeps a run from ending silently: a panic in the trainer thread becomes an `end` event
+//! with the reason, a diverged run ends as such, and knob changes or a model that would not fit
+//! the machine's memory are refused before anything is allocated.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use candle_core::Device;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::{EventSink, Trainer};
+use crate::memory::estimate::{changes_memory, Config};
+use crate::memory::fit;
+use crate::scenario::Scenario;
+use crate::telemetry::{Control, ControlMsg, EndEvent, Event, Level, LogEvent, StepEvent};
+
+/// The end reasons that mean the run failed (non-zero exit): an error, a panic, divergence.
+pub fn is_failure(reason: &str) -> bool {
+    reason.starts_with("error") || reason.starts_with("diverged")
+}
+
+/// `super::run`, turning a panic into an error log and an `end` event: without it the thread
+/// dies silently while the sampler keeps the event channel open, and the UI waits forever.
+pub fn run_catching_panics(
+    trainer: Trainer,
+    controls: UnboundedReceiver<ControlMsg>,
+    sink: EventSink,
+) {
+    let watcher = sink.clone();
+    let outcome = catch_unwind(AssertUnwindSafe(move || {
+        super::run(trainer, controls, sink)
+    }));
+    if let Err(payload) = outcome {
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown cause".into());
+        let reason = format!("error: the trainer crashed: {what}");
+        let step = watcher.last_step();
+        send_error(&watcher, step, &reason);
+        watcher.send(Event::End(EndEvent { step, reason }));
+    }
+}
+
+/// An error the user must see: the UI's event log, the recording, headless stderr.
+pub fn send_error(sink: &EventSink, step: u64, message: &str) {
+    sink.send(Event::Log(LogEvent {
+        step,
+        level: Level::Error,
+        message: message.to_string(),
+    }));
+}
+
+/// Counts consecutive windows whose loss or gradient norm was not finite.
+pub struct Divergence {
+    limit: u64,
+    run: u64,
+}
+
+impl Divergence {
+    /// `limit` 0: never end the run.
+    pub fn new(limit: u64) -> Divergence {
+        Divergence { limit, run: 0 }
+    }
+
+    /// The end reason once `limit` windows in a row were non-finite.
+    pub fn observe(&mut self, step: &StepEvent) -> Option<String> {
+        let finite = step.loss.is_finite() && step.grad_norm.is_finite() && !step.skipped;
+        self.observe_window(step.step, finite)
+    }
+
+    /// `observe` for the window that made optimizer step `step`.
+    pub fn observe_window(&mut self, step: u64, finite: bool) -> Option<String> {
+        self.run = if finite { 0 } else { self.run + 1 };
+        (self.limit > 0 && self.run >= self.limit).then(|| {
+            format!(
+                "diverged: the loss or gradients were not finite for {} consecutive windows \
+                 (steps {}–{}; train.max_nonfinite_windows = {})",
+                self.run,
+                step + 1 - self.run,
+                step,
+                self.limit
+            )
+        })
+    }
+}
+
+/// The memory the check may use on `device`: what the kernel says is available on the CPU;
+/// unknown elsewhere.
+fn budget(device: &Device) -> Option<u64> {
+    match device {
+        Device::Cpu => fit::available_bytes(),
+        _ => None,
+    }
+}
+
+/// Refuse a model this machine cannot hold, before any weight is allocated.
+pub fn check_model_fits(scenario: &Scenario, device: &Device) -> Result<(), String> {
+    let cfg = Config::from_scenario(scenario, device.is_cpu());
+    fit::check_fits(&cfg, budget(device)).map_err(|e| format!("the model does not fit: {e}"))
+}
+
+/// Refuse, at the boundary, a knob change whose window overflows or that would not fit.
+pub fn check_knob_change(trainer: &Trainer, c: &Control) -> Result<(), String> {
+    let mut next = trainer.knobs.clone();
+    next.apply(c);
+    let model = &trainer.scenario.model;
+    crate::limits::check_window(next.micro_batch, next.accum_steps, model.seq_len)?;
+    if !changes_memory(c) {
+        return Ok(());
+    }
+    let unified = trainer.memory.unified();
+    let current = Config::from_knobs(model, &trainer.knobs, unified);
+    let wanted = Config::from_knobs(model, &next, unified);
+    fit::check_growth(Some(&current), &wanted, budget(&trainer.device))
+        .map_err(|e| format!("it does not fit: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn divergence_needs_consecutive_non_finite_windows() {
+        let mut d = Divergence::new(3);
+        assert!(d.observe_window(1, false).is_none());
+        assert!(d.observe_window(2, false).is_none());
+        assert!(
+            d.observe_window(3, true).is_none(),
+            "a finite window resets the count"
+        );
+        assert!(d.observe_window(4, false).is_none());
+        assert!(d.observe_window(5, false).is_none());
+        let reason = d
+            .observe_window(6, false)
+            .expect("third in a row ends the run");
+        assert!(
+            is_failure(&reason) && reason.contains("steps 4–6"),
+            "{reason}"
+        );
+        let mut off = Divergence::new(0);
+        assert!((1..100).all(|n| off.observe_window(n, false).is_none()));
+    }
+}
