@@ -6,7 +6,7 @@
 //! this one: the layering is checked by the compiler.
 
 pub use gaccwb_engine::{
-    checkpoint, data, device, memory, model, ops, presets, record, scenario, telemetry, train,
+    budget, checkpoint, data, device, memory, model, ops, presets, record, scenario, telemetry, train,
 };
 
 pub mod bench;

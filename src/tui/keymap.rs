@@ -36,10 +36,11 @@ pub enum Action {
     SeekForward,
     SpeedDown,
     SpeedUp,
+    FitNow,
 }
 
 impl Action {
-    pub const ALL: [Action; 25] = [
+    pub const ALL: [Action; 26] = [
         Action::AccumUp,
         Action::AccumDown,
         Action::MicroBatchDown,
@@ -65,6 +66,7 @@ impl Action {
         Action::SeekForward,
         Action::SpeedDown,
         Action::SpeedUp,
+        Action::FitNow,
     ];
 
     /// The name used in keymap files (serde's snake_case).
@@ -103,6 +105,7 @@ impl Action {
             Action::SeekForward => "replay: 10 steps forward",
             Action::SpeedDown => "replay: half speed",
             Action::SpeedUp => "replay: double speed",
+            Action::FitNow => "fit now: largest micro-batch the budget holds",
         }
     }
 
@@ -120,6 +123,7 @@ impl Action {
                 | Action::OffloadToggle
                 | Action::PrecisionCycle
                 | Action::LrRuleCycle
+                | Action::FitNow
                 | Action::RecordToggle
         )
     }
@@ -253,6 +257,7 @@ const DEFAULTS: &[(&str, Action)] = &[
     ("]", Action::SeekForward),
     ("<", Action::SpeedDown),
     (">", Action::SpeedUp),
+    ("F", Action::FitNow),
 ];
 
 impl Default for KeyMap {
@@ -432,6 +437,7 @@ mod tests {
             ('r', Action::RecordToggle),
             ('?', Action::Help),
             ('q', Action::Quit),
+            ('F', Action::FitNow),
         ];
         for (c, action) in cases {
             // Terminals report upper-case letters with SHIFT set; it must not matter.

@@ -28,6 +28,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../presets/pitfall-mean-of-means.toml"),
     ),
     ("lr-rules", include_str!("../../../presets/lr-rules.toml")),
+    ("oom-guard", include_str!("../../../presets/oom-guard.toml")),
 ];
 
 /// The preset `gaccwb` runs with no arguments.

@@ -127,6 +127,11 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Validation micro-batches per evaluation.
     pub eval_batches: usize,
+    /// Memory the run may use: bytes, "6 GiB" or "80%" of the device; "off" by default. The
+    /// memory guard (`train::guard`) keeps the run under it by trading micro-batch for K.
+    pub memory_budget: crate::budget::MemoryBudget,
+    /// Out-of-memory failures tolerated at micro-batch 1 before the run ends.
+    pub guard_retries: u32,
 }
 
 impl Default for TrainConfig {
@@ -155,6 +160,8 @@ impl Default for TrainConfig {
             scale_growth_interval: 2000,
             eval_every: 25,
             eval_batches: 4,
+            memory_budget: crate::budget::MemoryBudget::Off,
+            guard_retries: 3,
         }
     }
 }
@@ -218,6 +225,16 @@ impl Scenario {
 
     /// Override one field: `section.key=value`, value in TOML syntax (bare strings accepted).
     pub fn set(&mut self, assignment: &str) -> Result<(), ScenarioError> {
+        self.assign(assignment, true)
+    }
+
+    /// `set` without the trainability checks (`validate`): the estimator plans for shapes this
+    /// program cannot train (e.g. a 50257-token vocabulary). Types are still checked.
+    pub fn set_unvalidated(&mut self, assignment: &str) -> Result<(), ScenarioError> {
+        self.assign(assignment, false)
+    }
+
+    fn assign(&mut self, assignment: &str, validate: bool) -> Result<(), ScenarioError> {
         let (key, raw) = assignment
             .split_once('=')
             .ok_or_else(|| ScenarioError::Set {
@@ -266,7 +283,9 @@ impl Scenario {
                 explain_serde_message(e.message().trim())
             ))
         })?;
-        updated.validate().map_err(set_err)?;
+        if validate {
+            updated.validate().map_err(set_err)?;
+        }
         *self = updated;
         Ok(())
     }
@@ -511,6 +530,8 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
         "scale_growth_interval",
         "eval_every",
         "eval_batches",
+        "memory_budget",
+        "guard_retries",
     ];
     match section {
         "model" => MODEL.to_vec(),

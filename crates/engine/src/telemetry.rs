@@ -273,6 +273,8 @@ pub enum Origin {
     Key,
     Scenario,
     Cli,
+    /// The memory guard (`train::guard`): a budget or an out-of-memory error moved B and K.
+    Guard,
 }
 
 /// A control on its way to the trainer.

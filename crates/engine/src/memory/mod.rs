@@ -5,7 +5,9 @@
 //! - `tensors`: bytes per tensor storage, de-duplicated (views share storage);
 //! - `ledger`: the per-category ledger the trainer fills each optimizer step;
 //! - `gpu`: device sources (NVML, the CUDA memory pool, the allocator) and the sampler thread;
-//! - `estimate`: the analytic estimator behind `gaccwb estimate`.
+//! - `estimate`: the analytic estimator behind `gaccwb estimate`;
+//! - `planner`: named shapes, human units and the verdict per budget;
+//! - `planner`'s verdict is what the memory guard (`train::guard`) refuses a run with.
 
 pub mod alloc;
 #[cfg(feature = "cuda")]
@@ -13,6 +15,7 @@ pub mod cuda_pool;
 pub mod estimate;
 pub mod gpu;
 pub mod ledger;
+pub mod planner;
 pub mod tensors;
 
 pub use ledger::{Ledger, NoProbe, Persistent, TotalMeter, WindowProbe};

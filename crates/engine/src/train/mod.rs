@@ -11,6 +11,7 @@
 //! The trainer knows nothing of terminals: it reads `ControlMsg`s and writes `Event`s.
 
 pub mod adamw;
+pub mod guard;
 pub mod scaler;
 pub mod schedule;
 
@@ -270,6 +271,8 @@ pub struct Trainer {
     pub checkpoint: Option<crate::checkpoint::Policy>,
     /// Controls given with `--control STEP:KIND=VALUE`: a timeline reported with origin `cli`.
     pub cli_controls: Vec<TimelineEntry>,
+    /// The memory guard: budget, out-of-memory retries, changes queued for the boundary.
+    pub guard: guard::Guard,
     base_batch: usize,
     started: Instant,
 }
@@ -290,7 +293,12 @@ impl Trainer {
         let mut opt = AdamW::new(&model.params, hyper)?;
         opt.set_offload(t.offload, &model.params)?;
         let memory = Ledger::new(crate::memory::gpu::meter_for(&device));
-        Ok(Trainer {
+        let budget = t
+            .memory_budget
+            .resolve(crate::budget::device_total(&device))
+            .map_err(anyhow::Error::msg)?;
+        let guard = guard::Guard::new(budget, t.guard_retries);
+        let mut trainer = Trainer {
             memory,
             knobs: Knobs::from_scenario(&scenario),
             scaler: LossScaler::new(t.loss_scale, t.scale_growth_interval),
@@ -306,8 +314,11 @@ impl Trainer {
             overflow_count: 0,
             checkpoint: None,
             cli_controls: Vec::new(),
+            guard,
             started: Instant::now(),
-        })
+        };
+        guard::plan_start(&mut trainer)?;
+        Ok(trainer)
     }
 
     pub fn params(&self) -> &[Param] {
@@ -396,23 +407,24 @@ impl Trainer {
     ) -> std::result::Result<StepEvent, Interrupt> {
         let t0 = Instant::now();
         let cursor = self.cursor;
-        let samples = self.next_window();
         let scale = self.loss_scale();
-        let params = self.model.vars().map(|v| v.as_tensor().clone()).collect();
-        self.memory.begin_window(params, self.persistent_memory());
-        let window = match window_gradients_probed(
-            &self.model,
-            &samples,
-            &self.knobs,
-            scale,
-            &self.device,
-            between,
-            &mut self.memory,
-        ) {
-            Ok(w) => w,
-            Err(e) => {
-                self.cursor = cursor;
-                return Err(e);
+        let mut between = between;
+        let mut failures_at_one = 0;
+        // A window that runs out of memory is retried from the same cursor at a smaller
+        // micro-batch (`guard`); its partial gradients are dropped with the failed attempt.
+        let window = loop {
+            let samples = self.next_window();
+            let params = self.model.vars().map(|v| v.as_tensor().clone()).collect();
+            self.memory.begin_window(params, self.persistent_memory());
+            match guard::attempt(self, &samples, scale, &mut between) {
+                Ok(w) => break w,
+                Err(e) => {
+                    self.cursor = cursor;
+                    match guard::after_failure(self, e, &mut failures_at_one) {
+                        guard::AfterFailure::Retry => continue,
+                        guard::AfterFailure::GiveUp(e) => return Err(e),
+                    }
+                }
             }
         };
         let t_opt = Instant::now();
@@ -579,7 +591,16 @@ pub fn spawn_trainer(trainer: Trainer) -> anyhow::Result<(TrainerHandle, EventSi
 }
 
 /// The trainer thread: header, then steps until done, stopped or failed, then `end`.
-pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, sink: EventSink) {
+pub fn run(trainer: Trainer, controls: UnboundedReceiver<ControlMsg>, sink: EventSink) {
+    run_returning(trainer, controls, sink);
+}
+
+/// `run`, handing the trainer back at the end (tests compare its weights).
+pub fn run_returning(
+    mut trainer: Trainer,
+    mut controls: UnboundedReceiver<ControlMsg>,
+    sink: EventSink,
+) -> Trainer {
     let mut flow = Flow {
         paused: false,
         single_step: false,
@@ -589,6 +610,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
     };
     sink.send(Event::Header(trainer.header()));
     send_estimate(&trainer, &sink);
+    send_all(&sink, trainer.guard.take_announcements());
     let reason = loop {
         flow.drain(&mut controls);
         apply_due(&mut trainer, &mut flow, &sink);
@@ -611,15 +633,16 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
             flow.drain(&mut controls);
             !flow.stop
         });
+        send_all(&sink, trainer.guard.take_announcements());
         match step {
             Ok(step) => {
                 let n = step.step;
                 if !sink.send(Event::Step(step)) {
                     break "stopped".to_string();
                 }
-                for m in trainer.memory.take_events() {
-                    sink.send(Event::Memory(m));
-                }
+                let memory = trainer.memory.take_events();
+                let guard_log = guard::after_step(&mut trainer, &memory);
+                send_all(&sink, memory.into_iter().map(Event::Memory).chain(guard_log));
                 if let Some(log) = crate::checkpoint::maybe_save(&trainer) {
                     sink.send(log);
                 }
@@ -641,6 +664,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
         step: trainer.step,
         reason,
     }));
+    trainer
 }
 
 /// Flow state and knob changes waiting for the boundary.
@@ -693,10 +717,15 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
             })
             .collect()
     };
+    let guarded = trainer.guard.take_queued().into_iter().map(|control| ControlMsg {
+        control,
+        origin: Origin::Guard,
+    });
     let mut memory_changed = false;
     for msg in scripted
         .into_iter()
         .chain(std::mem::take(&mut flow.pending))
+        .chain(guarded)
     {
         match msg.control {
             Control::Pause => flow.paused = true,
@@ -727,6 +756,12 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
     }
     if memory_changed {
         send_estimate(trainer, sink);
+    }
+}
+
+fn send_all(sink: &EventSink, events: impl IntoIterator<Item = Event>) {
+    for e in events {
+        sink.send(e);
     }
 }
 
