@@ -5,11 +5,11 @@
 use candle_core::{Device, Tensor};
 use gaccwb_engine::budget::MemoryBudget;
 use gaccwb_engine::memory::estimate::{estimate, Config};
-use gaccwb_engine::scenario::{ModelConfig, Scenario};
+use gaccwb_engine::scenario::{ModelConfig, Scenario, TimelineEntry};
 use gaccwb_engine::telemetry::{Control, Event, MemorySource, Origin, Phase, StepEvent};
 use gaccwb_engine::train::{relative_error, run_returning, EventSink, Knobs, Trainer};
 
-const STEPS: u64 = 6;
+const STEPS: u64 = 4;
 
 fn scenario(micro_batch: usize, accum_steps: usize, budget: MemoryBudget) -> Scenario {
     let mut s = Scenario::default();
@@ -84,10 +84,17 @@ fn the_guard_backs_off_keeps_the_effective_batch_and_matches_a_run_at_the_final_
     let (big_peak, small_peak) = (peak_of(&big), peak_of(&small));
     assert!(small_peak < big_peak, "{small_peak} !< {big_peak}");
     let budget = small_peak + (big_peak - small_peak) / 2;
-    // The estimate alone (no process baseline) fits, so only the measured peaks can act.
-    let s = scenario(16, 1, MemoryBudget::Bytes(budget));
+    // Start at the split that fits (the start plan, by the estimate, leaves it alone); after
+    // step 1 the preset-like timeline asks for B=16, K=1, which only the measurement catches.
+    let mut s = scenario(8, 2, MemoryBudget::Bytes(budget));
     let predicted = estimate(&Config::from_knobs(&s.model, &Knobs::from_scenario(&s), true)).peak();
     assert!(predicted <= budget, "predicted {predicted} > budget {budget}");
+    for control in [
+        Control::SetMicroBatch { value: 16 },
+        Control::SetAccumSteps { value: 1 },
+    ] {
+        s.timeline.push(TimelineEntry { step: 1, control });
+    }
 
     let (guarded, trainer) = run(s);
     let backoff: Vec<(u64, Control)> = guarded
@@ -100,14 +107,15 @@ fn the_guard_backs_off_keeps_the_effective_batch_and_matches_a_run_at_the_final_
     assert_eq!(
         backoff,
         [
-            (1, Control::SetMicroBatch { value: 8 }),
-            (1, Control::SetAccumSteps { value: 2 })
+            (2, Control::SetMicroBatch { value: 8 }),
+            (2, Control::SetAccumSteps { value: 2 })
         ],
-        "one back-off, after the first window"
+        "one back-off, right after the first window at B=16 (budget {budget}, peaks at B=8 \
+         {small_peak}, at B=16 {big_peak})"
     );
     let after: Vec<(u64, u64)> = phase_peaks(&guarded)
         .into_iter()
-        .filter(|(step, _)| *step > 1)
+        .filter(|(step, _)| *step > 2)
         .collect();
     assert!(!after.is_empty());
     assert!(
