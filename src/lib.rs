@@ -6,7 +6,8 @@
 //! this one: the layering is checked by the compiler.
 
 pub use gaccwb_engine::{
-    budget, checkpoint, data, device, memory, model, ops, presets, record, scenario, telemetry, train,
+    budget, checkpoint, data, device, memory, model, ops, presets, record, scenario, telemetry,
+    train,
 };
 
 pub mod bench;

@@ -274,7 +274,8 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
         s.set(assignment).map_err(|e| usage(&e))?;
     }
     if let Some(budget) = &args.budget {
-        gaccwb::budget::MemoryBudget::parse(budget).map_err(|e| usage(&format!("--budget: {e}")))?;
+        gaccwb::budget::MemoryBudget::parse(budget)
+            .map_err(|e| usage(&format!("--budget: {e}")))?;
         s.set(&format!("train.memory_budget=\"{budget}\""))
             .map_err(|e| usage(&e))?;
     }

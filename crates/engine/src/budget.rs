@@ -146,8 +146,14 @@ mod tests {
     #[test]
     fn budgets_parse_as_bytes_sizes_and_shares() {
         let gib = 1u64 << 30;
-        assert_eq!(MemoryBudget::parse("6 GiB"), Ok(MemoryBudget::Bytes(6 * gib)));
-        assert_eq!(MemoryBudget::parse("6GiB"), Ok(MemoryBudget::Bytes(6 * gib)));
+        assert_eq!(
+            MemoryBudget::parse("6 GiB"),
+            Ok(MemoryBudget::Bytes(6 * gib))
+        );
+        assert_eq!(
+            MemoryBudget::parse("6GiB"),
+            Ok(MemoryBudget::Bytes(6 * gib))
+        );
         assert_eq!(
             MemoryBudget::parse("1.5 MiB"),
             Ok(MemoryBudget::Bytes(3 << 19))
@@ -184,7 +190,10 @@ mod tests {
         assert_eq!(t.b, MemoryBudget::Percent(80.0));
         let back: T = toml::from_str(&toml::to_string(&t).unwrap()).unwrap();
         assert_eq!(back.b, t.b);
-        let err = toml::from_str::<T>("b = \"6 GiBs\"").err().unwrap().to_string();
+        let err = toml::from_str::<T>("b = \"6 GiBs\"")
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("unknown unit"), "{err}");
     }
 }

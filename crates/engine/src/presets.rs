@@ -13,7 +13,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../presets/accumulate-to-fit.toml"),
     ),
     ("k-ramp", include_str!("../../../presets/k-ramp.toml")),
-    ("clip-high-lr", include_str!("../../../presets/clip-high-lr.toml")),
+    (
+        "clip-high-lr",
+        include_str!("../../../presets/clip-high-lr.toml"),
+    ),
     (
         "fp16-overflow",
         include_str!("../../../presets/fp16-overflow.toml"),

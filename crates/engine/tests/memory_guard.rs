@@ -50,9 +50,7 @@ fn phase_peaks(events: &[Event]) -> Vec<(u64, u64)> {
     events
         .iter()
         .filter_map(|e| match e {
-            Event::Memory(m)
-                if m.source == MemorySource::Allocator && m.phase != Phase::Step =>
-            {
+            Event::Memory(m) if m.source == MemorySource::Allocator && m.phase != Phase::Step => {
                 Some((m.step, m.peak))
             }
             _ => None,
@@ -87,8 +85,16 @@ fn the_guard_backs_off_keeps_the_effective_batch_and_matches_a_run_at_the_final_
     // Start at the split that fits (the start plan, by the estimate, leaves it alone); after
     // step 1 the preset-like timeline asks for B=16, K=1, which only the measurement catches.
     let mut s = scenario(8, 2, MemoryBudget::Bytes(budget));
-    let predicted = estimate(&Config::from_knobs(&s.model, &Knobs::from_scenario(&s), true)).peak();
-    assert!(predicted <= budget, "predicted {predicted} > budget {budget}");
+    let predicted = estimate(&Config::from_knobs(
+        &s.model,
+        &Knobs::from_scenario(&s),
+        true,
+    ))
+    .peak();
+    assert!(
+        predicted <= budget,
+        "predicted {predicted} > budget {budget}"
+    );
     for control in [
         Control::SetMicroBatch { value: 16 },
         Control::SetAccumSteps { value: 1 },
@@ -125,7 +131,12 @@ fn the_guard_backs_off_keeps_the_effective_batch_and_matches_a_run_at_the_final_
     let (guarded_steps, reference_steps) = (steps(&guarded), steps(&small));
     assert_eq!(guarded_steps.len(), STEPS as usize);
     for (g, r) in guarded_steps.iter().zip(&reference_steps) {
-        assert_eq!(g.micro_batch * g.accum_steps, 16, "effective batch at step {}", g.step);
+        assert_eq!(
+            g.micro_batch * g.accum_steps,
+            16,
+            "effective batch at step {}",
+            g.step
+        );
         assert_eq!((g.tokens, g.lr), (r.tokens, r.lr), "step {}", g.step);
         let rel = (g.loss - r.loss).abs() / r.loss.abs();
         assert!(rel <= 1e-5, "loss at step {}: rel err {rel:e}", g.step);

@@ -371,7 +371,10 @@ mod tests {
             assert!(!line.contains("TiB1") && !line.contains("iB1"), "{text}");
         }
         let widths: Vec<usize> = text.lines().map(|l| l.chars().count()).collect();
-        assert_eq!(widths[0], widths[1], "right-aligned rows end together: {text}");
+        assert_eq!(
+            widths[0], widths[1],
+            "right-aligned rows end together: {text}"
+        );
     }
 
     #[test]
@@ -417,6 +420,9 @@ mod tests {
         assert_eq!(v.largest_fitting.unwrap().micro_batch, 16);
         assert_eq!(v.levers.len(), 3);
         assert!(v.levers[0].peak < v.configured_peak);
-        assert!(v.levers[1].peak < v.levers[0].peak, "offload frees the moments on a GPU");
+        assert!(
+            v.levers[1].peak < v.levers[0].peak,
+            "offload frees the moments on a GPU"
+        );
     }
 }

@@ -92,7 +92,11 @@ pub fn plan_start(trainer: &mut Trainer) -> anyhow::Result<()> {
     let Some(budget) = trainer.guard.budget else {
         return Ok(());
     };
-    let cfg = Config::from_knobs(&trainer.scenario.model, &trainer.knobs, trainer.memory.unified());
+    let cfg = Config::from_knobs(
+        &trainer.scenario.model,
+        &trainer.knobs,
+        trainer.memory.unified(),
+    );
     let effective = trainer.knobs.effective_batch();
     let peak = estimate(&cfg).peak();
     if peak <= budget {
@@ -105,7 +109,10 @@ pub fn plan_start(trainer: &mut Trainer) -> anyhow::Result<()> {
             Verdict::new(&cfg, effective, budget).render(effective)
         );
     };
-    trainer.guard.queued.extend(split_controls(row.micro_batch, effective));
+    trainer
+        .guard
+        .queued
+        .extend(split_controls(row.micro_batch, effective));
     trainer.guard.announcements.push(log(
         trainer.step,
         Level::Warn,
@@ -151,7 +158,10 @@ pub fn after_step(trainer: &mut Trainer, memory: &[MemoryEvent]) -> Option<Event
         ));
     }
     let smaller = smaller_micro_batch(b, effective);
-    trainer.guard.queued.extend(split_controls(smaller, effective));
+    trainer
+        .guard
+        .queued
+        .extend(split_controls(smaller, effective));
     Some(log(
         trainer.step,
         Level::Warn,
@@ -179,7 +189,11 @@ pub(super) enum AfterFailure {
 
 /// A window failed: on an out-of-memory error, halve B (doubling K) and retry, or at B=1 retry
 /// up to `retries` times; anything else ends the window as before.
-pub(super) fn after_failure(trainer: &mut Trainer, failure: Interrupt, failures_at_one: &mut u32) -> AfterFailure {
+pub(super) fn after_failure(
+    trainer: &mut Trainer,
+    failure: Interrupt,
+    failures_at_one: &mut u32,
+) -> AfterFailure {
     let Interrupt::Failed(e) = failure else {
         return AfterFailure::GiveUp(failure);
     };
@@ -210,11 +224,14 @@ pub(super) fn after_failure(trainer: &mut Trainer, failure: Interrupt, failures_
     let smaller = smaller_micro_batch(b, effective);
     for control in split_controls(smaller, effective) {
         trainer.knobs.apply(&control);
-        trainer.guard.announcements.push(Event::Control(ControlEvent {
-            step,
-            origin: Origin::Guard,
-            control,
-        }));
+        trainer
+            .guard
+            .announcements
+            .push(Event::Control(ControlEvent {
+                step,
+                origin: Origin::Guard,
+                control,
+            }));
     }
     trainer.guard.announcements.push(log(
         step,
@@ -329,9 +346,13 @@ mod tests {
 
     #[test]
     fn out_of_memory_is_told_apart_from_other_errors() {
-        let oom = candle_core::Error::Msg("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into());
+        let oom = candle_core::Error::Msg(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+        );
         assert!(is_out_of_memory(&oom));
-        assert!(!is_out_of_memory(&candle_core::Error::Msg("shape mismatch".into())));
+        assert!(!is_out_of_memory(&candle_core::Error::Msg(
+            "shape mismatch".into()
+        )));
     }
 
     #[test]
@@ -343,7 +364,10 @@ mod tests {
             times: 1,
         });
         let step = faulted.train_step(|| true).ok().unwrap();
-        assert_eq!((faulted.knobs.micro_batch, faulted.knobs.accum_steps), (2, 4));
+        assert_eq!(
+            (faulted.knobs.micro_batch, faulted.knobs.accum_steps),
+            (2, 4)
+        );
         assert_eq!((step.micro_batch, step.accum_steps), (2, 4));
         // Every sample of the window consumed exactly once: the cursor moved by B·K, and the
         // step counted the tokens of samples 0..8 once.
@@ -371,7 +395,10 @@ mod tests {
         let clean_step = clean.train_step(|| true).ok().unwrap();
         assert_eq!(clean_step.tokens, step.tokens);
         let err = super::super::relative_error(&weights(&faulted), &weights(&clean)).unwrap();
-        assert!(err <= 1e-6, "update differs from the un-faulted one at B=2: {err:e}");
+        assert!(
+            err <= 1e-6,
+            "update differs from the un-faulted one at B=2: {err:e}"
+        );
         assert!((clean_step.loss - step.loss).abs() <= 1e-6 * clean_step.loss.abs());
     }
 
@@ -425,6 +452,9 @@ mod tests {
         let mut tiny = s;
         tiny.train.memory_budget = MemoryBudget::Bytes(1024);
         let err = Trainer::new(tiny, Device::Cpu).err().unwrap().to_string();
-        assert!(err.contains("cannot hold") && err.contains("lever"), "{err}");
+        assert!(
+            err.contains("cannot hold") && err.contains("lever"),
+            "{err}"
+        );
     }
 }

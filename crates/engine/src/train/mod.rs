@@ -642,7 +642,10 @@ pub fn run_returning(
                 }
                 let memory = trainer.memory.take_events();
                 let guard_log = guard::after_step(&mut trainer, &memory);
-                send_all(&sink, memory.into_iter().map(Event::Memory).chain(guard_log));
+                send_all(
+                    &sink,
+                    memory.into_iter().map(Event::Memory).chain(guard_log),
+                );
                 if let Some(log) = crate::checkpoint::maybe_save(&trainer) {
                     sink.send(log);
                 }
@@ -717,10 +720,14 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
             })
             .collect()
     };
-    let guarded = trainer.guard.take_queued().into_iter().map(|control| ControlMsg {
-        control,
-        origin: Origin::Guard,
-    });
+    let guarded = trainer
+        .guard
+        .take_queued()
+        .into_iter()
+        .map(|control| ControlMsg {
+            control,
+            origin: Origin::Guard,
+        });
     let mut memory_changed = false;
     for msg in scripted
         .into_iter()
