@@ -5,30 +5,37 @@
 use candle_core::{Device, Tensor};
 use gaccwb_engine::budget::MemoryBudget;
 use gaccwb_engine::memory::estimate::{estimate, Config};
-use gaccwb_engine::scenario::{ModelConfig, Scenario, TimelineEntry};
+use gaccwb_engine::scenario::{DataConfig, ModelConfig, Scenario, TimelineEntry, TrainConfig};
 use gaccwb_engine::telemetry::{Control, Event, MemorySource, Origin, Phase, StepEvent};
 use gaccwb_engine::train::{relative_error, run_returning, EventSink, Knobs, Trainer};
 
 const STEPS: u64 = 4;
 
 fn scenario(micro_batch: usize, accum_steps: usize, budget: MemoryBudget) -> Scenario {
-    let mut s = Scenario::default();
-    s.model = ModelConfig {
-        vocab: 64,
-        d_model: 64,
-        layers: 2,
-        heads: 4,
-        seq_len: 64,
-    };
-    s.data.alphabet = 16;
-    s.train.steps = STEPS;
-    s.train.micro_batch = micro_batch;
-    s.train.accum_steps = accum_steps;
-    s.train.eval_every = 0;
-    s.train.warmup = 0;
-    s.train.base_batch = 16;
-    s.train.memory_budget = budget;
-    s
+    Scenario {
+        model: ModelConfig {
+            vocab: 64,
+            d_model: 64,
+            layers: 2,
+            heads: 4,
+            seq_len: 64,
+        },
+        data: DataConfig {
+            alphabet: 16,
+            ..Default::default()
+        },
+        train: TrainConfig {
+            steps: STEPS,
+            micro_batch,
+            accum_steps,
+            eval_every: 0,
+            warmup: 0,
+            base_batch: 16,
+            memory_budget: budget,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
 }
 
 /// A whole run on this thread: its events and the trainer it leaves.

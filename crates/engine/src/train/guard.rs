@@ -308,23 +308,30 @@ fn log(step: u64, level: Level, message: String) -> Event {
 mod tests {
     use super::*;
     use crate::budget::MemoryBudget;
-    use crate::scenario::{ModelConfig, Scenario};
+    use crate::scenario::{DataConfig, ModelConfig, Scenario, TrainConfig};
 
     fn scenario(micro_batch: usize, accum_steps: usize) -> Scenario {
-        let mut s = Scenario::default();
-        s.model = ModelConfig {
-            vocab: 32,
-            d_model: 32,
-            layers: 2,
-            heads: 2,
-            seq_len: 16,
-        };
-        s.data.alphabet = 8;
-        s.train.micro_batch = micro_batch;
-        s.train.accum_steps = accum_steps;
-        s.train.eval_every = 0;
-        s.train.warmup = 0;
-        s
+        Scenario {
+            model: ModelConfig {
+                vocab: 32,
+                d_model: 32,
+                layers: 2,
+                heads: 2,
+                seq_len: 16,
+            },
+            data: DataConfig {
+                alphabet: 8,
+                ..Default::default()
+            },
+            train: TrainConfig {
+                micro_batch,
+                accum_steps,
+                eval_every: 0,
+                warmup: 0,
+                ..Default::default()
+            },
+            ..Default::default()
+        }
     }
 
     fn trainer(s: Scenario) -> Trainer {
