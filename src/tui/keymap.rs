@@ -105,7 +105,7 @@ impl Action {
             Action::SeekForward => "replay: 10 steps forward",
             Action::SpeedDown => "replay: half speed",
             Action::SpeedUp => "replay: double speed",
-            Action::FitNow => "fit now: largest micro-batch the budget holds",
+            Action::FitNow => "fit B to the memory budget",
         }
     }
 
