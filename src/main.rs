@@ -92,9 +92,14 @@ struct EstimateArgs {
     /// Built-in preset name or path to a preset TOML file.
     #[arg(default_value = presets::DEFAULT)]
     preset: String,
-    /// Override a preset field, e.g. --set train.micro_batch=32 (repeatable).
+    /// Override a preset field, e.g. --set train.micro_batch=32 (repeatable). Model fields
+    /// may name shapes this program cannot train (any vocabulary size).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     sets: Vec<String>,
+    /// A published GPT shape (its d_model, layers, heads, context and vocab), applied before
+    /// --set: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b. The head here is untied.
+    #[arg(long, value_name = "NAME")]
+    shape: Option<String>,
     /// Effective batch for the micro-batch table (default: the preset's B·K).
     #[arg(long)]
     effective: Option<usize>,
@@ -220,6 +225,10 @@ struct RunArgs {
     /// run's checkpoint (by default both are refused).
     #[arg(long)]
     force: bool,
+    /// Memory the run may use (train.memory_budget): bytes, a size such as "6 GiB", or a share
+    /// of the device such as "80%". The guard trades micro-batch for K to stay under it.
+    #[arg(long, value_name = "SIZE")]
+    budget: Option<String>,
 }
 
 /// A problem with what the user asked for: exit code 2, like a usage error.
@@ -300,6 +309,12 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
         .map_err(|e| usage(&format!("{e} (from --steps/--seed)")))?;
     for assignment in &args.sets {
         s.set(assignment).map_err(|e| usage(&e))?;
+    }
+    if let Some(budget) = &args.budget {
+        gaccwb::budget::MemoryBudget::parse(budget)
+            .map_err(|e| usage(&format!("--budget: {e}")))?;
+        s.set(&format!("train.memory_budget=\"{budget}\""))
+            .map_err(|e| usage(&e))?;
     }
     s.validate().map_err(|e| usage(&e))?;
     Ok(s)
@@ -514,12 +529,21 @@ fn list_presets() -> anyhow::Result<()> {
 
 fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     use gaccwb::memory::estimate::{self as est, Config};
-    let mut scenario = scenario_from(&RunArgs {
-        preset: args.preset.clone(),
-        sets: args.sets.clone(),
-        ..Default::default()
-    })?;
-    if scenario.data.tokenizer == gaccwb::scenario::TokenizerKind::Bpe {
+    let usage = |e: &dyn std::fmt::Display| UsageError(e.to_string());
+    let mut scenario = presets::resolve(&args.preset).map_err(|e| usage(&e))?;
+    if let Some(name) = &args.shape {
+        scenario.model = gaccwb::memory::planner::named_shape(name).map_err(|e| usage(&e))?;
+        scenario.name = name.clone();
+    }
+    for assignment in &args.sets {
+        scenario
+            .set_unvalidated(assignment)
+            .map_err(|e| usage(&e))?;
+    }
+    // The estimate needs only a well-formed shape; what this program can train is reported.
+    let not_trainable_here = scenario.validate().err();
+    gaccwb::memory::planner::check_shape(&scenario).map_err(|e| usage(&e))?;
+    if not_trainable_here.is_none() && scenario.data.tokenizer == gaccwb::scenario::TokenizerKind::Bpe {
         // The vocabulary is the tokenizer's: train it (or hit the cache) to know it.
         gaccwb::data::Corpus::open_sizing(&mut scenario)?;
     }
@@ -546,7 +570,8 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     };
     gaccwb::memory::fit::check_fits(&widest, None).map_err(UsageError)?;
     let budget = (args.budget_gib * (1u64 << 30) as f64) as u64;
-    let report = est::Report::new(&scenario.name, &cfg, effective, budget);
+    let mut report = est::Report::new(&scenario.name, &cfg, effective, budget);
+    report.not_trainable_here = not_trainable_here;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

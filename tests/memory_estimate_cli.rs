@@ -61,3 +61,52 @@ fn estimate_prints_tables_and_rejects_bad_input() {
         .assert()
         .code(2);
 }
+
+#[test]
+fn estimate_plans_named_shapes_it_cannot_train_and_gives_a_verdict() {
+    let out = Command::cargo_bin("gaccwb")
+        .unwrap()
+        .args([
+            "estimate",
+            "--shape",
+            "gpt3-175b",
+            "--gpu",
+            "--budget-gib",
+            "40",
+        ])
+        .args([
+            "--set",
+            "train.dtype=bf16",
+            "--set",
+            "train.offload=true",
+            "--json",
+        ])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert!(report["not_trainable_here"]
+        .as_str()
+        .unwrap()
+        .contains("model.vocab"));
+    let blocker = &report["verdict"]["blocker"];
+    assert_eq!(blocker["category"], "parameters");
+    assert_eq!(blocker["alone_exceeds"], true);
+    assert_eq!(
+        blocker["bytes"].as_u64().unwrap(),
+        report["params"].as_u64().unwrap() * 4,
+        "exact bytes in JSON"
+    );
+    Command::cargo_bin("gaccwb")
+        .unwrap()
+        .args(["estimate", "--shape", "gpt5"])
+        .assert()
+        .code(2);
+    Command::cargo_bin("gaccwb")
+        .unwrap()
+        .args(["run", "--headless", "--budget", "6 GiBs"])
+        .assert()
+        .code(2);
+}

@@ -99,6 +99,8 @@ pub struct App {
     pub log: VecDeque<LogLine>,
     pub paused: bool,
     pub ended: Option<String>,
+    /// Changes the memory guard made (controls with origin `guard`).
+    pub guard_actions: u64,
     pub retention: usize,
     // Display state.
     pub help: bool,
@@ -138,6 +140,7 @@ impl App {
             log: VecDeque::new(),
             paused: false,
             ended: None,
+            guard_actions: 0,
             retention: retention.max(1),
             help: false,
             frozen: None,
@@ -246,7 +249,11 @@ impl App {
             Origin::Key => "key",
             Origin::Scenario => "preset",
             Origin::Cli => "cli",
+            Origin::Guard => "guard",
         };
+        if c.origin == Origin::Guard && matches!(c.control, Control::SetMicroBatch { .. }) {
+            self.guard_actions += 1;
+        }
         let label = c.control.describe();
         self.log(c.step, Level::Info, format!("{label} applied ({origin})"));
         if !c.control.is_flow() {
@@ -343,6 +350,13 @@ impl App {
             | Action::SeekForward
             | Action::SpeedDown
             | Action::SpeedUp => Vec::new(),
+            Action::FitNow if self.replay.is_none() => match super::fit::fit_controls(self) {
+                Ok(controls) => controls,
+                Err(why) => {
+                    self.log(self.last_step(), Level::Warn, why);
+                    Vec::new()
+                }
+            },
             knob => self.knob_controls(knob),
         };
         if self.replay.is_some() {

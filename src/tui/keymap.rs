@@ -37,6 +37,7 @@ pub enum Action {
     SeekForward,
     SpeedDown,
     SpeedUp,
+    FitNow,
 }
 
 impl Action {
@@ -67,6 +68,7 @@ impl Action {
         Action::SeekForward,
         Action::SpeedDown,
         Action::SpeedUp,
+        Action::FitNow,
     ];
 
     /// The name used in keymap files (serde's snake_case).
@@ -106,6 +108,7 @@ impl Action {
             Action::SeekForward => "replay: 10 steps forward",
             Action::SpeedDown => "replay: half speed",
             Action::SpeedUp => "replay: double speed",
+            Action::FitNow => "fit B to the memory budget",
         }
     }
 
@@ -124,6 +127,7 @@ impl Action {
                 | Action::CheckpointToggle
                 | Action::PrecisionCycle
                 | Action::LrRuleCycle
+                | Action::FitNow
                 | Action::RecordToggle
         )
     }
@@ -258,6 +262,7 @@ const DEFAULTS: &[(&str, Action)] = &[
     ("]", Action::SeekForward),
     ("<", Action::SpeedDown),
     (">", Action::SpeedUp),
+    ("F", Action::FitNow),
 ];
 
 impl Default for KeyMap {
@@ -453,6 +458,7 @@ mod tests {
             ('r', Action::RecordToggle),
             ('?', Action::Help),
             ('q', Action::Quit),
+            ('F', Action::FitNow),
         ];
         for (c, action) in cases {
             // Terminals report upper-case letters with SHIFT set; it must not matter.

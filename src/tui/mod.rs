@@ -5,6 +5,7 @@
 pub mod app;
 pub mod event_loop;
 pub mod feed;
+pub mod fit;
 pub mod keymap;
 pub mod panes;
 pub mod terminal;

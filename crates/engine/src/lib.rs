@@ -6,6 +6,7 @@
 //! This crate knows nothing of the terminal: no ratatui, crossterm or clap. The `gaccwb` crate
 //! (the faces: TUI, headless, export, CLI) depends on it, never the other way round.
 
+pub mod budget;
 pub mod checkpoint;
 pub mod data;
 pub mod device;

@@ -40,6 +40,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
         "notes-table",
         include_str!("../../../presets/notes-table.toml"),
     ),
+    ("oom-guard", include_str!("../../../presets/oom-guard.toml")),
 ];
 
 /// The preset `gaccwb` runs with no arguments.

@@ -169,6 +169,11 @@ pub struct TrainConfig {
     /// Consecutive windows with a non-finite loss or gradient (fp16 overflow skips included)
     /// after which the run ends as diverged; 0 never ends it.
     pub max_nonfinite_windows: u64,
+    /// Memory the run may use: bytes, "6 GiB" or "80%" of the device; "off" by default. The
+    /// memory guard (`train::oom_guard`) keeps the run under it by trading micro-batch for K.
+    pub memory_budget: crate::budget::MemoryBudget,
+    /// Out-of-memory failures tolerated at micro-batch 1 before the run ends.
+    pub guard_retries: u32,
 }
 
 impl Default for TrainConfig {
@@ -199,6 +204,8 @@ impl Default for TrainConfig {
             eval_batches: 4,
             checkpointing: Checkpointing::None,
             max_nonfinite_windows: 20,
+            memory_budget: crate::budget::MemoryBudget::Off,
+            guard_retries: 3,
         }
     }
 }
@@ -265,6 +272,16 @@ impl Scenario {
 
     /// Override one field: `section.key=value`, value in TOML syntax (bare strings accepted).
     pub fn set(&mut self, assignment: &str) -> Result<(), ScenarioError> {
+        self.assign(assignment, true)
+    }
+
+    /// `set` without the trainability checks (`validate`): the estimator plans for shapes this
+    /// program cannot train (e.g. a 50257-token vocabulary). Types are still checked.
+    pub fn set_unvalidated(&mut self, assignment: &str) -> Result<(), ScenarioError> {
+        self.assign(assignment, false)
+    }
+
+    fn assign(&mut self, assignment: &str, validate: bool) -> Result<(), ScenarioError> {
         let (key, raw) = assignment
             .split_once('=')
             .ok_or_else(|| ScenarioError::Set {
@@ -313,7 +330,9 @@ impl Scenario {
                 explain_serde_message(e.message().trim())
             ))
         })?;
-        updated.validate().map_err(set_err)?;
+        if validate {
+            updated.validate().map_err(set_err)?;
+        }
         *self = updated;
         Ok(())
     }
@@ -581,6 +600,8 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
         "eval_batches",
         "checkpointing",
         "max_nonfinite_windows",
+        "memory_budget",
+        "guard_retries",
     ];
     match section {
         "model" => MODEL.to_vec(),

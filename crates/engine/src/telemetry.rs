@@ -365,6 +365,8 @@ pub enum Origin {
     Key,
     Scenario,
     Cli,
+    /// The memory guard (`train::oom_guard`): a budget or an out-of-memory error moved B and K.
+    Guard,
 }
 
 /// A control on its way to the trainer.

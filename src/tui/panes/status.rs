@@ -121,6 +121,9 @@ pub fn lines(app: &App, theme: Theme) -> Vec<Line<'static>> {
         }
     }
     out.push(pending_line(&app.pending, theme));
+    if let Some(budget) = crate::tui::fit::budget_line(app) {
+        out.push(Line::styled(budget, theme.dim()));
+    }
     if app.unified_memory() {
         out.push(Line::styled(
             "CPU: offload moves nothing physically",

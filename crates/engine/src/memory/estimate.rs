@@ -32,6 +32,8 @@ use crate::telemetry::{
     Categories, Checkpointing, Control, Dtype, EstimateEvent, Knobs, LossNorm, Phase, ZeroGrad,
 };
 
+use super::planner::{aligned, human_bytes, Verdict};
+
 const F32: u64 = 4;
 
 /// Everything the estimate depends on.
@@ -556,6 +558,11 @@ pub struct Report {
     pub table: Vec<Row>,
     pub budget: u64,
     pub largest_fitting: Option<Row>,
+    /// Why this shape cannot be trained by this program (the estimate still holds for it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub not_trainable_here: Option<String>,
+    /// What blocks, and what each lever reaches, for `budget`.
+    pub verdict: Verdict,
 }
 
 impl Report {
@@ -571,6 +578,8 @@ impl Report {
             table: micro_batch_table(cfg, effective),
             budget,
             largest_fitting: largest_micro_batch(cfg, effective, budget),
+            not_trainable_here: None,
+            verdict: Verdict::new(cfg, effective, budget),
         }
     }
 
@@ -578,8 +587,8 @@ impl Report {
         let c = &self.config;
         let m = &c.model;
         let mut out = format!(
-            "{}: d_model={} layers={} heads={} seq_len={} vocab={} ({} parameters)\n\
-             B={} K={} {} offload {}; {}\n\n",
+            "{}: d_model={} layers={} heads={} seq_len={} vocab={} ({} parameters, untied head {} of them)\n\
+             B={} K={} {} offload {}; {}\n",
             self.preset,
             m.d_model,
             m.layers,
@@ -587,6 +596,7 @@ impl Report {
             m.seq_len,
             m.vocab,
             self.params,
+            m.d_model as u64 * m.vocab as u64,
             c.micro_batch,
             c.accum_steps,
             c.dtype.name(),
@@ -597,61 +607,49 @@ impl Report {
                 "GPU: offloaded bytes live in host memory"
             },
         );
-        out += &format!(
-            "{:<20}{:>12}{:>12}{:>12}{:>12}\n",
-            "predicted", "forward", "backward", "optimizer", "step"
-        );
+        if let Some(why) = &self.not_trainable_here {
+            out += &format!("This shape cannot be trained here ({why}); the estimate is for the architecture.\n");
+        }
+        out += "\n";
         let phases = self.estimate.phases();
+        let mut rows = vec![["predicted", "forward", "backward", "optimizer", "step"]
+            .map(String::from)
+            .to_vec()];
         for (i, name) in Categories::NAMES.iter().enumerate().take(7) {
-            out += &format!("{name:<20}");
-            for (_, cats) in &phases {
-                out += &format!("{:>12}", mib(cats.values()[i]));
-            }
-            out += "\n";
+            let mut row = vec![name.to_string()];
+            row.extend(phases.iter().map(|(_, cats)| human_bytes(cats.values()[i])));
+            rows.push(row);
         }
-        out += &format!("{:<20}", "total");
-        for (_, cats) in &phases {
-            out += &format!("{:>12}", mib(self.estimate.resident(cats)));
-        }
-        out += &format!(
-            "\npeak {} (allocator workspace and CUDA context not included)\n\n",
-            mib(self.peak)
+        let mut total = vec!["total".to_string()];
+        total.extend(
+            phases
+                .iter()
+                .map(|(_, cats)| human_bytes(self.estimate.resident(cats))),
         );
+        rows.push(total);
+        out += &aligned(&rows, &[false, true, true, true, true]);
         out += &format!(
-            "At effective batch {}:\n{:>6}{:>6}{:>14}{:>16}{:>12}\n",
-            self.effective_batch, "B", "K", "activations", "grad transient", "peak"
+            "peak {} (allocator workspace and CUDA context not included)\n\n",
+            human_bytes(self.peak)
         );
-        for r in &self.table {
-            out += &format!(
-                "{:>6}{:>6}{:>14}{:>16}{:>12}\n",
-                r.micro_batch,
-                r.accum_steps,
-                mib(r.activations),
-                mib(r.gradients_transient),
-                mib(r.peak)
-            );
-        }
-        let budget = format!("{:.2} GiB", self.budget as f64 / (1u64 << 30) as f64);
-        out += &match &self.largest_fitting {
-            Some(r) => format!(
-                "\nLargest micro-batch that fits in {budget} at effective batch {}: B={} (K={}), peak {}\n",
-                self.effective_batch,
-                r.micro_batch,
-                r.accum_steps,
-                mib(r.peak)
-            ),
-            None => format!(
-                "\nNo micro-batch fits in {budget} at effective batch {}: even B=1 needs {}\n",
-                self.effective_batch,
-                self.table.first().map_or("?".into(), |r| mib(r.peak))
-            ),
-        };
+        out += &format!("At effective batch {}:\n", self.effective_batch);
+        let mut rows = vec![["B", "K", "activations", "grad transient", "peak"]
+            .map(String::from)
+            .to_vec()];
+        rows.extend(self.table.iter().map(|r| {
+            vec![
+                r.micro_batch.to_string(),
+                r.accum_steps.to_string(),
+                human_bytes(r.activations),
+                human_bytes(r.gradients_transient),
+                human_bytes(r.peak),
+            ]
+        }));
+        out += &aligned(&rows, &[true; 5]);
+        out += "\n";
+        out += &self.verdict.render(self.effective_batch);
         out
     }
-}
-
-fn mib(bytes: u64) -> String {
-    format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
 #[cfg(test)]

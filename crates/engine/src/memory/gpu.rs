@@ -177,7 +177,7 @@ impl GpuSource for AllocatorSource {
 }
 
 /// Installed RAM from /proc/meminfo (Linux); `None` elsewhere.
-fn host_memory_total() -> Option<u64> {
+pub fn host_memory_total() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

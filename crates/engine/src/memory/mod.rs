@@ -7,6 +7,8 @@
 //! - `gpu`: device sources (NVML, the CUDA memory pool, the allocator) and the sampler thread;
 //! - `estimate`: the analytic estimator behind `gaccwb estimate`;
 //! - `figure`: the one rule that turns a step's measurements into its figure.
+//! - `planner`: named shapes, human units and the verdict per budget;
+//! - `planner`'s verdict is what the memory guard (`train::oom_guard`) refuses a run with.
 
 pub mod alloc;
 #[cfg(feature = "cuda")]
@@ -16,6 +18,7 @@ pub mod figure;
 pub mod fit;
 pub mod gpu;
 pub mod ledger;
+pub mod planner;
 pub mod tensors;
 
 pub use figure::{step_figures, StepFigure};

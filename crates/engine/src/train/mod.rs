@@ -13,6 +13,7 @@
 pub mod adamw;
 pub mod guard;
 pub mod inplace;
+pub mod oom_guard;
 pub mod scaler;
 pub mod schedule;
 
@@ -265,6 +266,8 @@ pub struct Trainer {
     /// Run the composite ops (CUDA's code path) even where the fused CPU kernels apply; from
     /// `GACCWB_KERNELS=composite` (see `ops::KERNELS_ENV`).
     pub composite: bool,
+    /// The memory guard: budget, out-of-memory retries, changes queued for the boundary.
+    pub guard: oom_guard::Guard,
     base_batch: usize,
     started: Instant,
 }
@@ -287,7 +290,12 @@ impl Trainer {
         opt.set_offload(t.offload, &model.params)?;
         let memory = Ledger::new(crate::memory::gpu::meter_for(&device));
         let composite = crate::ops::kernels_from_env().map_err(anyhow::Error::msg)?;
-        Ok(Trainer {
+        let budget = t
+            .memory_budget
+            .resolve(crate::budget::device_total(&device))
+            .map_err(anyhow::Error::msg)?;
+        let guard = oom_guard::Guard::new(budget, t.guard_retries);
+        let mut trainer = Trainer {
             composite,
             memory,
             knobs: Knobs::from_scenario(&scenario),
@@ -304,8 +312,11 @@ impl Trainer {
             overflow_count: 0,
             checkpoint: None,
             cli_controls: Vec::new(),
+            guard,
             started: Instant::now(),
-        })
+        };
+        oom_guard::plan_start(&mut trainer)?;
+        Ok(trainer)
     }
 
     pub fn params(&self) -> &[Param] {
@@ -411,23 +422,24 @@ impl Trainer {
             crate::ops::workspace::reserve(self.knobs.dtype);
         }
         let cursor = self.cursor;
-        let samples = self.next_window();
         let scale = self.loss_scale();
-        let params = self.model.vars().map(|v| v.as_tensor().clone()).collect();
-        self.memory.begin_window(params, self.persistent_memory());
-        let window = match window_gradients_probed(
-            &self.model,
-            &samples,
-            &self.knobs,
-            scale,
-            &self.device,
-            between,
-            &mut self.memory,
-        ) {
-            Ok(w) => w,
-            Err(e) => {
-                self.cursor = cursor;
-                return Err(e);
+        let mut between = between;
+        let mut failures_at_one = 0;
+        // A window that runs out of memory is retried from the same cursor at a smaller
+        // micro-batch (`guard`); its partial gradients are dropped with the failed attempt.
+        let window = loop {
+            let samples = self.next_window();
+            let params = self.model.vars().map(|v| v.as_tensor().clone()).collect();
+            self.memory.begin_window(params, self.persistent_memory());
+            match oom_guard::attempt(self, &samples, scale, &mut between) {
+                Ok(w) => break w,
+                Err(e) => {
+                    self.cursor = cursor;
+                    match oom_guard::after_failure(self, e, &mut failures_at_one) {
+                        oom_guard::AfterFailure::Retry => continue,
+                        oom_guard::AfterFailure::GiveUp(e) => return Err(e),
+                    }
+                }
             }
         };
         let t_opt = Instant::now();
@@ -613,7 +625,16 @@ pub fn spawn_trainer(trainer: Trainer) -> anyhow::Result<(TrainerHandle, EventSi
 }
 
 /// The trainer thread: header, then steps until done, stopped or failed, then `end`.
-pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, sink: EventSink) {
+pub fn run(trainer: Trainer, controls: UnboundedReceiver<ControlMsg>, sink: EventSink) {
+    run_returning(trainer, controls, sink);
+}
+
+/// `run`, handing the trainer back at the end (tests compare its weights).
+pub fn run_returning(
+    mut trainer: Trainer,
+    mut controls: UnboundedReceiver<ControlMsg>,
+    sink: EventSink,
+) -> Trainer {
     let mut flow = Flow {
         paused: false,
         single_step: false,
@@ -631,6 +652,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
     }
     send_estimate(&trainer, &sink);
     let mut divergence = guard::Divergence::new(trainer.scenario.train.max_nonfinite_windows);
+    send_all(&sink, trainer.guard.take_announcements());
     let reason = loop {
         flow.drain(&mut controls);
         apply_due(&mut trainer, &mut flow, &sink);
@@ -653,6 +675,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
             flow.drain(&mut controls);
             !flow.stop
         });
+        send_all(&sink, trainer.guard.take_announcements());
         match step {
             Ok(step) => {
                 let n = step.step;
@@ -660,9 +683,12 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
                 if !sink.send(Event::Step(step)) {
                     break "stopped".to_string();
                 }
-                for m in trainer.memory.take_events() {
-                    sink.send(Event::Memory(m));
-                }
+                let memory = trainer.memory.take_events();
+                let guard_log = oom_guard::after_step(&mut trainer, &memory);
+                send_all(
+                    &sink,
+                    memory.into_iter().map(Event::Memory).chain(guard_log),
+                );
                 if let Some(log) = crate::checkpoint::maybe_save(&trainer) {
                     sink.send(log);
                 }
@@ -696,6 +722,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
         step: trainer.step,
         reason,
     }));
+    trainer
 }
 
 /// Flow state and knob changes waiting for the boundary.
@@ -748,10 +775,19 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
             })
             .collect()
     };
+    let guarded = trainer
+        .guard
+        .take_queued()
+        .into_iter()
+        .map(|control| ControlMsg {
+            control,
+            origin: Origin::Guard,
+        });
     let mut memory_changed = false;
     for msg in scripted
         .into_iter()
         .chain(std::mem::take(&mut flow.pending))
+        .chain(guarded)
     {
         match msg.control {
             Control::Pause => flow.paused = true,
@@ -782,6 +818,12 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
     }
     if memory_changed {
         send_estimate(trainer, sink);
+    }
+}
+
+fn send_all(sink: &EventSink, events: impl IntoIterator<Item = Event>) {
+    for e in events {
+        sink.send(e);
     }
 }
 

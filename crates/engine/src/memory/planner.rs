@@ -1,0 +1,428 @@
+//! The planner behind `gaccwb estimate`'s verdict: named GPT shapes with their published
+//! dimensions, byte figures in human units, and what each memory lever can reach against a budget.
+//!
+//! Every figure comes from the analytic estimator (`estimate.rs`) for this architecture: pre-LN
+//! GPT blocks with biases, learned positions, and an untied output head (the published GPT-2 and
+//! GPT-3 models tie the head to the token embedding; here it is a separate `d_model × vocab`
+//! matrix, so it is counted on top of the published parameter count).
+
+use serde::Serialize;
+
+use super::estimate::{estimate, largest_micro_batch, Config, Row};
+use crate::scenario::ModelConfig;
+use crate::telemetry::{Categories, Dtype};
+
+/// A published GPT shape: (name, d_model, layers, heads, context, vocab).
+const SHAPES: [(&str, usize, usize, usize, usize, usize); 5] = [
+    ("gpt2", 768, 12, 12, 1024, 50257),
+    ("gpt2-medium", 1024, 24, 16, 1024, 50257),
+    ("gpt2-large", 1280, 36, 20, 1024, 50257),
+    ("gpt2-xl", 1600, 48, 25, 1024, 50257),
+    ("gpt3-175b", 12288, 96, 96, 2048, 50257),
+];
+
+/// The names `--shape` accepts.
+pub fn shape_names() -> Vec<&'static str> {
+    SHAPES.iter().map(|s| s.0).collect()
+}
+
+/// The model of a named shape, or an error listing the names.
+pub fn named_shape(name: &str) -> Result<ModelConfig, String> {
+    SHAPES
+        .iter()
+        .find(|s| s.0 == name)
+        .map(|&(_, d_model, layers, heads, seq_len, vocab)| ModelConfig {
+            vocab,
+            d_model,
+            layers,
+            heads,
+            seq_len,
+        })
+        .ok_or_else(|| {
+            format!(
+                "unknown shape `{name}`; shapes: {}",
+                shape_names().join(", ")
+            )
+        })
+}
+
+/// The checks a shape needs to be estimated at all (the trainer's own limits, such as the byte
+/// vocabulary, are not among them): positive sizes, heads dividing d_model, B and K positive.
+pub fn check_shape(s: &crate::scenario::Scenario) -> Result<(), String> {
+    let (m, t) = (&s.model, &s.train);
+    let sizes = [
+        ("model.vocab", m.vocab),
+        ("model.d_model", m.d_model),
+        ("model.layers", m.layers),
+        ("model.heads", m.heads),
+        ("model.seq_len", m.seq_len),
+        ("train.micro_batch", t.micro_batch),
+        ("train.accum_steps", t.accum_steps),
+    ];
+    if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+        return Err(format!("{key} must be at least 1 (got 0)"));
+    }
+    if !m.d_model.is_multiple_of(m.heads) {
+        return Err(format!(
+            "model.d_model ({}) must be divisible by model.heads ({})",
+            m.d_model, m.heads
+        ));
+    }
+    Ok(())
+}
+
+/// Bytes in binary units: `1023 B`, `1.00 KiB`, …, `12.50 TiB`; above that still TiB.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    // Move up while the value would print as 1024.00 or more in this unit.
+    while unit + 1 < UNITS.len() && value >= 1024.0 - 0.005 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.2} {}", UNITS[unit])
+}
+
+/// One way to cut memory, taken as far as it goes, and the peak it reaches.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Lever {
+    /// What was changed, cumulatively: "K at micro-batch 1", "+ offload", "+ bf16".
+    pub name: String,
+    pub micro_batch: usize,
+    pub accum_steps: usize,
+    pub dtype: Dtype,
+    pub offload: bool,
+    /// Predicted peak in the measured memory (device, or everything on the CPU).
+    pub peak: u64,
+    pub fits: bool,
+}
+
+/// What stops a configuration from fitting.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Blocker {
+    /// A ledger category name (`parameters`, `activations`, …).
+    pub category: String,
+    pub bytes: u64,
+    /// The category alone is larger than the budget.
+    pub alone_exceeds: bool,
+}
+
+/// The answer for one budget.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Verdict {
+    pub budget: u64,
+    pub configured_peak: u64,
+    pub configured_fits: bool,
+    /// The largest micro-batch dividing the effective batch that fits, with its K.
+    pub largest_fitting: Option<Row>,
+    /// The levers in order, each on top of the previous ones.
+    pub levers: Vec<Lever>,
+    /// When not even the last lever fits: the largest category at its peak phase.
+    pub blocker: Option<Blocker>,
+}
+
+impl Verdict {
+    pub fn new(cfg: &Config, effective: usize, budget: u64) -> Verdict {
+        let configured_peak = estimate(cfg).peak();
+        let levers = levers(cfg, effective, budget);
+        let best = levers
+            .iter()
+            .min_by_key(|l| l.peak)
+            .expect("at least one lever");
+        let blocker = (!best.fits).then(|| blocker(&lever_config(cfg, best), budget));
+        Verdict {
+            budget,
+            configured_peak,
+            configured_fits: configured_peak <= budget,
+            largest_fitting: largest_micro_batch(cfg, effective, budget),
+            levers,
+            blocker,
+        }
+    }
+
+    /// A few lines for people.
+    pub fn render(&self, effective: usize) -> String {
+        let budget = human_bytes(self.budget);
+        let mut out = format!(
+            "Verdict for a budget of {budget}: the configured micro-batch needs {} ({}).\n",
+            human_bytes(self.configured_peak),
+            if self.configured_fits {
+                "fits"
+            } else {
+                "does not fit"
+            }
+        );
+        out += &match &self.largest_fitting {
+            Some(r) => format!(
+                "  largest micro-batch that fits at effective batch {effective}: B={} K={} (peak {})\n",
+                r.micro_batch,
+                r.accum_steps,
+                human_bytes(r.peak)
+            ),
+            None => format!("  no micro-batch fits at effective batch {effective}\n"),
+        };
+        out += "  least memory each lever reaches (each on top of the one before):\n";
+        let rows: Vec<Vec<String>> = self
+            .levers
+            .iter()
+            .map(|l| {
+                vec![
+                    format!("    {}", l.name),
+                    format!(
+                        "B={} K={} {} offload {}",
+                        l.micro_batch,
+                        l.accum_steps,
+                        l.dtype.name(),
+                        if l.offload { "on" } else { "off" }
+                    ),
+                    format!(
+                        "{} {}",
+                        human_bytes(l.peak),
+                        if l.fits { "fits" } else { "over" }
+                    ),
+                ]
+            })
+            .collect();
+        out += &aligned(&rows, &[false, false, true]);
+        if let Some(b) = &self.blocker {
+            out += &if b.alone_exceeds {
+                format!(
+                    "  cannot fit: {} alone need {}, more than the {budget} budget, whatever the micro-batch\n",
+                    b.category,
+                    human_bytes(b.bytes)
+                )
+            } else {
+                format!(
+                    "  cannot fit: the largest category at the best lever's peak is {} ({})\n",
+                    b.category,
+                    human_bytes(b.bytes)
+                )
+            };
+        }
+        out
+    }
+}
+
+/// Rows of cells padded into columns; `right[i]` right-aligns column i. Columns are two spaces
+/// apart so cells never run together, whatever their width.
+pub fn aligned(rows: &[Vec<String>], right: &[bool]) -> String {
+    let columns = right.len();
+    let widths: Vec<usize> = (0..columns)
+        .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let cells: Vec<String> = (0..columns)
+            .map(|i| match right[i] {
+                true => format!("{:>w$}", row[i], w = widths[i]),
+                false => format!("{:<w$}", row[i], w = widths[i]),
+            })
+            .collect();
+        out += cells.join("  ").trim_end();
+        out += "\n";
+    }
+    out
+}
+
+/// Micro-batch 1 with K = the effective batch; then offload on; then 16-bit compute.
+fn levers(cfg: &Config, effective: usize, budget: u64) -> Vec<Lever> {
+    let mut steps = vec![("K at micro-batch 1".to_string(), cfg.dtype, cfg.offload)];
+    if !cfg.offload {
+        steps.push(("+ offload".into(), cfg.dtype, true));
+    }
+    if cfg.dtype == Dtype::F32 {
+        steps.push(("+ bf16".into(), Dtype::Bf16, true));
+    }
+    steps
+        .into_iter()
+        .map(|(name, dtype, offload)| {
+            let c = Config {
+                micro_batch: 1,
+                accum_steps: effective.max(1),
+                dtype,
+                offload,
+                ..cfg.clone()
+            };
+            let peak = estimate(&c).peak();
+            Lever {
+                name,
+                micro_batch: 1,
+                accum_steps: c.accum_steps,
+                dtype,
+                offload,
+                peak,
+                fits: peak <= budget,
+            }
+        })
+        .collect()
+}
+
+fn lever_config(cfg: &Config, l: &Lever) -> Config {
+    Config {
+        micro_batch: l.micro_batch,
+        accum_steps: l.accum_steps,
+        dtype: l.dtype,
+        offload: l.offload,
+        ..cfg.clone()
+    }
+}
+
+/// What blocks `cfg`: the weights when they alone exceed the budget, else the largest resident
+/// category in its peak phase.
+fn blocker(cfg: &Config, budget: u64) -> Blocker {
+    let e = estimate(cfg);
+    let (_, peak_phase) = e
+        .phases()
+        .into_iter()
+        .max_by_key(|(_, c)| e.resident(c))
+        .expect("four phases");
+    let resident = Categories {
+        offloaded: if e.unified { peak_phase.offloaded } else { 0 },
+        ..peak_phase
+    };
+    // The weights first: when they alone exceed the budget no lever but a smaller model helps.
+    let (i, bytes) = if resident.parameters > budget {
+        (0, resident.parameters)
+    } else {
+        resident
+            .values()
+            .into_iter()
+            .enumerate()
+            .max_by_key(|(_, v)| *v)
+            .expect("eight categories")
+    };
+    Blocker {
+        category: Categories::NAMES[i].to_string(),
+        bytes,
+        alone_exceeds: bytes > budget,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::estimate::param_count;
+
+    /// An independent count for GPT-2/3 blocks: per layer 12·d² weights (qkv 3d², proj d²,
+    /// MLP 8d²) and 13·d biases and norm gains (qkv 3d, proj d, fc 4d, out d, two norms 4d);
+    /// token and position embeddings; the final norm; and this project's untied head V·d.
+    fn published_plus_head(m: &ModelConfig) -> (u64, u64) {
+        let (v, d, t, l) = (
+            m.vocab as u64,
+            m.d_model as u64,
+            m.seq_len as u64,
+            m.layers as u64,
+        );
+        let tied = l * (12 * d * d + 13 * d) + v * d + t * d + 2 * d;
+        (tied, tied + v * d)
+    }
+
+    #[test]
+    fn named_shapes_count_the_published_parameters_plus_an_untied_head() {
+        // Hugging Face's parameter counts of the tied GPT-2 checkpoints.
+        let published = [
+            ("gpt2", 124_439_808u64),
+            ("gpt2-medium", 354_823_168),
+            ("gpt2-large", 774_030_080),
+            ("gpt2-xl", 1_557_611_200),
+        ];
+        for (name, count) in published {
+            let m = named_shape(name).unwrap();
+            let (tied, untied) = published_plus_head(&m);
+            assert_eq!(tied, count, "{name}");
+            assert_eq!(param_count(&m), untied, "{name}");
+        }
+        let gpt3 = named_shape("gpt3-175b").unwrap();
+        let (tied, untied) = published_plus_head(&gpt3);
+        assert!((174.0e9..176.0e9).contains(&(tied as f64)), "{tied}");
+        assert_eq!(param_count(&gpt3), untied);
+        assert!(named_shape("gpt4").unwrap_err().contains("gpt2-medium"));
+    }
+
+    #[test]
+    fn human_units_at_the_edges() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(1), "1 B");
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(1024), "1.00 KiB");
+        assert_eq!(human_bytes((1 << 20) - 1), "1.00 MiB");
+        assert_eq!(human_bytes(3 << 30), "3.00 GiB");
+        assert_eq!(human_bytes(1 << 40), "1.00 TiB");
+        assert_eq!(human_bytes(5 << 50), "5120.00 TiB");
+    }
+
+    #[test]
+    fn columns_stay_apart_at_any_width() {
+        let rows = [
+            vec!["a".to_string(), human_bytes(u64::MAX), human_bytes(1)],
+            vec![
+                "longer".to_string(),
+                human_bytes(1),
+                human_bytes(u64::MAX / 3),
+            ],
+        ];
+        let text = aligned(&rows, &[false, true, true]);
+        for line in text.lines() {
+            assert!(line.contains("B  ") || line.contains("B "), "{text}");
+            assert!(!line.contains("TiB1") && !line.contains("iB1"), "{text}");
+        }
+        let widths: Vec<usize> = text.lines().map(|l| l.chars().count()).collect();
+        assert_eq!(
+            widths[0], widths[1],
+            "right-aligned rows end together: {text}"
+        );
+    }
+
+    #[test]
+    fn gpt3_on_forty_gigabytes_is_blocked_by_its_weights() {
+        let cfg = Config {
+            model: named_shape("gpt3-175b").unwrap(),
+            micro_batch: 1,
+            accum_steps: 4,
+            dtype: Dtype::Bf16,
+            offload: true,
+            pitfall: false,
+            unified: false,
+            workspace: 0,
+        };
+        let v = Verdict::new(&cfg, 4, 40 << 30);
+        assert!(!v.configured_fits && v.largest_fitting.is_none());
+        let b = v.blocker.unwrap();
+        assert_eq!(b.category, "parameters");
+        assert!(b.alone_exceeds);
+        assert_eq!(b.bytes, param_count(&cfg.model) * 4);
+    }
+
+    #[test]
+    fn levers_only_lower_the_peak_down_to_micro_batch_one() {
+        let cfg = Config {
+            model: ModelConfig {
+                vocab: 256,
+                d_model: 32,
+                layers: 2,
+                heads: 2,
+                seq_len: 32,
+            },
+            micro_batch: 8,
+            accum_steps: 2,
+            dtype: Dtype::F32,
+            offload: false,
+            pitfall: false,
+            unified: false,
+            workspace: 0,
+        };
+        let v = Verdict::new(&cfg, 16, u64::MAX);
+        assert!(v.configured_fits && v.blocker.is_none());
+        assert_eq!(v.largest_fitting.unwrap().micro_batch, 16);
+        assert_eq!(v.levers.len(), 3);
+        assert!(v.levers[0].peak < v.configured_peak);
+        assert!(
+            v.levers[1].peak < v.levers[0].peak,
+            "offload frees the moments on a GPU"
+        );
+    }
+}

@@ -1,0 +1,467 @@
+//! The memory guard: keeps a run under `train.memory_budget` by trading micro-batch for K, so
+//! the effective batch B·K, the LR and the sample order never change.
+//!
+//! Three sources of truth, in order (DESIGN.md, "Memory guard"):
+//! 1. before the run, the estimator: if the configured micro-batch's predicted peak exceeds the
+//!    budget, the largest micro-batch dividing B·K that fits is chosen (or the run is refused
+//!    with the estimate's verdict);
+//! 2. during the run, the ledger's measured phase peaks: over the budget, B halves and K doubles
+//!    at the next boundary;
+//! 3. an out-of-memory error inside a window (CUDA returns one; the CPU allocator aborts instead,
+//!    so there only 1 and 2 apply): the window's partial gradients are dropped, the data cursor
+//!    rewound and the same samples retried at half B; `train.guard_retries` failures at B=1 end
+//!    the run.
+//!
+//! Every change is a `Control` with origin `guard`, logged with the figure that caused it.
+
+use candle_core::Device;
+
+use super::{Interrupt, Trainer, WindowGrads};
+use crate::memory::estimate::{estimate, largest_micro_batch, Config};
+use crate::memory::planner::{human_bytes, Verdict};
+use crate::telemetry::{
+    Control, ControlEvent, Event, Level, LogEvent, MemoryEvent, MemorySource, Origin, Phase,
+};
+
+/// The guard's state on the trainer.
+#[derive(Debug, Default)]
+pub struct Guard {
+    /// The budget in bytes (resolved against the device's total); `None`: no budget.
+    pub budget: Option<u64>,
+    /// Out-of-memory failures tolerated at micro-batch 1 (`train.guard_retries`).
+    pub retries: u32,
+    /// Changes for the next boundary (origin `guard`).
+    queued: Vec<Control>,
+    /// Events describing what the guard did inside the last window (applied retries).
+    announcements: Vec<Event>,
+    /// Test hook: make a chosen micro-batch fail as an out-of-memory error would.
+    #[cfg(test)]
+    pub fault: Option<Fault>,
+}
+
+/// A test-only injected failure: before micro-batch `micro_batch` (1-based) of the window of
+/// optimizer step `step` (1-based), the window fails with an out-of-memory error, `times` times.
+#[cfg(test)]
+#[derive(Clone, Copy, Debug)]
+pub struct Fault {
+    pub step: u64,
+    pub micro_batch: usize,
+    pub times: u32,
+}
+
+impl Guard {
+    pub fn new(budget: Option<u64>, retries: u32) -> Guard {
+        Guard {
+            budget,
+            retries,
+            ..Default::default()
+        }
+    }
+
+    /// Controls for the next boundary, taken once.
+    pub fn take_queued(&mut self) -> Vec<Control> {
+        std::mem::take(&mut self.queued)
+    }
+
+    /// What the guard did inside the last window, taken once.
+    pub fn take_announcements(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.announcements)
+    }
+}
+
+/// The largest divisor of `effective` that is at most half of `micro_batch` (at least 1): the
+/// guard's next micro-batch, keeping B·K = `effective` exact.
+pub fn smaller_micro_batch(micro_batch: usize, effective: usize) -> usize {
+    (1..=(micro_batch / 2).max(1))
+        .rev()
+        .find(|b| effective.is_multiple_of(*b))
+        .unwrap_or(1)
+}
+
+fn split_controls(micro_batch: usize, effective: usize) -> [Control; 2] {
+    [
+        Control::SetMicroBatch { value: micro_batch },
+        Control::SetAccumSteps {
+            value: effective / micro_batch,
+        },
+    ]
+}
+
+/// Before the run: fit the configured micro-batch to the budget by the estimate, or refuse.
+pub fn plan_start(trainer: &mut Trainer) -> anyhow::Result<()> {
+    let Some(budget) = trainer.guard.budget else {
+        return Ok(());
+    };
+    let cfg = Config::from_knobs(
+        &trainer.scenario.model,
+        &trainer.knobs,
+        trainer.memory.unified(),
+    );
+    let effective = trainer.knobs.effective_batch();
+    let peak = estimate(&cfg).peak();
+    if peak <= budget {
+        return Ok(());
+    }
+    let Some(row) = largest_micro_batch(&cfg, effective, budget) else {
+        anyhow::bail!(
+            "the memory budget ({}) cannot hold this run at any micro-batch:\n{}",
+            human_bytes(budget),
+            Verdict::new(&cfg, effective, budget).render(effective)
+        );
+    };
+    trainer
+        .guard
+        .queued
+        .extend(split_controls(row.micro_batch, effective));
+    trainer.guard.announcements.push(log(
+        trainer.step,
+        Level::Warn,
+        format!(
+            "guard: predicted peak {} at B={} exceeds the budget {}; starting at B={} K={} \
+             (predicted {})",
+            human_bytes(peak),
+            cfg.micro_batch,
+            human_bytes(budget),
+            row.micro_batch,
+            row.accum_steps,
+            human_bytes(row.peak)
+        ),
+    ));
+    Ok(())
+}
+
+/// After a step: compare the measured phase peaks with the budget; over it, queue half the
+/// micro-batch (and K to match) for the next boundary. Returns the log to send, if any.
+pub fn after_step(trainer: &mut Trainer, memory: &[MemoryEvent]) -> Option<Event> {
+    let budget = trainer.guard.budget?;
+    let worst = memory
+        .iter()
+        .filter(|m| m.source != MemorySource::Estimate && m.phase != Phase::Step)
+        .max_by_key(|m| m.peak)?;
+    if worst.peak <= budget {
+        return None;
+    }
+    let (b, effective) = (trainer.knobs.micro_batch, trainer.knobs.effective_batch());
+    let measured = format!(
+        "measured {:?} peak {} ({:?}) at step {} exceeds the budget {}",
+        worst.phase,
+        human_bytes(worst.peak),
+        worst.source,
+        worst.step,
+        human_bytes(budget)
+    );
+    if b == 1 {
+        return Some(log(
+            trainer.step,
+            Level::Warn,
+            format!("guard: {measured}; already at micro-batch 1, nothing left to trade for K"),
+        ));
+    }
+    let smaller = smaller_micro_batch(b, effective);
+    trainer
+        .guard
+        .queued
+        .extend(split_controls(smaller, effective));
+    Some(log(
+        trainer.step,
+        Level::Warn,
+        format!(
+            "guard: {measured}; B {b}→{smaller}, K {}→{} at the next boundary",
+            trainer.knobs.accum_steps,
+            effective / smaller
+        ),
+    ))
+}
+
+/// Out-of-memory errors as Candle reports them (cudarc's `CUDA_ERROR_OUT_OF_MEMORY`, "out of
+/// memory").
+pub fn is_out_of_memory(e: &candle_core::Error) -> bool {
+    let text = e.to_string().to_ascii_lowercase();
+    text.contains("out of memory") || text.contains("out_of_memory")
+}
+
+/// What to do after a window failed.
+pub(super) enum AfterFailure {
+    /// Retry the window's samples with the knobs now in force.
+    Retry,
+    GiveUp(Interrupt),
+}
+
+/// A window failed: on an out-of-memory error, halve B (doubling K) and retry, or at B=1 retry
+/// up to `retries` times; anything else ends the window as before.
+pub(super) fn after_failure(
+    trainer: &mut Trainer,
+    failure: Interrupt,
+    failures_at_one: &mut u32,
+) -> AfterFailure {
+    let Interrupt::Failed(e) = failure else {
+        return AfterFailure::GiveUp(failure);
+    };
+    if !is_out_of_memory(&e) {
+        return AfterFailure::GiveUp(Interrupt::Failed(e));
+    }
+    let (b, effective) = (trainer.knobs.micro_batch, trainer.knobs.effective_batch());
+    let step = trainer.step;
+    if b == 1 {
+        *failures_at_one += 1;
+        if *failures_at_one > trainer.guard.retries {
+            return AfterFailure::GiveUp(Interrupt::Failed(candle_core::Error::Msg(format!(
+                "out of memory at micro-batch 1 after {} retries (train.guard_retries); the \
+                 run cannot go smaller: {e}",
+                trainer.guard.retries
+            ))));
+        }
+        trainer.guard.announcements.push(log(
+            step,
+            Level::Warn,
+            format!(
+                "guard: out of memory at micro-batch 1 (retry {} of {}): {e}",
+                failures_at_one, trainer.guard.retries
+            ),
+        ));
+        return AfterFailure::Retry;
+    }
+    let smaller = smaller_micro_batch(b, effective);
+    for control in split_controls(smaller, effective) {
+        trainer.knobs.apply(&control);
+        trainer
+            .guard
+            .announcements
+            .push(Event::Control(ControlEvent {
+                step,
+                origin: Origin::Guard,
+                control,
+            }));
+    }
+    trainer.guard.announcements.push(log(
+        step,
+        Level::Warn,
+        format!(
+            "guard: out of memory inside the window of step {}: {e}; partial gradients dropped, \
+             cursor rewound, the same samples retried at B={smaller} K={}",
+            step + 1,
+            effective / smaller
+        ),
+    ));
+    AfterFailure::Retry
+}
+
+/// One attempt at the window's gradients (with the test-only fault hook in tests).
+pub(super) fn attempt(
+    trainer: &mut Trainer,
+    samples: &[crate::data::Sample],
+    scale: f64,
+    mut between: impl FnMut() -> bool,
+) -> Result<WindowGrads, Interrupt> {
+    #[cfg(test)]
+    let (fault_at, mut calls, mut injected) = (armed_fault(trainer), 0usize, false);
+    let device: &Device = &trainer.device;
+    let result = super::window_gradients_probed(
+        &trainer.model,
+        samples,
+        &trainer.knobs,
+        scale,
+        device,
+        || {
+            #[cfg(test)]
+            {
+                calls += 1;
+                if fault_at == Some(calls) {
+                    injected = true;
+                    return false;
+                }
+            }
+            between()
+        },
+        &mut trainer.memory,
+    );
+    #[cfg(test)]
+    if injected {
+        return Err(Interrupt::Failed(candle_core::Error::Msg(
+            "CUDA_ERROR_OUT_OF_MEMORY: out of memory (injected by the test fault hook)".into(),
+        )));
+    }
+    result
+}
+
+/// The micro-batch (1-based) the test fault fires before in this window, if armed.
+#[cfg(test)]
+fn armed_fault(trainer: &mut Trainer) -> Option<usize> {
+    let step = trainer.step + 1;
+    let fault = trainer.guard.fault.as_mut()?;
+    if fault.step != step || fault.times == 0 {
+        return None;
+    }
+    fault.times -= 1;
+    Some(fault.micro_batch)
+}
+
+fn log(step: u64, level: Level, message: String) -> Event {
+    Event::Log(LogEvent {
+        step,
+        level,
+        message,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::MemoryBudget;
+    use crate::scenario::{DataConfig, ModelConfig, Scenario, TrainConfig};
+
+    fn scenario(micro_batch: usize, accum_steps: usize) -> Scenario {
+        Scenario {
+            model: ModelConfig {
+                vocab: 32,
+                d_model: 32,
+                layers: 2,
+                heads: 2,
+                seq_len: 16,
+            },
+            data: DataConfig {
+                alphabet: 8,
+                ..Default::default()
+            },
+            train: TrainConfig {
+                micro_batch,
+                accum_steps,
+                eval_every: 0,
+                warmup: 0,
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn trainer(s: Scenario) -> Trainer {
+        Trainer::new(s, Device::Cpu).unwrap()
+    }
+
+    fn weights(t: &Trainer) -> Vec<candle_core::Tensor> {
+        t.model.vars().map(|v| v.as_tensor().clone()).collect()
+    }
+
+    #[test]
+    fn the_next_micro_batch_divides_the_effective_batch() {
+        assert_eq!(smaller_micro_batch(8, 16), 4);
+        assert_eq!(smaller_micro_batch(6, 18), 3);
+        assert_eq!(smaller_micro_batch(3, 9), 1);
+        assert_eq!(smaller_micro_batch(5, 10), 2);
+        assert_eq!(smaller_micro_batch(1, 7), 1);
+    }
+
+    #[test]
+    fn out_of_memory_is_told_apart_from_other_errors() {
+        let oom = candle_core::Error::Msg(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+        );
+        assert!(is_out_of_memory(&oom));
+        assert!(!is_out_of_memory(&candle_core::Error::Msg(
+            "shape mismatch".into()
+        )));
+    }
+
+    #[test]
+    fn a_fault_mid_window_retries_the_same_samples_at_half_the_micro_batch() {
+        let mut faulted = trainer(scenario(4, 2));
+        faulted.guard.fault = Some(Fault {
+            step: 1,
+            micro_batch: 2,
+            times: 1,
+        });
+        let step = faulted.train_step(|| true).ok().unwrap();
+        assert_eq!(
+            (faulted.knobs.micro_batch, faulted.knobs.accum_steps),
+            (2, 4)
+        );
+        assert_eq!((step.micro_batch, step.accum_steps), (2, 4));
+        // Every sample of the window consumed exactly once: the cursor moved by B·K, and the
+        // step counted the tokens of samples 0..8 once.
+        assert_eq!(faulted.cursor, 8);
+        let tokens: u64 = (0..8)
+            .map(|i| faulted.corpus.sample(crate::data::Split::Train, i).len as u64)
+            .sum();
+        assert_eq!(step.tokens, tokens);
+        let said = faulted.guard.take_announcements();
+        let guarded: Vec<&Control> = said
+            .iter()
+            .filter_map(|e| match e {
+                Event::Control(c) if c.origin == Origin::Guard => Some(&c.control),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            guarded,
+            [
+                &Control::SetMicroBatch { value: 2 },
+                &Control::SetAccumSteps { value: 4 }
+            ]
+        );
+        let mut clean = trainer(scenario(2, 4));
+        let clean_step = clean.train_step(|| true).ok().unwrap();
+        assert_eq!(clean_step.tokens, step.tokens);
+        let err = super::super::relative_error(&weights(&faulted), &weights(&clean)).unwrap();
+        assert!(
+            err <= 1e-6,
+            "update differs from the un-faulted one at B=2: {err:e}"
+        );
+        assert!((clean_step.loss - step.loss).abs() <= 1e-6 * clean_step.loss.abs());
+    }
+
+    #[test]
+    fn out_of_memory_at_micro_batch_one_ends_after_the_retries() {
+        let mut s = scenario(1, 2);
+        s.train.guard_retries = 2;
+        let mut t = trainer(s);
+        t.guard.fault = Some(Fault {
+            step: 1,
+            micro_batch: 1,
+            times: 2,
+        });
+        // Two failures are retried, the third attempt succeeds.
+        assert!(t.train_step(|| true).is_ok());
+        assert_eq!(t.cursor, 2);
+        t.guard.fault = Some(Fault {
+            step: 2,
+            micro_batch: 2,
+            times: 3,
+        });
+        match t.train_step(|| true) {
+            Err(Interrupt::Failed(e)) => {
+                assert!(e.to_string().contains("guard_retries"), "{e}")
+            }
+            _ => panic!("the third failure at B=1 must end the run"),
+        }
+        assert_eq!(t.cursor, 2, "the failed window's samples are not consumed");
+    }
+
+    #[test]
+    fn the_start_plan_picks_the_largest_fitting_micro_batch_or_refuses() {
+        let s = scenario(8, 2);
+        let cfg = Config::from_knobs(&s.model, &crate::train::Knobs::from_scenario(&s), true);
+        let fits_4 = estimate(&Config {
+            micro_batch: 4,
+            accum_steps: 4,
+            ..cfg.clone()
+        })
+        .peak();
+        let mut budgeted = s.clone();
+        budgeted.train.memory_budget = MemoryBudget::Bytes(fits_4);
+        let mut t = trainer(budgeted);
+        assert_eq!(
+            t.guard.take_queued(),
+            [
+                Control::SetMicroBatch { value: 4 },
+                Control::SetAccumSteps { value: 4 }
+            ]
+        );
+        let mut tiny = s;
+        tiny.train.memory_budget = MemoryBudget::Bytes(1024);
+        let err = Trainer::new(tiny, Device::Cpu).err().unwrap().to_string();
+        assert!(
+            err.contains("cannot hold") && err.contains("lever"),
+            "{err}"
+        );
+    }
+}

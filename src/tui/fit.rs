@@ -1,0 +1,110 @@
+//! The memory budget on the screen: key `F` (fit now) and the Controls pane's budget line.
+//!
+//! The budget is the run's `train.memory_budget`, resolved like the trainer does (a share uses
+//! the device total the sampler reports). "Fit now" asks the estimator for the largest
+//! micro-batch dividing the effective batch whose predicted peak fits, and sends it with the K
+//! that keeps B·K.
+
+use crate::memory::estimate::{largest_micro_batch, Config};
+use crate::memory::planner::human_bytes;
+use crate::telemetry::{Control, MemorySource};
+
+use super::app::App;
+
+/// The budget in bytes, when the run has one and it can be resolved here.
+pub fn budget_bytes(app: &App) -> Option<u64> {
+    let budget = &app.header.as_ref()?.config.train.memory_budget;
+    let total = app.device.iter().rev().find_map(|d| d.total);
+    budget.resolve(total).ok().flatten()
+}
+
+/// The controls that fit the budget now, or why there are none.
+pub fn fit_controls(app: &App) -> Result<Vec<Control>, String> {
+    let header = app
+        .header
+        .as_ref()
+        .ok_or("fit: the run has not started yet")?;
+    let budget = budget_bytes(app)
+        .ok_or("fit: no memory budget (set train.memory_budget or run with --budget)")?;
+    let k = app.target_knobs();
+    let unified = app.memory_source != Some(MemorySource::Nvml)
+        && app.memory_source != Some(MemorySource::CudaPool);
+    let cfg = Config::from_knobs(&header.config.model, &k, unified);
+    let effective = k.effective_batch();
+    let row = largest_micro_batch(&cfg, effective, budget).ok_or_else(|| {
+        format!(
+            "fit: no micro-batch of effective batch {effective} fits {} by the estimate",
+            human_bytes(budget)
+        )
+    })?;
+    if row.micro_batch == k.micro_batch {
+        return Ok(Vec::new());
+    }
+    Ok(vec![
+        Control::SetMicroBatch {
+            value: row.micro_batch,
+        },
+        Control::SetAccumSteps {
+            value: row.accum_steps,
+        },
+    ])
+}
+
+/// "budget 6.00 GiB  headroom 1.20 GiB  guard 2×" for the Controls pane.
+pub fn budget_line(app: &App) -> Option<String> {
+    let budget = budget_bytes(app)?;
+    let headroom = match app.measured.as_ref() {
+        Some(m) if m.peak <= budget => human_bytes(budget - m.peak),
+        Some(m) => format!("-{}", human_bytes(m.peak - budget)),
+        None => "?".into(),
+    };
+    Some(format!(
+        "budget {}  headroom {headroom}  guard actions {}",
+        human_bytes(budget),
+        app.guard_actions
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::MemoryBudget;
+    use crate::memory::estimate::estimate;
+    use crate::telemetry::{Event, Knobs};
+    use crate::tui::keymap::Action;
+
+    #[test]
+    fn fit_now_sends_the_largest_fitting_split_and_keeps_the_effective_batch() {
+        let mut header = crate::tui::testing::header();
+        header.config.train.micro_batch = 16;
+        header.config.train.accum_steps = 1;
+        let cfg = Config::from_knobs(
+            &header.config.model,
+            &Knobs::from_scenario(&header.config),
+            true,
+        );
+        let budget = estimate(&Config {
+            micro_batch: 4,
+            accum_steps: 4,
+            ..cfg
+        })
+        .peak();
+        let mut app = App::default();
+        app.update(&Event::Header(header.clone()));
+        assert!(app.apply(Action::FitNow).is_empty(), "no budget, no change");
+        assert!(app.log.back().unwrap().text.contains("no memory budget"));
+
+        header.config.train.memory_budget = MemoryBudget::Bytes(budget);
+        let mut app = App::default();
+        app.update(&Event::Header(header));
+        assert_eq!(
+            app.apply(Action::FitNow),
+            [
+                Control::SetMicroBatch { value: 4 },
+                Control::SetAccumSteps { value: 4 }
+            ]
+        );
+        assert_eq!(app.target_knobs().effective_batch(), 16);
+        assert!(budget_line(&app).unwrap().starts_with("budget "));
+    }
+}
