@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 
 use crate::record::Recording;
-use crate::telemetry::{Categories, Event, MemoryEvent, StepEvent};
+use crate::telemetry::{Categories, Event, MemoryEvent, NoiseEvent, StepEvent};
 
-pub const STEP_COLUMNS: [&str; 21] = [
+pub const STEP_COLUMNS: [&str; 28] = [
     "step",
     "loss",
     "grad_norm",
@@ -39,6 +39,13 @@ pub const STEP_COLUMNS: [&str; 21] = [
     "backward_ms",
     "optimizer_ms",
     "grad_error",
+    "noise_g2",
+    "noise_trace",
+    "noise_b_simple_tokens",
+    "noise_b_simple_seqs",
+    "noise_raw_g2",
+    "noise_raw_trace",
+    "noise_windows",
 ];
 
 /// `step, phase, source, unified, total, peak`, then one column per ledger category.
@@ -103,7 +110,27 @@ fn step_row(s: &StepEvent) -> String {
         s.phase_ms.optimizer.to_string(),
         opt(s.grad_error),
     ]
+    .into_iter()
+    .chain(noise_cells(s.noise.as_ref()))
+    .collect::<Vec<_>>()
     .join(",")
+}
+
+/// The `noise_*` cells: empty where the window gave no estimate (K = 1, overflow).
+fn noise_cells(n: Option<&NoiseEvent>) -> [String; 7] {
+    let Some(n) = n else {
+        return Default::default();
+    };
+    let opt = |v: Option<f64>| v.map(|x| x.to_string()).unwrap_or_default();
+    [
+        n.g2.to_string(),
+        n.trace.to_string(),
+        opt(n.b_simple_tokens),
+        opt(n.b_simple_seqs),
+        n.raw_g2.to_string(),
+        n.raw_trace.to_string(),
+        n.windows.to_string(),
+    ]
 }
 
 pub fn memory_csv(events: &[Event]) -> String {

@@ -113,6 +113,8 @@ pub struct App {
     pub zoom: u64,
     pub focus: PaneId,
     pub expanded: bool,
+    /// The grad-norm pane shows the gradient noise scale instead.
+    pub noise_view: bool,
     pub color: bool,
     pub recording: Option<String>,
     pub replay: Option<ReplayStatus>,
@@ -152,6 +154,7 @@ impl App {
             zoom: DEFAULT_ZOOM,
             focus: PaneId::Loss,
             expanded: false,
+            noise_view: false,
             color: true,
             recording: None,
             replay: None,
@@ -167,6 +170,7 @@ impl App {
             zoom: self.zoom,
             focus: self.focus,
             expanded: self.expanded,
+            noise_view: self.noise_view,
             color: self.color,
             recording: self.recording.clone(),
             replay: self.replay.clone(),
@@ -256,6 +260,7 @@ impl App {
             Origin::Key => "key",
             Origin::Scenario => "preset",
             Origin::Cli => "cli",
+            Origin::Policy => "policy",
         };
         let label = c.control.describe();
         self.log(c.step, Level::Info, format!("{label} applied ({origin})"));
@@ -369,6 +374,10 @@ impl App {
                 self.focus = self.focus.shifted(-1);
                 Vec::new()
             }
+            Action::NoiseView => {
+                self.noise_view = !self.noise_view;
+                Vec::new()
+            }
             Action::RecordToggle
             | Action::SeekBack
             | Action::SeekForward
@@ -421,6 +430,9 @@ impl App {
             Action::LrRuleCycle => Control::SetLrRule {
                 value: k.lr_rule.next(),
             },
+            Action::AccumPolicyToggle => Control::SetAccumPolicy {
+                value: k.accum_policy.toggled(),
+            },
             Action::PauseResume if self.target_paused() => Control::Resume,
             Action::PauseResume => Control::Pause,
             Action::SingleStep => Control::SingleStep,
@@ -470,6 +482,15 @@ impl App {
             .as_ref()
             .map(|h| h.device.as_str())
             .unwrap_or("?")
+    }
+
+    /// The newest noise-scale estimate, and the step it came with.
+    pub fn latest_noise(&self) -> Option<(u64, &crate::telemetry::NoiseEvent)> {
+        self.steps
+            .iter()
+            .rev()
+            .filter(|s| s.step <= self.view_end())
+            .find_map(|s| s.noise.as_ref().map(|n| (s.step, n)))
     }
 
     pub fn is_cpu(&self) -> bool {

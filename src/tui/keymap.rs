@@ -36,10 +36,12 @@ pub enum Action {
     SeekForward,
     SpeedDown,
     SpeedUp,
+    AccumPolicyToggle,
+    NoiseView,
 }
 
 impl Action {
-    pub const ALL: [Action; 25] = [
+    pub const ALL: [Action; 27] = [
         Action::AccumUp,
         Action::AccumDown,
         Action::MicroBatchDown,
@@ -65,6 +67,8 @@ impl Action {
         Action::SeekForward,
         Action::SpeedDown,
         Action::SpeedUp,
+        Action::AccumPolicyToggle,
+        Action::NoiseView,
     ];
 
     /// The name used in keymap files (serde's snake_case).
@@ -103,6 +107,8 @@ impl Action {
             Action::SeekForward => "replay: 10 steps forward",
             Action::SpeedDown => "replay: half speed",
             Action::SpeedUp => "replay: double speed",
+            Action::AccumPolicyToggle => "K policy fixed / noise-scale",
+            Action::NoiseView => "grad pane: norm / noise scale",
         }
     }
 
@@ -121,6 +127,7 @@ impl Action {
                 | Action::PrecisionCycle
                 | Action::LrRuleCycle
                 | Action::RecordToggle
+                | Action::AccumPolicyToggle
         )
     }
 
@@ -253,6 +260,8 @@ const DEFAULTS: &[(&str, Action)] = &[
     ("]", Action::SeekForward),
     ("<", Action::SpeedDown),
     (">", Action::SpeedUp),
+    ("a", Action::AccumPolicyToggle),
+    ("g", Action::NoiseView),
 ];
 
 impl Default for KeyMap {

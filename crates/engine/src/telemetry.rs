@@ -8,6 +8,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::scenario::Scenario;
+pub use crate::train::adaptive::AccumPolicy;
+pub use crate::train::noise::NoiseEvent;
 
 /// Major version of the event format. Readers reject a newer major version.
 pub const FORMAT_VERSION: u32 = 1;
@@ -160,6 +162,10 @@ pub enum Control {
     SetZeroGrad {
         value: ZeroGrad,
     },
+    /// Who chooses K: fixed, or the measured gradient noise scale.
+    SetAccumPolicy {
+        value: AccumPolicy,
+    },
     Pause,
     Resume,
     /// While paused: run exactly one more window, then pause again.
@@ -194,6 +200,7 @@ impl Control {
             Control::SetZeroGrad {
                 value: ZeroGrad::PerMicroBatch,
             } => "zero-grad per micro-batch".into(),
+            Control::SetAccumPolicy { value } => format!("K policy={}", value.name()),
             Control::Pause => "pause".into(),
             Control::Resume => "resume".into(),
             Control::SingleStep => "single step".into(),
@@ -223,6 +230,15 @@ pub struct Knobs {
     pub offload: bool,
     pub loss_norm: LossNorm,
     pub zero_grad: ZeroGrad,
+    #[serde(default)]
+    pub accum_policy: AccumPolicy,
+    /// Measure the gradient noise scale in windows with K ≥ 2 (`train.noise`).
+    #[serde(default = "measure_noise_by_default")]
+    pub noise: bool,
+}
+
+fn measure_noise_by_default() -> bool {
+    true
 }
 
 impl Knobs {
@@ -238,6 +254,8 @@ impl Knobs {
             offload: t.offload,
             loss_norm: t.loss_norm,
             zero_grad: t.zero_grad,
+            accum_policy: t.accum_policy,
+            noise: t.noise,
         }
     }
 
@@ -257,6 +275,7 @@ impl Knobs {
             Control::SetOffload { value } => self.offload = value,
             Control::SetLossNorm { value } => self.loss_norm = value,
             Control::SetZeroGrad { value } => self.zero_grad = value,
+            Control::SetAccumPolicy { value } => self.accum_policy = value,
             Control::SetLossScale { .. }
             | Control::Pause
             | Control::Resume
@@ -273,6 +292,8 @@ pub enum Origin {
     Key,
     Scenario,
     Cli,
+    /// The adaptive accumulation policy (`train.accum_policy = "noise-scale"`).
+    Policy,
 }
 
 /// A control on its way to the trainer.
@@ -378,6 +399,9 @@ pub struct StepEvent {
     /// the gradient actually applied against the correct window gradient, from the same backward passes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_error: Option<f64>,
+    /// The gradient noise scale, from windows with K ≥ 2 that did not overflow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub noise: Option<NoiseEvent>,
 }
 
 impl StepEvent {

@@ -11,6 +11,8 @@
 //! The trainer knows nothing of terminals: it reads `ControlMsg`s and writes `Event`s.
 
 pub mod adamw;
+pub mod adaptive;
+pub mod noise;
 pub mod scaler;
 pub mod schedule;
 
@@ -45,6 +47,8 @@ pub struct WindowGrads {
     pub tokens: u64,
     pub forward_ms: f64,
     pub backward_ms: f64,
+    /// Squared norms for the gradient noise scale (K ≥ 2 with `knobs.noise`).
+    pub noise: Option<noise::WindowNorms>,
 }
 
 impl WindowGrads {
@@ -97,6 +101,7 @@ pub fn window_gradients_probed(
     let k = micro.len() as f64;
     let window_tokens: u64 = samples.iter().map(|s| s.len as u64).sum();
     let pitfall = knobs.loss_norm != LossNorm::Tokens || knobs.zero_grad != ZeroGrad::PerWindow;
+    let mut noise = (knobs.noise && k >= 2.0).then(noise::WindowNorms::default);
 
     let mut grads: Option<Vec<Tensor>> = None;
     let mut reference: Option<Vec<Tensor>> = None;
@@ -149,6 +154,9 @@ pub fn window_gradients_probed(
             })
             .collect::<Result<Vec<_>>>()?;
         drop(store);
+        if let Some(n) = noise.as_mut() {
+            n.push(&micro_grads, weight * scale, batch.tokens, chunk.len())?;
+        }
         if pitfall {
             let ratio = correct_weight / weight;
             let correct: Vec<Tensor> = micro_grads
@@ -161,7 +169,11 @@ pub fn window_gradients_probed(
         forward_ms += (t1 - t0).as_secs_f64() * 1e3;
         backward_ms += t2.elapsed().as_secs_f64() * 1e3;
     }
+    if let (Some(n), Some(correct)) = (noise.as_mut(), reference.as_ref().or(grads.as_ref())) {
+        n.finish(correct, scale)?;
+    }
     Ok(WindowGrads {
+        noise,
         grads: grads.unwrap_or_default(),
         reference,
         loss,
@@ -270,6 +282,10 @@ pub struct Trainer {
     pub checkpoint: Option<crate::checkpoint::Policy>,
     /// Controls given with `--control STEP:KIND=VALUE`: a timeline reported with origin `cli`.
     pub cli_controls: Vec<TimelineEntry>,
+    /// Smoothed gradient noise scale.
+    pub noise: noise::NoiseTracker,
+    /// The adaptive accumulation policy's memory.
+    pub adaptive: adaptive::AdaptiveK,
     base_batch: usize,
     started: Instant,
 }
@@ -291,6 +307,8 @@ impl Trainer {
         opt.set_offload(t.offload, &model.params)?;
         let memory = Ledger::new(crate::memory::gpu::meter_for(&device));
         Ok(Trainer {
+            noise: noise::NoiseTracker::new(t.noise_ema),
+            adaptive: adaptive::AdaptiveK::default(),
             memory,
             knobs: Knobs::from_scenario(&scenario),
             scaler: LossScaler::new(t.loss_scale, t.scale_growth_interval),
@@ -400,7 +418,7 @@ impl Trainer {
         let scale = self.loss_scale();
         let params = self.model.vars().map(|v| v.as_tensor().clone()).collect();
         self.memory.begin_window(params, self.persistent_memory());
-        let window = match window_gradients_probed(
+        let mut window = match window_gradients_probed(
             &self.model,
             &samples,
             &self.knobs,
@@ -417,7 +435,9 @@ impl Trainer {
         };
         let t_opt = Instant::now();
         self.memory.optimizer_start(&window.buffer());
+        let norms = window.noise.take();
         let mut step = self.apply_window(window, scale, t0)?;
+        step.noise = self.noise.observe(norms.as_ref(), step.skipped);
         self.memory
             .finish_window(step.step, self.persistent_memory());
         step.phase_ms.optimizer = t_opt.elapsed().as_secs_f64() * 1e3;
@@ -482,6 +502,7 @@ impl Trainer {
                 optimizer: 0.0,
             },
             grad_error,
+            noise: None,
         })
     }
 
@@ -495,6 +516,23 @@ impl Trainer {
         }
         self.knobs.apply(c);
         Ok(())
+    }
+
+    /// The adaptive policy's K change after this window, if it asks for one.
+    pub fn policy_control(&mut self, step: &StepEvent) -> Option<ControlMsg> {
+        let t = &self.scenario.train;
+        let limits = adaptive::Limits {
+            min: t.accum_min,
+            max: t.accum_max,
+            patience: t.accum_patience,
+        };
+        let value = self
+            .adaptive
+            .decide(self.knobs.accum_policy, limits, step)?;
+        Some(ControlMsg {
+            control: Control::SetAccumSteps { value },
+            origin: Origin::Policy,
+        })
     }
 
     /// Mean validation loss per counted token over a fixed set of validation samples.
@@ -614,6 +652,7 @@ pub fn run(mut trainer: Trainer, mut controls: UnboundedReceiver<ControlMsg>, si
         match step {
             Ok(step) => {
                 let n = step.step;
+                flow.pending.extend(trainer.policy_control(&step));
                 if !sink.send(Event::Step(step)) {
                     break "stopped".to_string();
                 }
