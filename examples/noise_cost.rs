@@ -32,7 +32,8 @@ fn main() -> anyhow::Result<()> {
     off.noise = false;
     let on = t.knobs.clone();
 
-    let (mut with, mut without, mut share, mut cost) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut with, mut without, mut share, mut cost) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..steps {
         let samples = t.next_window();
         let t0 = Instant::now();

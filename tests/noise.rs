@@ -44,7 +44,14 @@ fn the_estimator_agrees_with_exact_per_sample_statistics() {
     let per_sample: Vec<Vec<f64>> = population
         .iter()
         .map(|x| {
-            let w = window_gradients(&t.model, std::slice::from_ref(x), &one, 1.0, &Device::Cpu, || true);
+            let w = window_gradients(
+                &t.model,
+                std::slice::from_ref(x),
+                &one,
+                1.0,
+                &Device::Cpu,
+                || true,
+            );
             flat(&w.ok().expect("window ran").grads)
         })
         .collect();
@@ -55,7 +62,12 @@ fn the_estimator_agrees_with_exact_per_sample_statistics() {
     let g2: f64 = mean.iter().map(|x| x * x).sum();
     let trace: f64 = per_sample
         .iter()
-        .map(|g| g.iter().zip(&mean).map(|(a, m)| (a - m) * (a - m)).sum::<f64>())
+        .map(|g| {
+            g.iter()
+                .zip(&mean)
+                .map(|(a, m)| (a - m) * (a - m))
+                .sum::<f64>()
+        })
         .sum::<f64>()
         / n as f64;
     let exact = trace / g2;
@@ -79,9 +91,7 @@ fn the_estimator_agrees_with_exact_per_sample_statistics() {
     let (mut sum_g2, mut sum_trace) = (0.0, 0.0);
     let mut last = None;
     for _ in 0..windows {
-        let window: Vec<Sample> = (0..k * b)
-            .map(|_| population[draw()].clone())
-            .collect();
+        let window: Vec<Sample> = (0..k * b).map(|_| population[draw()].clone()).collect();
         let w = window_gradients(&t.model, &window, &knobs, 1.0, &Device::Cpu, || true)
             .ok()
             .expect("window ran");
@@ -89,7 +99,9 @@ fn the_estimator_agrees_with_exact_per_sample_statistics() {
         let raw = norms.estimate_seqs().unwrap();
         sum_g2 += raw.g2;
         sum_trace += raw.trace;
-        last = tracker.observe(Some(&norms), false).and_then(|e| e.b_simple_seqs);
+        last = tracker
+            .observe(Some(&norms), false)
+            .and_then(|e| e.b_simple_seqs);
     }
     let (est_g2, est_trace) = (sum_g2 / windows as f64, sum_trace / windows as f64);
     let estimate = est_trace / est_g2;
@@ -116,7 +128,13 @@ fn weights(t: &Trainer) -> Vec<Vec<u32>> {
         .params
         .iter()
         .map(|p| {
-            let v = p.var.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let v = p
+                .var
+                .as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
             v.into_iter().map(f32::to_bits).collect()
         })
         .collect()
@@ -173,7 +191,10 @@ fn pitfalls_are_measured_from_the_correct_gradients() {
         let rel = |a: f64, b: f64| (a - b).abs() / b;
         assert!(rel(n.window_sq_norm, correct.window_sq_norm) < 1e-5);
         for (a, b) in n.micro.iter().zip(&correct.micro) {
-            assert!(rel(a.sq_norm, b.sq_norm) < 1e-5, "{loss_norm:?} {zero_grad:?}");
+            assert!(
+                rel(a.sq_norm, b.sq_norm) < 1e-5,
+                "{loss_norm:?} {zero_grad:?}"
+            );
         }
     }
 }
@@ -186,7 +207,9 @@ fn the_adaptive_k_preset_lets_the_noise_scale_choose_k() {
     use gaccwb::telemetry::{Control, Event, Origin};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("run.jsonl");
-    let s = gaccwb::presets::resolve("adaptive-k").unwrap();
+    let mut s = gaccwb::presets::resolve("adaptive-k").unwrap();
+    // The first 100 of its 150 steps hold the story (K 2 → 4 → 8 → 16) and keep the test short.
+    s.train.steps = 100;
     let patience = s.train.accum_patience;
     let summary = headless::run(
         s,
@@ -220,16 +243,25 @@ fn the_adaptive_k_preset_lets_the_noise_scale_choose_k() {
         .collect();
     for s in summary.steps.iter().filter(|s| s.step % 10 == 0) {
         let b = s.noise.as_ref().and_then(|n| n.b_simple_seqs);
-        println!("step {:>3} loss {:.3} K {:>2} B_simple {b:?}", s.step, s.loss, s.accum_steps);
+        println!(
+            "step {:>3} loss {:.3} K {:>2} B_simple {b:?}",
+            s.step, s.loss, s.accum_steps
+        );
     }
     println!("K changes (step, K): {changes:?}");
     assert!(!changes.is_empty(), "the policy changed K");
     let mut k = summary.steps[0].accum_steps;
     for w in changes.windows(2) {
-        assert!(w[1].0 - w[0].0 >= patience, "changes {w:?} closer than {patience} windows");
+        assert!(
+            w[1].0 - w[0].0 >= patience,
+            "changes {w:?} closer than {patience} windows"
+        );
     }
     for (_, value) in &changes {
-        assert!(*value == k * 2 || *value * 2 == k, "K {k} → {value}: one step at a time");
+        assert!(
+            *value == k * 2 || *value * 2 == k,
+            "K {k} → {value}: one step at a time"
+        );
         k = *value;
     }
     let third = b_simple.len() / 3;

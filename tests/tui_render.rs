@@ -272,8 +272,9 @@ fn the_noise_view_at_80x24_shows_the_critical_batch_beside_b_k_and_a_verdict() {
     app.update(&Event::Step(s));
     let screen_text = screen(&app, 80, 24);
     for needle in [
-        "Noise scale · critical batch ≈ 410 seq",
+        "Noise · B_crit ≈ 410 seq",
         "effective batch 32 is below the",
+        "little loss",
         "B_crit ≈410 seq  K policy fixed",
     ] {
         assert!(
@@ -293,11 +294,14 @@ fn the_noise_view_at_80x24_shows_the_critical_batch_beside_b_k_and_a_verdict() {
             value: gaccwb::telemetry::AccumPolicy::NoiseScale
         }]
     );
-    assert!(screen(&app, 80, 24).contains("K policy fixed→noise-scale"));
+    assert!(screen(&app, 80, 24).contains("K policy fixed→noise"));
     // With K = 1 there is no number, only what it needs.
     let mut one = step(42, 1.3);
     one.accum_steps = 1;
     app.update(&Event::Step(one));
     let s = screen(&app, 80, 24);
-    assert!(s.contains("needs K ≥ 2") && s.contains("B_crit needs K≥2"), "{s}");
+    assert!(
+        s.contains("needs K ≥ 2") && s.contains("B_crit needs K≥2"),
+        "{s}"
+    );
 }

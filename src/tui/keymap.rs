@@ -107,8 +107,8 @@ impl Action {
             Action::SeekForward => "replay: 10 steps forward",
             Action::SpeedDown => "replay: half speed",
             Action::SpeedUp => "replay: double speed",
-            Action::AccumPolicyToggle => "K policy fixed / noise-scale",
-            Action::NoiseView => "grad pane: norm / noise scale",
+            Action::AccumPolicyToggle => "K policy fixed / noise",
+            Action::NoiseView => "grad pane ↔ noise scale",
         }
     }
 

@@ -13,8 +13,14 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../presets/accumulate-to-fit.toml"),
     ),
     ("k-ramp", include_str!("../../../presets/k-ramp.toml")),
-    ("adaptive-k", include_str!("../../../presets/adaptive-k.toml")),
-    ("clip-high-lr", include_str!("../../../presets/clip-high-lr.toml")),
+    (
+        "adaptive-k",
+        include_str!("../../../presets/adaptive-k.toml"),
+    ),
+    (
+        "clip-high-lr",
+        include_str!("../../../presets/clip-high-lr.toml"),
+    ),
     (
         "fp16-overflow",
         include_str!("../../../presets/fp16-overflow.toml"),

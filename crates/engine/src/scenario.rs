@@ -402,7 +402,10 @@ fn check_noise(t: &TrainConfig) -> Result<(), Problem> {
     if !(0.0..1.0).contains(&t.noise_ema) {
         return Err(Problem::new(
             "train.noise_ema",
-            format!("train.noise_ema ({}) must be in [0, 1), e.g. 0.95", t.noise_ema),
+            format!(
+                "train.noise_ema ({}) must be in [0, 1), e.g. 0.95",
+                t.noise_ema
+            ),
         ));
     }
     if t.accum_min < 2 {

@@ -8,11 +8,12 @@ use ratatui::widgets::{Block, Paragraph, Wrap};
 use ratatui::Frame;
 
 use super::{block, draw_chart, fmt_num, placeholder, steps_in_view, ChartSpec, Series, Theme};
+use crate::telemetry::AccumPolicy;
 use crate::tui::app::{App, PaneId};
 
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     let title = match critical_batch(app) {
-        Some(b) => format!(" Noise scale · critical batch ≈ {} seq ", fmt_num(b)),
+        Some(b) => format!(" Noise · B_crit ≈ {} seq ", fmt_num(b)),
         None => " Noise scale ".into(),
     };
     let block = block(title, app, PaneId::GradNorm, theme);
@@ -22,7 +23,9 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     let inner = block.inner(area);
     frame.render_widget(block, area);
     let (text, style) = verdict(app, theme);
-    let rows = (text.chars().count() as u16).div_ceil(inner.width.max(1)).clamp(1, 3);
+    let rows = (text.chars().count() as u16)
+        .div_ceil(inner.width.max(1))
+        .clamp(1, 4);
     let [chart, words] =
         Layout::vertical([Constraint::Min(0), Constraint::Length(rows)]).areas(inner);
     let critical: Vec<(f64, f64)> = steps_in_view(app)
@@ -124,16 +127,21 @@ pub fn status_line(app: &App, theme: Theme) -> Line<'static> {
         (_, Some(b)) => format!("≈{} seq", fmt_num(b)),
         (_, None) => "–".to_string(),
     };
+    // Short names so the line fits a 40-column pane at 80×24.
+    let short = |p: AccumPolicy| match p {
+        AccumPolicy::Fixed => "fixed",
+        AccumPolicy::NoiseScale => "noise",
+    };
     let now = app.knobs.accum_policy;
     let target = app.target_knobs().accum_policy;
     let mut spans = vec![
         Span::styled("B_crit ", theme.dim()),
         Span::styled(estimate, theme.bold()),
         Span::styled("  K policy ", theme.dim()),
-        Span::styled(now.name(), theme.bold()),
+        Span::styled(short(now), theme.bold()),
     ];
     if target != now {
-        spans.push(Span::styled(format!("→{}", target.name()), theme.warn()));
+        spans.push(Span::styled(format!("→{}", short(target)), theme.warn()));
     }
     Line::from(spans)
 }

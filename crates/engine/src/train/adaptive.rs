@@ -59,7 +59,12 @@ pub struct AdaptiveK {
 
 impl AdaptiveK {
     /// After a window: the K to switch to at this boundary, if any.
-    pub fn decide(&mut self, policy: AccumPolicy, limits: Limits, step: &StepEvent) -> Option<usize> {
+    pub fn decide(
+        &mut self,
+        policy: AccumPolicy,
+        limits: Limits,
+        step: &StepEvent,
+    ) -> Option<usize> {
         let k = step.accum_steps;
         if policy != AccumPolicy::NoiseScale || k != self.last_k {
             *self = AdaptiveK {
