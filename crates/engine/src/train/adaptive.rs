@@ -79,9 +79,8 @@ impl AdaptiveK {
             return Some(k.clamp(limits.min, limits.max));
         }
         self.since_change += 1;
-        let Some(b_simple) = step.noise.as_ref().and_then(|n| n.b_simple_seqs) else {
-            return None;
-        };
+        // Windows without an estimate (overflow, no positive |G|² yet) neither count nor reset.
+        let b_simple = step.noise.as_ref().and_then(|n| n.b_simple_seqs)?;
         let wanted = b_simple / step.micro_batch.max(1) as f64;
         let up = wanted >= 2.0 * k as f64 && k * 2 <= limits.max;
         let down = wanted <= k as f64 / 2.0 && k / 2 >= limits.min;
