@@ -184,6 +184,25 @@ mod tests {
     }
 
     #[test]
+    fn the_policy_is_a_timeline_control_and_its_keys_are_checked() {
+        let e = crate::scenario::parse_control_arg("10:set_accum_policy=noise-scale").unwrap();
+        assert_eq!(
+            e.control,
+            crate::telemetry::Control::SetAccumPolicy {
+                value: AccumPolicy::NoiseScale
+            }
+        );
+        let mut s = crate::scenario::Scenario::default();
+        s.set("train.accum_policy=noise-scale").unwrap();
+        let err = s.set("train.accum_min=1").unwrap_err().to_string();
+        assert!(err.contains("needs K ≥ 2"), "{err}");
+        let err = s.set("train.accum_max=1").unwrap_err().to_string();
+        assert!(err.contains("at least train.accum_min"), "{err}");
+        let err = s.set("train.noise_ema=1.0").unwrap_err().to_string();
+        assert!(err.contains("[0, 1)"), "{err}");
+    }
+
+    #[test]
     fn an_interrupted_streak_starts_over() {
         let mut p = AdaptiveK::default();
         let policy = AccumPolicy::NoiseScale;
