@@ -1,6 +1,7 @@
 //! What measuring the gradient noise scale costs per optimizer step.
 //!
-//! `RAYON_NUM_THREADS=2 cargo run --release --example noise_cost [PRESET] [STEPS] [K]`
+//! `RAYON_NUM_THREADS=2 cargo run --release --example noise_cost [PRESET] [STEPS] [K]` (or, reusing
+//! the debug build's dependencies, `CARGO_PROFILE_DEV_OPT_LEVEL=3 cargo run --example noise_cost`).
 //!
 //! The default preset runs with K = 1, where nothing is measured (the estimator needs K ≥ 2), so
 //! K is raised (default 4). Two figures:
