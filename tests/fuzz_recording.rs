@@ -43,6 +43,15 @@ fn valid_recording() -> Vec<u8> {
             clip: Some(1.0),
             phase_ms: PhaseMs::default(),
             grad_error: (step % 2 == 0).then_some(0.7),
+            noise: (step >= 2).then(|| gaccwb::telemetry::NoiseEvent {
+                g2: 0.5,
+                trace: 40.0,
+                b_simple_tokens: Some(80.0),
+                b_simple_seqs: (step > 2).then_some(2.5),
+                raw_g2: -0.1,
+                raw_trace: 38.0,
+                windows: step - 1,
+            }),
         }));
         events.push(Event::Control(ControlEvent {
             step,

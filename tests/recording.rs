@@ -131,7 +131,16 @@ fn record_read_export_round_trip_reproduces_step_and_memory_series() {
         assert_eq!(cell::<usize>(&header, row, "micro_batch"), s.micro_batch);
         assert_eq!(cell::<u64>(&header, row, "tokens"), s.tokens);
         assert_eq!(cell::<bool>(&header, row, "skipped"), s.skipped);
+        let raw_trace: String = cell(&header, row, "noise_raw_trace");
+        match &s.noise {
+            Some(n) => assert_eq!(raw_trace.parse::<f64>().unwrap(), n.raw_trace),
+            None => assert!(raw_trace.is_empty()),
+        }
     }
+    assert!(
+        steps.iter().any(|s| s.noise.is_some()),
+        "windows with K ≥ 2 carry the noise scale"
+    );
 
     let memory = memory_events(&recording.events);
     // Every step is measured in each of its four phases (forward, backward, optimizer, step).

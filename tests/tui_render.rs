@@ -246,3 +246,62 @@ fn sampled_allocator_memory_is_never_called_nvml() {
     assert!(!s.contains("NVML"), "{s}");
     assert!(s.contains("Memory · allocator (CPU)"), "{s}");
 }
+
+#[test]
+fn the_noise_view_at_80x24_shows_the_critical_batch_beside_b_k_and_a_verdict() {
+    let mut app = app();
+    let keys = KeyMap::default();
+    let g = crossterm::event::KeyEvent::new(
+        crossterm::event::KeyCode::Char('g'),
+        crossterm::event::KeyModifiers::NONE,
+    );
+    let action = keys.action_for(&g).expect("g is bound");
+    assert_eq!(action, Action::NoiseView);
+    app.apply(action);
+    let mut s = step(41, 1.3);
+    s.accum_steps = 4;
+    s.noise = Some(gaccwb::telemetry::NoiseEvent {
+        g2: 0.02,
+        trace: 250.0,
+        b_simple_tokens: Some(12_500.0),
+        b_simple_seqs: Some(410.0),
+        raw_g2: 0.03,
+        raw_trace: 240.0,
+        windows: 12,
+    });
+    app.update(&Event::Step(s));
+    let screen_text = screen(&app, 80, 24);
+    for needle in [
+        "Noise · B_crit ≈ 410 seq",
+        "effective batch 32 is below the",
+        "little loss",
+        "B_crit ≈410 seq  K policy fixed",
+    ] {
+        assert!(
+            screen_text.contains(needle),
+            "missing `{needle}` in\n{screen_text}"
+        );
+    }
+    // `a` toggles the policy; the Controls pane shows it pending until applied.
+    let a = crossterm::event::KeyEvent::new(
+        crossterm::event::KeyCode::Char('a'),
+        crossterm::event::KeyModifiers::NONE,
+    );
+    let controls = app.apply(keys.action_for(&a).expect("a is bound"));
+    assert_eq!(
+        controls,
+        vec![Control::SetAccumPolicy {
+            value: gaccwb::telemetry::AccumPolicy::NoiseScale
+        }]
+    );
+    assert!(screen(&app, 80, 24).contains("K policy fixed→noise"));
+    // With K = 1 there is no number, only what it needs.
+    let mut one = step(42, 1.3);
+    one.accum_steps = 1;
+    app.update(&Event::Step(one));
+    let s = screen(&app, 80, 24);
+    assert!(
+        s.contains("needs K ≥ 2") && s.contains("B_crit needs K≥2"),
+        "{s}"
+    );
+}

@@ -22,7 +22,7 @@ use crate::telemetry::{
     Categories, Dtype, EstimateEvent, Event, MemoryEvent, MemorySource, Origin, Phase, StepEvent,
 };
 
-pub const STEP_COLUMNS: [&str; 21] = [
+pub const STEP_COLUMNS: [&str; 28] = [
     "step",
     "loss",
     "grad_norm",
@@ -44,6 +44,13 @@ pub const STEP_COLUMNS: [&str; 21] = [
     "backward_ms",
     "optimizer_ms",
     "grad_error",
+    "noise_g2",
+    "noise_trace",
+    "noise_b_simple_tokens",
+    "noise_b_simple_seqs",
+    "noise_raw_g2",
+    "noise_raw_trace",
+    "noise_windows",
 ];
 
 /// `step, phase, source, unified, total, peak`, then one column per ledger category.
@@ -110,6 +117,14 @@ struct StepRow {
     backward_ms: f64,
     optimizer_ms: f64,
     grad_error: Option<f64>,
+    /// The `noise_*` cells: empty where the window gave no estimate (K = 1, overflow).
+    noise_g2: Option<f64>,
+    noise_trace: Option<f64>,
+    noise_b_simple_tokens: Option<f64>,
+    noise_b_simple_seqs: Option<f64>,
+    noise_raw_g2: Option<f64>,
+    noise_raw_trace: Option<f64>,
+    noise_windows: Option<u64>,
 }
 
 impl From<&StepEvent> for StepRow {
@@ -136,6 +151,13 @@ impl From<&StepEvent> for StepRow {
             backward_ms: s.phase_ms.backward,
             optimizer_ms: s.phase_ms.optimizer,
             grad_error: s.grad_error,
+            noise_g2: s.noise.as_ref().map(|n| n.g2),
+            noise_trace: s.noise.as_ref().map(|n| n.trace),
+            noise_b_simple_tokens: s.noise.as_ref().and_then(|n| n.b_simple_tokens),
+            noise_b_simple_seqs: s.noise.as_ref().and_then(|n| n.b_simple_seqs),
+            noise_raw_g2: s.noise.as_ref().map(|n| n.raw_g2),
+            noise_raw_trace: s.noise.as_ref().map(|n| n.raw_trace),
+            noise_windows: s.noise.as_ref().map(|n| n.windows),
         }
     }
 }

@@ -108,6 +108,8 @@ pub struct App {
     pub zoom: u64,
     pub focus: PaneId,
     pub expanded: bool,
+    /// The grad-norm pane shows the gradient noise scale instead.
+    pub noise_view: bool,
     pub color: bool,
     pub recording: Option<String>,
     pub replay: Option<ReplayStatus>,
@@ -147,6 +149,7 @@ impl App {
             zoom: DEFAULT_ZOOM,
             focus: PaneId::Loss,
             expanded: false,
+            noise_view: false,
             color: true,
             recording: None,
             replay: None,
@@ -162,6 +165,7 @@ impl App {
             zoom: self.zoom,
             focus: self.focus,
             expanded: self.expanded,
+            noise_view: self.noise_view,
             color: self.color,
             recording: self.recording.clone(),
             replay: self.replay.clone(),
@@ -250,6 +254,7 @@ impl App {
             Origin::Scenario => "preset",
             Origin::Cli => "cli",
             Origin::Guard => "guard",
+            Origin::Policy => "policy",
         };
         if c.origin == Origin::Guard && matches!(c.control, Control::SetMicroBatch { .. }) {
             self.guard_actions += 1;
@@ -345,6 +350,10 @@ impl App {
                 self.focus = self.focus.shifted(-1);
                 Vec::new()
             }
+            Action::NoiseView => {
+                self.noise_view = !self.noise_view;
+                Vec::new()
+            }
             Action::RecordToggle
             | Action::SeekBack
             | Action::SeekForward
@@ -410,6 +419,9 @@ impl App {
             Action::LrRuleCycle => Control::SetLrRule {
                 value: k.lr_rule.next(),
             },
+            Action::AccumPolicyToggle => Control::SetAccumPolicy {
+                value: k.accum_policy.toggled(),
+            },
             Action::PauseResume if self.target_paused() => Control::Resume,
             Action::PauseResume => Control::Pause,
             Action::SingleStep => Control::SingleStep,
@@ -459,6 +471,15 @@ impl App {
             .as_ref()
             .map(|h| h.device.as_str())
             .unwrap_or("?")
+    }
+
+    /// The newest noise-scale estimate, and the step it came with.
+    pub fn latest_noise(&self) -> Option<(u64, &crate::telemetry::NoiseEvent)> {
+        self.steps
+            .iter()
+            .rev()
+            .filter(|s| s.step <= self.view_end())
+            .find_map(|s| s.noise.as_ref().map(|n| (s.step, n)))
     }
 
     pub fn is_cpu(&self) -> bool {

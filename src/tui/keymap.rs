@@ -38,10 +38,12 @@ pub enum Action {
     SpeedDown,
     SpeedUp,
     FitNow,
+    AccumPolicyToggle,
+    NoiseView,
 }
 
 impl Action {
-    pub const ALL: [Action; 26] = [
+    pub const ALL: [Action; 28] = [
         Action::AccumUp,
         Action::AccumDown,
         Action::MicroBatchDown,
@@ -69,6 +71,8 @@ impl Action {
         Action::SpeedDown,
         Action::SpeedUp,
         Action::FitNow,
+        Action::AccumPolicyToggle,
+        Action::NoiseView,
     ];
 
     /// The name used in keymap files (serde's snake_case).
@@ -109,6 +113,8 @@ impl Action {
             Action::SpeedDown => "replay: half speed",
             Action::SpeedUp => "replay: double speed",
             Action::FitNow => "fit B to the memory budget",
+            Action::AccumPolicyToggle => "K policy fixed / noise",
+            Action::NoiseView => "grad pane ↔ noise scale",
         }
     }
 
@@ -129,6 +135,7 @@ impl Action {
                 | Action::LrRuleCycle
                 | Action::FitNow
                 | Action::RecordToggle
+                | Action::AccumPolicyToggle
         )
     }
 
@@ -263,6 +270,8 @@ const DEFAULTS: &[(&str, Action)] = &[
     ("<", Action::SpeedDown),
     (">", Action::SpeedUp),
     ("F", Action::FitNow),
+    ("a", Action::AccumPolicyToggle),
+    ("g", Action::NoiseView),
 ];
 
 impl Default for KeyMap {

@@ -55,6 +55,7 @@ pub fn step(step: u64, loss: f64) -> StepEvent {
             optimizer: 5.0,
         },
         grad_error: None,
+        noise: None,
     }
 }
 

@@ -14,6 +14,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ),
     ("k-ramp", include_str!("../../../presets/k-ramp.toml")),
     (
+        "adaptive-k",
+        include_str!("../../../presets/adaptive-k.toml"),
+    ),
+    (
         "clip-high-lr",
         include_str!("../../../presets/clip-high-lr.toml"),
     ),

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::telemetry::{Checkpointing, Control, Dtype, LossNorm, LrRule, ZeroGrad};
+use crate::telemetry::{AccumPolicy, Checkpointing, Control, Dtype, LossNorm, LrRule, ZeroGrad};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -174,6 +174,17 @@ pub struct TrainConfig {
     pub memory_budget: crate::budget::MemoryBudget,
     /// Out-of-memory failures tolerated at micro-batch 1 before the run ends.
     pub guard_retries: u32,
+    /// Measure the gradient noise scale in windows with K ≥ 2 (docs/NOISE.md).
+    pub noise: bool,
+    /// EMA factor smoothing |G|² and tr(Σ) of the noise scale.
+    pub noise_ema: f64,
+    /// Who chooses K: "fixed" or "noise-scale".
+    pub accum_policy: AccumPolicy,
+    /// Smallest and largest K the noise-scale policy may choose.
+    pub accum_min: usize,
+    pub accum_max: usize,
+    /// Windows a new K must be asked for (and at least held) before the policy changes it.
+    pub accum_patience: u64,
 }
 
 impl Default for TrainConfig {
@@ -206,6 +217,12 @@ impl Default for TrainConfig {
             max_nonfinite_windows: 20,
             memory_budget: crate::budget::MemoryBudget::Off,
             guard_retries: 3,
+            noise: true,
+            noise_ema: 0.95,
+            accum_policy: AccumPolicy::Fixed,
+            accum_min: 2,
+            accum_max: 64,
+            accum_patience: 10,
         }
     }
 }
@@ -432,6 +449,7 @@ impl Scenario {
                 format!("train.loss_scale ({}) must be positive", t.loss_scale),
             ));
         }
+        check_noise(t)?;
         for (i, e) in self.timeline.iter().enumerate() {
             validate_control(&e.control).map_err(|m| {
                 Problem::new(
@@ -451,6 +469,50 @@ impl Scenario {
             self.train.micro_batch * self.train.accum_steps
         }
     }
+}
+
+/// The noise scale's and the adaptive policy's keys.
+fn check_noise(t: &TrainConfig) -> Result<(), Problem> {
+    if !(0.0..1.0).contains(&t.noise_ema) {
+        return Err(Problem::new(
+            "train.noise_ema",
+            format!(
+                "train.noise_ema ({}) must be in [0, 1), e.g. 0.95",
+                t.noise_ema
+            ),
+        ));
+    }
+    if t.accum_min < 2 {
+        return Err(Problem::new(
+            "train.accum_min",
+            format!(
+                "train.accum_min ({}) must be at least 2: the noise scale needs K ≥ 2",
+                t.accum_min
+            ),
+        ));
+    }
+    if t.accum_max < t.accum_min {
+        return Err(Problem::new(
+            "train.accum_max",
+            format!(
+                "train.accum_max ({}) must be at least train.accum_min ({})",
+                t.accum_max, t.accum_min
+            ),
+        ));
+    }
+    if t.accum_patience == 0 {
+        return Err(Problem::new(
+            "train.accum_patience",
+            "train.accum_patience must be at least 1 window".into(),
+        ));
+    }
+    if t.accum_policy == AccumPolicy::NoiseScale && !t.noise {
+        return Err(Problem::new(
+            "train.accum_policy",
+            "train.accum_policy = \"noise-scale\" needs train.noise = true".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// A failed check and the key it concerns (`train.clip`, `timeline[2].control`).
@@ -602,6 +664,12 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
         "max_nonfinite_windows",
         "memory_budget",
         "guard_retries",
+        "noise",
+        "noise_ema",
+        "accum_policy",
+        "accum_min",
+        "accum_max",
+        "accum_patience",
     ];
     match section {
         "model" => MODEL.to_vec(),

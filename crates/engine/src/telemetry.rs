@@ -12,6 +12,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::scenario::{Scenario, TrainConfig};
+pub use crate::train::adaptive::AccumPolicy;
+pub use crate::train::noise::NoiseEvent;
 
 /// Major version of the event format. Readers reject a newer major version.
 pub const FORMAT_VERSION: u32 = 1;
@@ -220,6 +222,10 @@ pub enum Control {
     SetCheckpointing {
         value: Checkpointing,
     },
+    /// Who chooses K: fixed, or the measured gradient noise scale.
+    SetAccumPolicy {
+        value: AccumPolicy,
+    },
     Pause,
     Resume,
     /// While paused: run exactly one more window, then pause again.
@@ -255,6 +261,7 @@ impl Control {
                 value: ZeroGrad::PerMicroBatch,
             } => "zero-grad per micro-batch".into(),
             Control::SetCheckpointing { value } => format!("checkpointing={}", value.name()),
+            Control::SetAccumPolicy { value } => format!("K policy={}", value.name()),
             Control::Pause => "pause".into(),
             Control::Resume => "resume".into(),
             Control::SingleStep => "single step".into(),
@@ -286,6 +293,15 @@ pub struct Knobs {
     pub zero_grad: ZeroGrad,
     #[serde(default)]
     pub checkpointing: Checkpointing,
+    #[serde(default)]
+    pub accum_policy: AccumPolicy,
+    /// Measure the gradient noise scale in windows with K ≥ 2 (`train.noise`).
+    #[serde(default = "measure_noise_by_default")]
+    pub noise: bool,
+}
+
+fn measure_noise_by_default() -> bool {
+    true
 }
 
 impl Knobs {
@@ -302,6 +318,8 @@ impl Knobs {
             loss_norm: t.loss_norm,
             zero_grad: t.zero_grad,
             checkpointing: t.checkpointing,
+            accum_policy: t.accum_policy,
+            noise: t.noise,
         }
     }
 
@@ -319,6 +337,8 @@ impl Knobs {
             loss_norm,
             zero_grad,
             checkpointing,
+            accum_policy,
+            noise,
         } = self.clone();
         t.accum_steps = accum_steps;
         t.micro_batch = micro_batch;
@@ -330,6 +350,8 @@ impl Knobs {
         t.loss_norm = loss_norm;
         t.zero_grad = zero_grad;
         t.checkpointing = checkpointing;
+        t.accum_policy = accum_policy;
+        t.noise = noise;
     }
 
     pub fn effective_batch(&self) -> usize {
@@ -349,6 +371,7 @@ impl Knobs {
             Control::SetLossNorm { value } => self.loss_norm = value,
             Control::SetZeroGrad { value } => self.zero_grad = value,
             Control::SetCheckpointing { value } => self.checkpointing = value,
+            Control::SetAccumPolicy { value } => self.accum_policy = value,
             Control::SetLossScale { .. }
             | Control::Pause
             | Control::Resume
@@ -367,6 +390,8 @@ pub enum Origin {
     Cli,
     /// The memory guard (`train::oom_guard`): a budget or an out-of-memory error moved B and K.
     Guard,
+    /// The adaptive accumulation policy (`train.accum_policy = "noise-scale"`).
+    Policy,
 }
 
 /// A control on its way to the trainer.
@@ -476,6 +501,9 @@ pub struct StepEvent {
     /// the gradient actually applied against the correct window gradient, from the same backward passes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_error: Option<f64>,
+    /// The gradient noise scale, from windows with K ≥ 2 that did not overflow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub noise: Option<NoiseEvent>,
 }
 
 impl StepEvent {

@@ -8,6 +8,9 @@ use super::{block, draw_chart, fmt_num, placeholder, steps_in_view, ChartSpec, S
 use crate::tui::app::{App, PaneId};
 
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
+    if app.noise_view {
+        return super::noise::render(frame, area, app, theme);
+    }
     let title = match app.last() {
         Some(s) => {
             let clip = match s.clip {

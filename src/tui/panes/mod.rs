@@ -8,6 +8,7 @@ pub mod grad_norm;
 pub mod ledger;
 pub mod loss;
 pub mod loss_scale;
+pub mod noise;
 pub mod status;
 
 use ratatui::layout::Rect;

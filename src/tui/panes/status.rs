@@ -95,6 +95,7 @@ pub fn lines(app: &App, theme: Theme) -> Vec<Line<'static>> {
     ));
     l3.extend(knob("dev", app.device_name().to_string(), None, theme));
     out.push(Line::from(l3));
+    out.push(super::noise::status_line(app, theme));
 
     if let Some(s) = app.last() {
         out.push(Line::from(vec![

@@ -11,8 +11,10 @@
 //! The trainer knows nothing of terminals: it reads `ControlMsg`s and writes `Event`s.
 
 pub mod adamw;
+pub mod adaptive;
 pub mod guard;
 pub mod inplace;
+pub mod noise;
 pub mod oom_guard;
 pub mod scaler;
 pub mod schedule;
@@ -48,6 +50,8 @@ pub struct WindowGrads {
     pub tokens: u64,
     pub forward_ms: f64,
     pub backward_ms: f64,
+    /// Squared norms for the gradient noise scale (K ≥ 2 with `knobs.noise`).
+    pub noise: Option<noise::WindowNorms>,
 }
 
 impl WindowGrads {
@@ -100,6 +104,7 @@ pub fn window_gradients_probed(
     let k = micro.len() as f64;
     let window_tokens: u64 = samples.iter().map(|s| s.len as u64).sum();
     let pitfall = knobs.loss_norm != LossNorm::Tokens || knobs.zero_grad != ZeroGrad::PerWindow;
+    let mut noise = (knobs.noise && k >= 2.0).then(noise::WindowNorms::default);
 
     let mut grads: Option<Vec<Tensor>> = None;
     let mut reference: Option<Vec<Tensor>> = None;
@@ -160,6 +165,9 @@ pub fn window_gradients_probed(
             })
             .collect::<Result<Vec<_>>>()?;
         drop(store);
+        if let Some(n) = noise.as_mut() {
+            n.push(&micro_grads, weight * scale, batch.tokens, chunk.len())?;
+        }
         if pitfall {
             let ratio = correct_weight / weight;
             let correct: Vec<Tensor> = micro_grads
@@ -172,7 +180,11 @@ pub fn window_gradients_probed(
         forward_ms += (t1 - t0).as_secs_f64() * 1e3;
         backward_ms += t2.elapsed().as_secs_f64() * 1e3;
     }
+    if let (Some(n), Some(correct)) = (noise.as_mut(), reference.as_ref().or(grads.as_ref())) {
+        n.finish(correct, scale)?;
+    }
     Ok(WindowGrads {
+        noise,
         grads: grads.unwrap_or_default(),
         reference,
         loss: window_loss(&losses)?,
@@ -268,6 +280,10 @@ pub struct Trainer {
     pub composite: bool,
     /// The memory guard: budget, out-of-memory retries, changes queued for the boundary.
     pub guard: oom_guard::Guard,
+    /// Smoothed gradient noise scale.
+    pub noise: noise::NoiseTracker,
+    /// The adaptive accumulation policy's memory.
+    pub adaptive: adaptive::AdaptiveK,
     base_batch: usize,
     started: Instant,
 }
@@ -297,6 +313,8 @@ impl Trainer {
         let guard = oom_guard::Guard::new(budget, t.guard_retries);
         let mut trainer = Trainer {
             composite,
+            noise: noise::NoiseTracker::new(t.noise_ema),
+            adaptive: adaptive::AdaptiveK::default(),
             memory,
             knobs: Knobs::from_scenario(&scenario),
             scaler: LossScaler::new(t.loss_scale, t.scale_growth_interval),
@@ -427,7 +445,7 @@ impl Trainer {
         let mut failures_at_one = 0;
         // A window that runs out of memory is retried from the same cursor at a smaller
         // micro-batch (`guard`); its partial gradients are dropped with the failed attempt.
-        let window = loop {
+        let mut window = loop {
             let samples = self.next_window();
             let params = self.model.vars().map(|v| v.as_tensor().clone()).collect();
             self.memory.begin_window(params, self.persistent_memory());
@@ -444,8 +462,10 @@ impl Trainer {
         };
         let t_opt = Instant::now();
         self.memory.optimizer_start(&window.buffer());
+        let norms = window.noise.take();
         let mut step = self.apply_window(window, scale, t0)?;
         self.device.synchronize()?;
+        step.noise = self.noise.observe(norms.as_ref(), step.skipped);
         self.memory
             .finish_window(step.step, self.persistent_memory());
         step.phase_ms.optimizer = t_opt.elapsed().as_secs_f64() * 1e3;
@@ -511,6 +531,7 @@ impl Trainer {
                 optimizer: 0.0,
             },
             grad_error,
+            noise: None,
         })
     }
 
@@ -525,6 +546,23 @@ impl Trainer {
         }
         self.knobs.apply(c);
         Ok(())
+    }
+
+    /// The adaptive policy's K change after this window, if it asks for one.
+    pub fn policy_control(&mut self, step: &StepEvent) -> Option<ControlMsg> {
+        let t = &self.scenario.train;
+        let limits = adaptive::Limits {
+            min: t.accum_min,
+            max: t.accum_max,
+            patience: t.accum_patience,
+        };
+        let value = self
+            .adaptive
+            .decide(self.knobs.accum_policy, limits, step)?;
+        Some(ControlMsg {
+            control: Control::SetAccumSteps { value },
+            origin: Origin::Policy,
+        })
     }
 
     /// Mean validation loss per counted token over a fixed set of validation samples
@@ -680,6 +718,7 @@ pub fn run_returning(
             Ok(step) => {
                 let n = step.step;
                 let diverged = divergence.observe(&step);
+                flow.pending.extend(trainer.policy_control(&step));
                 if !sink.send(Event::Step(step)) {
                     break "stopped".to_string();
                 }

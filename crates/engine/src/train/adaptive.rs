@@ -1,0 +1,216 @@
+//! Adaptive accumulation: let the measured critical batch choose K.
+//!
+//! Rule (at a window boundary, policy `noise-scale`): with r = smoothed B_simple (in sequences)
+//! / micro-batch B, the K that would make B·K equal to the critical batch, double K when r has
+//! been at or above 2K, or halve it when r has been at or below K/2, for `accum_patience`
+//! consecutive measured windows — one step at a time, within [`accum_min`, `accum_max`], never
+//! sooner than `accum_patience` windows after the last change of K (whoever made it).
+
+use serde::{Deserialize, Serialize};
+
+use crate::telemetry::StepEvent;
+
+/// Who chooses K.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum AccumPolicy {
+    /// K changes only when asked (keys, timeline, command line).
+    #[default]
+    Fixed,
+    /// K follows the measured gradient noise scale.
+    NoiseScale,
+}
+
+impl AccumPolicy {
+    pub fn toggled(self) -> AccumPolicy {
+        match self {
+            AccumPolicy::Fixed => AccumPolicy::NoiseScale,
+            AccumPolicy::NoiseScale => AccumPolicy::Fixed,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AccumPolicy::Fixed => "fixed",
+            AccumPolicy::NoiseScale => "noise-scale",
+        }
+    }
+}
+
+/// The policy's limits (`train.accum_min`, `accum_max`, `accum_patience`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Limits {
+    pub min: usize,
+    pub max: usize,
+    pub patience: u64,
+}
+
+/// What the policy remembers between windows.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AdaptiveK {
+    /// K seen at the last window; a change (by anyone) restarts the count.
+    last_k: usize,
+    /// Windows since K last changed.
+    since_change: u64,
+    /// Consecutive measured windows asking for a larger / smaller K.
+    above: u64,
+    below: u64,
+}
+
+impl AdaptiveK {
+    /// After a window: the K to switch to at this boundary, if any.
+    pub fn decide(
+        &mut self,
+        policy: AccumPolicy,
+        limits: Limits,
+        step: &StepEvent,
+    ) -> Option<usize> {
+        let k = step.accum_steps;
+        if policy != AccumPolicy::NoiseScale || k != self.last_k {
+            *self = AdaptiveK {
+                last_k: k,
+                ..AdaptiveK::default()
+            };
+            if policy != AccumPolicy::NoiseScale {
+                return None;
+            }
+        }
+        if k < limits.min || k > limits.max {
+            return Some(k.clamp(limits.min, limits.max));
+        }
+        self.since_change += 1;
+        // Windows without an estimate (overflow, no positive |G|² yet) neither count nor reset.
+        let b_simple = step.noise.as_ref().and_then(|n| n.b_simple_seqs)?;
+        let wanted = b_simple / step.micro_batch.max(1) as f64;
+        let up = wanted >= 2.0 * k as f64 && k * 2 <= limits.max;
+        let down = wanted <= k as f64 / 2.0 && k / 2 >= limits.min;
+        self.above = if up { self.above + 1 } else { 0 };
+        self.below = if down { self.below + 1 } else { 0 };
+        if self.since_change < limits.patience {
+            return None;
+        }
+        if self.above >= limits.patience {
+            Some(k * 2)
+        } else if self.below >= limits.patience {
+            Some(k / 2)
+        } else {
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::noise::NoiseEvent;
+
+    fn step(k: usize, b_simple_seqs: Option<f64>) -> StepEvent {
+        let noise = NoiseEvent {
+            g2: 1.0,
+            trace: 1.0,
+            b_simple_tokens: None,
+            b_simple_seqs,
+            raw_g2: 1.0,
+            raw_trace: 1.0,
+            windows: 1,
+        };
+        StepEvent {
+            step: 1,
+            loss: 1.0,
+            grad_norm: 1.0,
+            grad_norm_clipped: 1.0,
+            lr: 1e-3,
+            accum_steps: k,
+            micro_batch: 4,
+            tokens: 100,
+            tokens_per_s: 0.0,
+            step_ms: 1.0,
+            skipped: false,
+            loss_scale: 1.0,
+            overflow_count: 0,
+            dtype: Default::default(),
+            offload: false,
+            clip: None,
+            phase_ms: Default::default(),
+            grad_error: None,
+            noise: Some(noise),
+        }
+    }
+
+    const LIMITS: Limits = Limits {
+        min: 2,
+        max: 16,
+        patience: 3,
+    };
+
+    #[test]
+    fn k_doubles_after_patience_windows_above_and_not_sooner() {
+        let mut p = AdaptiveK::default();
+        // B_simple 40 sequences / B 4 = 10 ≥ 2·K(2).
+        let policy = AccumPolicy::NoiseScale;
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), Some(4));
+        // At K = 4 the count starts again.
+        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0))), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0))), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0))), Some(8));
+        // 10 is within [K/2, 2K) for K = 8: stay.
+        for _ in 0..5 {
+            assert_eq!(p.decide(policy, LIMITS, &step(8, Some(40.0))), None);
+        }
+    }
+
+    #[test]
+    fn k_halves_within_the_limits_and_the_fixed_policy_does_nothing() {
+        let mut p = AdaptiveK::default();
+        let policy = AccumPolicy::NoiseScale;
+        let low = |k| step(k, Some(4.0));
+        assert_eq!(p.decide(policy, LIMITS, &low(8)), None);
+        assert_eq!(p.decide(policy, LIMITS, &low(8)), None);
+        assert_eq!(p.decide(policy, LIMITS, &low(8)), Some(4));
+        for _ in 0..3 {
+            p.decide(policy, LIMITS, &low(4));
+        }
+        // Never below accum_min.
+        for _ in 0..5 {
+            assert_eq!(p.decide(policy, LIMITS, &low(2)), None);
+        }
+        assert_eq!(p.decide(policy, LIMITS, &step(1, None)), Some(2));
+        let mut fixed = AdaptiveK::default();
+        for _ in 0..5 {
+            assert_eq!(fixed.decide(AccumPolicy::Fixed, LIMITS, &low(8)), None);
+        }
+    }
+
+    #[test]
+    fn the_policy_is_a_timeline_control_and_its_keys_are_checked() {
+        let e = crate::scenario::parse_control_arg("10:set_accum_policy=noise-scale").unwrap();
+        assert_eq!(
+            e.control,
+            crate::telemetry::Control::SetAccumPolicy {
+                value: AccumPolicy::NoiseScale
+            }
+        );
+        let mut s = crate::scenario::Scenario::default();
+        s.set("train.accum_policy=noise-scale").unwrap();
+        let err = s.set("train.accum_min=1").unwrap_err().to_string();
+        assert!(err.contains("needs K ≥ 2"), "{err}");
+        let err = s.set("train.accum_max=1").unwrap_err().to_string();
+        assert!(err.contains("at least train.accum_min"), "{err}");
+        let err = s.set("train.noise_ema=1.0").unwrap_err().to_string();
+        assert!(err.contains("[0, 1)"), "{err}");
+    }
+
+    #[test]
+    fn an_interrupted_streak_starts_over() {
+        let mut p = AdaptiveK::default();
+        let policy = AccumPolicy::NoiseScale;
+        p.decide(policy, LIMITS, &step(2, Some(40.0)));
+        p.decide(policy, LIMITS, &step(2, Some(40.0)));
+        p.decide(policy, LIMITS, &step(2, Some(8.0)));
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), Some(4));
+    }
+}
