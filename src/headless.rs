@@ -10,7 +10,7 @@ use crate::memory::StepFigure;
 use crate::record::Recorder;
 use crate::scenario::Scenario;
 use crate::telemetry::{
-    Control, ControlMsg, Event, Header, Level, MemorySource, Origin, Phase, StepEvent,
+    Control, ControlMsg, Event, Header, Level, MemorySource, Origin, StepEvent,
 };
 use crate::train;
 

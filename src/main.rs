@@ -543,7 +543,9 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     // The estimate needs only a well-formed shape; what this program can train is reported.
     let not_trainable_here = scenario.validate().err();
     gaccwb::memory::planner::check_shape(&scenario).map_err(|e| usage(&e))?;
-    if not_trainable_here.is_none() && scenario.data.tokenizer == gaccwb::scenario::TokenizerKind::Bpe {
+    if not_trainable_here.is_none()
+        && scenario.data.tokenizer == gaccwb::scenario::TokenizerKind::Bpe
+    {
         // The vocabulary is the tokenizer's: train it (or hit the cache) to know it.
         gaccwb::data::Corpus::open_sizing(&mut scenario)?;
     }

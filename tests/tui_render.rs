@@ -103,7 +103,7 @@ fn help_overlay_lists_every_live_key_and_the_story() {
     app.apply(Action::Help);
     let s = screen(&app, 80, 24);
     let keys = KeyMap::default();
-    for a in Action::ALL.into_iter().filter(|a| !a.replay_only()) {
+    for a in Action::all().filter(|a| !a.replay_only()) {
         let label = keys.label_for(a);
         assert!(s.contains(&label), "no key `{label}` for {a:?} in\n{s}");
     }

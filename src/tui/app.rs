@@ -6,8 +6,7 @@ use std::collections::VecDeque;
 use crate::memory::StepFigure;
 use crate::telemetry::{
     Checkpointing, Control, ControlEvent, DeviceEvent, EstimateEvent, Event, Header, Knobs, Level,
-    MemoryEvent,
-    MemorySource, Origin, Phase, StepEvent,
+    MemoryEvent, MemorySource, Origin, Phase, StepEvent,
 };
 
 use super::keymap::Action;

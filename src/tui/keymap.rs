@@ -8,8 +8,22 @@ use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
 use serde::{Deserialize, Serialize};
 
 /// Everything a key can ask for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    strum::EnumIter,
+    strum::IntoStaticStr,
+)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum Action {
     AccumUp,
     AccumDown,
@@ -43,44 +57,14 @@ pub enum Action {
 }
 
 impl Action {
-    pub const ALL: [Action; 28] = [
-        Action::AccumUp,
-        Action::AccumDown,
-        Action::MicroBatchDown,
-        Action::MicroBatchUp,
-        Action::ClipDown,
-        Action::ClipUp,
-        Action::ClipToggle,
-        Action::OffloadToggle,
-        Action::CheckpointToggle,
-        Action::PrecisionCycle,
-        Action::LrRuleCycle,
-        Action::PauseResume,
-        Action::SingleStep,
-        Action::Freeze,
-        Action::ZoomIn,
-        Action::ZoomOut,
-        Action::Expand,
-        Action::FocusNext,
-        Action::FocusPrev,
-        Action::RecordToggle,
-        Action::Help,
-        Action::Quit,
-        Action::SeekBack,
-        Action::SeekForward,
-        Action::SpeedDown,
-        Action::SpeedUp,
-        Action::FitNow,
-        Action::AccumPolicyToggle,
-        Action::NoiseView,
-    ];
+    /// Every action, in declaration order (the help overlay's order).
+    pub fn all() -> impl Iterator<Item = Action> {
+        <Action as strum::IntoEnumIterator>::iter()
+    }
 
-    /// The name used in keymap files (serde's snake_case).
-    pub fn name(self) -> String {
-        serde_json::to_value(self)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default()
+    /// The name used in keymap files (snake_case, as serde reads it).
+    pub fn name(self) -> &'static str {
+        self.into()
     }
 
     /// One line for the help overlay.
@@ -423,7 +407,7 @@ fn default_path() -> Option<std::path::PathBuf> {
 
 fn parse_action(name: &str) -> Result<Action, String> {
     serde_json::from_value(serde_json::Value::String(name.to_string())).map_err(|_| {
-        let names: Vec<String> = Action::ALL.iter().map(|a| a.name()).collect();
+        let names: Vec<String> = Action::all().map(|a| a.name().to_string()).collect();
         let candidates: Vec<&str> = names.iter().map(String::as_str).collect();
         let hint = crate::scenario::nearest(name, &candidates)
             .map(|n| format!(", did you mean `{n}`?"))

@@ -210,8 +210,7 @@ fn help_overlay(frame: &mut Frame, body: Rect, app: &App, keys: &KeyMap, theme: 
             lines.push(Line::raw(""));
         }
     }
-    let shown: Vec<Action> = Action::ALL
-        .into_iter()
+    let shown: Vec<Action> = Action::all()
         .filter(|a| match app.replay {
             Some(_) => !a.live_only(),
             None => !a.replay_only(),

@@ -423,6 +423,8 @@ pub fn offload_copy_bytes(cfg: &Config) -> u64 {
         return 0;
     }
     largest_param_bytes(&cfg.model)
+}
+
 /// Parameters whose compute-dtype copy lives through the micro-step: all of them, or with
 /// checkpointing only those outside the blocks (the blocks cast theirs transiently).
 fn kept_cast_params(cfg: &Config) -> u64 {

@@ -387,7 +387,9 @@ mod tests {
             offload: true,
             pitfall: false,
             unified: false,
+            scales_gradients: false,
             workspace: 0,
+            checkpointing: crate::telemetry::Checkpointing::None,
         };
         let v = Verdict::new(&cfg, 4, 40 << 30);
         assert!(!v.configured_fits && v.largest_fitting.is_none());
@@ -413,7 +415,9 @@ mod tests {
             offload: false,
             pitfall: false,
             unified: false,
+            scales_gradients: false,
             workspace: 0,
+            checkpointing: crate::telemetry::Checkpointing::None,
         };
         let v = Verdict::new(&cfg, 16, u64::MAX);
         assert!(v.configured_fits && v.blocker.is_none());

@@ -19,9 +19,7 @@ use candle_core::Device;
 use super::{Interrupt, Trainer, WindowGrads};
 use crate::memory::estimate::{estimate, largest_micro_batch, Config};
 use crate::memory::planner::{human_bytes, Verdict};
-use crate::telemetry::{
-    Control, ControlEvent, Event, Level, LogEvent, MemoryEvent, MemorySource, Origin, Phase,
-};
+use crate::telemetry::{Control, ControlEvent, Event, Level, LogEvent, MemoryEvent, Origin, Phase};
 
 /// The guard's state on the trainer.
 #[derive(Debug, Default)]
@@ -136,7 +134,7 @@ pub fn after_step(trainer: &mut Trainer, memory: &[MemoryEvent]) -> Option<Event
     let budget = trainer.guard.budget?;
     let worst = memory
         .iter()
-        .filter(|m| m.source != MemorySource::Estimate && m.phase != Phase::Step)
+        .filter(|m| m.phase != Phase::Step)
         .max_by_key(|m| m.peak)?;
     if worst.peak <= budget {
         return None;
