@@ -24,7 +24,9 @@ fn first_steps(dtype: Dtype, steps: usize) -> Vec<(f64, f64)> {
 }
 
 /// Recorded with the flat-parameter-list model (commit 9ee5993) at 1 thread; the restructure
-/// reproduced them bit for bit. The tolerance leaves room for kernel changes in the last digits
+/// reproduced them bit for bit. bf16 was re-recorded when bias and embedding gradients began to
+/// be reduced in f32 (`ops::half`): its first loss is still the flat model's to the bit, and its
+/// first gradient norm moved from 3.15798 to 3.15655, next to f32's 3.15658. The tolerance leaves room for kernel changes in the last digits
 /// (thread splits, summation order), not for a weight used in the wrong place.
 #[test]
 fn the_named_layers_train_as_the_flat_model_did() {
@@ -40,9 +42,9 @@ fn the_named_layers_train_as_the_flat_model_did() {
         (
             Dtype::Bf16,
             [
-                (3.468569461430344, 3.1579774876011126),
-                (3.498134712550951, 3.2808855458405746),
-                (3.458160400390625, 2.850605402205688),
+                (3.468569461430344, 3.1565502415437026),
+                (3.498131926163383, 3.2807958684111433),
+                (3.4581103458582794, 2.849495162840534),
             ],
         ),
     ];

@@ -78,7 +78,7 @@ impl Action {
             Action::ClipUp => "clip norm ×2",
             Action::ClipToggle => "clipping off / on",
             Action::OffloadToggle => "optimizer offload on / off",
-            Action::CheckpointToggle => "checkpointing off / blocks",
+            Action::CheckpointToggle => "checkpointing on / off",
             Action::PrecisionCycle => "precision f32→bf16→f16",
             Action::LrRuleCycle => "LR rule none→linear→sqrt",
             Action::PauseResume => "pause / resume",
