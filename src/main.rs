@@ -452,9 +452,12 @@ fn build_trainer(
         .map(|c| gaccwb::scenario::parse_control_arg(c).map_err(UsageError))
         .collect::<Result<_, _>>()?;
     check_cli_controls(&trainer).map_err(UsageError)?;
-    trainer.checkpoint = args.checkpoint_every.map(|every| checkpoint::Policy {
-        every,
-        dir: args.checkpoint_dir.clone(),
+    trainer.after_step = args.checkpoint_every.map(|every| {
+        checkpoint::Policy {
+            every,
+            dir: args.checkpoint_dir.clone(),
+        }
+        .after_step()
     });
     Ok(trainer)
 }
@@ -464,7 +467,7 @@ fn build_trainer(
 fn check_cli_controls(trainer: &Trainer) -> Result<(), String> {
     let (b, k) = (trainer.knobs.micro_batch, trainer.knobs.accum_steps);
     let entries = &trainer.cli_controls;
-    gaccwb::limits::check_schedule(b, k, trainer.scenario.model.seq_len, entries).map_err(
+    gaccwb::scenario::check_schedule(b, k, trainer.scenario.model.seq_len, entries).map_err(
         |(i, m)| {
             let e = &entries[i];
             format!("--control {}:{}: {m}", e.step, e.control.describe())

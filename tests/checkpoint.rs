@@ -40,10 +40,13 @@ fn scenario() -> Scenario {
 
 /// Run a trainer to its end on the trainer thread, saving at `save_every` into `dir`.
 fn run(mut trainer: Trainer, dir: &Path, save_every: u64) -> Vec<StepEvent> {
-    trainer.checkpoint = Some(Policy {
-        every: save_every,
-        dir: dir.to_path_buf(),
-    });
+    trainer.after_step = Some(
+        Policy {
+            every: save_every,
+            dir: dir.to_path_buf(),
+        }
+        .after_step(),
+    );
     let (mut handle, sink) = train::spawn_trainer(trainer).unwrap();
     drop(sink);
     let mut steps = Vec::new();

@@ -125,20 +125,6 @@ impl<'de> Deserialize<'de> for MemoryBudget {
     }
 }
 
-/// The device's total memory: installed RAM on the CPU, NVML's total on CUDA.
-pub fn device_total(device: &candle_core::Device) -> Option<u64> {
-    use crate::memory::gpu::GpuSource;
-    match device.location() {
-        candle_core::DeviceLocation::Cuda { gpu_id } => {
-            crate::memory::gpu::NvmlSource::new(gpu_id as u32)
-                .sample()
-                .ok()
-                .and_then(|e| e.total)
-        }
-        _ => crate::memory::gpu::host_memory_total(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

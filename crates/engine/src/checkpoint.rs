@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::scenario::Scenario;
 use crate::telemetry::{Control, Event, Level, LogEvent};
 use crate::train::scaler::LossScaler;
-use crate::train::{Knobs, Trainer};
+use crate::train::{AfterStep, Knobs, Trainer};
 
 /// Version of the checkpoint layout; a newer one is refused.
 pub const CHECKPOINT_VERSION: u32 = 1;
@@ -49,9 +49,15 @@ pub struct State {
     pub tensors: String,
 }
 
-/// Save after a step when the trainer's policy says so; the result is a log event for the UI.
-pub fn maybe_save(trainer: &Trainer) -> Option<Event> {
-    let policy = trainer.checkpoint.as_ref()?;
+impl Policy {
+    /// The trainer's after-step hook that saves by this policy.
+    pub fn after_step(self) -> AfterStep {
+        Box::new(move |trainer| maybe_save(trainer, &self))
+    }
+}
+
+/// Save after a step when the policy says so; the result is a log event for the UI.
+fn maybe_save(trainer: &Trainer, policy: &Policy) -> Option<Event> {
     if policy.every == 0 || !trainer.step.is_multiple_of(policy.every) {
         return None;
     }

@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::scenario::{DataConfig, DataSource, ModelConfig, Scenario, TokenizerKind};
-use crate::tokenizer::TokenizerInfo;
+use crate::telemetry::TokenizerInfo;
 
 /// Document delimiter (the first input of every synthetic document) and padding value.
 pub const DELIM: u32 = 0;
@@ -64,7 +64,13 @@ impl Corpus {
                         ByteCorpus::from_bytes(bytes, &name, data, model).map(Corpus::Bytes)
                     }
                     TokenizerKind::Bpe => {
-                        let t = crate::tokenizer::tokenize(&bytes, &name, data)?;
+                        let t =
+                            crate::tokenizer::tokenize(&bytes, &name, data).map_err(|message| {
+                                DataError::File {
+                                    path: name.clone(),
+                                    message,
+                                }
+                            })?;
                         let windows =
                             ByteCorpus::from_tokens(t.tokens, &name, "tokens", data, model)?;
                         Ok(Corpus::Bpe {

@@ -8,6 +8,7 @@
 
 pub mod budget;
 pub mod checkpoint;
+pub mod control;
 pub mod data;
 pub mod device;
 pub mod limits;
@@ -19,5 +20,6 @@ pub mod record;
 pub mod safe_write;
 pub mod scenario;
 pub mod telemetry;
+pub mod tensors;
 pub mod tokenizer;
 pub mod train;

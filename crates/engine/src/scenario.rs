@@ -6,7 +6,12 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::telemetry::{AccumPolicy, Checkpointing, Control, Dtype, LossNorm, LrRule, ZeroGrad};
+use crate::control::{AccumPolicy, Checkpointing, Control, Dtype, LossNorm, LrRule, ZeroGrad};
+
+mod bounds;
+mod knobs;
+
+pub use bounds::check_schedule;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -381,7 +386,7 @@ impl Scenario {
                 ));
             }
         }
-        crate::limits::check_scenario(self).map_err(|(key, message)| Problem::new(key, message))?;
+        bounds::check_scenario(self).map_err(|(key, message)| Problem::new(key, message))?;
         if !m.d_model.is_multiple_of(m.heads) {
             return Err(Problem::new(
                 "model.heads",

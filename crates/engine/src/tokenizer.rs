@@ -9,30 +9,16 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use tokenizers::models::bpe::{BpeTrainer, BPE};
 use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::Tokenizer;
 
-use crate::data::DataError;
 use crate::scenario::DataConfig;
+use crate::telemetry::TokenizerInfo;
 
 /// Bumped when training changes (options, crate version), so old cache entries are not reused.
 const TRAINER_VERSION: &str = "bpe1-tokenizers0.23";
-
-/// What the header records about the tokenizer a run used; replay needs nothing else.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TokenizerInfo {
-    /// `bpe` (trained on the data at start) or `file` (loaded from `data.tokenizer_file`).
-    pub kind: String,
-    /// Tokens in the vocabulary, added tokens included: the model's `vocab`.
-    pub vocab: usize,
-    /// FNV-1a 64 of the tokenizer's JSON, in hex.
-    pub hash: String,
-    /// The file it was loaded from or cached in.
-    pub path: String,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
@@ -150,12 +136,10 @@ pub struct Tokenized {
     pub provenance: String,
 }
 
-/// Tokenizes `bytes` (the data named `name`) with the BPE `data` asks for.
-pub fn tokenize(bytes: &[u8], name: &str, data: &DataConfig) -> Result<Tokenized, DataError> {
-    let err = |message: String| DataError::File {
-        path: name.to_string(),
-        message,
-    };
+/// Tokenizes `bytes` (the data named `name`) with the BPE `data` asks for. The error says what
+/// is wrong with the data; the caller names the file.
+pub fn tokenize(bytes: &[u8], name: &str, data: &DataConfig) -> Result<Tokenized, String> {
+    let err = |message: String| message;
     let text = std::str::from_utf8(bytes).map_err(|e| {
         err(format!(
             "not UTF-8 text (byte {}); data.tokenizer = \"bpe\" needs text, use \"bytes\" for other files",

@@ -435,6 +435,17 @@ fn reading(
     }
 }
 
+/// The device's total memory: installed RAM on the CPU, NVML's total on CUDA.
+pub fn device_total(device: &candle_core::Device) -> Option<u64> {
+    match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => NvmlSource::new(gpu_id as u32)
+            .sample()
+            .ok()
+            .and_then(|e| e.total),
+        _ => host_memory_total(),
+    }
+}
+
 #[cfg(test)]
 mod uuid_tests {
     #[test]

@@ -9,8 +9,8 @@
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 
-use super::tensors::{activation_bytes, grad_store_bytes, StorageSet};
 use crate::telemetry::{Categories, MemoryEvent, MemorySource, Phase};
+use crate::tensors::{activation_bytes, grad_store_bytes, StorageSet};
 
 /// Measures the total the categories are checked against, with a peak that restarts per phase.
 pub trait TotalMeter: Send {

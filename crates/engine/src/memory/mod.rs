@@ -2,7 +2,6 @@
 //! an analytic prediction to set beside them.
 //!
 //! - `alloc`: the counting global allocator (CPU measured total, per-phase peaks);
-//! - `tensors`: bytes per tensor storage, de-duplicated (views share storage);
 //! - `ledger`: the per-category ledger the trainer fills each optimizer step;
 //! - `gpu`: device sources (NVML, the CUDA memory pool, the allocator) and the sampler thread;
 //! - `estimate`: the analytic estimator behind `gaccwb estimate`;
@@ -19,7 +18,6 @@ pub mod fit;
 pub mod gpu;
 pub mod ledger;
 pub mod planner;
-pub mod tensors;
 
 pub use figure::{step_figures, StepFigure};
 pub use ledger::{Ledger, NoProbe, Persistent, TotalMeter, WindowProbe};

@@ -21,7 +21,7 @@ use candle_core::{
 };
 
 use super::{Block, Dims, Weights};
-use crate::memory::tensors::{activation_bytes, StorageSet};
+use crate::tensors::{activation_bytes, StorageSet};
 
 /// Parameter gradients computed outside the loss's graph, by parameter (`Var`) id, and the size
 /// of the largest graph a recompute built.

@@ -6,36 +6,8 @@
 //! consecutive measured windows — one step at a time, within [`accum_min`, `accum_max`], never
 //! sooner than `accum_patience` windows after the last change of K (whoever made it).
 
-use serde::{Deserialize, Serialize};
-
+use crate::control::AccumPolicy;
 use crate::telemetry::StepEvent;
-
-/// Who chooses K.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-#[serde(rename_all = "kebab-case")]
-pub enum AccumPolicy {
-    /// K changes only when asked (keys, timeline, command line).
-    #[default]
-    Fixed,
-    /// K follows the measured gradient noise scale.
-    NoiseScale,
-}
-
-impl AccumPolicy {
-    pub fn toggled(self) -> AccumPolicy {
-        match self {
-            AccumPolicy::Fixed => AccumPolicy::NoiseScale,
-            AccumPolicy::NoiseScale => AccumPolicy::Fixed,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            AccumPolicy::Fixed => "fixed",
-            AccumPolicy::NoiseScale => "noise-scale",
-        }
-    }
-}
 
 /// The policy's limits (`train.accum_min`, `accum_max`, `accum_patience`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -102,7 +74,7 @@ impl AdaptiveK {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::noise::NoiseEvent;
+    use crate::telemetry::NoiseEvent;
 
     fn step(k: usize, b_simple_seqs: Option<f64>) -> StepEvent {
         let noise = NoiseEvent {

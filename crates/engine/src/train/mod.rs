@@ -254,6 +254,20 @@ pub fn relative_error(a: &[Tensor], reference: &[Tensor]) -> Result<f64> {
     inplace::relative_error(a, reference)
 }
 
+/// Work a caller adds after each optimizer step (saving a checkpoint); what it returns goes to
+/// the event log. The trainer does not know what it does, so the layers above it may add any.
+pub type AfterStep = Box<dyn FnMut(&Trainer) -> Option<Event> + Send>;
+
+fn run_after_step(trainer: &mut Trainer, sink: &EventSink) {
+    let Some(mut hook) = trainer.after_step.take() else {
+        return;
+    };
+    if let Some(log) = hook(trainer) {
+        sink.send(log);
+    }
+    trainer.after_step = Some(hook);
+}
+
 pub struct Trainer {
     pub scenario: Scenario,
     pub device: Device,
@@ -271,8 +285,9 @@ pub struct Trainer {
     pub overflow_count: u64,
     /// Bytes per category, per step and phase; its events leave with each step.
     pub memory: Ledger,
-    /// Save a checkpoint every N steps into a directory (`--checkpoint-every`).
-    pub checkpoint: Option<crate::checkpoint::Policy>,
+    /// Runs after every optimizer step; `--checkpoint-every` installs a saver
+    /// (`checkpoint::Policy::after_step`).
+    pub after_step: Option<AfterStep>,
     /// Controls given with `--control STEP:KIND=VALUE`: a timeline reported with origin `cli`.
     pub cli_controls: Vec<TimelineEntry>,
     /// Run the composite ops (CUDA's code path) even where the fused CPU kernels apply; from
@@ -308,7 +323,7 @@ impl Trainer {
         let composite = crate::ops::kernels_from_env().map_err(anyhow::Error::msg)?;
         let budget = t
             .memory_budget
-            .resolve(crate::budget::device_total(&device))
+            .resolve(crate::memory::gpu::device_total(&device))
             .map_err(anyhow::Error::msg)?;
         let guard = oom_guard::Guard::new(budget, t.guard_retries);
         let mut trainer = Trainer {
@@ -328,7 +343,7 @@ impl Trainer {
             lr_step: 0,
             cursor: 0,
             overflow_count: 0,
-            checkpoint: None,
+            after_step: None,
             cli_controls: Vec::new(),
             guard,
             started: Instant::now(),
@@ -728,9 +743,7 @@ pub fn run_returning(
                     &sink,
                     memory.into_iter().map(Event::Memory).chain(guard_log),
                 );
-                if let Some(log) = crate::checkpoint::maybe_save(&trainer) {
-                    sink.send(log);
-                }
+                run_after_step(&mut trainer, &sink);
                 if let Some(reason) = diverged {
                     guard::send_error(&sink, trainer.step, &reason);
                     break reason;

@@ -16,8 +16,8 @@
 
 use std::time::Instant;
 
+use crate::telemetry::NoiseEvent;
 use candle_core::{Result, Tensor};
-use serde::{Deserialize, Serialize};
 
 /// One micro-batch's gradient, as the estimator sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -137,26 +137,6 @@ impl Ema {
     pub fn value(&self) -> Option<f64> {
         (self.weight > 0.0).then(|| self.sum / self.weight)
     }
-}
-
-/// What a `step` event says about the noise scale.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct NoiseEvent {
-    /// Smoothed |G|² (batch sizes in tokens).
-    pub g2: f64,
-    /// Smoothed tr(Σ), per counted token.
-    pub trace: f64,
-    /// Smoothed tr(Σ) / smoothed |G|², in tokens; absent while the smoothed |G|² is not positive.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub b_simple_tokens: Option<f64>,
-    /// The same ratio with batch sizes in sequences (samples).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub b_simple_seqs: Option<f64>,
-    /// This window's own estimates (noisy, may be negative).
-    pub raw_g2: f64,
-    pub raw_trace: f64,
-    /// Windows that fed the averages so far.
-    pub windows: u64,
 }
 
 /// Smooths the per-window estimates; lives with the trainer.

@@ -1,0 +1,366 @@
+//! The knobs and the controls that turn them: the vocabulary keys, presets, the command line,
+//! the trainer, the recorder and replay share. It depends on nothing else in the engine, so
+//! every layer above can name it.
+
+use serde::{Deserialize, Serialize};
+
+/// Activation checkpointing: which block inputs the forward keeps instead of the blocks' graphs.
+/// `blocks` recomputes every block in the backward; `every-N` keeps one input per segment of N
+/// blocks and recomputes the segment (fewer inputs kept, a larger graph at the backward peak).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(try_from = "String", into = "String")]
+pub enum Checkpointing {
+    #[default]
+    None,
+    Blocks,
+    Every(usize),
+}
+
+impl Checkpointing {
+    /// Blocks per recomputed segment; `None` when the whole graph is kept.
+    pub fn segment(self) -> Option<usize> {
+        match self {
+            Checkpointing::None => None,
+            Checkpointing::Blocks => Some(1),
+            Checkpointing::Every(n) => Some(n.max(1)),
+        }
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            Checkpointing::None => "none".into(),
+            Checkpointing::Blocks => "blocks".into(),
+            Checkpointing::Every(n) => format!("every-{n}"),
+        }
+    }
+}
+
+impl TryFrom<String> for Checkpointing {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        let bad =
+            || format!("checkpointing `{s}`: expected \"none\", \"blocks\" or \"every-N\" (N ≥ 1)");
+        match s.as_str() {
+            "none" => Ok(Checkpointing::None),
+            "blocks" => Ok(Checkpointing::Blocks),
+            other => match other.strip_prefix("every-").map(str::parse::<usize>) {
+                Some(Ok(n)) if n >= 1 => Ok(Checkpointing::Every(n)),
+                _ => Err(bad()),
+            },
+        }
+    }
+}
+
+impl From<Checkpointing> for String {
+    fn from(c: Checkpointing) -> String {
+        c.name()
+    }
+}
+
+/// Compute precision of the forward/backward. Master weights, the gradients that are applied and
+/// the AdamW moments always stay f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Dtype {
+    pub const ALL: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
+
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 | Dtype::F16 => 2,
+        }
+    }
+
+    pub fn candle(self) -> candle_core::DType {
+        match self {
+            Dtype::F32 => candle_core::DType::F32,
+            Dtype::Bf16 => candle_core::DType::BF16,
+            Dtype::F16 => candle_core::DType::F16,
+        }
+    }
+
+    /// Only f16 has the narrow exponent range that needs dynamic loss scaling.
+    pub fn needs_loss_scaling(self) -> bool {
+        self == Dtype::F16
+    }
+
+    pub fn next(self) -> Dtype {
+        match self {
+            Dtype::F32 => Dtype::Bf16,
+            Dtype::Bf16 => Dtype::F16,
+            Dtype::F16 => Dtype::F32,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        }
+    }
+}
+
+/// How the learning rate answers a change of effective batch, against `train.base_batch`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LrRule {
+    #[default]
+    None,
+    Linear,
+    Sqrt,
+}
+
+impl LrRule {
+    pub fn next(self) -> LrRule {
+        match self {
+            LrRule::None => LrRule::Linear,
+            LrRule::Linear => LrRule::Sqrt,
+            LrRule::Sqrt => LrRule::None,
+        }
+    }
+
+    /// Multiplier on the base LR for an effective batch `eff` against the base effective batch.
+    pub fn factor(self, eff: usize, base: usize) -> f64 {
+        let ratio = eff as f64 / base.max(1) as f64;
+        match self {
+            LrRule::None => 1.0,
+            LrRule::Linear => ratio,
+            LrRule::Sqrt => ratio.sqrt(),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LrRule::None => "none",
+            LrRule::Linear => "linear",
+            LrRule::Sqrt => "sqrt",
+        }
+    }
+}
+
+/// How per-token losses are turned into the window's loss.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum LossNorm {
+    /// Sum of per-token losses over the window / the window's counted tokens (correct).
+    #[default]
+    Tokens,
+    /// Each micro-batch's mean / K: over-weights tokens of short micro-batches (a known bug).
+    MeanOfMeans,
+}
+
+/// When the accumulation buffer is cleared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum ZeroGrad {
+    /// Once per window, after the optimizer step (correct).
+    #[default]
+    PerWindow,
+    /// Before every micro-batch: only the last micro-batch's gradient survives (a pitfall).
+    PerMicroBatch,
+}
+
+/// A change to the run. Every variant is applied by the trainer at the next window boundary
+/// (never inside a window) and reported back as an `Event::Control` when it takes effect.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Control {
+    SetAccumSteps {
+        value: usize,
+    },
+    SetMicroBatch {
+        value: usize,
+    },
+    /// `None` turns clipping off.
+    SetClip {
+        value: Option<f64>,
+    },
+    SetLr {
+        value: f64,
+    },
+    SetLrRule {
+        value: LrRule,
+    },
+    SetDtype {
+        value: Dtype,
+    },
+    SetOffload {
+        value: bool,
+    },
+    /// Force the fp16 loss scale (e.g. 2^24 to demonstrate an overflow).
+    SetLossScale {
+        value: f64,
+    },
+    SetLossNorm {
+        value: LossNorm,
+    },
+    SetZeroGrad {
+        value: ZeroGrad,
+    },
+    SetCheckpointing {
+        value: Checkpointing,
+    },
+    /// Who chooses K: fixed, or the measured gradient noise scale.
+    SetAccumPolicy {
+        value: AccumPolicy,
+    },
+    Pause,
+    Resume,
+    /// While paused: run exactly one more window, then pause again.
+    SingleStep,
+    Stop,
+}
+
+impl Control {
+    /// A short human label, used by the event log and the pending-changes line.
+    pub fn describe(&self) -> String {
+        match self {
+            Control::SetAccumSteps { value } => format!("K={value}"),
+            Control::SetMicroBatch { value } => format!("micro-batch={value}"),
+            Control::SetClip { value: Some(v) } => format!("clip={v}"),
+            Control::SetClip { value: None } => "clip off".into(),
+            Control::SetLr { value } => format!("lr={value:.2e}"),
+            Control::SetLrRule { value } => format!("lr rule={}", value.name()),
+            Control::SetDtype { value } => format!("dtype={}", value.name()),
+            Control::SetOffload { value } => {
+                format!("offload={}", if *value { "on" } else { "off" })
+            }
+            Control::SetLossScale { value } => format!("loss scale=2^{:.0}", value.log2()),
+            Control::SetLossNorm {
+                value: LossNorm::Tokens,
+            } => "loss norm=tokens".into(),
+            Control::SetLossNorm {
+                value: LossNorm::MeanOfMeans,
+            } => "loss norm=mean-of-means".into(),
+            Control::SetZeroGrad {
+                value: ZeroGrad::PerWindow,
+            } => "zero-grad per window".into(),
+            Control::SetZeroGrad {
+                value: ZeroGrad::PerMicroBatch,
+            } => "zero-grad per micro-batch".into(),
+            Control::SetCheckpointing { value } => format!("checkpointing={}", value.name()),
+            Control::SetAccumPolicy { value } => format!("K policy={}", value.name()),
+            Control::Pause => "pause".into(),
+            Control::Resume => "resume".into(),
+            Control::SingleStep => "single step".into(),
+            Control::Stop => "stop".into(),
+        }
+    }
+
+    /// Flow controls act immediately; knob changes wait for the window boundary.
+    pub fn is_flow(&self) -> bool {
+        matches!(
+            self,
+            Control::Pause | Control::Resume | Control::SingleStep | Control::Stop
+        )
+    }
+}
+
+/// The knobs a control can turn: the trainer's live configuration, and the UI's picture of it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Knobs {
+    pub accum_steps: usize,
+    pub micro_batch: usize,
+    pub clip: Option<f64>,
+    /// Base learning rate (before schedule and LR rule).
+    pub lr: f64,
+    pub lr_rule: LrRule,
+    pub dtype: Dtype,
+    pub offload: bool,
+    pub loss_norm: LossNorm,
+    pub zero_grad: ZeroGrad,
+    #[serde(default)]
+    pub checkpointing: Checkpointing,
+    #[serde(default)]
+    pub accum_policy: AccumPolicy,
+    /// Measure the gradient noise scale in windows with K ≥ 2 (`train.noise`).
+    #[serde(default = "measure_noise_by_default")]
+    pub noise: bool,
+}
+
+fn measure_noise_by_default() -> bool {
+    true
+}
+
+impl Knobs {
+    pub fn effective_batch(&self) -> usize {
+        self.accum_steps * self.micro_batch
+    }
+
+    /// The knob a control sets; flow controls and the loss scale (not a knob) change nothing.
+    pub fn apply(&mut self, c: &Control) {
+        match *c {
+            Control::SetAccumSteps { value } => self.accum_steps = value,
+            Control::SetMicroBatch { value } => self.micro_batch = value,
+            Control::SetClip { value } => self.clip = value,
+            Control::SetLr { value } => self.lr = value,
+            Control::SetLrRule { value } => self.lr_rule = value,
+            Control::SetDtype { value } => self.dtype = value,
+            Control::SetOffload { value } => self.offload = value,
+            Control::SetLossNorm { value } => self.loss_norm = value,
+            Control::SetZeroGrad { value } => self.zero_grad = value,
+            Control::SetCheckpointing { value } => self.checkpointing = value,
+            Control::SetAccumPolicy { value } => self.accum_policy = value,
+            Control::SetLossScale { .. }
+            | Control::Pause
+            | Control::Resume
+            | Control::SingleStep
+            | Control::Stop => {}
+        }
+    }
+}
+
+/// Where a control came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Origin {
+    Key,
+    Scenario,
+    Cli,
+    /// The memory guard (`train::oom_guard`): a budget or an out-of-memory error moved B and K.
+    Guard,
+    /// The adaptive accumulation policy (`train.accum_policy = "noise-scale"`).
+    Policy,
+}
+
+/// A control on its way to the trainer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ControlMsg {
+    pub control: Control,
+    pub origin: Origin,
+}
+
+/// Who chooses K.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum AccumPolicy {
+    /// K changes only when asked (keys, timeline, command line).
+    #[default]
+    Fixed,
+    /// K follows the measured gradient noise scale.
+    NoiseScale,
+}
+
+impl AccumPolicy {
+    pub fn toggled(self) -> AccumPolicy {
+        match self {
+            AccumPolicy::Fixed => AccumPolicy::NoiseScale,
+            AccumPolicy::NoiseScale => AccumPolicy::Fixed,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AccumPolicy::Fixed => "fixed",
+            AccumPolicy::NoiseScale => "noise-scale",
+        }
+    }
+}

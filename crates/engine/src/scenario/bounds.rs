@@ -1,0 +1,89 @@
+//! A scenario within the bounds of `crate::limits`: every size, and every window its timeline
+//! makes. The error names the key, so a preset error can point at its line.
+
+use super::{Scenario, TimelineEntry};
+use crate::control::Control;
+use crate::limits::*;
+
+/// A scenario's sizes: every integer TOML can hold, the model and the window within bounds.
+/// The error names the key, so a preset error can point at its line.
+pub fn check_scenario(s: &Scenario) -> Result<(), (&'static str, String)> {
+    let (m, t, d) = (&s.model, &s.train, &s.data);
+    let bounded: [(&'static str, u64, u64); 16] = [
+        ("model.d_model", m.d_model as u64, MAX_D_MODEL as u64),
+        ("model.layers", m.layers as u64, MAX_LAYERS as u64),
+        ("model.heads", m.heads as u64, MAX_D_MODEL as u64),
+        ("model.seq_len", m.seq_len as u64, MAX_SEQ_LEN as u64),
+        (
+            "train.micro_batch",
+            t.micro_batch as u64,
+            MAX_MICRO_BATCH as u64,
+        ),
+        (
+            "train.accum_steps",
+            t.accum_steps as u64,
+            MAX_ACCUM_STEPS as u64,
+        ),
+        ("train.steps", t.steps, MAX_INTEGER),
+        ("train.seed", t.seed, MAX_INTEGER),
+        ("train.base_batch", t.base_batch as u64, MAX_INTEGER),
+        ("train.warmup", t.warmup, MAX_INTEGER),
+        ("train.decay_steps", t.decay_steps, MAX_INTEGER),
+        (
+            "train.scale_growth_interval",
+            t.scale_growth_interval,
+            MAX_INTEGER,
+        ),
+        ("train.eval_every", t.eval_every, MAX_INTEGER),
+        (
+            "train.eval_batches",
+            t.eval_batches as u64,
+            MAX_MICRO_BATCH as u64,
+        ),
+        (
+            "train.max_nonfinite_windows",
+            t.max_nonfinite_windows,
+            MAX_INTEGER,
+        ),
+        ("data.seed", d.seed, MAX_INTEGER),
+    ];
+    for (key, value, max) in bounded {
+        at_most(key, value, max).map_err(|e| (key, e))?;
+    }
+    for (key, value) in [
+        ("data.min_doc_len", d.min_doc_len),
+        ("data.max_doc_len", d.max_doc_len),
+    ] {
+        at_most(key, value as u64, MAX_INTEGER).map_err(|e| (key, e))?;
+    }
+    check_window(t.micro_batch, t.accum_steps, m.seq_len).map_err(|e| ("train.accum_steps", e))?;
+    check_timeline_windows(s).map_err(|e| ("timeline", e))
+}
+
+/// The windows the timeline's B and K changes make, in step order, each within bounds.
+fn check_timeline_windows(s: &Scenario) -> Result<(), String> {
+    let (b, k) = (s.train.micro_batch, s.train.accum_steps);
+    check_schedule(b, k, s.model.seq_len, &s.timeline)
+        .map_err(|(i, m)| format!("timeline[{i}] (step {}): {m}", s.timeline[i].step))
+}
+
+/// Walk `entries` in step order from micro-batch `b` and accumulation steps `k`: every window
+/// their changes make must pass `check_window`. The error carries the entry's index.
+pub fn check_schedule(
+    mut b: usize,
+    mut k: usize,
+    seq_len: usize,
+    entries: &[TimelineEntry],
+) -> Result<(), (usize, String)> {
+    let mut order: Vec<usize> = (0..entries.len()).collect();
+    order.sort_by_key(|&i| entries[i].step);
+    for i in order {
+        match entries[i].control {
+            Control::SetMicroBatch { value } => b = value,
+            Control::SetAccumSteps { value } => k = value,
+            _ => continue,
+        }
+        check_window(b, k, seq_len).map_err(|m| (i, m))?;
+    }
+    Ok(())
+}
