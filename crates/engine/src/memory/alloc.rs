@@ -40,6 +40,7 @@ fn removed(bytes: usize) {
 // observe sizes.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's `layout` contract passes unchanged to a correct allocator.
         let p = unsafe { INNER.alloc(layout) };
         if !p.is_null() {
             added(layout.size());
@@ -48,6 +49,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as in `alloc`.
         let p = unsafe { INNER.alloc_zeroed(layout) };
         if !p.is_null() {
             added(layout.size());
@@ -56,11 +58,13 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `INNER` with `layout` (the caller's contract).
         unsafe { INNER.dealloc(ptr, layout) };
         removed(layout.size());
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: as in `dealloc`, with the caller's `new_size` contract.
         let p = unsafe { INNER.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             removed(layout.size());

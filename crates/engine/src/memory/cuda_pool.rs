@@ -39,6 +39,7 @@ impl CudaPool {
         }
         ctx.bind_to_thread().map_err(|e| e.to_string())?;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: the context is bound to this thread and `pool` is a valid out-pointer.
         check(unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) })?;
         Ok(CudaPool { ctx, pool })
     }
@@ -47,6 +48,7 @@ impl CudaPool {
         self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
         let mut value: u64 = 0;
         let out = &mut value as *mut u64 as *mut c_void;
+        // SAFETY: the context is bound; every attribute read here is a u64, which `out` holds.
         check(unsafe { sys::cuMemPoolGetAttribute(self.pool, attr, out) })?;
         Ok(value)
     }
@@ -78,6 +80,7 @@ impl TotalMeter for CudaPool {
         if self.ctx.bind_to_thread().is_ok() {
             let mut zero: u64 = 0;
             let value = &mut zero as *mut u64 as *mut c_void;
+            // SAFETY: the context is bound; USED_HIGH takes a u64, which `value` points to.
             let _ = unsafe { sys::cuMemPoolSetAttribute(self.pool, USED_HIGH, value) };
         }
     }

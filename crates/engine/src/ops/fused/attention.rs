@@ -65,7 +65,8 @@ impl Attention {
     /// P = softmax(scale · Q Kᵀ) for one (sequence, head) into `p` (T×T).
     fn probabilities(&self, qkv: &[f32], b: usize, h: usize, p: &mut [f32]) {
         let (q, k) = (self.part(qkv, 0, b, h), self.part(qkv, 1, b, h));
-        super::matmul(MatMut::rows(p, self.t), q, k.t(), false, false);
+        // SAFETY: `p` is T×T; q and k are views of `qkv` (`part`); `p` is not part of `qkv`.
+        unsafe { super::matmul(MatMut::rows(p, self.t), q, k.t(), false, false) };
         vmath::widest(
             #[inline(always)]
             || self.softmax_rows(p),
@@ -95,7 +96,9 @@ impl CustomOp1 for Attention {
                     let v = self.part(qkv, 2, b, h);
                     let dst = out.offset(b * t * d + h * self.head_dim());
                     let dst = MatMut::new(dst, t, self.head_dim(), d);
-                    super::matmul(dst, Mat::rows(&p, t), v, false, false);
+                    // SAFETY: `dst` is head h's T×hd block of sequence b in the output, this
+                    // unit's alone; `p` and `v` are separate buffers.
+                    unsafe { super::matmul(dst, Mat::rows(&p, t), v, false, false) };
                 }
             })
         });
@@ -142,7 +145,8 @@ impl CustomOp2 for AttentionBackward {
                     );
                     let dy = Mat::new(dy[b * t * d + h * hd..].as_ptr(), t, hd, d);
                     // dP = dY Vᵀ, then dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)).
-                    super::matmul(MatMut::rows(&mut ds, t), dy, v.t(), false, false);
+                    // SAFETY: `ds` is this unit's T×T scratch; dy and v are views of other buffers.
+                    unsafe { super::matmul(MatMut::rows(&mut ds, t), dy, v.t(), false, false) };
                     vmath::widest(
                         #[inline(always)]
                         || {
@@ -158,9 +162,13 @@ impl CustomOp2 for AttentionBackward {
                         let dst = out.offset(b * t * 3 * d + part * d + h * hd);
                         MatMut::new(dst, t, hd, 3 * d)
                     };
-                    super::matmul(grad(0), Mat::rows(&ds, t), k, false, false);
-                    super::matmul(grad(1), Mat::rows(&ds, t).t(), q, false, false);
-                    super::matmul(grad(2), Mat::rows(&p, t).t(), dy, false, false);
+                    // SAFETY: grad(part) is head h's block of q, k or v's gradient for sequence
+                    // b, this unit's alone, in the output; the inputs are other buffers.
+                    unsafe {
+                        super::matmul(grad(0), Mat::rows(&ds, t), k, false, false);
+                        super::matmul(grad(1), Mat::rows(&ds, t).t(), q, false, false);
+                        super::matmul(grad(2), Mat::rows(&p, t).t(), dy, false, false);
+                    }
                 }
             })
         });

@@ -112,6 +112,7 @@ impl Linear {
         filled(n * o, |out| {
             if let Some(b) = b {
                 for_units(n, o, |_, rows| {
+                    // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
                     let dst = unsafe { out.uninit_rows(&rows, o) };
                     for row in dst.chunks_exact_mut(o) {
                         row.iter_mut().zip(b).for_each(|(d, &b)| {
@@ -120,13 +121,16 @@ impl Linear {
                     }
                 });
             }
-            matmul(
-                MatMut::new(out.offset(0), n, o, o),
-                Mat::rows(input, i),
-                Mat::rows(w, o),
-                b.is_some(),
-                true,
-            );
+            // SAFETY: `out` holds n×o values (`filled`); input and w are other buffers.
+            unsafe {
+                matmul(
+                    MatMut::new(out.offset(0), n, o, o),
+                    Mat::rows(input, i),
+                    Mat::rows(w, o),
+                    b.is_some(),
+                    true,
+                )
+            };
         })
     }
 
@@ -249,31 +253,38 @@ impl CustomOp3 for LinearBackward {
         let input = if slope.is_some() { &input[..] } else { x };
         // dx and dw are written by the products, db by its zeroing and sum.
         let packed = filled(n * i + i * o + bias, |out| {
-            matmul(
-                MatMut::new(out.offset(0), n, i, i),
-                Mat::rows(dy, o),
-                Mat::rows(w, o).t(),
-                false,
-                true,
-            );
-            matmul(
-                MatMut::new(out.offset(n * i), i, o, o),
-                Mat::rows(input, i).t(),
-                Mat::rows(dy, o),
-                false,
-                true,
-            );
+            // SAFETY: `out` packs dx (n×i) then dw (i×o) first, so the two destinations are
+            // disjoint and inside it; dy, w and input are other buffers.
+            unsafe {
+                matmul(
+                    MatMut::new(out.offset(0), n, i, i),
+                    Mat::rows(dy, o),
+                    Mat::rows(w, o).t(),
+                    false,
+                    true,
+                );
+                matmul(
+                    MatMut::new(out.offset(n * i), i, o, o),
+                    Mat::rows(input, i).t(),
+                    Mat::rows(dy, o),
+                    false,
+                    true,
+                );
+            }
             if self.0.bias {
+                // SAFETY: rows n·i+i·o .. +o of `out` (the bias gradient) are this closure's alone.
                 let db = unsafe { out.uninit_rows(&(n * i + i * o..n * i + i * o + o), 1) };
                 db.iter_mut().for_each(|v| {
                     v.write(0.0);
                 });
+                // SAFETY: the same rows, now initialised by the loop above.
                 let db = unsafe { out.rows(&(n * i + i * o..n * i + i * o + o), 1) };
                 column_sums(dy, o, db);
             }
             if let Some(slope) = slope {
                 // dx is written (above): scale it in place.
                 for_ranges(slope.len(), |r| {
+                    // SAFETY: `for_ranges` gives each call its own range of dx, written above.
                     let dst = unsafe { out.rows(&r, 1) };
                     dst.iter_mut().zip(&slope[r]).for_each(|(d, s)| *d *= s);
                 });
@@ -291,6 +302,7 @@ fn gelu_with_slope(h: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let gelu = filled(h.len(), |gp| {
         slope = filled(h.len(), |sp| {
             for_ranges(h.len(), |r| {
+                // SAFETY: `for_ranges` gives each call its own range of both `h.len()` buffers.
                 let (g, s) = unsafe { (gp.uninit_rows(&r, 1), sp.uninit_rows(&r, 1)) };
                 vmath::widest(
                     #[inline(always)]

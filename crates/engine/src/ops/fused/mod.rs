@@ -45,7 +45,9 @@ fn u32_slice<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [u32]> {
 /// A pointer that disjoint row ranges write through from several threads.
 #[derive(Clone, Copy)]
 struct Shared(*mut f32);
+// SAFETY: written only through disjoint row ranges, one thread each, while the buffer lives.
 unsafe impl Send for Shared {}
+// SAFETY: as for `Send`: concurrent users touch disjoint rows.
 unsafe impl Sync for Shared {}
 
 impl Shared {
@@ -160,7 +162,9 @@ struct MatMut {
 
 // SAFETY: row blocks of one MatMut are written by one thread each (see `matmul`).
 unsafe impl Sync for MatMut {}
+// SAFETY: `Mat` is a read-only view; the buffer outlives every product that reads it.
 unsafe impl Send for Mat {}
+// SAFETY: as for `Send`: readers never write.
 unsafe impl Sync for Mat {}
 
 impl MatMut {
@@ -181,11 +185,14 @@ impl MatMut {
 /// `dst = a·b`, or `dst += a·b` when `accumulate`. With `parallel`, blocks of `dst` rows go to
 /// Candle's CPU pool, each one single-threaded `gemm` call: the same pool as every other fused
 /// op (a second pool, rayon's, would compete with it for the cores).
-/// Callers pass views of live buffers with matching shapes and no overlap of `dst` with `a`, `b`.
-fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) {
+///
+/// # Safety
+/// The views lie inside live buffers, and `dst` overlaps neither `a` nor `b` (shapes are checked).
+unsafe fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) {
     assert!(a.rows == dst.rows && b.cols == dst.cols && a.cols == b.rows);
     if !parallel {
-        return gemm_block(&dst, a, b, accumulate, 0..dst.rows);
+        // SAFETY: the caller's contract, for all of dst's rows.
+        return unsafe { gemm_block(&dst, a, b, accumulate, 0..dst.rows) };
     }
     let rows = matmul_block_rows(dst.rows, a.cols, b.cols);
     let blocks = dst.rows.div_ceil(rows);
@@ -194,7 +201,8 @@ fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) {
     for_each_unit(blocks, |range| {
         for block in range {
             let r = block * rows..((block + 1) * rows).min(dst.rows);
-            gemm_block(dst, a, b, accumulate, r);
+            // SAFETY: the caller's contract; each block's rows are written by this thread alone.
+            unsafe { gemm_block(dst, a, b, accumulate, r) };
         }
     });
 }
@@ -214,7 +222,10 @@ fn matmul_block_rows(rows: usize, inner: usize, cols: usize) -> usize {
 }
 
 /// Rows `r` of `dst = a·b` (or `+=`), on the calling thread.
-fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, r: Range<usize>) {
+///
+/// # Safety
+/// As `matmul`, and no other thread writes rows `r` of `dst` meanwhile.
+unsafe fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, r: Range<usize>) {
     // SAFETY: the views are in bounds of live buffers (callers' contract), rows `r` of dst are
     // written by this call alone, and dst does not overlap a or b.
     unsafe {
@@ -309,6 +320,7 @@ impl CustomOp3 for LayerNorm {
         }
         let y = output(n * d, |out| {
             for_units(n, d, |_, rows| {
+                // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
                 let dst = unsafe { out.rows(&rows, d) };
                 let src = &x[rows.start * d..rows.end * d];
                 let mut centred = vec![0f32; d];
@@ -379,7 +391,9 @@ impl CustomOp3 for LayerNormBackward {
         let partial_ptr = Shared(partial.as_mut_ptr());
         let mut out = output((n + 2) * d, |out| {
             for_units(n, d, |unit, rows| {
+                // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
                 let dx = unsafe { out.rows(&rows, d) };
+                // SAFETY: unit `unit` is this call's alone; `partial` holds `units` rows of 2·d.
                 let acc = unsafe { partial_ptr.rows(&(unit..unit + 1), 2 * d) };
                 let (dg, db) = acc.split_at_mut(d);
                 let xs = &x[rows.start * d..rows.end * d];
@@ -436,6 +450,7 @@ fn column_sums(x: &[f32], d: usize, dst: &mut [f32]) {
     let units = n.div_ceil(unit_rows(d));
     let partial = output(units * d, |out| {
         for_units(n, d, |unit, rows| {
+            // SAFETY: unit `unit` is this call's alone; `output` holds `units` rows of d.
             let acc = unsafe { out.rows(&(unit..unit + 1), d) };
             for row in x[rows.start * d..rows.end * d].chunks_exact(d) {
                 for i in 0..d {
@@ -460,7 +475,9 @@ fn map_range(n: usize, f: impl Fn(Range<usize>, &mut [MaybeUninit<f32>]) + Sync)
     // `for_ranges` covers 0..n and `f` writes each element of its range.
     filled(n, |out| {
         for_ranges(n, |range| {
-            f(range.clone(), unsafe { out.uninit_rows(&range, 1) })
+            // SAFETY: `for_ranges` gives each call its own range of the n outputs.
+            let dst = unsafe { out.uninit_rows(&range, 1) };
+            f(range.clone(), dst)
         })
     })
 }
@@ -539,6 +556,7 @@ impl CustomOp3 for NllSum {
                         total
                     },
                 );
+                // SAFETY: unit `unit` is this call's alone; `output` holds one value per unit.
                 unsafe { out.rows(&(unit..unit + 1), 1)[0] = total };
             })
         });
@@ -590,6 +608,7 @@ impl CustomOp3 for NllBackward {
         let scale = self.scale;
         let d = output(n * v, |out| {
             for_units(n, v, |_, rows| {
+                // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
                 let dst = unsafe { out.rows(&rows, v) };
                 let src = &logits[rows.start * v..rows.end * v];
                 let mut scratch = vec![0f32; v];
