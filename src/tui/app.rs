@@ -3,6 +3,8 @@
 
 use std::collections::VecDeque;
 
+use strum::VariantArray;
+
 use crate::memory::StepFigure;
 use crate::telemetry::{
     Checkpointing, Control, ControlEvent, DeviceEvent, EstimateEvent, Event, Header, Knobs, Level,
@@ -20,7 +22,7 @@ const MIN_ZOOM: u64 = 16;
 const DEFAULT_ZOOM: u64 = 256;
 
 /// The panes, in focus order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::VariantArray)]
 pub enum PaneId {
     DeviceMemory,
     Ledger,
@@ -32,23 +34,13 @@ pub enum PaneId {
 }
 
 impl PaneId {
-    pub const ALL: [PaneId; 7] = [
-        PaneId::DeviceMemory,
-        PaneId::Ledger,
-        PaneId::Loss,
-        PaneId::GradNorm,
-        PaneId::LossScale,
-        PaneId::Status,
-        PaneId::EventLog,
-    ];
-
     fn index(self) -> usize {
-        PaneId::ALL.iter().position(|p| *p == self).unwrap_or(0)
+        Self::VARIANTS.iter().position(|p| *p == self).unwrap_or(0)
     }
 
     fn shifted(self, by: isize) -> PaneId {
-        let n = PaneId::ALL.len() as isize;
-        PaneId::ALL[((self.index() as isize + by).rem_euclid(n)) as usize]
+        let n = Self::VARIANTS.len() as isize;
+        Self::VARIANTS[((self.index() as isize + by).rem_euclid(n)) as usize]
     }
 }
 

@@ -59,8 +59,21 @@ impl From<Checkpointing> for String {
 
 /// Compute precision of the forward/backward. Master weights, the gradients that are applied and
 /// the AdamW moments always stay f32.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    Default,
+    strum::VariantArray,
+    strum::IntoStaticStr,
+)]
 #[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
 pub enum Dtype {
     #[default]
     F32,
@@ -69,8 +82,6 @@ pub enum Dtype {
 }
 
 impl Dtype {
-    pub const ALL: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
-
     pub fn size_in_bytes(self) -> usize {
         match self {
             Dtype::F32 => 4,
@@ -100,17 +111,16 @@ impl Dtype {
     }
 
     pub fn name(self) -> &'static str {
-        match self {
-            Dtype::F32 => "f32",
-            Dtype::Bf16 => "bf16",
-            Dtype::F16 => "f16",
-        }
+        self.into()
     }
 }
 
 /// How the learning rate answers a change of effective batch, against `train.base_batch`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::IntoStaticStr,
+)]
 #[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
 pub enum LrRule {
     #[default]
     None,
@@ -138,11 +148,7 @@ impl LrRule {
     }
 
     pub fn name(self) -> &'static str {
-        match self {
-            LrRule::None => "none",
-            LrRule::Linear => "linear",
-            LrRule::Sqrt => "sqrt",
-        }
+        self.into()
     }
 }
 
@@ -339,8 +345,11 @@ pub struct ControlMsg {
 }
 
 /// Who chooses K.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::IntoStaticStr,
+)]
 #[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case")]
 pub enum AccumPolicy {
     /// K changes only when asked (keys, timeline, command line).
     #[default]
@@ -358,9 +367,6 @@ impl AccumPolicy {
     }
 
     pub fn name(self) -> &'static str {
-        match self {
-            AccumPolicy::Fixed => "fixed",
-            AccumPolicy::NoiseScale => "noise-scale",
-        }
+        self.into()
     }
 }

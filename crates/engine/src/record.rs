@@ -16,14 +16,18 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::telemetry::{Event, Header, FORMAT_VERSION};
+use crate::telemetry::{Event, EventKind, Header, FORMAT_VERSION};
 
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 
-/// Event types this build knows; a same-major file may hold others (skipped with a warning).
-const KNOWN_TYPES: [&str; 9] = [
-    "header", "step", "control", "eval", "memory", "estimate", "device", "log", "end",
-];
+/// Whether this build knows an event type; a same-major file may hold others (skipped with a
+/// warning). The names are serde's tags, the variants' snake_case names.
+fn is_known_type(name: &str) -> bool {
+    use strum::VariantArray;
+    EventKind::VARIANTS
+        .iter()
+        .any(|k| <&'static str>::from(k) == name)
+}
 
 pub struct Recorder {
     path: PathBuf,
@@ -233,7 +237,7 @@ fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Eve
         .map(str::to_string);
     match kind.as_deref() {
         None => return Err("not an event: no \"type\" field".into()),
-        Some(k) if !KNOWN_TYPES.contains(&k) => {
+        Some(k) if !is_known_type(k) => {
             *unknown += 1;
             return Ok(None);
         }

@@ -23,8 +23,13 @@ pub const FORMAT_VERSION: u32 = 1;
 /// Everything that leaves the trainer or the device sampler.
 // The header is large but sent once; boxing it would only complicate every match.
 #[allow(clippy::large_enum_variant)]
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, strum::EnumDiscriminants)]
 #[serde(tag = "type", rename_all = "snake_case")]
+#[strum_discriminants(
+    name(EventKind),
+    derive(strum::VariantArray, strum::IntoStaticStr),
+    strum(serialize_all = "snake_case")
+)]
 pub enum Event {
     Header(Header),
     Step(StepEvent),
