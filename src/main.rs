@@ -20,6 +20,10 @@ use gaccwb::{checkpoint, export};
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// Append diagnostics (every event, key and decision, with timestamps) to FILE. Nothing is
+    /// ever written to the screen's output.
+    #[arg(long, global = true, value_name = "FILE")]
+    log: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -257,9 +261,30 @@ fn tune_allocator() {
     }
 }
 
+/// Diagnostics to `path` (appended: an earlier log is never lost), debug level and above.
+fn start_log(path: &Path) -> std::io::Result<()> {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    tracing_subscriber::fmt()
+        .with_writer(std::sync::Mutex::new(file))
+        .with_ansi(false)
+        .with_max_level(tracing::Level::DEBUG)
+        .init();
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), "gaccwb started");
+    Ok(())
+}
+
 fn main() -> ExitCode {
     tune_allocator();
     let cli = Cli::parse();
+    if let Some(path) = &cli.log {
+        if let Err(e) = start_log(path) {
+            eprintln!("gaccwb: --log {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    }
     let result = match cli.command {
         None => run(RunArgs {
             preset: presets::DEFAULT.into(),

@@ -317,3 +317,24 @@ fn the_composite_kernels_switch_runs_and_rejects_unknown_values() {
         "{stderr}"
     );
 }
+
+/// `--log FILE` gets the run's diagnostics (applied controls, the end) and appends to an earlier
+/// log; the headless output carries none of them.
+#[test]
+fn diagnostics_go_to_the_log_file_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("gaccwb.log");
+    std::fs::write(&log, "an earlier line\n").unwrap();
+    let log_arg = log.to_str().unwrap();
+    let (code, stdout, stderr) =
+        run_headless(&["--control", "1:set_accum_steps=2", "--log", log_arg]);
+    assert_eq!(code, 0, "{stderr}");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.starts_with("an earlier line\n"), "{text}");
+    assert!(text.contains("applied K=2"), "{text}");
+    assert!(
+        text.contains("run ended") && text.contains("completed"),
+        "{text}"
+    );
+    assert!(!stdout.contains("applied K=2") && !stderr.contains("applied K=2"));
+}

@@ -32,14 +32,31 @@ impl Feed {
         }
     }
 
+    /// The one place an action is handled. The view's own actions and knob changes go through
+    /// `App::apply` (knob changes then on to the trainer); recording belongs to the live feed,
+    /// transport (pause, step, seek, speed) to the replay. With the help overlay open, any key
+    /// only closes it (`App::apply`).
     pub fn act(&mut self, app: &mut App, action: Action) -> anyhow::Result<()> {
+        tracing::debug!(?action, "action");
+        if app.help {
+            app.apply(action);
+            return Ok(());
+        }
         match self {
-            Feed::Live(l) => l.act(app, action),
-            Feed::Replay(r) => {
-                r.act(app, action);
-                Ok(())
+            Feed::Live(live) if action == Action::RecordToggle => live.toggle_recording(app),
+            Feed::Live(live) => {
+                for control in app.apply(action) {
+                    live.handle.send(control, crate::telemetry::Origin::Key);
+                }
+            }
+            Feed::Replay(replay) => {
+                if !replay.transport(app, action) {
+                    app.apply(action);
+                }
+                replay.publish(app);
             }
         }
+        Ok(())
     }
 
     /// Stop the trainer and flush the recording.
@@ -158,22 +175,16 @@ impl Live {
         Ok(())
     }
 
-    fn act(&mut self, app: &mut App, action: Action) -> anyhow::Result<()> {
-        if action == Action::RecordToggle && !app.help {
-            app.dirty = true;
-            // A recording that cannot start is reported in the event log; the run goes on.
-            if let Err(e) = self.toggle_recording(app) {
-                note(app, format!("recording not started: {e:#}"));
-            }
-            return Ok(());
+    /// `r`: start or stop recording. One that cannot start is reported in the event log; the
+    /// run goes on.
+    fn toggle_recording(&mut self, app: &mut App) {
+        app.dirty = true;
+        if let Err(e) = self.try_toggle_recording(app) {
+            note(app, format!("recording not started: {e:#}"));
         }
-        for control in app.apply(action) {
-            self.handle.send(control, crate::telemetry::Origin::Key);
-        }
-        Ok(())
     }
 
-    fn toggle_recording(&mut self, app: &mut App) -> anyhow::Result<()> {
+    fn try_toggle_recording(&mut self, app: &mut App) -> anyhow::Result<()> {
         if let Some(mut r) = self.recorder.take() {
             r.flush()?;
             let path = r.path().display().to_string();
@@ -351,11 +362,8 @@ impl Replay {
         0.0
     }
 
-    fn act(&mut self, app: &mut App, action: Action) {
-        if app.help {
-            app.apply(action);
-            return;
-        }
+    /// Transport actions (pause, step, seek, speed); false for any other action.
+    fn transport(&mut self, app: &mut App, action: Action) -> bool {
         match action {
             Action::PauseResume => {
                 self.paused = !self.paused;
@@ -369,11 +377,9 @@ impl Replay {
             Action::SpeedDown => self.speed = (self.speed / 2.0).max(MIN_SPEED),
             Action::SeekBack => self.seek(app, app.last_step().saturating_sub(SEEK_STEPS)),
             Action::SeekForward => self.seek(app, app.last_step() + SEEK_STEPS),
-            other => {
-                app.apply(other);
-            }
+            _ => return false,
         }
-        self.publish(app);
+        true
     }
 
     /// Rebuild the state as it was right after `step`: replay from the start up to there.

@@ -413,6 +413,7 @@ impl EventSink {
 
     /// False once nobody is listening.
     pub fn send(&self, e: Event) -> bool {
+        trace_event(&e);
         if let Event::Step(s) = &e {
             self.last_step.store(s.step, Ordering::Relaxed);
         }
@@ -422,5 +423,39 @@ impl EventSink {
     /// The last optimizer step sent.
     pub fn last_step(&self) -> u64 {
         self.last_step.load(Ordering::Relaxed)
+    }
+}
+
+/// Diagnostics (`--log FILE`) see what the screen sees: every event the engine sends, at a
+/// level that matches it. Without a subscriber this costs a relaxed load.
+fn trace_event(e: &Event) {
+    match e {
+        Event::Header(h) => tracing::info!(
+            preset = %h.config.name,
+            device = %h.device,
+            params = h.params,
+            "run started"
+        ),
+        Event::Step(s) => tracing::debug!(
+            step = s.step,
+            loss = s.loss,
+            grad_norm = s.grad_norm,
+            step_ms = s.step_ms,
+            skipped = s.skipped,
+            "step"
+        ),
+        Event::Control(c) => tracing::info!(
+            step = c.step,
+            origin = ?c.origin,
+            "applied {}",
+            c.control.describe()
+        ),
+        Event::Log(l) => match l.level {
+            Level::Info => tracing::info!(step = l.step, "{}", l.message),
+            Level::Warn => tracing::warn!(step = l.step, "{}", l.message),
+            Level::Error => tracing::error!(step = l.step, "{}", l.message),
+        },
+        Event::End(end) => tracing::info!(step = end.step, reason = %end.reason, "run ended"),
+        other => tracing::trace!(kind = ?EventKind::from(other), "event"),
     }
 }
