@@ -7,8 +7,8 @@ use candle_core::Device;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::memory::StepFigure;
-use crate::record::Recorder;
 use crate::scenario::Scenario;
+use crate::session::Session;
 use crate::telemetry::{
     Control, ControlMsg, Event, Header, Level, MemorySource, Origin, StepEvent,
 };
@@ -43,8 +43,8 @@ pub fn run(scenario: Scenario, device: Device, opts: HeadlessOptions) -> anyhow:
 /// `run` for a trainer built by the caller (e.g. resumed from a checkpoint).
 pub fn run_trainer(trainer: train::Trainer, opts: HeadlessOptions) -> anyhow::Result<Summary> {
     refuse_screen_controls(&trainer)?;
-    let recorder = opts.record.as_deref().map(Recorder::create).transpose()?;
-    run_recording(trainer, recorder, opts.quiet, false)
+    let session = Session::start(trainer, opts.record.as_deref(), false)?;
+    run_session(session, opts.quiet, false)
 }
 
 /// Without a screen nobody can resume a paused run: a scripted `pause` or `single_step` would
@@ -69,18 +69,20 @@ pub fn refuse_screen_controls(trainer: &train::Trainer) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `run_trainer` with a recorder opened by the caller (e.g. one replacing a file, `--force`).
-/// `stop_on_signals`: SIGINT, SIGTERM and SIGHUP end the run cleanly (the CLI; not in tests,
-/// which share the process).
-pub fn run_recording(
-    trainer: train::Trainer,
-    mut recorder: Option<Recorder>,
+/// Follow a started session to its end with a progress bar (or none, `quiet`), recording as it
+/// goes. `stop_on_signals`: SIGINT, SIGTERM and SIGHUP end the run cleanly (the CLI; not in
+/// tests, which share the process).
+pub fn run_session(
+    session: Session,
     quiet: bool,
     stop_on_signals: bool,
 ) -> anyhow::Result<Summary> {
-    let total = trainer.scenario.train.steps;
-    let device = trainer.device.clone();
-    let (mut handle, sink) = train::spawn_trainer(trainer)?;
+    let Session {
+        mut handle,
+        sampler: _sampler,
+        mut recorder,
+        steps: total,
+    } = session;
     if stop_on_signals {
         let controls = handle.controls.clone();
         crate::signals::watch(move || {
@@ -90,7 +92,6 @@ pub fn run_recording(
             });
         })?;
     }
-    let _sampler = crate::memory::gpu::start_sampler(sink, &device);
     let bar = progress_bar(total, quiet);
     let mut summary = Summary::default();
     while let Some(mut event) = handle.events.blocking_recv() {

@@ -14,5 +14,6 @@ pub mod bench;
 pub mod compare;
 pub mod export;
 pub mod headless;
+pub mod session;
 pub mod signals;
 pub mod tui;

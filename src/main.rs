@@ -371,12 +371,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let trainer = build_trainer(&args, scenario, device)?;
     headless::refuse_screen_controls(&trainer).map_err(|e| UsageError(format!("{e:#}")))?;
-    let recorder = args
-        .record
-        .as_deref()
-        .map(|path| open_recorder(path, args.force))
-        .transpose()?;
-    let summary = headless::run_recording(trainer, recorder, false, true)?;
+    let session = gaccwb::session::Session::start(trainer, args.record.as_deref(), args.force)
+        .map_err(|e| UsageError(format!("{e:#}")))?;
+    let summary = headless::run_session(session, false, true)?;
     println!("{}", summary.render());
     if let Some(signal) = summary.signal {
         return Err(signal.into());
@@ -385,17 +382,6 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         anyhow::bail!("training failed: {}", headless::strip(&summary.end_reason));
     }
     Ok(())
-}
-
-/// A new recording, or (`--force`) one that replaces the file when it is complete.
-fn open_recorder(path: &Path, force: bool) -> anyhow::Result<gaccwb::record::Recorder> {
-    use gaccwb::record::Recorder;
-    let recorder = if force {
-        Recorder::create_replacing(path)
-    } else {
-        Recorder::create(path)
-    };
-    recorder.map_err(|e| UsageError(format!("{e:#}")).into())
 }
 
 /// `--record` must not name an existing file without `--force`, nor one of the run's own

@@ -90,9 +90,19 @@ impl Live {
         Ok(Live::with_recorder(handle, recorder, record))
     }
 
-    /// `new` with a recorder opened by the caller; `record` is its path (the base name for
-    /// recordings started with the key).
-    pub fn with_recorder(
+    /// A started session; `record` is its recording's path (the base name for recordings
+    /// started with the key).
+    pub fn from_session(session: crate::session::Session, record: Option<&Path>) -> Live {
+        let crate::session::Session {
+            handle,
+            sampler,
+            recorder,
+            ..
+        } = session;
+        Live::with_recorder(handle, recorder, record).with_sampler(sampler)
+    }
+
+    fn with_recorder(
         handle: TrainerHandle,
         recorder: Option<Recorder>,
         record: Option<&Path>,

@@ -49,15 +49,8 @@ pub fn require_terminal() -> anyhow::Result<()> {
 /// Run `trainer` with the workbench screen until the user quits.
 pub fn run_live(trainer: Trainer, opts: LiveOptions) -> anyhow::Result<()> {
     require_terminal()?;
-    let sampler_device = trainer.device.clone();
-    let (handle, sink) = crate::train::spawn_trainer(trainer)?;
-    let sampler = crate::memory::gpu::start_sampler(sink, &sampler_device);
-    let recorder = match (&opts.record, opts.force) {
-        (Some(path), true) => Some(crate::record::Recorder::create_replacing(path)?),
-        (Some(path), false) => Some(crate::record::Recorder::create(path)?),
-        (None, _) => None,
-    };
-    let live = Live::with_recorder(handle, recorder, opts.record.as_deref()).with_sampler(sampler);
+    let session = crate::session::Session::start(trainer, opts.record.as_deref(), opts.force)?;
+    let live = Live::from_session(session, opts.record.as_deref());
     let mut app = App {
         color: terminal::color_enabled(),
         recording: live.recording_path(),

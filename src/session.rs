@@ -1,0 +1,45 @@
+//! One training session, wired the same way for the headless run and the screen: the recorder
+//! is opened first (a refused file starts nothing), then the trainer thread, then the device
+//! sampler on the same event stream.
+
+use std::path::Path;
+
+use crate::memory::gpu::SamplerHandle;
+use crate::record::Recorder;
+use crate::train::{Trainer, TrainerHandle};
+
+pub struct Session {
+    pub handle: TrainerHandle,
+    /// Stops sampling when dropped.
+    pub sampler: SamplerHandle,
+    pub recorder: Option<Recorder>,
+    /// The run's `train.steps` (0: until stopped).
+    pub steps: u64,
+}
+
+impl Session {
+    /// Start `trainer`, recording to `record` when given (`force`: replace an existing file
+    /// once the new recording is complete; otherwise an existing file is refused).
+    pub fn start(trainer: Trainer, record: Option<&Path>, force: bool) -> anyhow::Result<Session> {
+        let recorder = record.map(|p| open_recorder(p, force)).transpose()?;
+        let steps = trainer.scenario.train.steps;
+        let device = trainer.device.clone();
+        let (handle, sink) = crate::train::spawn_trainer(trainer)?;
+        let sampler = crate::memory::gpu::start_sampler(sink, &device);
+        Ok(Session {
+            handle,
+            sampler,
+            recorder,
+            steps,
+        })
+    }
+}
+
+/// A new recording, or (`force`) one that replaces the file when it is complete.
+pub fn open_recorder(path: &Path, force: bool) -> anyhow::Result<Recorder> {
+    if force {
+        Recorder::create_replacing(path)
+    } else {
+        Recorder::create(path)
+    }
+}
