@@ -101,24 +101,21 @@ pub fn window_gradients_probed(
     probe: &mut dyn WindowProbe,
 ) -> std::result::Result<WindowGrads, Interrupt> {
     let micro: Vec<&[Sample]> = samples.chunks(knobs.micro_batch).collect();
-    let k = micro.len() as f64;
     let window_tokens: u64 = samples.iter().map(|s| s.len as u64).sum();
-    let pitfall = knobs.loss_norm != LossNorm::Tokens || knobs.zero_grad != ZeroGrad::PerWindow;
-    let mut noise = (knobs.noise && k >= 2.0).then(noise::WindowNorms::default);
-
-    let mut grads: Option<Vec<Tensor>> = None;
-    let mut reference: Option<Vec<Tensor>> = None;
+    let mut acc = Accumulation::new(knobs, micro.len());
     let (mut forward_ms, mut backward_ms) = (0.0, 0.0);
     // Each micro-batch's detached token-sum loss and its weight: read back in one transfer at
     // the end of the window, not one device-to-host sync per micro-batch.
     let mut losses: Vec<(Tensor, f64)> = Vec::new();
-    for chunk in micro {
+    for chunk in &micro {
         if !between() {
             return Err(Interrupt::Stop);
         }
+        // Forward: the micro-batch's loss, weighted into the window's and scaled.
         probe.phase_start(Phase::Forward);
-        let t0 = Instant::now();
+        let t = Instant::now();
         let batch = Batch::new(chunk, device)?;
+        let weights = LossWeights::new(&batch, window_tokens, micro.len(), knobs.loss_norm);
         let fwd = model.forward_checkpointed(
             &batch.inputs,
             knobs.dtype.candle(),
@@ -126,72 +123,145 @@ pub fn window_gradients_probed(
             knobs.checkpointing,
         )?;
         let nll = crate::ops::nll_sum(&fwd.logits, &batch.targets, &batch.mask)?;
-        let correct_weight = 1.0 / window_tokens.max(1) as f64;
-        let weight = match knobs.loss_norm {
-            LossNorm::Tokens => correct_weight,
-            LossNorm::MeanOfMeans => 1.0 / (batch.tokens.max(1) as f64 * k),
-        };
-        let scaled = nll.affine(weight * scale, 0.0)?;
-        losses.push((nll.detach(), weight));
+        let scaled = nll.affine(weights.applied * scale, 0.0)?;
+        losses.push((nll.detach(), weights.applied));
         // CUDA runs asynchronously: the phase's time and the memory reading are only true
         // once its kernels have finished (a no-op on the CPU).
         device.synchronize()?;
-        let t1 = Instant::now();
-        probe.forward_end(&scaled, &fwd.compute_weights, &buffer(&grads, &reference));
+        forward_ms += t.elapsed().as_secs_f64() * 1e3;
+        probe.forward_end(&scaled, &fwd.compute_weights, &acc.buffer());
+
+        // Backward: the micro-batch's gradients, folded into the window's.
         probe.phase_start(Phase::Backward);
-        let t2 = Instant::now();
+        let t = Instant::now();
         let store = scaled.backward()?;
         device.synchronize()?;
         probe.recomputed(fwd.recomputed.recomputed_graph_bytes());
-        probe.backward_end(
-            &scaled,
-            &fwd.compute_weights,
-            &store,
-            &buffer(&grads, &reference),
-        );
+        probe.backward_end(&scaled, &fwd.compute_weights, &store, &acc.buffer());
         drop(scaled);
         let recomputed = fwd.recomputed.clone();
         drop(fwd);
-        let micro_grads = model
-            .params
-            .iter()
-            .map(|p| {
-                // Detached: a parameter's gradient is computed from activations and would
-                // otherwise keep this micro-batch's whole graph alive through the buffer, the
-                // optimizer moments and every later step.
-                recomputed.get(&store, &p.var).ok_or_else(|| {
-                    candle_core::Error::Msg(format!("parameter {} received no gradient", p.name))
-                })
+        let micro_grads = parameter_gradients(model, &recomputed, store)?;
+        acc.add(micro_grads, &weights, scale, &batch, chunk.len())?;
+        backward_ms += t.elapsed().as_secs_f64() * 1e3;
+    }
+    let loss = window_loss(&losses)?;
+    Ok(acc.finish(scale, loss, window_tokens, forward_ms, backward_ms)?)
+}
+
+/// A micro-batch's loss weight in the window's loss: the one applied (`loss_norm`), and the
+/// correct one (per counted token of the window).
+struct LossWeights {
+    applied: f64,
+    correct: f64,
+}
+
+impl LossWeights {
+    fn new(batch: &Batch, window_tokens: u64, k: usize, loss_norm: LossNorm) -> LossWeights {
+        let correct = 1.0 / window_tokens.max(1) as f64;
+        let applied = match loss_norm {
+            LossNorm::Tokens => correct,
+            LossNorm::MeanOfMeans => 1.0 / (batch.tokens.max(1) as f64 * k as f64),
+        };
+        LossWeights { applied, correct }
+    }
+}
+
+/// Each parameter's gradient from one backward, detached: a parameter's gradient is computed
+/// from activations and would otherwise keep this micro-batch's whole graph alive through the
+/// buffer, the optimizer moments and every later step.
+fn parameter_gradients(
+    model: &Gpt,
+    recomputed: &crate::model::ParamGrads,
+    store: candle_core::backprop::GradStore,
+) -> Result<Vec<Tensor>> {
+    model
+        .params
+        .iter()
+        .map(|p| {
+            recomputed.get(&store, &p.var).ok_or_else(|| {
+                candle_core::Error::Msg(format!("parameter {} received no gradient", p.name))
             })
-            .collect::<Result<Vec<_>>>()?;
-        drop(store);
-        if let Some(n) = noise.as_mut() {
-            n.push(&micro_grads, weight * scale, batch.tokens, chunk.len())?;
+        })
+        .collect()
+}
+
+/// The window's accumulation buffer, folded by the configured zero-grad rule; beside it, while
+/// a pitfall is on, the correct window gradient (the reference `grad_error` is measured
+/// against), and the squared norms of the noise scale.
+struct Accumulation {
+    grads: Option<Vec<Tensor>>,
+    zero_grad: ZeroGrad,
+    /// `Some` while a pitfall is on: the correct fold of correctly weighted gradients.
+    reference: Option<Option<Vec<Tensor>>>,
+    noise: Option<noise::WindowNorms>,
+}
+
+impl Accumulation {
+    fn new(knobs: &Knobs, k: usize) -> Accumulation {
+        let pitfall = knobs.loss_norm != LossNorm::Tokens || knobs.zero_grad != ZeroGrad::PerWindow;
+        Accumulation {
+            grads: None,
+            zero_grad: knobs.zero_grad,
+            reference: pitfall.then_some(None),
+            noise: (knobs.noise && k >= 2).then(noise::WindowNorms::default),
         }
-        if pitfall {
-            let ratio = correct_weight / weight;
-            let correct: Vec<Tensor> = micro_grads
+    }
+
+    /// Every tensor of the buffers, for the memory ledger.
+    fn buffer(&self) -> Vec<&Tensor> {
+        let reference = self.reference.iter().flatten().flatten();
+        self.grads.iter().flatten().chain(reference).collect()
+    }
+
+    fn add(
+        &mut self,
+        micro: Vec<Tensor>,
+        weights: &LossWeights,
+        scale: f64,
+        batch: &Batch,
+        samples: usize,
+    ) -> Result<()> {
+        if let Some(n) = self.noise.as_mut() {
+            n.push(&micro, weights.applied * scale, batch.tokens, samples)?;
+        }
+        if let Some(reference) = self.reference.as_mut() {
+            let ratio = weights.correct / weights.applied;
+            let correct: Vec<Tensor> = micro
                 .iter()
                 .map(|g| g.affine(ratio, 0.0))
                 .collect::<Result<_>>()?;
-            reference = Some(fold(reference, correct, ZeroGrad::PerWindow)?);
+            *reference = Some(fold(reference.take(), correct, ZeroGrad::PerWindow)?);
         }
-        grads = Some(fold(grads, micro_grads, knobs.zero_grad)?);
-        forward_ms += (t1 - t0).as_secs_f64() * 1e3;
-        backward_ms += t2.elapsed().as_secs_f64() * 1e3;
+        self.grads = Some(fold(self.grads.take(), micro, self.zero_grad)?);
+        Ok(())
     }
-    if let (Some(n), Some(correct)) = (noise.as_mut(), reference.as_ref().or(grads.as_ref())) {
-        n.finish(correct, scale)?;
+
+    fn finish(
+        mut self,
+        scale: f64,
+        loss: f64,
+        tokens: u64,
+        forward_ms: f64,
+        backward_ms: f64,
+    ) -> Result<WindowGrads> {
+        let reference = self.reference.flatten();
+        if let (Some(n), Some(correct)) = (
+            self.noise.as_mut(),
+            reference.as_ref().or(self.grads.as_ref()),
+        ) {
+            n.finish(correct, scale)?;
+        }
+        Ok(WindowGrads {
+            noise: self.noise,
+            grads: self.grads.unwrap_or_default(),
+            reference,
+            loss,
+            tokens,
+            forward_ms,
+            backward_ms,
+        })
     }
-    Ok(WindowGrads {
-        noise,
-        grads: grads.unwrap_or_default(),
-        reference,
-        loss: window_loss(&losses)?,
-        tokens: window_tokens,
-        forward_ms,
-        backward_ms,
-    })
 }
 
 /// Σ weight × loss over the window's micro-batches, with one device-to-host transfer.
@@ -206,15 +276,6 @@ fn window_loss(losses: &[(Tensor, f64)]) -> Result<f64> {
         .zip(losses)
         .map(|(v, (_, weight))| f64::from(*v) * weight)
         .sum())
-}
-
-/// Every tensor of the accumulation buffers (the gradients, and the reference while a pitfall
-/// is measured).
-fn buffer<'a>(
-    grads: &'a Option<Vec<Tensor>>,
-    reference: &'a Option<Vec<Tensor>>,
-) -> Vec<&'a Tensor> {
-    grads.iter().chain(reference).flatten().collect()
 }
 
 /// Add a micro-batch's gradients into the accumulation buffer (or replace it: the zero-grad
