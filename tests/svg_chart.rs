@@ -35,7 +35,7 @@ fn texts(svg: &str) -> Vec<Text> {
                 x: number("x"),
                 y: number("y"),
                 anchor: attribute(tag, "text-anchor").unwrap_or_default(),
-                content: rest.split("</text>").next().unwrap().to_string(),
+                content: rest.split("</text>").next().unwrap().trim().to_string(),
             }
         })
         .collect()
