@@ -10,8 +10,8 @@ use std::fmt;
 use candle_core::Device;
 use serde::Serialize;
 
-use crate::scenario::{nearest, Scenario};
 use crate::memory::{step_figures, StepFigure};
+use crate::scenario::{nearest, Scenario};
 use crate::telemetry::Categories;
 use crate::train::Trainer;
 

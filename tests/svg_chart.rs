@@ -4,9 +4,9 @@
 
 use std::path::Path;
 
-use gaccwb::telemetry::{Control, Origin};
 use gaccwb::export::svg::{render_svg, MARKER};
 use gaccwb::record::{read_recording, Recording};
+use gaccwb::telemetry::{Control, Origin};
 use gaccwb::telemetry::{ControlEvent, Event};
 use gaccwb::tui::testing::{header, sample_run};
 
@@ -104,8 +104,14 @@ fn check(recording: &Recording) -> Vec<String> {
     rows.dedup();
     assert!(rows.len() >= 3, "a step axis per panel: {rows:?}");
     let step = |t: &Text| t.content.parse::<f64>().unwrap();
-    let first = ticks.iter().min_by(|a, b| step(a).total_cmp(&step(b))).unwrap();
-    let last = ticks.iter().max_by(|a, b| step(a).total_cmp(&step(b))).unwrap();
+    let first = ticks
+        .iter()
+        .min_by(|a, b| step(a).total_cmp(&step(b)))
+        .unwrap();
+    let last = ticks
+        .iter()
+        .max_by(|a, b| step(a).total_cmp(&step(b)))
+        .unwrap();
     let pixel = |s: u64| {
         first.x + (s as f64 - step(first)) * (last.x - first.x) / (step(last) - step(first))
     };
@@ -115,10 +121,13 @@ fn check(recording: &Recording) -> Vec<String> {
     for &s in &steps {
         let x = pixel(s);
         for &row in &rows {
-            let found = markers
-                .iter()
-                .any(|&(mx, _, bottom)| (mx - x).abs() <= 1.5 && bottom <= row && bottom > row - 40.0);
-            assert!(found, "no marker at step {s} (x ≈ {x:.0}) in the panel above y = {row}");
+            let found = markers.iter().any(|&(mx, _, bottom)| {
+                (mx - x).abs() <= 1.5 && bottom <= row && bottom > row - 40.0
+            });
+            assert!(
+                found,
+                "no marker at step {s} (x ≈ {x:.0}) in the panel above y = {row}"
+            );
         }
     }
     let labels: Vec<String> = texts
@@ -126,7 +135,11 @@ fn check(recording: &Recording) -> Vec<String> {
         .filter(|t| t.content.starts_with("step "))
         .map(|t| t.content.clone())
         .collect();
-    assert_eq!(labels.len(), steps.len(), "one label per step with controls: {labels:?}");
+    assert_eq!(
+        labels.len(),
+        steps.len(),
+        "one label per step with controls: {labels:?}"
+    );
     labels
 }
 

@@ -2,6 +2,8 @@
 //! each ledger category and the order they stack in, the legend column, and text widths for
 //! placing labels without overlaps.
 
+use std::ops::Range;
+
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
@@ -114,6 +116,23 @@ pub fn legend_top(area: &Area, chart_top: i32) -> i32 {
     chart_top - area.get_base_pixel().1 + 4
 }
 
+/// A y-axis label for `value` on an axis spanning `range`: as many decimals as the span needs
+/// (no "40.0" on an axis of tens), powers of ten for huge values.
+pub fn axis_number(value: f64, range: &Range<f64>) -> String {
+    let span = (range.end - range.start).abs();
+    let decimals = match span {
+        s if s >= 20.0 => 0,
+        s if s >= 2.0 => 1,
+        s if s >= 0.2 => 2,
+        _ => 3,
+    };
+    if value.abs() >= 1e7 {
+        format!("{value:.2e}")
+    } else {
+        format!("{value:.decimals$}")
+    }
+}
+
 /// A text's width in pixels, estimated: the SVG is rendered with whatever sans-serif font the
 /// viewer has, so an estimate with some slack is all a layout can use.
 pub fn text_width(text: &str, font_size: u32) -> i32 {
@@ -145,5 +164,13 @@ mod tests {
         assert_eq!(wrap_at_commas("B=4,K=8", 500, 15), ["B=4,K=8"]);
         let lines = wrap_at_commas("B=4,K=8,offload,bf16", text_width("B=4,K=8", 15), 15);
         assert_eq!(lines, ["B=4,K=8", "offload", "bf16"]);
+    }
+
+    #[test]
+    fn axis_numbers_carry_the_decimals_their_span_needs() {
+        assert_eq!(axis_number(40.0, &(0.0..47.0)), "40");
+        assert_eq!(axis_number(2.5, &(1.4..3.6)), "2.5");
+        assert_eq!(axis_number(0.25, &(0.2..0.3)), "0.250");
+        assert_eq!(axis_number(1e300, &(0.0..1e300)), "1.00e300");
     }
 }

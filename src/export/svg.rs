@@ -12,12 +12,12 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::chart::{
-    category_color, category_label, draw_legend, legend_top, text_width, Area,
+    axis_number, category_color, category_label, draw_legend, legend_top, text_width, Area,
     DrawResult, LegendEntry, Swatch, FONT, LEGEND_WIDTH, MIB, PALETTE, STACK_ORDER,
 };
-use crate::telemetry::Knobs;
 use crate::memory::{step_figures, StepFigure};
 use crate::record::Recording;
+use crate::telemetry::Knobs;
 use crate::telemetry::{Event, StepEvent};
 
 const WIDTH: u32 = 1100;
@@ -40,8 +40,7 @@ const LABEL_FONT: u32 = 15;
 pub const MARKER: RGBColor = RGBColor(80, 80, 80);
 const ESTIMATE: RGBColor = RGBColor(230, 0, 126);
 
-type Chart<'a, 'b> =
-    ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordu64, RangedCoordf64>>;
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordu64, RangedCoordf64>>;
 
 /// A named line of (step, value) points.
 #[derive(Debug)]
@@ -92,8 +91,8 @@ pub fn render_svg(recording: &Recording) -> Result<String, Box<dyn std::error::E
     let height = TITLE_HEIGHT + strip_height + LOSS_HEIGHT + GRAD_HEIGHT + scale_height;
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, height + MEMORY_HEIGHT))
-            .into_drawing_area();
+        let root =
+            SVGBackend::with_string(&mut svg, (WIDTH, height + MEMORY_HEIGHT)).into_drawing_area();
         root.fill(&WHITE)?;
         let (title, rest) = root.split_vertically(TITLE_HEIGHT);
         draw_title(&title, recording)?;
@@ -408,9 +407,11 @@ fn build_chart<'a, 'b>(
         .margin(MARGIN)
         .x_label_area_size(if x_desc.is_some() { 44 } else { 28 })
         .y_label_area_size(Y_LABELS)
-        .build_cartesian_2d(x, y)?;
+        .build_cartesian_2d(x, y.clone())?;
+    let y_label = move |v: &f64| axis_number(*v, &y);
     let mut mesh = chart.configure_mesh();
     mesh.x_labels(12)
+        .y_label_formatter(&y_label)
         .y_labels(6)
         .light_line_style(RGBColor(238, 238, 238))
         .label_style((FONT, 14));
@@ -453,7 +454,11 @@ fn draw_lines_panel(
     let mut chart = build_chart(&plot, caption, x, y_range(series), None)?;
     let pixels = draw_markers(&mut chart, marks)?;
     if series.iter().all(|s| s.points.is_empty()) {
-        legend.draw(&Text::new("no data in this recording", (10, 40), (FONT, 14)))?;
+        legend.draw(&Text::new(
+            "no data in this recording",
+            (10, 40),
+            (FONT, 14),
+        ))?;
         return Ok(pixels);
     }
     let mut entries = Vec::new();
@@ -470,7 +475,12 @@ fn draw_lines_panel(
     Ok(pixels)
 }
 
-fn draw_memory_panel(area: &Area, x: Range<u64>, recording: &Recording, marks: &[u64]) -> DrawResult {
+fn draw_memory_panel(
+    area: &Area,
+    x: Range<u64>,
+    recording: &Recording,
+    marks: &[u64],
+) -> DrawResult {
     let figures = figures(recording);
     let stack = memory_stack(&figures);
     let peak: Vec<(u64, f64)> = figures
@@ -509,7 +519,10 @@ fn draw_memory_panel(area: &Area, x: Range<u64>, recording: &Recording, marks: &
     ))?;
     let mut entries = vec![LegendEntry::new("measured peak", Swatch::Line(BLACK))];
     if !estimate.is_empty() {
-        entries.push(LegendEntry::new("estimate (peak)", Swatch::Dashed(ESTIMATE)));
+        entries.push(LegendEntry::new(
+            "estimate (peak)",
+            Swatch::Dashed(ESTIMATE),
+        ));
     }
     for (category, _) in stack.iter().rev() {
         let swatch = Swatch::Fill(category_color(*category));
@@ -602,6 +615,9 @@ mod tests {
         let (placed, unlabelled) = place_labels(&[mark(10), mark(11), long], &(0..100));
         let rows: Vec<usize> = placed.iter().map(|p| p.row).collect();
         assert_eq!((rows, unlabelled), (vec![0, 1, 0], 0));
-        assert!(placed[2].leftward, "a label at the right edge ends left of its marker");
+        assert!(
+            placed[2].leftward,
+            "a label at the right edge ends left of its marker"
+        );
     }
 }
