@@ -689,6 +689,9 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
     }
     let configs = compare::parse_grid(&grid, &base).map_err(|e| usage(&e))?;
     // Refuse before the runs, not after minutes of training.
+    if args.csv.is_some() && args.csv == args.svg {
+        anyhow::bail!(UsageError("--csv and --svg name the same file".into()));
+    }
     for (path, what) in [(&args.csv, "table"), (&args.svg, "chart")] {
         if let Some(path) = path {
             gaccwb::safe_write::check_free(path, what, args.force)?;
