@@ -152,7 +152,7 @@ pub fn run_one(config: &Config, steps: u64, device: &Device) -> anyhow::Result<R
         seconds += step.step_ms / 1e3;
         loss = step.loss;
         for figure in step_figures(&trainer.memory.take_events()) {
-            if peak.as_ref().map_or(true, |p| figure.peak > p.peak) {
+            if peak.as_ref().is_none_or(|p| figure.peak > p.peak) {
                 peak = Some(figure);
             }
         }
