@@ -136,8 +136,8 @@ pub fn axis_number(value: f64, range: &Range<f64>) -> String {
 /// A text's width in pixels, estimated: the SVG is rendered with whatever sans-serif font the
 /// viewer has, so an estimate with some slack is all a layout can use.
 pub fn text_width(text: &str, font_size: u32) -> i32 {
-    // plotters writes font-size = size / 1.24; an average sans-serif glyph is ~0.56 em wide.
-    (text.chars().count() as f64 * font_size as f64 / 1.24 * 0.56).ceil() as i32
+    // plotters writes font-size = size / 1.24; an average sans-serif glyph is ~0.6 em wide.
+    (text.chars().count() as f64 * font_size as f64 / 1.24 * 0.6).ceil() as i32
 }
 
 /// Split `text` at commas into lines of at most `width` pixels (a long configuration label).

@@ -9,7 +9,6 @@ use std::path::Path;
 
 use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
-use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::chart::{
     axis_number, category_color, category_label, draw_legend, legend_top, text_width, Area,
@@ -77,10 +76,11 @@ pub fn render_svg(recording: &Recording) -> Result<String, Box<dyn std::error::E
     let marks = control_marks(recording);
     let (placed, unlabelled) = place_labels(&marks, &x);
     let rows = placed.iter().map(|p| p.row + 1).max().unwrap_or(0) as u32;
+    let note_row = u32::from(unlabelled > 0);
     let strip_height = if marks.is_empty() {
         0
     } else {
-        rows * CONTROL_ROW + 10
+        (rows + note_row) * CONTROL_ROW + 10
     };
     let scaled = steps.iter().any(|s| s.loss_scale != 1.0);
     let scale_height = if scaled {
@@ -238,40 +238,55 @@ fn approx_pixel(step: u64, x: &Range<u64>) -> i32 {
 }
 
 /// The labels above the panels, each with a dashed stub down to where its marker line starts.
-/// `pixels` are the markers' exact x in the panels.
+/// `pixels` are the markers' exact x in the panels. Stubs go first: a label's white box keeps a
+/// stub that passes under it from striking through its text.
 fn draw_control_strip(
     area: &Area,
     placed: &[Placed],
     pixels: &[i32],
     unlabelled: usize,
 ) -> DrawResult {
-    let (_, bottom) = area.dim_in_pixel();
+    let bottom = area.dim_in_pixel().1 as i32;
     let base_x = area.get_base_pixel().0;
+    let row_top = |row: usize| 4 + (row as u32 * CONTROL_ROW) as i32;
     for p in placed {
         let px = pixels[p.mark] - base_x;
-        let y = 4 + (p.row as u32 * CONTROL_ROW) as i32;
-        let style = TextStyle::from((FONT, LABEL_FONT).into_font());
-        let (x, style) = if p.leftward {
-            (px - 5, style.pos(Pos::new(HPos::Right, VPos::Top)))
-        } else {
-            (px + 5, style)
-        };
-        area.draw(&Text::new(p.text.clone(), (x, y), style))?;
-        let mut top = y;
-        while top < bottom as i32 {
-            let end = (top + 4).min(bottom as i32);
+        let mut top = row_top(p.row);
+        while top < bottom {
+            let end = (top + 4).min(bottom);
             area.draw(&PathElement::new(vec![(px, top), (px, end)], MARKER))?;
             top += 8;
         }
     }
-    if unlabelled > 0 {
-        let note = format!("{unlabelled} more control(s) marked, not labelled");
-        area.draw(&Text::new(
-            note,
-            (WIDTH as i32 - LEGEND_WIDTH as i32 + 10, 4),
-            (FONT, 13).into_font().color(&RGBColor(90, 90, 90)),
-        ))?;
+    for p in placed {
+        let px = pixels[p.mark] - base_x;
+        let width = text_width(&p.text, LABEL_FONT);
+        let left = if p.leftward { px - 5 - width } else { px + 5 };
+        boxed_label(area, &p.text, (left, row_top(p.row)), BLACK)?;
     }
+    if unlabelled > 0 {
+        let rows = placed.iter().map(|p| p.row + 1).max().unwrap_or(0);
+        let note = format!("{unlabelled} more control(s): marked, not labelled");
+        boxed_label(
+            area,
+            &note,
+            (PLOT_LEFT, row_top(rows)),
+            RGBColor(90, 90, 90),
+        )?;
+    }
+    Ok(())
+}
+
+/// `text` from `(left, top)` on a white box.
+fn boxed_label(area: &Area, text: &str, (left, top): (i32, i32), color: RGBColor) -> DrawResult {
+    let width = text_width(text, LABEL_FONT);
+    let corners = [
+        (left - 2, top - 1),
+        (left + width + 2, top + CONTROL_ROW as i32 - 5),
+    ];
+    area.draw(&Rectangle::new(corners, WHITE.filled()))?;
+    let style = (FONT, LABEL_FONT).into_font().color(&color);
+    area.draw(&Text::new(text.to_string(), (left, top), style))?;
     Ok(())
 }
 
