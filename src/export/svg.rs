@@ -72,8 +72,8 @@ pub fn render_svg(recording: &Recording) -> Result<String, Box<dyn std::error::E
             _ => None,
         })
         .collect();
-    let x = step_range(&steps);
     let marks = control_marks(recording);
+    let x = step_range(&steps, &marks);
     let (placed, unlabelled) = place_labels(&marks, &x);
     let rows = placed.iter().map(|p| p.row + 1).max().unwrap_or(0) as u32;
     let note_row = u32::from(unlabelled > 0);
@@ -152,9 +152,12 @@ fn draw_title(area: &Area, recording: &Recording) -> DrawResult {
     Ok(())
 }
 
-fn step_range(steps: &[&StepEvent]) -> Range<u64> {
-    let last = steps.last().map(|s| s.step).unwrap_or(1).max(1);
-    0..last
+/// From 0 to the last step, or to the last control when one came later (a run stopped just
+/// after it): every marker lies on the axis.
+fn step_range(steps: &[&StepEvent], marks: &[Mark]) -> Range<u64> {
+    let last_step = steps.last().map_or(1, |s| s.step);
+    let last_mark = marks.last().map_or(0, |m| m.step);
+    0..last_step.max(last_mark).max(1)
 }
 
 /// The applied knob changes (flow controls change no curve), those of one step in one label,
@@ -513,8 +516,10 @@ fn draw_memory_panel(
     let caption = "memory (MiB): each step's fullest phase, by ledger category";
     let (plot, legend) = split_panel(area);
     let mut chart = build_chart(&plot, caption, x, y, Some("optimizer step"))?;
-    if figures.is_empty() {
+    if figures.is_empty() && estimate.is_empty() {
+        draw_markers(&mut chart, marks)?;
         legend.draw(&Text::new("no memory events", (10, 40), (FONT, 14)))?;
+        return Ok(());
     }
     // Top layer first: each lower layer paints over the part of it that is not its own.
     for (category, points) in stack.iter().rev() {
