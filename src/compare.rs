@@ -10,8 +10,9 @@ use std::fmt;
 use candle_core::Device;
 use serde::Serialize;
 
+use crate::memory::{step_figures, StepFigure};
 use crate::scenario::{nearest, Scenario};
-use crate::telemetry::Phase;
+use crate::telemetry::Categories;
 use crate::train::Trainer;
 
 /// The short items a grid entry accepts (besides `section.key=value`).
@@ -123,8 +124,11 @@ pub struct Row {
     pub effective_batch: usize,
     /// Highest measured peak over the steps (bytes).
     pub measured_peak: u64,
-    /// The largest category at that peak's phase.
+    /// The largest category of `measured_ledger`.
     pub largest_category: String,
+    /// By category, the bytes of the step with the highest peak, at its fullest phase
+    /// (`memory::figure`), counting only what lies in the measured memory.
+    pub measured_ledger: Categories,
     pub predicted_peak: u64,
     pub tokens_per_s: f64,
     pub steps_per_s: f64,
@@ -136,7 +140,7 @@ pub struct Row {
 pub fn run_one(config: &Config, steps: u64, device: &Device) -> anyhow::Result<Row> {
     let mut trainer = Trainer::new(config.scenario.clone(), device.clone())?;
     let predicted_peak = trainer.memory_estimate().peak();
-    let (mut peak, mut largest) = (0u64, String::new());
+    let mut peak: Option<StepFigure> = None;
     let (mut tokens, mut seconds, mut loss) = (0u64, 0f64, f64::NAN);
     for _ in 0..steps {
         let step = match trainer.train_step(|| true) {
@@ -147,10 +151,9 @@ pub fn run_one(config: &Config, steps: u64, device: &Device) -> anyhow::Result<R
         tokens += step.tokens;
         seconds += step.step_ms / 1e3;
         loss = step.loss;
-        for m in trainer.memory.take_events() {
-            if m.phase != Phase::Step && m.peak > peak {
-                peak = m.peak;
-                largest = largest_category(&m.categories);
+        for figure in step_figures(&trainer.memory.take_events()) {
+            if peak.as_ref().is_none_or(|p| figure.peak > p.peak) {
+                peak = Some(figure);
             }
         }
     }
@@ -160,13 +163,18 @@ pub fn run_one(config: &Config, steps: u64, device: &Device) -> anyhow::Result<R
         None
     };
     let k = &trainer.knobs;
+    let (measured_peak, ledger) = match &peak {
+        Some(p) => (p.peak, p.measured_ledger()),
+        None => (0, Categories::default()),
+    };
     Ok(Row {
         config: config.label.clone(),
         micro_batch: k.micro_batch,
         accum_steps: k.accum_steps,
         effective_batch: k.effective_batch(),
-        measured_peak: peak,
-        largest_category: largest,
+        measured_peak,
+        largest_category: largest_category(&ledger),
+        measured_ledger: ledger,
         predicted_peak,
         tokens_per_s: tokens as f64 / seconds.max(f64::MIN_POSITIVE),
         steps_per_s: steps as f64 / seconds.max(f64::MIN_POSITIVE),
@@ -175,8 +183,8 @@ pub fn run_one(config: &Config, steps: u64, device: &Device) -> anyhow::Result<R
     })
 }
 
-fn largest_category(c: &crate::telemetry::Categories) -> String {
-    crate::telemetry::Categories::NAMES
+fn largest_category(c: &Categories) -> String {
+    Categories::NAMES
         .iter()
         .zip(c.values())
         .max_by_key(|(_, v)| *v)

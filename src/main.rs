@@ -61,6 +61,12 @@ struct CompareArgs {
     /// Also write the table as CSV.
     #[arg(long, value_name = "FILE")]
     csv: Option<PathBuf>,
+    /// Also draw the table as an SVG chart (grouped bars: peak memory, tokens/s).
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+    /// Replace the --csv / --svg files when they exist.
+    #[arg(long)]
+    force: bool,
     /// Print the rows as JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -693,6 +699,15 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         anyhow::bail!(UsageError("--steps must be at least 1".into()));
     }
     let configs = compare::parse_grid(&grid, &base).map_err(|e| usage(&e))?;
+    // Refuse before the runs, not after minutes of training.
+    if args.csv.is_some() && args.csv == args.svg {
+        anyhow::bail!(UsageError("--csv and --svg name the same file".into()));
+    }
+    for (path, what) in [(&args.csv, "table"), (&args.svg, "chart")] {
+        if let Some(path) = path {
+            gaccwb::safe_write::check_free(path, what, args.force)?;
+        }
+    }
     let device = candle_core::Device::Cpu;
     let mut rows = Vec::new();
     for (i, c) in configs.iter().enumerate() {
@@ -705,8 +720,15 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         print!("{}", compare::table(&rows));
     }
     if let Some(path) = &args.csv {
-        std::fs::write(path, compare::csv(&rows))
-            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        let csv = compare::csv(&rows);
+        gaccwb::safe_write::write_file(path, csv.as_bytes(), "table", args.force)?;
+    }
+    if let Some(path) = &args.svg {
+        let title = format!(
+            "{}: {steps} optimizer steps per configuration, same seed and samples",
+            base.name
+        );
+        gaccwb::export::compare_svg::write_compare_svg(&rows, &title, path, args.force)?;
     }
     Ok(())
 }

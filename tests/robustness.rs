@@ -259,6 +259,35 @@ fn export_refuses_existing_outputs_and_its_own_input() {
 }
 
 #[test]
+fn compare_refuses_existing_outputs_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let grid = "B=2,model.d_model=16,model.layers=1,model.heads=2,model.seq_len=16";
+    let compare = |extra: &[&str]| {
+        let mut args = vec!["compare", "baseline", "--grid", grid, "--steps", "1"];
+        args.extend_from_slice(extra);
+        gaccwb(&args, dir.path())
+    };
+    for flag in ["--csv", "--svg"] {
+        std::fs::write(dir.path().join("mine"), "my notes").unwrap();
+        let (code, _, stderr) = compare(&[flag, "mine"]);
+        assert_eq!(code, 1, "{flag}: {stderr}");
+        assert!(stderr.contains("--force"), "{stderr}");
+        assert!(
+            !stderr.contains("[1/1]"),
+            "refused before training: {stderr}"
+        );
+        let mine = std::fs::read_to_string(dir.path().join("mine")).unwrap();
+        assert_eq!(mine, "my notes");
+    }
+    let (code, _, stderr) = compare(&["--csv", "mine", "--svg", "chart.svg", "--force"]);
+    assert_eq!(code, 0, "{stderr}");
+    let csv = std::fs::read_to_string(dir.path().join("mine")).unwrap();
+    assert!(csv.starts_with("config,"), "{csv}");
+    let svg = std::fs::read_to_string(dir.path().join("chart.svg")).unwrap();
+    assert!(svg.contains("<svg") && svg.contains("B=2,model.d_model=16"));
+}
+
+#[test]
 fn a_checkpoint_dir_of_another_run_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let save = ["--checkpoint-every", "1", "--checkpoint-dir", "ck"];

@@ -1,3 +1,5 @@
 pub mod cast;
+pub mod chart;
+pub mod compare_svg;
 pub mod csv;
 pub mod svg;

@@ -1,38 +1,58 @@
-//! `gaccwb export FILE --to svg -o OUT.svg`: one SVG with four charts drawn by `plotters`:
-//! loss (train, and validation when recorded), gradient norm before and after clipping, the
-//! loss scale (log2), and memory by ledger category. Dashed grey lines mark applied controls.
+//! `gaccwb export FILE --to svg -o OUT.svg`: one SVG drawn by `plotters`, panels sharing one step
+//! axis: loss (train, and validation when recorded), gradient norm before and after clipping, the
+//! loss scale (log2; one line of text when the run never scaled), and memory: each step's ledger
+//! stacked by category, the measured peak as a line and the estimate dashed. A dashed line
+//! crosses every panel at each applied control, labelled once at the top with what changed.
 
 use std::ops::Range;
 use std::path::Path;
 
-use plotters::coord::Shift;
+use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
 
-use crate::memory::step_figures;
+use super::chart::{
+    axis_number, category_color, category_label, draw_legend, legend_top, text_width, Area,
+    DrawResult, LegendEntry, Swatch, FONT, LEGEND_WIDTH, MIB, PALETTE, STACK_ORDER,
+};
+use crate::memory::{step_figures, StepFigure};
 use crate::record::Recording;
-use crate::telemetry::{Categories, Event, StepEvent};
+use crate::telemetry::Knobs;
+use crate::telemetry::{Event, StepEvent};
 
-const WIDTH: u32 = 1000;
-const PANEL_HEIGHT: u32 = 320;
-const PALETTE: [RGBColor; 8] = [
-    RGBColor(31, 119, 180),
-    RGBColor(255, 127, 14),
-    RGBColor(44, 160, 44),
-    RGBColor(214, 39, 40),
-    RGBColor(148, 103, 189),
-    RGBColor(140, 86, 75),
-    RGBColor(227, 119, 194),
-    RGBColor(127, 127, 127),
-];
+const WIDTH: u32 = 1100;
+const TITLE_HEIGHT: u32 = 58;
+const LOSS_HEIGHT: u32 = 280;
+const GRAD_HEIGHT: u32 = 240;
+const SCALE_HEIGHT: u32 = 220;
+const SCALE_NOTE_HEIGHT: u32 = 34;
+const MEMORY_HEIGHT: u32 = 400;
+const MARGIN: u32 = 12;
+const Y_LABELS: u32 = 70;
+/// Left and right pixel of every panel's plot: all panels share one step axis.
+const PLOT_LEFT: i32 = (MARGIN + Y_LABELS) as i32;
+const PLOT_RIGHT: i32 = (WIDTH - LEGEND_WIDTH - MARGIN) as i32;
+/// One row of control labels; labels that would overlap go to the next row.
+const CONTROL_ROW: u32 = 22;
+const MAX_CONTROL_ROWS: usize = 4;
+const LABEL_FONT: u32 = 15;
+/// The colour of control markers (the test finds markers by it).
+pub const MARKER: RGBColor = RGBColor(80, 80, 80);
+const ESTIMATE: RGBColor = RGBColor(230, 0, 126);
 
-type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
-type DrawResult = Result<(), Box<dyn std::error::Error>>;
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordu64, RangedCoordf64>>;
 
 /// A named line of (step, value) points.
 #[derive(Debug)]
 struct Series {
     label: String,
-    points: Vec<(f64, f64)>,
+    points: Vec<(u64, f64)>,
+}
+
+/// The controls applied at one step, in one label ("B 32→4, K 1→8").
+#[derive(Debug, PartialEq)]
+pub struct Mark {
+    pub step: u64,
+    pub label: String,
 }
 
 /// Draw the charts into `out`; an existing file is refused unless `force`.
@@ -52,76 +72,231 @@ pub fn render_svg(recording: &Recording) -> Result<String, Box<dyn std::error::E
             _ => None,
         })
         .collect();
-    let markers: Vec<f64> = recording
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Control(c) if !c.control.is_flow() => Some(c.step as f64),
-            _ => None,
-        })
-        .collect();
+    let marks = control_marks(recording);
+    let x = step_range(&steps, &marks);
+    let (placed, unlabelled) = place_labels(&marks, &x);
+    let rows = placed.iter().map(|p| p.row + 1).max().unwrap_or(0) as u32;
+    let note_row = u32::from(unlabelled > 0);
+    let strip_height = if marks.is_empty() {
+        0
+    } else {
+        (rows + note_row) * CONTROL_ROW + 10
+    };
+    let scaled = steps.iter().any(|s| s.loss_scale != 1.0);
+    let scale_height = if scaled {
+        SCALE_HEIGHT
+    } else {
+        SCALE_NOTE_HEIGHT
+    };
+    let height = TITLE_HEIGHT + strip_height + LOSS_HEIGHT + GRAD_HEIGHT + scale_height;
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, PANEL_HEIGHT * 4)).into_drawing_area();
+        let root =
+            SVGBackend::with_string(&mut svg, (WIDTH, height + MEMORY_HEIGHT)).into_drawing_area();
         root.fill(&WHITE)?;
-        let title = format!(
-            "{} on {}",
-            recording.header.config.name, recording.header.device
-        );
-        let root = root.titled(&title, ("sans-serif", 22))?;
-        let panels = root.split_evenly((4, 1));
-        let x = step_range(&steps);
-        draw_panel(
-            &panels[0],
+        let (title, rest) = root.split_vertically(TITLE_HEIGHT);
+        draw_title(&title, recording)?;
+        let (strip, rest) = rest.split_vertically(strip_height);
+        let (loss, rest) = rest.split_vertically(LOSS_HEIGHT);
+        let (grad, rest) = rest.split_vertically(GRAD_HEIGHT);
+        let (scale, memory) = rest.split_vertically(scale_height);
+        let steps_at: Vec<u64> = marks.iter().map(|m| m.step).collect();
+        let pixels = draw_lines_panel(
+            &loss,
             "loss (nats/token)",
             x.clone(),
             &loss_series(recording, &steps),
-            &markers,
+            &steps_at,
         )?;
-        draw_panel(
-            &panels[1],
+        draw_lines_panel(
+            &grad,
             "gradient norm",
             x.clone(),
             &grad_series(&steps),
-            &markers,
+            &steps_at,
         )?;
-        if steps.iter().any(|s| s.loss_scale != 1.0) {
-            draw_panel(
-                &panels[2],
+        if scaled {
+            draw_lines_panel(
+                &scale,
                 "loss scale (log2)",
                 x.clone(),
                 &scale_series(&steps),
-                &markers,
+                &steps_at,
             )?;
         } else {
             // A flat line at 0 with an axis of "0.0 … -0.0" says nothing: say it in words.
-            panels[2].draw(&Text::new(
+            scale.draw(&Text::new(
                 "loss scale: not used (only f16 scales the loss; this run never did)",
-                (40, PANEL_HEIGHT as i32 / 2),
-                ("sans-serif", 16),
+                (PLOT_LEFT, 8),
+                (FONT, 16).into_font().color(&RGBColor(90, 90, 90)),
             ))?;
         }
-        draw_panel(
-            &panels[3],
-            "memory (MiB, largest phase of each step)",
-            x,
-            &memory_series(recording),
-            &markers,
-        )?;
+        draw_memory_panel(&memory, x, recording, &steps_at)?;
+        draw_control_strip(&strip, &placed, &pixels, unlabelled)?;
         root.present()?;
     }
     Ok(svg)
 }
 
-fn step_range(steps: &[&StepEvent]) -> Range<f64> {
-    let last = steps.last().map(|s| s.step).unwrap_or(1).max(1);
-    0.0..last as f64
+fn draw_title(area: &Area, recording: &Recording) -> DrawResult {
+    let config = &recording.header.config;
+    let title = format!("{} on {}", config.name, recording.header.device);
+    area.draw(&Text::new(title, (PLOT_LEFT, 8), (FONT, 26)))?;
+    if !config.description.is_empty() {
+        area.draw(&Text::new(
+            config.description.clone(),
+            (PLOT_LEFT, 36),
+            (FONT, 15).into_font().color(&RGBColor(90, 90, 90)),
+        ))?;
+    }
+    Ok(())
+}
+
+/// From 0 to the last step, or to the last control when one came later (a run stopped just
+/// after it): every marker lies on the axis.
+fn step_range(steps: &[&StepEvent], marks: &[Mark]) -> Range<u64> {
+    let last_step = steps.last().map_or(1, |s| s.step);
+    let last_mark = marks.last().map_or(0, |m| m.step);
+    0..last_step.max(last_mark).max(1)
+}
+
+/// The applied knob changes (flow controls change no curve), those of one step in one label,
+/// each saying the value before and after: knobs start from the recording's configuration.
+pub fn control_marks(recording: &Recording) -> Vec<Mark> {
+    let mut knobs = Knobs::from_scenario(&recording.header.config);
+    let mut marks: Vec<Mark> = Vec::new();
+    for event in &recording.events {
+        let Event::Control(c) = event else { continue };
+        if c.control.is_flow() {
+            continue;
+        }
+        let change = c.control.describe_change(&knobs);
+        knobs.apply(&c.control);
+        match marks.last_mut() {
+            Some(m) if m.step == c.step => {
+                m.label.push_str(", ");
+                m.label.push_str(&change);
+            }
+            _ => marks.push(Mark {
+                step: c.step,
+                label: change,
+            }),
+        }
+    }
+    marks
+}
+
+/// A control label's place in the strip above the panels.
+#[derive(Debug)]
+struct Placed {
+    /// Index into the marks.
+    mark: usize,
+    text: String,
+    row: usize,
+    /// The label ends left of its marker (it would run past the right edge otherwise).
+    leftward: bool,
+}
+
+/// Rows for the labels so that none overlaps another (the first row that has room); a label
+/// that finds no room in `MAX_CONTROL_ROWS` rows is left out and counted.
+fn place_labels(marks: &[Mark], x: &Range<u64>) -> (Vec<Placed>, usize) {
+    const GAP: i32 = 14;
+    let mut rows: Vec<Vec<Range<i32>>> = vec![Vec::new(); MAX_CONTROL_ROWS];
+    let mut placed = Vec::new();
+    let mut unlabelled = 0;
+    for (i, m) in marks.iter().enumerate() {
+        let text = format!("step {}: {}", m.step, m.label);
+        let px = approx_pixel(m.step, x);
+        let width = text_width(&text, LABEL_FONT);
+        let leftward = px + 5 + width > WIDTH as i32 - 8;
+        let span = if leftward {
+            (px - 5 - width)..px
+        } else {
+            px..(px + 5 + width)
+        };
+        let free = |row: &Vec<Range<i32>>| {
+            row.iter()
+                .all(|r| span.end + GAP <= r.start || r.end + GAP <= span.start)
+        };
+        match rows.iter().position(free) {
+            Some(row) => {
+                rows[row].push(span);
+                placed.push(Placed {
+                    mark: i,
+                    text,
+                    row,
+                    leftward,
+                });
+            }
+            None => unlabelled += 1,
+        }
+    }
+    (placed, unlabelled)
+}
+
+/// Where plotters will put `step` (its exact mapping is read back from the chart when drawing).
+fn approx_pixel(step: u64, x: &Range<u64>) -> i32 {
+    let fraction = (step.saturating_sub(x.start)) as f64 / (x.end - x.start).max(1) as f64;
+    PLOT_LEFT + (fraction * (PLOT_RIGHT - PLOT_LEFT) as f64) as i32
+}
+
+/// The labels above the panels, each with a dashed stub down to where its marker line starts.
+/// `pixels` are the markers' exact x in the panels. Stubs go first: a label's white box keeps a
+/// stub that passes under it from striking through its text.
+fn draw_control_strip(
+    area: &Area,
+    placed: &[Placed],
+    pixels: &[i32],
+    unlabelled: usize,
+) -> DrawResult {
+    let bottom = area.dim_in_pixel().1 as i32;
+    let base_x = area.get_base_pixel().0;
+    let row_top = |row: usize| 4 + (row as u32 * CONTROL_ROW) as i32;
+    for p in placed {
+        let px = pixels[p.mark] - base_x;
+        let mut top = row_top(p.row);
+        while top < bottom {
+            let end = (top + 4).min(bottom);
+            area.draw(&PathElement::new(vec![(px, top), (px, end)], MARKER))?;
+            top += 8;
+        }
+    }
+    for p in placed {
+        let px = pixels[p.mark] - base_x;
+        let width = text_width(&p.text, LABEL_FONT);
+        let left = if p.leftward { px - 5 - width } else { px + 5 };
+        boxed_label(area, &p.text, (left, row_top(p.row)), BLACK)?;
+    }
+    if unlabelled > 0 {
+        let rows = placed.iter().map(|p| p.row + 1).max().unwrap_or(0);
+        let note = format!("{unlabelled} more control(s): marked, not labelled");
+        boxed_label(
+            area,
+            &note,
+            (PLOT_LEFT, row_top(rows)),
+            RGBColor(90, 90, 90),
+        )?;
+    }
+    Ok(())
+}
+
+/// `text` from `(left, top)` on a white box.
+fn boxed_label(area: &Area, text: &str, (left, top): (i32, i32), color: RGBColor) -> DrawResult {
+    let width = text_width(text, LABEL_FONT);
+    let corners = [
+        (left - 2, top - 1),
+        (left + width + 2, top + CONTROL_ROW as i32 - 5),
+    ];
+    area.draw(&Rectangle::new(corners, WHITE.filled()))?;
+    let style = (FONT, LABEL_FONT).into_font().color(&color);
+    area.draw(&Text::new(text.to_string(), (left, top), style))?;
+    Ok(())
 }
 
 fn loss_series(recording: &Recording, steps: &[&StepEvent]) -> Vec<Series> {
-    let train = finite(steps.iter().map(|s| (s.step as f64, s.loss)));
+    let train = finite(steps.iter().map(|s| (s.step, s.loss)));
     let val = finite(recording.events.iter().filter_map(|e| match e {
-        Event::Eval(v) => Some((v.step as f64, v.val_loss)),
+        Event::Eval(v) => Some((v.step, v.val_loss)),
         _ => None,
     }));
     let mut out = vec![Series {
@@ -141,49 +316,83 @@ fn grad_series(steps: &[&StepEvent]) -> Vec<Series> {
     vec![
         Series {
             label: "before clip".into(),
-            points: finite(steps.iter().map(|s| (s.step as f64, s.grad_norm))),
+            points: finite(steps.iter().map(|s| (s.step, s.grad_norm))),
         },
         Series {
             label: "after clip".into(),
-            points: finite(steps.iter().map(|s| (s.step as f64, s.grad_norm_clipped))),
+            points: finite(steps.iter().map(|s| (s.step, s.grad_norm_clipped))),
         },
     ]
 }
 
 fn scale_series(steps: &[&StepEvent]) -> Vec<Series> {
     vec![Series {
-        label: "log2 loss scale (0 = off)".into(),
-        points: finite(steps.iter().map(|s| (s.step as f64, s.loss_scale.log2()))),
+        label: "log2 loss scale".into(),
+        points: finite(steps.iter().map(|s| (s.step, s.loss_scale.log2()))),
     }]
 }
 
-/// Per category, each step's fullest measured ledger (`memory::figure`). Estimates are their own
-/// event type and never enter this series.
-fn memory_series(recording: &Recording) -> Vec<Series> {
-    let figures = step_figures(recording.events.iter().filter_map(|e| match e {
+/// Each step's figure (`memory::figure`) from the measured events. Estimates are their own event
+/// type and never enter it.
+fn figures(recording: &Recording) -> Vec<StepFigure> {
+    step_figures(recording.events.iter().filter_map(|e| match e {
         Event::Memory(m) => Some(m),
         _ => None,
-    }));
-    Categories::NAMES
+    }))
+}
+
+/// The stacked layers: per category present, the running sum up to it (MiB) at each step, bottom
+/// layer first, with the category's index.
+fn memory_stack(figures: &[StepFigure]) -> Vec<(usize, Vec<(u64, f64)>)> {
+    let values: Vec<[u64; 8]> = figures
         .iter()
-        .enumerate()
-        .map(|(i, name)| Series {
-            label: name.replace('_', " "),
-            points: figures
-                .iter()
-                .map(|f| {
-                    let bytes = f.fullest.categories.values()[i];
-                    (f.step as f64, bytes as f64 / 1048576.0)
-                })
-                .collect(),
-        })
-        .filter(|s| s.points.iter().any(|p| p.1 > 0.0))
-        .collect()
+        .map(|f| f.measured_ledger().values())
+        .collect();
+    let present = STACK_ORDER
+        .iter()
+        .copied()
+        .filter(|&c| values.iter().any(|v| v[c] > 0));
+    let mut below = vec![0u64; figures.len()];
+    let mut layers = Vec::new();
+    for category in present {
+        let points = figures
+            .iter()
+            .zip(&values)
+            .zip(below.iter_mut())
+            .map(|((f, v), sum)| {
+                *sum += v[category];
+                (f.step, *sum as f64 / MIB)
+            })
+            .collect();
+        layers.push((category, points));
+    }
+    layers
+}
+
+/// The predicted peak (the largest phase total of each `estimate` event group), held from the
+/// step it was made at until the next one or the end: a step line.
+fn estimate_line(recording: &Recording, end: u64) -> Vec<(u64, f64)> {
+    let mut groups: Vec<(u64, u64)> = Vec::new();
+    for event in &recording.events {
+        let Event::Estimate(e) = event else { continue };
+        match groups.last_mut() {
+            Some((step, peak)) if *step == e.step => *peak = (*peak).max(e.total),
+            _ => groups.push((e.step, e.total)),
+        }
+    }
+    let mut points = Vec::new();
+    for (i, &(step, peak)) in groups.iter().enumerate() {
+        let until = groups.get(i + 1).map_or(end.max(step), |g| g.0);
+        let mib = peak as f64 / MIB;
+        points.push((step, mib));
+        points.push((until, mib));
+    }
+    points
 }
 
 /// The finite points, clamped to what an axis can span: near f64::MAX the range's width
 /// overflows to infinity and drawing the axis never ends.
-fn finite(points: impl Iterator<Item = (f64, f64)>) -> Vec<(f64, f64)> {
+fn finite(points: impl Iterator<Item = (u64, f64)>) -> Vec<(u64, f64)> {
     let limit = crate::tui::panes::CHART_LIMIT;
     points
         .filter(|p| p.1.is_finite())
@@ -203,80 +412,162 @@ fn y_range(series: &[Series]) -> Range<f64> {
     (lo - pad)..(hi + pad)
 }
 
-/// Steps are whole numbers: a tick between two steps gets no label rather than "20.5".
-fn step_label(x: &f64) -> String {
-    if (x - x.round()).abs() < 1e-9 {
-        format!("{}", x.round() as i64)
-    } else {
-        String::new()
+/// The chart of a panel, on `plot` (the panel less its legend column).
+fn build_chart<'a, 'b>(
+    plot: &'a Area<'b>,
+    caption: &str,
+    x: Range<u64>,
+    y: Range<f64>,
+    x_desc: Option<&str>,
+) -> Result<Chart<'a, 'b>, Box<dyn std::error::Error>> {
+    let mut chart = ChartBuilder::on(plot)
+        .caption(caption, (FONT, 18))
+        .margin(MARGIN)
+        .x_label_area_size(if x_desc.is_some() { 44 } else { 28 })
+        .y_label_area_size(Y_LABELS)
+        .build_cartesian_2d(x, y.clone())?;
+    let y_label = move |v: &f64| axis_number(*v, &y);
+    let mut mesh = chart.configure_mesh();
+    mesh.x_labels(12)
+        .y_label_formatter(&y_label)
+        .y_labels(6)
+        .light_line_style(RGBColor(238, 238, 238))
+        .label_style((FONT, 14));
+    if let Some(desc) = x_desc {
+        mesh.x_desc(desc);
     }
+    mesh.draw()?;
+    Ok(chart)
 }
 
-fn draw_panel(
+/// A panel split into its plot and, on the right, its legend column.
+fn split_panel<'b>(area: &Area<'b>) -> (Area<'b>, Area<'b>) {
+    area.split_horizontally(WIDTH - LEGEND_WIDTH)
+}
+
+/// Dashed vertical lines at the steps; their pixel x (absolute), left to right as given.
+fn draw_markers(chart: &mut Chart, steps: &[u64]) -> Result<Vec<i32>, Box<dyn std::error::Error>> {
+    let y = chart.y_range();
+    let mut pixels = Vec::new();
+    for &step in steps {
+        chart.draw_series(DashedLineSeries::new(
+            vec![(step, y.end), (step, y.start)],
+            4,
+            4,
+            MARKER.stroke_width(1),
+        ))?;
+        pixels.push(chart.backend_coord(&(step, y.start)).0);
+    }
+    Ok(pixels)
+}
+
+fn draw_lines_panel(
     area: &Area,
     caption: &str,
-    x: Range<f64>,
+    x: Range<u64>,
     series: &[Series],
-    markers: &[f64],
-) -> DrawResult {
-    let y = y_range(series);
-    let mut chart = ChartBuilder::on(area)
-        .caption(caption, ("sans-serif", 16))
-        .margin(12)
-        .x_label_area_size(30)
-        .y_label_area_size(70)
-        .build_cartesian_2d(x, y.clone())?;
-    chart
-        .configure_mesh()
-        .x_desc("optimizer step")
-        .x_label_formatter(&step_label)
-        .draw()?;
+    marks: &[u64],
+) -> Result<Vec<i32>, Box<dyn std::error::Error>> {
+    let (plot, legend) = split_panel(area);
+    let mut chart = build_chart(&plot, caption, x, y_range(series), None)?;
+    let pixels = draw_markers(&mut chart, marks)?;
     if series.iter().all(|s| s.points.is_empty()) {
-        area.draw(&Text::new(
+        legend.draw(&Text::new(
             "no data in this recording",
-            (WIDTH as i32 / 2 - 80, PANEL_HEIGHT as i32 / 2),
-            ("sans-serif", 14),
+            (10, 40),
+            (FONT, 14),
         ))?;
-        return Ok(());
+        return Ok(pixels);
     }
-    let marker_style = ShapeStyle::from(&RGBColor(170, 170, 170)).stroke_width(1);
-    for &m in markers {
-        chart.draw_series(DashedLineSeries::new(
-            vec![(m, y.start), (m, y.end)],
-            4,
-            4,
-            marker_style,
-        ))?;
-    }
+    let mut entries = Vec::new();
     for (i, s) in series.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
-        chart
-            .draw_series(LineSeries::new(
-                s.points.iter().copied(),
-                color.stroke_width(2),
-            ))?
-            .label(s.label.clone())
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-            });
+        chart.draw_series(LineSeries::new(
+            s.points.iter().copied(),
+            color.stroke_width(2),
+        ))?;
+        entries.push(LegendEntry::new(s.label.clone(), Swatch::Line(color)));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()?;
-    Ok(())
+    let top = chart.plotting_area().get_pixel_range().1.start;
+    draw_legend(&legend, legend_top(&legend, top), &entries)?;
+    Ok(pixels)
+}
+
+fn draw_memory_panel(
+    area: &Area,
+    x: Range<u64>,
+    recording: &Recording,
+    marks: &[u64],
+) -> DrawResult {
+    let figures = figures(recording);
+    let stack = memory_stack(&figures);
+    let peak: Vec<(u64, f64)> = figures
+        .iter()
+        .map(|f| (f.step, f.peak as f64 / MIB))
+        .collect();
+    let estimate = estimate_line(recording, x.end);
+    let top = peak
+        .iter()
+        .chain(&estimate)
+        .chain(stack.iter().flat_map(|(_, p)| p))
+        .map(|p| p.1)
+        .fold(0.0, f64::max);
+    let y = 0.0..(top * 1.1).max(1.0);
+    let caption = "memory (MiB): each step's fullest phase, by ledger category";
+    let (plot, legend) = split_panel(area);
+    let mut chart = build_chart(&plot, caption, x, y, Some("optimizer step"))?;
+    if figures.is_empty() && estimate.is_empty() {
+        draw_markers(&mut chart, marks)?;
+        legend.draw(&Text::new("no memory events", (10, 40), (FONT, 14)))?;
+        return Ok(());
+    }
+    // Top layer first: each lower layer paints over the part of it that is not its own.
+    for (category, points) in stack.iter().rev() {
+        let color = category_color(*category);
+        chart.draw_series(
+            AreaSeries::new(points.iter().copied(), 0.0, color.mix(0.85).filled())
+                .border_style(color.stroke_width(1)),
+        )?;
+    }
+    draw_markers(&mut chart, marks)?;
+    chart.draw_series(LineSeries::new(peak, BLACK.stroke_width(2)))?;
+    chart.draw_series(DashedLineSeries::new(
+        estimate.iter().copied(),
+        7,
+        5,
+        ESTIMATE.stroke_width(2),
+    ))?;
+    let mut entries = vec![LegendEntry::new("measured peak", Swatch::Line(BLACK))];
+    if !estimate.is_empty() {
+        entries.push(LegendEntry::new(
+            "estimate (peak)",
+            Swatch::Dashed(ESTIMATE),
+        ));
+    }
+    for (category, _) in stack.iter().rev() {
+        let swatch = Swatch::Fill(category_color(*category));
+        entries.push(LegendEntry::new(category_label(*category), swatch));
+    }
+    let top = chart.plotting_area().get_pixel_range().1.start;
+    draw_legend(&legend, legend_top(&legend, top), &entries)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::telemetry::{EstimateEvent, Phase};
+    use crate::telemetry::{Categories, Control, ControlEvent, EstimateEvent, Origin, Phase};
     use crate::tui::testing::{header, sample_run};
 
+    fn recording(events: Vec<Event>) -> Recording {
+        Recording {
+            header: header(),
+            events,
+            warnings: Vec::new(),
+        }
+    }
+
     #[test]
-    fn the_memory_series_holds_measurements_only() {
+    fn the_memory_stack_holds_measurements_only() {
         let mut events = sample_run(5);
         // The trainer sends its estimate before the first measurement, at step 0.
         let estimate = EstimateEvent {
@@ -290,25 +581,63 @@ mod tests {
             unified: true,
         };
         events.insert(1, Event::Estimate(estimate));
-        let recording = Recording {
-            header: header(),
-            events,
-            warnings: Vec::new(),
+        let recording = recording(events);
+        let figures = figures(&recording);
+        let steps: Vec<u64> = figures.iter().map(|f| f.step).collect();
+        assert_eq!(steps, [1, 2, 3, 4, 5]);
+        let stack = memory_stack(&figures);
+        let top = &stack.last().unwrap().1;
+        assert!(top.iter().all(|p| p.1 < 99.0), "{top:?}");
+        // The estimate is its own dashed line, from step 0 to the last step's estimate.
+        assert_eq!(estimate_line(&recording, 5)[..2], [(0, 99.0), (5, 99.0)]);
+    }
+
+    #[test]
+    fn controls_of_one_step_share_a_label_that_says_what_changed() {
+        let mut events = sample_run(30);
+        let at = |step, control| {
+            Event::Control(ControlEvent {
+                step,
+                origin: Origin::Scenario,
+                control,
+            })
         };
-        let series = memory_series(&recording);
-        let activations = series.iter().find(|s| s.label == "activations").unwrap();
-        let steps: Vec<f64> = activations.points.iter().map(|p| p.0).collect();
-        assert_eq!(steps, [1.0, 2.0, 3.0, 4.0, 5.0]);
-        assert!(
-            activations.points.iter().all(|p| p.1 == 12.0),
-            "{activations:?}"
+        events.push(at(25, Control::SetMicroBatch { value: 2 }));
+        events.push(at(25, Control::SetAccumSteps { value: 16 }));
+        events.push(at(26, Control::Pause));
+        let marks = control_marks(&recording(events));
+        let b = header().config.train.micro_batch;
+        assert_eq!(
+            marks,
+            [
+                Mark {
+                    step: 20,
+                    label: format!("K {}→4", header().config.train.accum_steps),
+                },
+                Mark {
+                    step: 25,
+                    label: format!("B {b}→2, K 4→16"),
+                },
+            ]
         );
     }
 
     #[test]
-    fn step_axis_labels_are_whole_numbers() {
-        assert_eq!(step_label(&20.0), "20");
-        assert_eq!(step_label(&0.0), "0");
-        assert_eq!(step_label(&2.5), "");
+    fn labels_that_would_overlap_take_another_row() {
+        let mark = |step| Mark {
+            step,
+            label: "B 32→4, K 1→8".into(),
+        };
+        let long = Mark {
+            step: 99,
+            label: "B 32→4, K 1→8, dtype f32→bf16, offload off→on".into(),
+        };
+        let (placed, unlabelled) = place_labels(&[mark(10), mark(11), long], &(0..100));
+        let rows: Vec<usize> = placed.iter().map(|p| p.row).collect();
+        assert_eq!((rows, unlabelled), (vec![0, 1, 0], 0));
+        assert!(
+            placed[2].leftward,
+            "a label at the right edge ends left of its marker"
+        );
     }
 }

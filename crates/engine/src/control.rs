@@ -261,6 +261,54 @@ impl Control {
         }
     }
 
+    /// What the control changed, from the knobs before it, in the user's words: "B 32→4",
+    /// "dtype f32→bf16". A control that sets no knob (the loss scale, flow) says `describe()`.
+    pub fn describe_change(&self, before: &Knobs) -> String {
+        let mut after = before.clone();
+        after.apply(self);
+        match (self.reading(before), self.reading(&after)) {
+            (Some((name, old)), Some((_, new))) => format!("{name} {old}→{new}"),
+            _ => self.describe(),
+        }
+    }
+
+    /// The short name of the knob this control sets, and that knob's value in `k`.
+    fn reading(&self, k: &Knobs) -> Option<(&'static str, String)> {
+        let on_off = |b: bool| if b { "on" } else { "off" }.to_string();
+        Some(match self {
+            Control::SetAccumSteps { .. } => ("K", k.accum_steps.to_string()),
+            Control::SetMicroBatch { .. } => ("B", k.micro_batch.to_string()),
+            Control::SetClip { .. } => ("clip", k.clip.map_or("off".into(), |c| c.to_string())),
+            Control::SetLr { .. } => ("lr", format!("{:.2e}", k.lr)),
+            Control::SetLrRule { .. } => ("lr rule", k.lr_rule.name().into()),
+            Control::SetDtype { .. } => ("dtype", k.dtype.name().into()),
+            Control::SetOffload { .. } => ("offload", on_off(k.offload)),
+            Control::SetLossNorm { .. } => (
+                "loss norm",
+                match k.loss_norm {
+                    LossNorm::Tokens => "tokens",
+                    LossNorm::MeanOfMeans => "mean-of-means",
+                }
+                .into(),
+            ),
+            Control::SetZeroGrad { .. } => (
+                "zero-grad",
+                match k.zero_grad {
+                    ZeroGrad::PerWindow => "per window",
+                    ZeroGrad::PerMicroBatch => "per micro-batch",
+                }
+                .into(),
+            ),
+            Control::SetCheckpointing { .. } => ("checkpointing", k.checkpointing.name()),
+            Control::SetAccumPolicy { .. } => ("K policy", k.accum_policy.name().into()),
+            Control::SetLossScale { .. }
+            | Control::Pause
+            | Control::Resume
+            | Control::SingleStep
+            | Control::Stop => return None,
+        })
+    }
+
     /// Flow controls act immediately; knob changes wait for the window boundary.
     pub fn is_flow(&self) -> bool {
         matches!(
@@ -368,5 +416,34 @@ impl AccumPolicy {
 
     pub fn name(self) -> &'static str {
         self.into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_change_names_the_knob_and_both_values() {
+        let knobs = Knobs {
+            accum_steps: 1,
+            micro_batch: 32,
+            clip: Some(1.0),
+            lr: 3e-3,
+            lr_rule: LrRule::None,
+            dtype: Dtype::F32,
+            offload: false,
+            loss_norm: LossNorm::Tokens,
+            zero_grad: ZeroGrad::PerWindow,
+            checkpointing: Checkpointing::None,
+            accum_policy: AccumPolicy::Fixed,
+            noise: true,
+        };
+        let change = Control::SetMicroBatch { value: 4 }.describe_change(&knobs);
+        assert_eq!(change, "B 32→4");
+        let change = Control::SetDtype { value: Dtype::Bf16 }.describe_change(&knobs);
+        assert_eq!(change, "dtype f32→bf16");
+        let scale = Control::SetLossScale { value: 1024.0 };
+        assert_eq!(scale.describe_change(&knobs), scale.describe());
     }
 }

@@ -8,7 +8,7 @@
 //!
 //! Estimates are `estimate` events, never `memory` events, so they cannot enter a figure.
 
-use crate::telemetry::{MemoryEvent, Phase};
+use crate::telemetry::{Categories, MemoryEvent, Phase};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepFigure {
@@ -29,6 +29,16 @@ impl StepFigure {
             fullest: m.clone(),
             complete: m.phase == Phase::Step,
         }
+    }
+
+    /// By category, the bytes of the fullest phase that lie in the measured memory: offloaded
+    /// bytes sit in host memory unless host and device memory are one (`unified`).
+    pub fn measured_ledger(&self) -> Categories {
+        let mut ledger = self.fullest.categories;
+        if !self.fullest.unified {
+            ledger.offloaded = 0;
+        }
+        ledger
     }
 
     /// Fold in another measurement of the same step.
@@ -58,7 +68,7 @@ pub fn step_figures<'a>(events: impl IntoIterator<Item = &'a MemoryEvent>) -> Ve
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::telemetry::{Categories, MemorySource};
+    use crate::telemetry::MemorySource;
 
     fn event(step: u64, phase: Phase, total: u64, peak: u64) -> MemoryEvent {
         MemoryEvent {
