@@ -9,7 +9,14 @@ use std::path::Path;
 
 /// Lowest first. A module may use modules of its own layer or of a lower one.
 const LAYERS: [&[&str]; 8] = [
-    &["control", "limits", "budget", "safe_write", "tensors", "device"],
+    &[
+        "control",
+        "limits",
+        "budget",
+        "safe_write",
+        "tensors",
+        "device",
+    ],
     &["scenario"],
     &["telemetry", "presets"],
     &["ops", "tokenizer", "record"],
@@ -38,7 +45,11 @@ fn imports() -> BTreeMap<String, BTreeSet<String>> {
                 stack.push(path);
                 continue;
             }
-            let rel = path.strip_prefix(&root).unwrap().to_string_lossy().into_owned();
+            let rel = path
+                .strip_prefix(&root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
             let module = rel
                 .split('/')
                 .next()

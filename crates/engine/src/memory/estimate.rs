@@ -294,19 +294,19 @@ fn block_bytes(cfg: &Config) -> u64 {
     }
 }
 
-/// The activations of the loss head: the logits and what the loss keeps of them.
+/// The activations of the loss head: the logits and what the loss keeps of them. The fused
+/// head and loss (CPU f32, `ops::fused::linear_nll_sum`) keep no logits: its input is the final
+/// norm's output and its weight the head's parameter, so only the loss's scalars remain.
 fn loss_head_activation_bytes(cfg: &Config) -> u64 {
+    if fused(cfg) {
+        return loss_scalar_bytes(cfg);
+    }
     let s = Shape::new(cfg);
     let n = s.n;
     let logits = n * s.v * s.c + if s.cast { n * s.v * F32 } else { 0 };
-    // Composite: log-softmax keeps shifted, exp and result (N·V) and max, sum, log (N); gather
-    // and ×mask (N); sum, neg and the scaled loss are scalars. Fused: the sum and the scaled loss.
-    let loss = if fused(cfg) {
-        loss_scalar_bytes(cfg)
-    } else {
-        3 * n * s.v * F32 + 5 * n * F32 + loss_scalar_bytes(cfg)
-    };
-    logits + loss
+    // Log-softmax keeps shifted, exp and result (N·V) and max, sum, log (N); gather and ×mask
+    // (N); sum, neg and the scaled loss are scalars.
+    logits + 3 * n * s.v * F32 + 5 * n * F32 + loss_scalar_bytes(cfg)
 }
 
 /// What the vocabulary costs at the backward's start: the head's activations (logits and the
@@ -382,12 +382,27 @@ pub fn after_peak_bytes(cfg: &Config) -> u64 {
 /// the gradient of the shifted logits is processed: its accumulated gradient, the one before
 /// it, exp's `grad·exp(x)` and exp's own gradient (the tracked sum keeps all four), the logits'
 /// new gradient, and the broadcast max's zero tensor and result: 7·N·V·4. Nothing else is in the
-/// store yet. The fused loss (CPU f32) has one backward tensor: the logits' gradient, with the
-/// store's zero tensor and sum: 3·N·V·4.
+/// store yet. The fused head and loss (CPU f32) never hold N·V: see `fused_head_peak_bytes`.
 pub fn head_peak_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
-    let tensors = if fused(cfg) { 3 } else { 7 };
-    tensors * s.n * s.v * F32
+    if fused(cfg) {
+        return fused_head_peak_bytes(&s);
+    }
+    7 * s.n * s.v * F32
+}
+
+/// The fused head and loss's backward (`ops::fused::linear_nll_sum`) peaks at the larger of two
+/// moments. Inside it: its packed result (dx, N·d, and dW, d·V) and one chunk of logits turned
+/// into their gradient (`chunk_rows(V)` rows of V, or N when fewer). After it, when the store
+/// adds its results (a zero tensor, then the sum, per input): beside the packed buffer, x's zero
+/// tensor and sum (3·N·d + d·V), then x's sum with W's zero tensor and sum (2·N·d + 3·d·V).
+fn fused_head_peak_bytes(s: &Shape) -> u64 {
+    let (n, d, v) = (s.n, s.d, s.v);
+    let chunk = (crate::ops::fused::head_chunk_rows(v as usize) as u64).min(n) * v;
+    let inside = n * d + d * v + chunk;
+    let adding_dx = 3 * n * d + d * v;
+    let adding_dw = 2 * n * d + 3 * d * v;
+    inside.max(adding_dx).max(adding_dw) * F32
 }
 
 /// What backward holds at its peak on top of what it started from: the larger of the two

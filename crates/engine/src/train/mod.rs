@@ -125,7 +125,7 @@ pub fn window_gradients_probed(
             true,
             knobs.checkpointing,
         )?;
-        let nll = crate::ops::nll_sum(&fwd.logits, &batch.targets, &batch.mask)?;
+        let nll = fwd.nll_sum(&batch.targets, &batch.mask)?;
         let correct_weight = 1.0 / window_tokens.max(1) as f64;
         let weight = match knobs.loss_norm {
             LossNorm::Tokens => correct_weight,
@@ -596,7 +596,7 @@ impl Trainer {
                 .model
                 .forward(&batch.inputs, self.knobs.dtype.candle(), false)?;
             sum += f64::from(
-                crate::ops::nll_sum(&fwd.logits, &batch.targets, &batch.mask)?
+                fwd.nll_sum(&batch.targets, &batch.mask)?
                     .to_scalar::<f32>()?,
             );
             tokens += batch.tokens;

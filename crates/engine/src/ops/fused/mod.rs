@@ -14,10 +14,12 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use crate::ops::vmath;
 
 mod attention;
+mod head;
 mod linear;
 mod optim;
 
 pub use attention::causal_attention;
+pub use head::{chunk_rows as head_chunk_rows, linear_nll_sum};
 pub use linear::{gelu_linear, linear, project};
 pub use optim::{
     adamw_update_all, scale_in_place, sum_squared_difference, sum_squares, AdamWJob, AdamWStep,
@@ -599,16 +601,9 @@ impl CustomOp3 for NllBackward {
                         let rows_iter = dst.chunks_exact_mut(v).zip(src.chunks_exact(v));
                         for (r, (dr, row)) in rows_iter.enumerate() {
                             let i = rows.start + r;
-                            let w = scale * mask[i];
-                            if w == 0.0 {
-                                continue;
-                            }
-                            let (max, lse) = log_sum_exp(row, &mut scratch);
-                            let shift = max + lse;
-                            for (d, &x) in dr.iter_mut().zip(row) {
-                                *d = w * vmath::exp(x - shift);
-                            }
-                            dr[targets[i] as usize] -= w;
+                            dr.copy_from_slice(row);
+                            let target = targets[i] as usize;
+                            head::softmax_minus_onehot(dr, target, scale * mask[i], &mut scratch);
                         }
                     },
                 )
