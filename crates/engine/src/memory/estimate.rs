@@ -349,11 +349,16 @@ pub fn weight_grad_retention(cfg: &Config) -> u64 {
 ///
 /// Fused ops (CPU f32): the peak falls inside block 0's GELU-linear backward, which holds its
 /// packed result (dh, 4·N·d, and dW, db: 4·d² + d) and its recomputed GELU and slope (2 × 4·N·d),
-/// beside the output's gradient and the residual stream's pending one (2·N·d): 14·N·d + 4·d² + d.
+/// beside the output's gradient and the residual stream's pending one (2·N·d): 14·N·d + 4·d² + d,
+/// and, while its dx product (`dy·Wᵀ`) runs, `gemm`'s copy of Wᵀ packed on each thread
+/// (`ops::fused::rhs_packing`; timing decides how many overlap, so every thread is counted).
 pub fn in_flight_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     if fused(cfg) {
-        return (14 * s.n * s.d + 4 * s.d * s.d + s.d) * F32;
+        let (d, n) = (s.d as usize, s.n as usize);
+        let (per_thread, blocks) = crate::ops::fused::rhs_packing(n, d, 4 * d);
+        let threads = candle_core::utils::get_num_threads().min(blocks) as u64;
+        return (14 * s.n * s.d + 4 * s.d * s.d + s.d) * F32 + threads * per_thread;
     }
     81 * s.n * s.d * s.c
 }
@@ -398,11 +403,26 @@ pub fn head_peak_bytes(cfg: &Config) -> u64 {
 /// tensor and sum (3·N·d + d·V), then x's sum with W's zero tensor and sum (2·N·d + 3·d·V).
 fn fused_head_peak_bytes(s: &Shape) -> u64 {
     let (n, d, v) = (s.n, s.d, s.v);
-    let chunk = (crate::ops::fused::head_chunk_rows(v as usize) as u64).min(n) * v;
-    let inside = n * d + d * v + chunk;
+    let inside = n * d + d * v + fused_head_chunk(s);
     let adding_dx = 3 * n * d + d * v;
     let adding_dw = 2 * n * d + 3 * d * v;
     inside.max(adding_dx).max(adding_dw) * F32
+}
+
+/// What the fused head and loss (CPU f32) holds only while the forward's loss runs: one chunk
+/// of logits and each row's loss. No category holds it, so the forward's measured peak shows it
+/// in `other`. The backward reuses its chunk inside `head_peak_bytes`.
+fn head_forward_transient_bytes(cfg: &Config) -> u64 {
+    if !fused(cfg) {
+        return 0;
+    }
+    let s = Shape::new(cfg);
+    (fused_head_chunk(&s) + s.n) * F32
+}
+
+/// Floats of one chunk of the fused head's logits.
+fn fused_head_chunk(s: &Shape) -> u64 {
+    (crate::ops::fused::head_chunk_rows(s.v as usize) as u64).min(s.n) * s.v
 }
 
 /// What backward holds at its peak on top of what it started from: the larger of the two
@@ -500,11 +520,13 @@ pub fn estimate(cfg: &Config) -> Estimate {
         compute_weights,
         gradients: in_window_buffer,
         activations: activation_bytes(cfg),
+        other: cfg.workspace + head_forward_transient_bytes(cfg),
         ..persistent
     };
     let backward = Categories {
         gradients_transient: transient_bytes(cfg) + recompute_casts(cfg),
         activations: forward.activations + recomputed_bytes(cfg),
+        other: persistent.other,
         ..forward
     };
     let optimizer = Categories {

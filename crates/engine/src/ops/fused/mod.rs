@@ -20,6 +20,7 @@ mod optim;
 
 pub use attention::causal_attention;
 pub use head::{chunk_rows as head_chunk_rows, linear_nll_sum};
+
 pub use linear::{gelu_linear, linear, project};
 pub use optim::{
     adamw_update_all, scale_in_place, sum_squared_difference, sum_squares, AdamWJob, AdamWStep,
@@ -213,6 +214,15 @@ fn matmul_block_rows(rows: usize, inner: usize, cols: usize) -> usize {
     rows.div_ceil(MATMUL_MAX_BLOCKS)
         .max(32)
         .max((1 << 16) / work_per_row)
+}
+
+/// What `gemm` allocates while a parallel product `[rows, inner]·[inner, cols]` runs: each block
+/// packs its own copy of the right-hand matrix (`inner·cols` floats, while that fits `gemm`'s
+/// cache blocking), so up to one copy per block is live at once. Returns the bytes of one copy
+/// and the number of blocks.
+pub fn rhs_packing(rows: usize, inner: usize, cols: usize) -> (u64, usize) {
+    let block = matmul_block_rows(rows, inner, cols);
+    ((inner * cols * 4) as u64, rows.div_ceil(block))
 }
 
 /// Rows `r` of `dst = a·b` (or `+=`), on the calling thread.
