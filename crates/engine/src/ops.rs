@@ -351,8 +351,8 @@ mod tests {
 
     #[test]
     fn chunked_linear_nll_matches_the_unchunked_head() {
-        // 600 rows at V = 3000 are 600 / 699 = one chunk; at V = 50000 (41 rows a chunk) 15
-        // chunks, the last one short.
+        // 600 rows at V = 3000 are one chunk (699 rows); at V = 50000 (64 rows a chunk) ten
+        // chunks, the last one 24 rows.
         for (n, d, v) in [(5, 8, 300), (600, 32, 3000), (600, 16, 50_000)] {
             assert!(
                 v < 50_000 || n > fused::head_chunk_rows(v),
