@@ -34,7 +34,8 @@ pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -
     let (x, w) = (x.contiguous()?, w.contiguous()?);
     let (n, d) = x.dims2()?;
     let (wd, _) = w.dims2()?;
-    if wd != d || targets.dims1()? != n || mask.dims1()? != n {
+    // n ≥ 1: the backward's first chunk is what writes dW.
+    if n == 0 || wd != d || targets.dims1()? != n || mask.dims1()? != n {
         candle_core::bail!(
             "linear nll: x {:?}, w {:?}, targets {:?}, mask {:?}",
             x.dims(),
@@ -98,8 +99,8 @@ fn with_labels<R>(
     let (Storage::Cpu(ts), Storage::Cpu(ms)) = (&*ts, &*ms) else {
         candle_core::bail!("linear nll: targets and mask must be on the CPU");
     };
-    let targets = u32_slice(ts, &tl, "linear nll")?;
-    let mask = f32_slice(ms, &ml, "linear nll")?;
+    let targets = u32_slice(ts, tl, "linear nll")?;
+    let mask = f32_slice(ms, ml, "linear nll")?;
     if let Some(&t) = targets.iter().find(|&&t| t as usize >= dims.v) {
         candle_core::bail!("linear nll: target {t} outside vocab {}", dims.v);
     }
