@@ -425,12 +425,28 @@ fn fused_head_chunk(s: &Shape) -> u64 {
     (crate::ops::fused::head_chunk_rows(s.v as usize) as u64).min(s.n) * s.v
 }
 
-/// What backward holds at its peak on top of what it started from: the larger of the two
-/// candidate peaks, the loss head (first) and block 0's MLP (last, with everything retained).
+/// Bytes at the backward's very end in f32, in the token embedding's gradient: every other
+/// gradient is in the store (and retained), and Candle's `index_select` backward holds the
+/// table's zero tensor and the `index_add` result (2·V·d) beside the tokens' gradient (N·d).
+/// Large once V·d is (a subword vocabulary); 0 in half precision, whose embedding backward
+/// (`ops::half::embedding`) is counted elsewhere.
+pub fn embedding_peak_bytes(cfg: &Config) -> u64 {
+    if cfg.dtype != Dtype::F32 {
+        return 0;
+    }
+    let s = Shape::new(cfg);
+    grad_store_bytes(cfg) + weight_grad_retention(cfg) + (s.v * s.d + s.n * s.d) * F32
+}
+
+/// What backward holds at its peak on top of what it started from: the largest of the
+/// candidate peaks, the loss head (first), block 0's MLP (last, with everything retained) and,
+/// in f32, the token embedding's gradient at the very end.
 pub fn transient_bytes(cfg: &Config) -> u64 {
     let block0 = (grad_store_bytes(cfg) + weight_grad_retention(cfg) + in_flight_bytes(cfg))
         .saturating_sub(after_peak_bytes(cfg));
-    block0.max(head_peak_bytes(cfg))
+    block0
+        .max(head_peak_bytes(cfg))
+        .max(embedding_peak_bytes(cfg))
 }
 
 /// Bytes of the largest parameter (f32): the token embedding or head (V·d), or an MLP matrix
