@@ -20,9 +20,10 @@
 //! in f32, what each weight gradient keeps referenced until the store is dropped (Candle computes
 //! `lhsᵀ·grad` without detaching: a zero tensor and the product, 2·|W|, and the upstream
 //! gradient, N·out). The measured figure is the backward's peak over its start, so the estimate
-//! takes the larger of two peaks: block 0's MLP (the store and retention so far plus what is in
-//! flight there, `in_flight_bytes`, less what only exists after it, `after_peak_bytes`) and the
-//! loss head at the very start (`head_peak_bytes`). The fused CPU ops return untracked
+//! takes the largest of three peaks: block 0's MLP (the store and retention so far plus what is in
+//! flight there, `in_flight_bytes`, less what only exists after it, `after_peak_bytes`), the
+//! loss head at the very start (`head_peak_bytes`) and, in f32, the token embedding's gradient at
+//! the very end (`embedding_peak_bytes`). The fused CPU ops return untracked
 //! gradients, so on that path nothing is retained and the store has no constants' gradients.
 
 use serde::Serialize;
