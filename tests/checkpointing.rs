@@ -109,7 +109,7 @@ fn checkpointed_blocks_leave_the_loss_graph() {
             Checkpointing::Blocks,
         )
         .unwrap();
-    let loss = fwd.logits.sqr().unwrap().sum_all().unwrap();
+    let loss = fwd.logits().unwrap().sqr().unwrap().sum_all().unwrap();
     let store = loss.backward().unwrap();
     let block_var = &t.model.blocks[1].attn.qkv.w;
     assert!(store.get(block_var.as_tensor()).is_none());

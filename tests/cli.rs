@@ -249,11 +249,18 @@ fn training_is_bitwise_identical_at_one_and_two_threads() {
         "train.micro_batch=9",
     ];
     let small = ["model.d_model=32", "train.micro_batch=2"];
+    // 8,256 rows: the fused head and loss go through them in two chunks (8,192 rows at V = 256).
+    let chunked = [
+        "model.d_model=32",
+        "model.seq_len=64",
+        "train.micro_batch=129",
+    ];
     let dir = tempfile::tempdir().unwrap();
     for (name, sets) in [
         ("issue", &issue[..]),
         ("tall", &tall[..]),
         ("small", &small[..]),
+        ("chunked", &chunked[..]),
     ] {
         let steps = |threads: &str| -> Vec<[u64; 3]> {
             let path = dir.path().join(format!("{name}-threads-{threads}.jsonl"));

@@ -71,7 +71,11 @@ fn the_composite_path_is_what_runs_when_forced() {
     let ids = Tensor::zeros((2, 8), DType::U32, &Device::Cpu).unwrap();
     let nodes = |composite: bool| {
         let _kernels = ops::force_composite(composite);
-        let logits = model.forward(&ids, DType::F32, true).unwrap().logits;
+        let logits = model
+            .forward(&ids, DType::F32, true)
+            .unwrap()
+            .logits()
+            .unwrap();
         logits.sum_all().unwrap().sorted_nodes().len()
     };
     let (fused, composite) = (nodes(false), nodes(true));

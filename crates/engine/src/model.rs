@@ -86,10 +86,13 @@ pub struct Gpt {
     pub head: Head,
 }
 
-/// What one forward produced.
+/// What one forward produced: everything up to the LM head, and the head's weight. The logits
+/// are made on demand (`logits`) or never at once (`nll_sum`, the training loss).
 pub struct Forward {
-    /// `[B*T, vocab]` in the compute dtype.
-    pub logits: Tensor,
+    /// The final norm's output `[B*T, D]` in the compute dtype: the head's input.
+    pub features: Tensor,
+    /// The head's weight `[D, vocab]` as this forward computes with it.
+    pub head: Tensor,
     /// The low-precision weight copies made for this forward (empty in f32).
     pub compute_weights: Vec<Tensor>,
     /// Gradients of the checkpointed blocks' parameters: they fill during the backward (the
@@ -305,9 +308,11 @@ impl Gpt {
                 }
             }
         }
-        let logits = self.logits(&x, &mut w)?;
+        let features = self.lnf.forward(&x, &mut w)?;
+        let head = w.get(&self.head.w)?;
         Ok(Forward {
-            logits,
+            features,
+            head,
             compute_weights: w.into_casts(),
             recomputed,
         })
@@ -323,11 +328,18 @@ impl Gpt {
         let pos = wpe.narrow(0, 0, t)?;
         ops::broadcast_add(&tok, &pos)?.reshape((b * t, d))
     }
+}
 
-    /// Final norm and LM head: `[B·T, D]` → logits `[B·T, vocab]`.
-    fn logits(&self, x: &Tensor, w: &mut Weights) -> Result<Tensor> {
-        let x = self.lnf.forward(x, w)?;
-        ops::project(&x, &w.get(&self.head.w)?)
+impl Forward {
+    /// The logits `[B·T, vocab]` in the compute dtype (all of them at once).
+    pub fn logits(&self) -> Result<Tensor> {
+        ops::project(&self.features, &self.head)
+    }
+
+    /// The summed token NLL over counted positions (`ops::linear_nll_sum`): on the fused path
+    /// without holding every logit at once.
+    pub fn nll_sum(&self, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        ops::linear_nll_sum(&self.features, &self.head, targets, mask)
     }
 }
 

@@ -153,6 +153,17 @@ pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tenso
     }
 }
 
+/// `nll_sum(x·w, targets, mask)`: the LM head and the loss as one. The fused version (CPU f32)
+/// never holds the `[N, V]` logits at once (`fused::linear_nll_sum`); elsewhere the logits are
+/// made and passed to `nll_sum`.
+pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    if fused_domain(&[x, w, mask]) {
+        fused::linear_nll_sum(x, w, targets, mask)
+    } else {
+        nll_sum(&project(x, w)?, targets, mask)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,6 +336,54 @@ mod tests {
             |t| composite::nll_sum(&t[0], &targets, &mask),
             &inputs,
         );
+    }
+
+    /// Targets in `0..v` and a mask with some rows uncounted.
+    fn labels(n: usize, v: usize, seed: u64) -> (Tensor, Tensor) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let targets: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();
+        let mask: Vec<f32> = (0..n).map(|i| if i % 7 == 3 { 0.0 } else { 1.0 }).collect();
+        (
+            Tensor::from_vec(targets, n, &Device::Cpu).unwrap(),
+            Tensor::from_vec(mask, n, &Device::Cpu).unwrap(),
+        )
+    }
+
+    #[test]
+    fn chunked_linear_nll_matches_the_unchunked_head() {
+        // 600 rows at V = 3000 are one chunk (699 rows); at V = 50000 (64 rows a chunk) ten
+        // chunks, the last one 24 rows.
+        for (n, d, v) in [(5, 8, 300), (600, 32, 3000), (600, 16, 50_000)] {
+            assert!(
+                v < 50_000 || n > fused::head_chunk_rows(v),
+                "several chunks"
+            );
+            let (targets, mask) = labels(n, v, 8);
+            let inputs = [random(&[n, d], 1.0, 51), random(&[d, v], 0.5, 52)];
+            // The previous fused path (head product, then the fused NLL) and the composite one.
+            let chunked = |t: &[Tensor]| fused::linear_nll_sum(&t[0], &t[1], &targets, &mask);
+            assert_equivalent(
+                "linear_nll_sum vs fused",
+                chunked,
+                |t| fused::nll_sum(&fused::project(&t[0], &t[1])?, &targets, &mask),
+                &inputs,
+            );
+            assert_equivalent(
+                "linear_nll_sum vs composite",
+                chunked,
+                |t| composite::nll_sum(&t[0].matmul(&t[1])?, &targets, &mask),
+                &inputs,
+            );
+        }
+    }
+
+    #[test]
+    fn linear_nll_rejects_a_target_outside_the_vocabulary() {
+        let targets = Tensor::new(&[0u32, 7, 1, 2], &Device::Cpu).unwrap();
+        let mask = Tensor::ones(4, DType::F32, &Device::Cpu).unwrap();
+        let (x, w) = (random(&[4, 8], 1.0, 2), random(&[8, 5], 1.0, 3));
+        let err = fused::linear_nll_sum(&x, &w, &targets, &mask).unwrap_err();
+        assert!(err.to_string().contains("outside vocab 5"), "{err}");
     }
 
     #[test]

@@ -20,9 +20,10 @@
 //! in f32, what each weight gradient keeps referenced until the store is dropped (Candle computes
 //! `lhsᵀ·grad` without detaching: a zero tensor and the product, 2·|W|, and the upstream
 //! gradient, N·out). The measured figure is the backward's peak over its start, so the estimate
-//! takes the larger of two peaks: block 0's MLP (the store and retention so far plus what is in
-//! flight there, `in_flight_bytes`, less what only exists after it, `after_peak_bytes`) and the
-//! loss head at the very start (`head_peak_bytes`). The fused CPU ops return untracked
+//! takes the largest of three peaks: block 0's MLP (the store and retention so far plus what is in
+//! flight there, `in_flight_bytes`, less what only exists after it, `after_peak_bytes`), the
+//! loss head at the very start (`head_peak_bytes`) and, in f32, the token embedding's gradient at
+//! the very end (`embedding_peak_bytes`). The fused CPU ops return untracked
 //! gradients, so on that path nothing is retained and the store has no constants' gradients.
 
 use serde::Serialize;
@@ -294,19 +295,19 @@ fn block_bytes(cfg: &Config) -> u64 {
     }
 }
 
-/// The activations of the loss head: the logits and what the loss keeps of them.
+/// The activations of the loss head: the logits and what the loss keeps of them. The fused
+/// head and loss (CPU f32, `ops::fused::linear_nll_sum`) keep no logits: its input is the final
+/// norm's output and its weight the head's parameter, so only the loss's scalars remain.
 fn loss_head_activation_bytes(cfg: &Config) -> u64 {
+    if fused(cfg) {
+        return loss_scalar_bytes(cfg);
+    }
     let s = Shape::new(cfg);
     let n = s.n;
     let logits = n * s.v * s.c + if s.cast { n * s.v * F32 } else { 0 };
-    // Composite: log-softmax keeps shifted, exp and result (N·V) and max, sum, log (N); gather
-    // and ×mask (N); sum, neg and the scaled loss are scalars. Fused: the sum and the scaled loss.
-    let loss = if fused(cfg) {
-        loss_scalar_bytes(cfg)
-    } else {
-        3 * n * s.v * F32 + 5 * n * F32 + loss_scalar_bytes(cfg)
-    };
-    logits + loss
+    // Log-softmax keeps shifted, exp and result (N·V) and max, sum, log (N); gather and ×mask
+    // (N); sum, neg and the scaled loss are scalars.
+    logits + 3 * n * s.v * F32 + 5 * n * F32 + loss_scalar_bytes(cfg)
 }
 
 /// What the vocabulary costs at the backward's start: the head's activations (logits and the
@@ -349,11 +350,16 @@ pub fn weight_grad_retention(cfg: &Config) -> u64 {
 ///
 /// Fused ops (CPU f32): the peak falls inside block 0's GELU-linear backward, which holds its
 /// packed result (dh, 4·N·d, and dW, db: 4·d² + d) and its recomputed GELU and slope (2 × 4·N·d),
-/// beside the output's gradient and the residual stream's pending one (2·N·d): 14·N·d + 4·d² + d.
+/// beside the output's gradient and the residual stream's pending one (2·N·d): 14·N·d + 4·d² + d,
+/// and, while its dx product (`dy·Wᵀ`) runs, `gemm`'s copy of Wᵀ packed on each thread
+/// (`ops::fused::rhs_packing`; timing decides how many overlap, so every thread is counted).
 pub fn in_flight_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     if fused(cfg) {
-        return (14 * s.n * s.d + 4 * s.d * s.d + s.d) * F32;
+        let (d, n) = (s.d as usize, s.n as usize);
+        let (per_thread, blocks) = crate::ops::fused::rhs_packing(n, d, 4 * d);
+        let threads = candle_core::utils::get_num_threads().min(blocks) as u64;
+        return (14 * s.n * s.d + 4 * s.d * s.d + s.d) * F32 + threads * per_thread;
     }
     81 * s.n * s.d * s.c
 }
@@ -382,20 +388,66 @@ pub fn after_peak_bytes(cfg: &Config) -> u64 {
 /// the gradient of the shifted logits is processed: its accumulated gradient, the one before
 /// it, exp's `grad·exp(x)` and exp's own gradient (the tracked sum keeps all four), the logits'
 /// new gradient, and the broadcast max's zero tensor and result: 7·N·V·4. Nothing else is in the
-/// store yet. The fused loss (CPU f32) has one backward tensor: the logits' gradient, with the
-/// store's zero tensor and sum: 3·N·V·4.
+/// store yet. The fused head and loss (CPU f32) never hold N·V: see `fused_head_peak_bytes`.
 pub fn head_peak_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
-    let tensors = if fused(cfg) { 3 } else { 7 };
-    tensors * s.n * s.v * F32
+    if fused(cfg) {
+        return fused_head_peak_bytes(&s);
+    }
+    7 * s.n * s.v * F32
 }
 
-/// What backward holds at its peak on top of what it started from: the larger of the two
-/// candidate peaks, the loss head (first) and block 0's MLP (last, with everything retained).
+/// The fused head and loss's backward (`ops::fused::linear_nll_sum`) peaks at the larger of two
+/// moments. Inside it: its packed result (dx, N·d, and dW, d·V) and one chunk of logits turned
+/// into their gradient (`chunk_rows(V)` rows of V, or N when fewer). After it, when the store
+/// adds its results (a zero tensor, then the sum, per input): beside the packed buffer, x's zero
+/// tensor and sum (3·N·d + d·V), then x's sum with W's zero tensor and sum (2·N·d + 3·d·V).
+fn fused_head_peak_bytes(s: &Shape) -> u64 {
+    let (n, d, v) = (s.n, s.d, s.v);
+    let inside = n * d + d * v + fused_head_chunk(s);
+    let adding_dx = 3 * n * d + d * v;
+    let adding_dw = 2 * n * d + 3 * d * v;
+    inside.max(adding_dx).max(adding_dw) * F32
+}
+
+/// What the fused head and loss (CPU f32) holds only while the forward's loss runs: one chunk
+/// of logits and each row's loss. No category holds it, so the forward's measured peak shows it
+/// in `other`. The backward reuses its chunk inside `head_peak_bytes`.
+fn head_forward_transient_bytes(cfg: &Config) -> u64 {
+    if !fused(cfg) {
+        return 0;
+    }
+    let s = Shape::new(cfg);
+    (fused_head_chunk(&s) + s.n) * F32
+}
+
+/// Floats of one chunk of the fused head's logits.
+fn fused_head_chunk(s: &Shape) -> u64 {
+    (crate::ops::fused::head_chunk_rows(s.v as usize) as u64).min(s.n) * s.v
+}
+
+/// Bytes at the backward's very end in f32, in the token embedding's gradient: every other
+/// gradient is in the store (and retained), and Candle's `index_select` backward holds the
+/// table's zero tensor and the `index_add` result (2·V·d) beside the tokens' gradient (N·d).
+/// Large once V·d is (a subword vocabulary); 0 in half precision, whose embedding backward
+/// (`ops::half::embedding`) is counted elsewhere.
+pub fn embedding_peak_bytes(cfg: &Config) -> u64 {
+    if cfg.dtype != Dtype::F32 {
+        return 0;
+    }
+    let s = Shape::new(cfg);
+    grad_store_bytes(cfg) + weight_grad_retention(cfg) + (s.v * s.d + s.n * s.d) * F32
+}
+
+/// What backward holds at its peak on top of what it started from: the largest of the
+/// candidate peaks, the loss head (first), block 0's MLP (last, with everything retained) and,
+/// in f32, the token embedding's gradient at the very end.
 pub fn transient_bytes(cfg: &Config) -> u64 {
     let block0 = (grad_store_bytes(cfg) + weight_grad_retention(cfg) + in_flight_bytes(cfg))
         .saturating_sub(after_peak_bytes(cfg));
-    block0.max(head_peak_bytes(cfg))
+    block0
+        .max(head_peak_bytes(cfg))
+        .max(embedding_peak_bytes(cfg))
 }
 
 /// Bytes of the largest parameter (f32): the token embedding or head (V·d), or an MLP matrix
@@ -485,11 +537,13 @@ pub fn estimate(cfg: &Config) -> Estimate {
         compute_weights,
         gradients: in_window_buffer,
         activations: activation_bytes(cfg),
+        other: cfg.workspace + head_forward_transient_bytes(cfg),
         ..persistent
     };
     let backward = Categories {
         gradients_transient: transient_bytes(cfg) + recompute_casts(cfg),
         activations: forward.activations + recomputed_bytes(cfg),
+        other: persistent.other,
         ..forward
     };
     let optimizer = Categories {

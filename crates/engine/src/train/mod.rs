@@ -122,7 +122,7 @@ pub fn window_gradients_probed(
             true,
             knobs.checkpointing,
         )?;
-        let nll = crate::ops::nll_sum(&fwd.logits, &batch.targets, &batch.mask)?;
+        let nll = fwd.nll_sum(&batch.targets, &batch.mask)?;
         let scaled = nll.affine(weights.applied * scale, 0.0)?;
         losses.push((nll.detach(), weights.applied));
         // CUDA runs asynchronously: the phase's time and the memory reading are only true
@@ -657,7 +657,7 @@ impl Trainer {
                 .model
                 .forward(&batch.inputs, self.knobs.dtype.candle(), false)?;
             sum += f64::from(
-                crate::ops::nll_sum(&fwd.logits, &batch.targets, &batch.mask)?
+                fwd.nll_sum(&batch.targets, &batch.mask)?
                     .to_scalar::<f32>()?,
             );
             tokens += batch.tokens;

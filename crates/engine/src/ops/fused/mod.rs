@@ -14,10 +14,13 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use crate::ops::vmath;
 
 mod attention;
+mod head;
 mod linear;
 mod optim;
 
 pub use attention::causal_attention;
+pub use head::{chunk_rows as head_chunk_rows, linear_nll_sum};
+
 pub use linear::{gelu_linear, linear, project};
 pub use optim::{
     adamw_update_all, scale_in_place, sum_squared_difference, sum_squares, AdamWJob, AdamWStep,
@@ -219,6 +222,15 @@ fn matmul_block_rows(rows: usize, inner: usize, cols: usize) -> usize {
     rows.div_ceil(MATMUL_MAX_BLOCKS)
         .max(32)
         .max((1 << 16) / work_per_row)
+}
+
+/// What `gemm` allocates while a parallel product `[rows, inner]·[inner, cols]` runs: each block
+/// packs its own copy of the right-hand matrix (`inner·cols` floats, while that fits `gemm`'s
+/// cache blocking), so up to one copy per block is live at once. Returns the bytes of one copy
+/// and the number of blocks.
+pub fn rhs_packing(rows: usize, inner: usize, cols: usize) -> (u64, usize) {
+    let block = matmul_block_rows(rows, inner, cols);
+    ((inner * cols * 4) as u64, rows.div_ceil(block))
 }
 
 /// Rows `r` of `dst = a·b` (or `+=`), on the calling thread.
@@ -618,16 +630,9 @@ impl CustomOp3 for NllBackward {
                         let rows_iter = dst.chunks_exact_mut(v).zip(src.chunks_exact(v));
                         for (r, (dr, row)) in rows_iter.enumerate() {
                             let i = rows.start + r;
-                            let w = scale * mask[i];
-                            if w == 0.0 {
-                                continue;
-                            }
-                            let (max, lse) = log_sum_exp(row, &mut scratch);
-                            let shift = max + lse;
-                            for (d, &x) in dr.iter_mut().zip(row) {
-                                *d = w * vmath::exp(x - shift);
-                            }
-                            dr[targets[i] as usize] -= w;
+                            dr.copy_from_slice(row);
+                            let target = targets[i] as usize;
+                            head::softmax_minus_onehot(dr, target, scale * mask[i], &mut scratch);
                         }
                     },
                 )

@@ -1,0 +1,317 @@
+//! The LM head and the token NLL as one op: `Σ mask·−log softmax(x·W)[target]` without the
+//! N×V logits. Rows go through in chunks of `chunk_rows(V)`: a chunk's logits are made, reduced
+//! to each row's loss and dropped. The backward makes each chunk's logits again, turns them in
+//! place into `dlogits = scale·mask·(softmax − onehot)`, and adds the chunk's share to dW
+//! (`x_cᵀ·dlogits_c`) and writes its rows of dx (`dlogits_c·Wᵀ`). So at most one chunk of
+//! logits exists at a time, forward or backward, at the cost of the head's product done twice
+//! (the fused linear-cross-entropy kernels' trade).
+//!
+//! Chunks depend on V alone and go one after another (each product parallel inside, by rows of
+//! its result), and dW adds the chunks in order: the same bits at any thread count.
+
+use std::ops::Range;
+
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
+
+use super::{f32_slice, filled, for_units, log_sum_exp, matmul, u32_slice, Mat, MatMut, Shared};
+use crate::ops::vmath;
+
+/// Logits one chunk holds: 2M floats (8 MiB), 256 rows at V = 8192. Measured on `text-bpe`
+/// at two threads (docs/TOKENIZER.md): 64, 256 and 1024 rows ran at the same speed within noise,
+/// 16 rows 35% slower (a product under 32 rows is one block, one thread); 1024 rows added 21 MiB
+/// to the peak. 256 rows are 8 blocks of a product, enough for up to 8 threads.
+const CHUNK_ELEMENTS: usize = 1 << 21;
+
+/// Rows per chunk at vocabulary `v`: at least 64, so a huge vocabulary's chunk is still two
+/// blocks of a product (two threads).
+pub fn chunk_rows(v: usize) -> usize {
+    (CHUNK_ELEMENTS / v.max(1)).max(64)
+}
+
+/// Sum over counted rows of `−log softmax(x·w)[target]`: `x` `[N, D]`, `w` `[D, V]`,
+/// `targets` `[N]` u32, `mask` `[N]` f32. Gradients flow to `x` and `w`.
+pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let (n, d) = x.dims2()?;
+    let (wd, _) = w.dims2()?;
+    // n ≥ 1: the backward's first chunk is what writes dW.
+    if n == 0 || wd != d || targets.dims1()? != n || mask.dims1()? != n {
+        candle_core::bail!(
+            "linear nll: x {:?}, w {:?}, targets {:?}, mask {:?}",
+            x.dims(),
+            w.dims(),
+            targets.dims(),
+            mask.dims()
+        );
+    }
+    let op = LinearNll {
+        targets: targets.contiguous()?,
+        mask: mask.contiguous()?,
+    };
+    x.apply_op2(&w, op)
+}
+
+/// The targets and mask ride in the op (no gradient): the same storages as the batch's, so the
+/// op adds nothing to what the step holds.
+struct LinearNll {
+    targets: Tensor,
+    mask: Tensor,
+}
+
+/// The shapes one pass works on.
+#[derive(Clone, Copy)]
+struct Dims {
+    n: usize,
+    d: usize,
+    v: usize,
+}
+
+impl Dims {
+    fn of(xl: &Layout, wl: &Layout) -> Dims {
+        Dims {
+            n: xl.dims()[0],
+            d: xl.dims()[1],
+            v: wl.dims()[1],
+        }
+    }
+
+    /// The row ranges of the chunks, in order.
+    fn chunks(&self) -> impl Iterator<Item = Range<usize>> {
+        let (n, rows) = (self.n, chunk_rows(self.v));
+        (0..n.div_ceil(rows)).map(move |c| c * rows..((c + 1) * rows).min(n))
+    }
+
+    /// Floats of the chunk buffer: one chunk's logits.
+    fn chunk_len(&self) -> usize {
+        chunk_rows(self.v).min(self.n) * self.v
+    }
+}
+
+/// Run `f` with the targets and mask as slices, checked against `dims`.
+fn with_labels<R>(
+    targets: &Tensor,
+    mask: &Tensor,
+    dims: Dims,
+    f: impl FnOnce(&[u32], &[f32]) -> Result<R>,
+) -> Result<R> {
+    let (ts, tl) = targets.storage_and_layout();
+    let (ms, ml) = mask.storage_and_layout();
+    let (Storage::Cpu(ts), Storage::Cpu(ms)) = (&*ts, &*ms) else {
+        candle_core::bail!("linear nll: targets and mask must be on the CPU");
+    };
+    let targets = u32_slice(ts, tl, "linear nll")?;
+    let mask = f32_slice(ms, ml, "linear nll")?;
+    if let Some(&t) = targets.iter().find(|&&t| t as usize >= dims.v) {
+        candle_core::bail!("linear nll: target {t} outside vocab {}", dims.v);
+    }
+    f(targets, mask)
+}
+
+/// `buf` (rows `rows`, V columns) = `x[rows]·w`.
+fn chunk_logits(buf: &mut [f32], x: &[f32], w: &[f32], dims: Dims, rows: &Range<usize>) {
+    let Dims { d, v, .. } = dims;
+    let x_rows = &x[rows.start * d..rows.end * d];
+    // SAFETY: `buf` is this call's own scratch, apart from `x` and `w`; the views are in bounds.
+    unsafe {
+        matmul(
+            MatMut::rows(&mut buf[..rows.len() * v], v),
+            Mat::rows(x_rows, d),
+            Mat::rows(w, v),
+            false,
+            true,
+        )
+    };
+}
+
+/// The buffer one chunk's logits (then their gradient) live in, reused by every chunk.
+fn chunk_buffer(dims: Dims) -> Vec<f32> {
+    vec![0f32; dims.chunk_len()]
+}
+
+impl CustomOp2 for LinearNll {
+    fn name(&self) -> &'static str {
+        "gaccwb-linear-nll-sum"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(xs, xl, self.name())?;
+        let w = f32_slice(ws, wl, self.name())?;
+        let dims = Dims::of(xl, wl);
+        let losses = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
+            Ok(row_losses(x, w, dims, targets, mask))
+        })?;
+        // Rows in order: the same total for any thread count.
+        let total: f32 = losses.iter().sum();
+        Ok((CpuStorage::F32(vec![total]), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (n, d) = x.dims2()?;
+        let v = w.dim(1)?;
+        let scale = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+        let op = LinearNllBackward {
+            scale,
+            targets: self.targets.clone(),
+            mask: self.mask.clone(),
+        };
+        // One buffer holds [dx; dw], as the fused linear's backward.
+        let packed = x.apply_op2_no_bwd(w, &op)?;
+        let dx = packed.narrow(0, 0, n * d)?.reshape((n, d))?;
+        let dw = packed.narrow(0, n * d, d * v)?.reshape((d, v))?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// Each row's `mask·−log softmax(logits)[target]`, chunk by chunk.
+fn row_losses(x: &[f32], w: &[f32], dims: Dims, targets: &[u32], mask: &[f32]) -> Vec<f32> {
+    let v = dims.v;
+    let mut buf = chunk_buffer(dims);
+    // `for_units` covers every row of every chunk and each unit writes all its rows.
+    filled(dims.n, |out| {
+        for rows in dims.chunks() {
+            chunk_logits(&mut buf, x, w, dims, &rows);
+            let logits = &buf[..rows.len() * v];
+            for_units(rows.len(), v, |_, local| {
+                // SAFETY: units cover disjoint row ranges; the global rows are inside `0..n`.
+                let dst = unsafe {
+                    out.uninit_rows(&(rows.start + local.start..rows.start + local.end), 1)
+                };
+                let mut scratch = vec![0f32; v];
+                vmath::widest(
+                    #[inline(always)]
+                    || {
+                        for (slot, r) in dst.iter_mut().zip(local.clone()) {
+                            let i = rows.start + r;
+                            let loss = if mask[i] == 0.0 {
+                                0.0
+                            } else {
+                                let row = &logits[r * v..(r + 1) * v];
+                                let (max, lse) = log_sum_exp(row, &mut scratch);
+                                -mask[i] * (row[targets[i] as usize] - max - lse)
+                            };
+                            slot.write(loss);
+                        }
+                    },
+                )
+            });
+        }
+    })
+}
+
+struct LinearNllBackward {
+    scale: f32,
+    targets: Tensor,
+    mask: Tensor,
+}
+
+impl CustomOp2 for LinearNllBackward {
+    fn name(&self) -> &'static str {
+        "gaccwb-linear-nll-backward"
+    }
+
+    /// `[dx; dw]`, `n·d + d·v` floats: per chunk, dlogits from recomputed logits, then
+    /// `dx[chunk] = dlogits·wᵀ` and `dw (+)= x[chunk]ᵀ·dlogits`.
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(xs, xl, self.name())?;
+        let w = f32_slice(ws, wl, self.name())?;
+        let dims = Dims::of(xl, wl);
+        let Dims { n, d, v } = dims;
+        let packed = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
+            let mut buf = chunk_buffer(dims);
+            // dx rows are written by their chunk's product, dw by the first chunk's (then
+            // added to): every value, as chunks cover all rows and n ≥ 1.
+            Ok(filled(n * d + d * v, |out| {
+                for (c, rows) in dims.chunks().enumerate() {
+                    chunk_logits(&mut buf, x, w, dims, &rows);
+                    let dlogits = &mut buf[..rows.len() * v];
+                    to_dlogits(dlogits, v, rows.start, targets, mask, self.scale);
+                    // SAFETY: `out` holds n·d dx values then d·v dw values; these views are
+                    // this chunk's dx rows and the dw block, apart from `buf`, `x` and `w`.
+                    unsafe {
+                        matmul(
+                            MatMut::new(out.offset(rows.start * d), rows.len(), d, d),
+                            Mat::rows(dlogits, v),
+                            Mat::rows(w, v).t(),
+                            false,
+                            true,
+                        );
+                        matmul(
+                            MatMut::new(out.offset(n * d), d, v, v),
+                            Mat::rows(&x[rows.start * d..rows.end * d], d).t(),
+                            Mat::rows(dlogits, v),
+                            c > 0,
+                            true,
+                        );
+                    }
+                }
+            }))
+        })?;
+        let len = packed.len();
+        Ok((CpuStorage::F32(packed), Shape::from(len)))
+    }
+}
+
+/// Turn one chunk's logits (rows from global row `first`) into their gradient, in place:
+/// `scale·mask·(softmax(row) − onehot(target))`, zero for uncounted rows.
+fn to_dlogits(
+    chunk: &mut [f32],
+    v: usize,
+    first: usize,
+    targets: &[u32],
+    mask: &[f32],
+    scale: f32,
+) {
+    let rows = chunk.len() / v;
+    let shared = Shared(chunk.as_mut_ptr());
+    for_units(rows, v, |_, local| {
+        // SAFETY: units cover disjoint row ranges of `chunk`.
+        let dst = unsafe { shared.rows(&local, v) };
+        let mut scratch = vec![0f32; v];
+        vmath::widest(
+            #[inline(always)]
+            || {
+                for (row, r) in dst.chunks_exact_mut(v).zip(local.clone()) {
+                    let i = first + r;
+                    softmax_minus_onehot(row, targets[i] as usize, scale * mask[i], &mut scratch);
+                }
+            },
+        )
+    });
+}
+
+/// `row` ← `weight·(softmax(row) − onehot(target))` in place (all zeros when `weight` is 0).
+#[inline(always)]
+pub(super) fn softmax_minus_onehot(
+    row: &mut [f32],
+    target: usize,
+    weight: f32,
+    scratch: &mut [f32],
+) {
+    if weight == 0.0 {
+        row.fill(0.0);
+        return;
+    }
+    let (max, lse) = log_sum_exp(row, scratch);
+    let shift = max + lse;
+    row.iter_mut()
+        .for_each(|x| *x = weight * vmath::exp(*x - shift));
+    row[target] -= weight;
+}
