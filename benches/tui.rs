@@ -153,7 +153,13 @@ fn live_screen(s: Scenario, warmup: Duration, window: Duration) -> (f64, Vec<f64
     let sent = bytes.load(Ordering::Relaxed) - at_start;
     let ui_cpu = (thread_cpu_s().unwrap_or(f64::NAN) - cpu_at_start) / window.as_secs_f64();
     // The first steps pay for warming caches; headless skips them too.
-    let tok: Vec<f64> = app.steps.iter().skip(3).map(|s| s.tokens_per_s).collect();
+    let tok: Vec<f64> = app
+        .run
+        .steps
+        .iter()
+        .skip(3)
+        .map(|s| s.tokens_per_s)
+        .collect();
     (sent as f64 / window.as_secs_f64(), tok, ui_cpu)
 }
 

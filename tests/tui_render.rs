@@ -24,10 +24,8 @@ fn screen(app: &App, w: u16, h: u16) -> String {
 }
 
 fn app() -> App {
-    let mut app = App {
-        color: false,
-        ..App::default()
-    };
+    let mut app = App::default();
+    app.view.color = false;
     for e in sample_run(40) {
         app.update(&e);
     }
@@ -85,11 +83,11 @@ fn compact_layout_at_80x24_keeps_the_essentials() {
 #[test]
 fn compact_layout_reaches_hidden_panes_by_focus() {
     let mut app = app();
-    app.focus = PaneId::LossScale;
+    app.view.focus = PaneId::LossScale;
     assert!(screen(&app, 80, 24).contains("Loss scale: off (f32)"));
-    app.focus = PaneId::DeviceMemory;
+    app.view.focus = PaneId::DeviceMemory;
     assert!(screen(&app, 80, 24).contains("allocator (CPU)"));
-    app.expanded = true;
+    app.view.expanded = true;
     let s = screen(&app, 80, 24);
     assert!(
         s.contains("allocator (CPU)") && !s.contains("Memory ledger"),
@@ -217,7 +215,7 @@ fn no_color_renders_without_colours() {
 #[test]
 fn help_in_a_replay_lists_seek_and_speed_not_knobs() {
     let mut app = app();
-    app.replay = Some(gaccwb::tui::app::ReplayStatus {
+    app.view.replay = Some(gaccwb::tui::app::ReplayStatus {
         speed: 2.0,
         paused: true,
         last_step: 40,

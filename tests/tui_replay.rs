@@ -40,22 +40,22 @@ fn seeking_rebuilds_the_state_at_that_step() {
     let mut replay = Replay::new(sample_run_ended(40), 1.0, &mut app);
     replay.seek(&mut app, 10);
     assert_eq!(app.last_step(), 10);
-    assert_eq!(app.knobs.accum_steps, 1);
-    assert!(app.markers.is_empty());
+    assert_eq!(app.run.knobs.accum_steps, 1);
+    assert!(app.run.markers.is_empty());
     let s = render(&app);
     assert!(s.contains("K 1  B 8  eff 8") && s.contains("REPLAY"), "{s}");
 
     replay.seek(&mut app, 30);
     assert_eq!(app.last_step(), 30);
-    assert_eq!(app.knobs.accum_steps, 4);
-    assert_eq!(app.markers.len(), 1);
+    assert_eq!(app.run.knobs.accum_steps, 4);
+    assert_eq!(app.run.markers.len(), 1);
     let s = render(&app);
     assert!(s.contains("K 4  B 8  eff 32"), "{s}");
     assert!(s.contains("K=4 applied (key)"), "{s}");
 
     // Back again: nothing of the later steps survives.
     replay.seek(&mut app, 5);
-    assert_eq!((app.last_step(), app.steps.len()), (5, 5));
+    assert_eq!((app.last_step(), app.run.steps.len()), (5, 5));
     assert!(!render(&app).contains("K=4 applied"));
 }
 
@@ -107,8 +107,8 @@ async fn the_event_loop_plays_a_recording_to_the_end_and_quits() {
     )
     .await
     .unwrap();
-    assert!(app.quit);
-    assert_eq!(app.ended.as_deref(), Some("completed"));
+    assert!(app.view.quit);
+    assert_eq!(app.run.ended.as_deref(), Some("completed"));
     let s = text(&t);
     assert!(s.contains("step 40/100"), "{s}");
     assert!(s.contains("REPLAY playing ×64"), "{s}");
@@ -179,7 +179,7 @@ fn a_recorded_run_replays_to_the_same_summary() {
     for e in &rec.events {
         app.update(e);
     }
-    let steps: Vec<u64> = app.steps.iter().map(|s| s.step).collect();
+    let steps: Vec<u64> = app.run.steps.iter().map(|s| s.step).collect();
     assert_eq!(steps, vec![1, 2, 3, 4]);
     assert_eq!(app.last().unwrap().loss, live.steps[3].loss);
     assert!(matches!(rec.events.last(), Some(Event::End(_))));

@@ -103,7 +103,7 @@ pub fn write_cast(
             last_frame = t;
         }
     }
-    if app.dirty {
+    if app.view.dirty {
         frame(&mut terminal, &screen, &mut app, &keys, out, t)?;
         stats.frames += 1;
     }

@@ -68,8 +68,10 @@ pub struct ReplayStatus {
     pub last_step: u64,
 }
 
+/// What the run has told the screen: the data store, rebuilt from events alone (a replay seek
+/// starts it afresh). Nothing here depends on what the user is looking at.
 #[derive(Clone, Debug)]
-pub struct App {
+pub struct RunData {
     pub header: Option<Header>,
     pub knobs: Knobs,
     /// Controls sent but not yet reported applied, oldest first.
@@ -93,7 +95,11 @@ pub struct App {
     /// Changes the memory guard made (controls with origin `guard`).
     pub guard_actions: u64,
     pub retention: usize,
-    // Display state.
+}
+
+/// How the user is looking at the run: focus, zoom, overlays, and the session around it.
+#[derive(Clone, Debug)]
+pub struct ViewState {
     pub help: bool,
     pub frozen: Option<u64>,
     pub zoom: u64,
@@ -109,15 +115,22 @@ pub struct App {
     pub dirty: bool,
 }
 
+/// The workbench's state: the run's data beside the view of it (the split `bottom` makes).
+#[derive(Clone, Debug)]
+pub struct App {
+    pub run: RunData,
+    pub view: ViewState,
+}
+
 impl Default for App {
     fn default() -> Self {
         App::new(DEFAULT_RETENTION)
     }
 }
 
-impl App {
-    pub fn new(retention: usize) -> App {
-        App {
+impl RunData {
+    pub fn new(retention: usize) -> RunData {
+        RunData {
             header: None,
             knobs: Knobs::from_scenario(&Default::default()),
             pending: Vec::new(),
@@ -135,6 +148,13 @@ impl App {
             ended: None,
             guard_actions: 0,
             retention: retention.max(1),
+        }
+    }
+}
+
+impl Default for ViewState {
+    fn default() -> Self {
+        ViewState {
             help: false,
             frozen: None,
             zoom: DEFAULT_ZOOM,
@@ -148,41 +168,42 @@ impl App {
             dirty: true,
         }
     }
+}
+
+impl App {
+    pub fn new(retention: usize) -> App {
+        App {
+            run: RunData::new(retention),
+            view: ViewState::default(),
+        }
+    }
 
     /// Drop the run's data but keep display settings (replay seeks rebuild from the start).
     pub fn reset_run(&mut self) {
-        let fresh = App {
-            help: self.help,
-            zoom: self.zoom,
-            focus: self.focus,
-            expanded: self.expanded,
-            noise_view: self.noise_view,
-            color: self.color,
-            recording: self.recording.clone(),
-            replay: self.replay.clone(),
-            ..App::new(self.retention)
-        };
-        *self = fresh;
+        self.run = RunData::new(self.run.retention);
+        self.view.frozen = None;
+        self.view.quit = false;
+        self.view.dirty = true;
     }
 
     /// Steps completed so far.
     pub fn last_step(&self) -> u64 {
-        self.steps.back().map(|s| s.step).unwrap_or(0)
+        self.run.steps.back().map(|s| s.step).unwrap_or(0)
     }
 
     pub fn last(&self) -> Option<&StepEvent> {
-        self.steps.back()
+        self.run.steps.back()
     }
 
     /// The last step the charts show: the frozen step, or the newest.
     pub fn view_end(&self) -> u64 {
-        self.frozen.unwrap_or_else(|| self.last_step())
+        self.view.frozen.unwrap_or_else(|| self.last_step())
     }
 
     /// Knobs as they will be once every pending control is applied.
     pub fn target_knobs(&self) -> Knobs {
-        let mut k = self.knobs.clone();
-        for c in &self.pending {
+        let mut k = self.run.knobs.clone();
+        for c in &self.run.pending {
             k.apply(c);
         }
         k
@@ -193,25 +214,29 @@ impl App {
             Event::Header(h) => self.on_header(h),
             Event::Step(s) => self.on_step(s),
             Event::Control(c) => self.on_control(c),
-            Event::Eval(e) => push_bounded(&mut self.evals, (e.step, e.val_loss), self.retention),
+            Event::Eval(e) => push_bounded(
+                &mut self.run.evals,
+                (e.step, e.val_loss),
+                self.run.retention,
+            ),
             Event::Memory(m) => self.on_memory(m),
             Event::Estimate(e) => {
-                self.estimates.retain(|x| x.phase != e.phase);
-                self.estimates.push(e.clone());
+                self.run.estimates.retain(|x| x.phase != e.phase);
+                self.run.estimates.push(e.clone());
             }
             Event::Device(d) => self.on_device(d),
             Event::Log(l) => self.log(l.step, l.level, l.message.clone()),
             Event::End(e) => {
-                self.ended = Some(e.reason.clone());
+                self.run.ended = Some(e.reason.clone());
                 self.log(e.step, Level::Info, format!("run ended: {}", e.reason));
             }
         }
-        self.dirty = true;
+        self.view.dirty = true;
     }
 
     fn on_header(&mut self, h: &Header) {
-        self.knobs = Knobs::from_scenario(&h.config);
-        self.header = Some(h.clone());
+        self.run.knobs = Knobs::from_scenario(&h.config);
+        self.run.header = Some(h.clone());
     }
 
     fn on_step(&mut self, s: &StepEvent) {
@@ -225,20 +250,20 @@ impl App {
                 ),
             );
         }
-        push_bounded(&mut self.steps, s.clone(), self.retention);
+        push_bounded(&mut self.run.steps, s.clone(), self.run.retention);
     }
 
     fn on_control(&mut self, c: &ControlEvent) {
-        self.knobs.apply(&c.control);
+        self.run.knobs.apply(&c.control);
         match c.control {
-            Control::Pause => self.paused = true,
-            Control::Resume => self.paused = false,
-            Control::SingleStep => self.paused = true,
+            Control::Pause => self.run.paused = true,
+            Control::Resume => self.run.paused = false,
+            Control::SingleStep => self.run.paused = true,
             _ => {}
         }
         // Only the very change is done: a newer value for the same knob may still be on its way.
-        if let Some(i) = self.pending.iter().position(|p| *p == c.control) {
-            self.pending.remove(i);
+        if let Some(i) = self.run.pending.iter().position(|p| *p == c.control) {
+            self.run.pending.remove(i);
         }
         let origin = match c.origin {
             Origin::Key => "key",
@@ -248,101 +273,106 @@ impl App {
             Origin::Policy => "policy",
         };
         if c.origin == Origin::Guard && matches!(c.control, Control::SetMicroBatch { .. }) {
-            self.guard_actions += 1;
+            self.run.guard_actions += 1;
         }
         let label = c.control.describe();
         self.log(c.step, Level::Info, format!("{label} applied ({origin})"));
         if !c.control.is_flow() {
-            push_bounded(&mut self.markers, (c.step, label), self.retention);
+            push_bounded(&mut self.run.markers, (c.step, label), self.run.retention);
         }
     }
 
     fn on_memory(&mut self, m: &MemoryEvent) {
-        self.memory_source = Some(m.source);
-        match self.memory.back_mut() {
+        self.run.memory_source = Some(m.source);
+        match self.run.memory.back_mut() {
             Some(figure) if figure.step == m.step => figure.absorb(m),
-            _ => push_bounded(&mut self.memory, StepFigure::new(m), self.retention),
+            _ => push_bounded(&mut self.run.memory, StepFigure::new(m), self.run.retention),
         }
         // The ledger shows the fullest moment of a finished step (usually backward), not the
         // quiet end, and not a step still half-way through.
-        if let Some(latest) = self.memory.back() {
-            if latest.complete || self.measured.is_none() {
-                self.measured = Some(latest.fullest.clone());
+        if let Some(latest) = self.run.memory.back() {
+            if latest.complete || self.run.measured.is_none() {
+                self.run.measured = Some(latest.fullest.clone());
             }
         }
     }
 
     fn on_device(&mut self, d: &DeviceEvent) {
         if let Some(reason) = &d.unavailable {
-            if self.device_unavailable.as_deref() != Some(reason) {
+            if self.run.device_unavailable.as_deref() != Some(reason) {
                 self.log(self.last_step(), Level::Warn, reason.clone());
             }
-            self.device_unavailable = Some(reason.clone());
+            self.run.device_unavailable = Some(reason.clone());
             return;
         }
         let Some(used) = d.used else { return };
-        self.device_unavailable = None;
+        self.run.device_unavailable = None;
         let point = DevicePoint {
             source: d.source,
             x: self.last_step() as f64,
             used,
             total: d.total,
         };
-        push_bounded(&mut self.device, point, self.retention);
+        push_bounded(&mut self.run.device, point, self.run.retention);
     }
 
     fn log(&mut self, step: u64, level: Level, text: String) {
-        push_bounded(&mut self.log, LogLine { step, level, text }, LOG_RETENTION);
+        push_bounded(
+            &mut self.run.log,
+            LogLine { step, level, text },
+            LOG_RETENTION,
+        );
     }
 
     /// Act on a key's action. Knob actions become controls for the trainer (also held as
     /// pending until the trainer reports them); display actions change the view only.
     /// Recording and replay actions belong to the loop that owns the file or the replay.
     pub fn apply(&mut self, action: Action) -> Vec<Control> {
-        self.dirty = true;
-        if self.help && !matches!(action, Action::Help | Action::Quit) {
+        self.view.dirty = true;
+        if self.view.help && !matches!(action, Action::Help | Action::Quit) {
             // Any key closes the overlay without acting.
-            self.help = false;
+            self.view.help = false;
             return Vec::new();
         }
         let controls = match action {
             Action::Help => {
-                self.help = !self.help;
+                self.view.help = !self.view.help;
                 Vec::new()
             }
             Action::Quit => {
-                self.quit = true;
+                self.view.quit = true;
                 Vec::new()
             }
             Action::Freeze => {
-                self.frozen = match self.frozen {
+                self.view.frozen = match self.view.frozen {
                     Some(_) => None,
                     None => Some(self.last_step()),
                 };
                 Vec::new()
             }
             Action::ZoomIn => {
-                self.zoom = (self.zoom / 2).max(MIN_ZOOM);
+                self.view.zoom = (self.view.zoom / 2).max(MIN_ZOOM);
                 Vec::new()
             }
             Action::ZoomOut => {
-                self.zoom = (self.zoom * 2).min(self.retention.max(MIN_ZOOM as usize) as u64);
+                self.view.zoom =
+                    (self.view.zoom * 2).min(self.run.retention.max(MIN_ZOOM as usize) as u64);
                 Vec::new()
             }
             Action::Expand => {
-                self.expanded = !self.expanded;
+                self.view.expanded = !self.view.expanded;
                 Vec::new()
             }
             Action::FocusNext => {
-                self.focus = self.focus.shifted(1);
+                self.view.focus = self.view.focus.shifted(1);
                 Vec::new()
             }
             Action::FocusPrev => {
-                self.focus = self.focus.shifted(-1);
+                self.view.focus = self.view.focus.shifted(-1);
                 Vec::new()
             }
             Action::NoiseView => {
-                self.noise_view = !self.noise_view;
+                self.view.noise_view = !self.view.noise_view;
                 Vec::new()
             }
             Action::RecordToggle
@@ -350,7 +380,7 @@ impl App {
             | Action::SeekForward
             | Action::SpeedDown
             | Action::SpeedUp => Vec::new(),
-            Action::FitNow if self.replay.is_none() => match super::fit::fit_controls(self) {
+            Action::FitNow if self.view.replay.is_none() => match super::fit::fit_controls(self) {
                 Ok(controls) => controls,
                 Err(why) => {
                     self.log(self.last_step(), Level::Warn, why);
@@ -359,13 +389,13 @@ impl App {
             },
             knob => self.knob_controls(knob),
         };
-        if self.replay.is_some() {
+        if self.view.replay.is_some() {
             // A replay is read-only: the file already says what happened.
             return Vec::new();
         }
         for c in &controls {
-            self.pending.retain(|p| !supersedes(c, p));
-            self.pending.push(c.clone());
+            self.run.pending.retain(|p| !supersedes(c, p));
+            self.run.pending.push(c.clone());
         }
         controls
     }
@@ -426,7 +456,8 @@ impl App {
 
     /// Paused once the pending flow controls are applied.
     fn target_paused(&self) -> bool {
-        self.pending
+        self.run
+            .pending
             .iter()
             .rev()
             .find_map(|c| match c {
@@ -434,12 +465,13 @@ impl App {
                 Control::Resume => Some(false),
                 _ => None,
             })
-            .unwrap_or(self.paused)
+            .unwrap_or(self.run.paused)
     }
 
     /// The clip `x` turns back on: the preset's value, else 1.0.
     fn configured_clip(&self) -> f64 {
-        self.header
+        self.run
+            .header
             .as_ref()
             .and_then(|h| h.config.train.clip)
             .unwrap_or(1.0)
@@ -448,17 +480,22 @@ impl App {
     /// The estimate to set beside the measured ledger: the same phase (backward before any
     /// measurement, the phase that usually peaks).
     pub fn estimate(&self) -> Option<&EstimateEvent> {
-        let phase = self.measured.as_ref().map_or(Phase::Backward, |m| m.phase);
-        self.estimates.iter().find(|e| e.phase == phase)
+        let phase = self
+            .run
+            .measured
+            .as_ref()
+            .map_or(Phase::Backward, |m| m.phase);
+        self.run.estimates.iter().find(|e| e.phase == phase)
     }
 
     /// The latest memory event says device and host memory are one (a CPU run).
     pub fn unified_memory(&self) -> bool {
-        self.measured.as_ref().is_some_and(|m| m.unified)
+        self.run.measured.as_ref().is_some_and(|m| m.unified)
     }
 
     pub fn device_name(&self) -> &str {
-        self.header
+        self.run
+            .header
             .as_ref()
             .map(|h| h.device.as_str())
             .unwrap_or("?")
@@ -466,7 +503,8 @@ impl App {
 
     /// The newest noise-scale estimate, and the step it came with.
     pub fn latest_noise(&self) -> Option<(u64, &crate::telemetry::NoiseEvent)> {
-        self.steps
+        self.run
+            .steps
             .iter()
             .rev()
             .filter(|s| s.step <= self.view_end())
@@ -517,7 +555,7 @@ mod tests {
             app.apply(Action::AccumUp),
             vec![Control::SetAccumSteps { value: 8 }]
         );
-        assert_eq!(app.pending, vec![Control::SetAccumSteps { value: 8 }]);
+        assert_eq!(app.run.pending, vec![Control::SetAccumSteps { value: 8 }]);
         assert_eq!(
             app.apply(Action::MicroBatchDown),
             vec![Control::SetMicroBatch { value: 4 }]
@@ -572,9 +610,9 @@ mod tests {
             })
         };
         app.update(&applied(4));
-        assert_eq!(app.pending, vec![Control::SetAccumSteps { value: 8 }]);
+        assert_eq!(app.run.pending, vec![Control::SetAccumSteps { value: 8 }]);
         app.update(&applied(8));
-        assert!(app.pending.is_empty());
+        assert!(app.run.pending.is_empty());
     }
 
     #[test]
@@ -615,8 +653,8 @@ mod tests {
     #[test]
     fn k_and_micro_batch_never_go_below_one() {
         let mut app = App::default();
-        app.knobs.accum_steps = 1;
-        app.knobs.micro_batch = 1;
+        app.run.knobs.accum_steps = 1;
+        app.run.knobs.micro_batch = 1;
         assert_eq!(
             app.apply(Action::AccumDown),
             vec![Control::SetAccumSteps { value: 1 }]
@@ -631,15 +669,15 @@ mod tests {
     fn pending_clears_when_the_trainer_reports_the_control() {
         let mut app = app_with_config();
         app.apply(Action::AccumUp);
-        assert_eq!(app.knobs.accum_steps, 2);
+        assert_eq!(app.run.knobs.accum_steps, 2);
         app.update(&Event::Control(ControlEvent {
             step: 3,
             origin: Origin::Key,
             control: Control::SetAccumSteps { value: 4 },
         }));
-        assert!(app.pending.is_empty());
-        assert_eq!(app.knobs.accum_steps, 4);
-        assert_eq!(app.markers.back(), Some(&(3, "K=4".to_string())));
+        assert!(app.run.pending.is_empty());
+        assert_eq!(app.run.knobs.accum_steps, 4);
+        assert_eq!(app.run.markers.back(), Some(&(3, "K=4".to_string())));
     }
 
     #[test]
@@ -655,25 +693,25 @@ mod tests {
         ] {
             assert!(app.apply(a).is_empty(), "{a:?}");
         }
-        assert!(app.frozen.is_some() && app.expanded);
-        assert_eq!(app.focus, PaneId::GradNorm);
+        assert!(app.view.frozen.is_some() && app.view.expanded);
+        assert_eq!(app.view.focus, PaneId::GradNorm);
         app.apply(Action::Help);
-        assert!(app.help);
+        assert!(app.view.help);
         // With help open, a knob key only closes it.
         assert!(app.apply(Action::AccumUp).is_empty());
-        assert!(!app.help);
+        assert!(!app.view.help);
     }
 
     #[test]
     fn a_replay_is_read_only() {
         let mut app = app_with_config();
-        app.replay = Some(ReplayStatus {
+        app.view.replay = Some(ReplayStatus {
             speed: 1.0,
             paused: false,
             last_step: 0,
         });
         assert!(app.apply(Action::AccumUp).is_empty());
-        assert!(app.pending.is_empty());
+        assert!(app.run.pending.is_empty());
     }
 
     #[test]
@@ -682,7 +720,7 @@ mod tests {
         for i in 1..=12 {
             app.update(&Event::Step(crate::tui::testing::step(i, 2.0)));
         }
-        assert_eq!(app.steps.len(), 5);
-        assert_eq!(app.steps.front().unwrap().step, 8);
+        assert_eq!(app.run.steps.len(), 5);
+        assert_eq!(app.run.steps.front().unwrap().step, 8);
     }
 }

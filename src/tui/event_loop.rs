@@ -27,7 +27,7 @@ where
     terminal.backend_mut().begin_frame()?;
     terminal.draw(|f| ui::render(f, app, keys))?;
     terminal.backend_mut().end_frame()?;
-    app.dirty = false;
+    app.view.dirty = false;
     Ok(())
 }
 
@@ -56,7 +56,7 @@ where
     } else {
         loop {
             tokio::select! {
-                _ = &mut shutdown => app.quit = true,
+                _ = &mut shutdown => app.view.quit = true,
                 key = input.next(), if input_open => match key {
                     Some(Ok(TermEvent::Key(k))) => {
                         if let Some(action) = keys.action_for(&k) {
@@ -69,7 +69,7 @@ where
                         if let Err(e) = terminal.autoresize() {
                             break Err(e.into());
                         }
-                        app.dirty = true;
+                        app.view.dirty = true;
                     }
                     Some(Ok(_)) => {}
                     Some(Err(e)) => break Err(e.into()),
@@ -79,14 +79,14 @@ where
                     break Err(e);
                 },
                 _ = tick.tick() => {
-                    if app.dirty {
+                    if app.view.dirty {
                         if let Err(e) = draw(terminal, app, keys) {
                             break Err(e);
                         }
                     }
                 }
             }
-            if app.quit {
+            if app.view.quit {
                 break Ok(());
             }
         }

@@ -38,7 +38,7 @@ impl Feed {
     /// only closes it (`App::apply`).
     pub fn act(&mut self, app: &mut App, action: Action) -> anyhow::Result<()> {
         tracing::debug!(?action, "action");
-        if app.help {
+        if app.view.help {
             app.apply(action);
             return Ok(());
         }
@@ -160,7 +160,7 @@ impl Live {
             Some(_) => &marked,
             None => e,
         };
-        if app.header.is_none() && !matches!(e, Event::Header(_)) {
+        if app.run.header.is_none() && !matches!(e, Event::Header(_)) {
             self.before_header.push(e.clone());
         } else {
             let early = std::mem::take(&mut self.before_header);
@@ -179,7 +179,7 @@ impl Live {
             }
             // A failed run (an error, a crash, divergence) closes the screen; `finish` reports it.
             if crate::train::guard::is_failure(&end.reason) {
-                app.quit = true;
+                app.view.quit = true;
             }
         }
         Ok(())
@@ -188,7 +188,7 @@ impl Live {
     /// `r`: start or stop recording. One that cannot start is reported in the event log; the
     /// run goes on.
     fn toggle_recording(&mut self, app: &mut App) {
-        app.dirty = true;
+        app.view.dirty = true;
         if let Err(e) = self.try_toggle_recording(app) {
             note(app, format!("recording not started: {e:#}"));
         }
@@ -199,7 +199,7 @@ impl Live {
             r.flush()?;
             let path = r.path().display().to_string();
             note(app, format!("recording saved to {path}"));
-            app.recording = None;
+            app.view.recording = None;
             return Ok(());
         }
         let (path, mut r) = self.next_free_recording()?;
@@ -207,7 +207,7 @@ impl Live {
             r.write(&Event::Header(header))?;
         }
         self.recordings_started += 1;
-        app.recording = Some(path.display().to_string());
+        app.view.recording = Some(path.display().to_string());
         note(app, format!("recording to {}", path.display()));
         self.recorder = Some(r);
         Ok(())
@@ -225,7 +225,7 @@ impl Live {
         if let Some(r) = self.recorder.as_mut() {
             r.flush()?;
         }
-        match app.ended.as_deref() {
+        match app.run.ended.as_deref() {
             Some(reason) if crate::train::guard::is_failure(reason) => {
                 anyhow::bail!("training failed: {}", crate::headless::strip(reason))
             }
@@ -254,8 +254,8 @@ impl Live {
 /// A recording must open with a header; started mid-run, it carries the knobs in force now (all
 /// of them: pitfalls included) and the part of the timeline still to come.
 fn header_now(app: &App) -> Option<crate::telemetry::Header> {
-    let mut header = app.header.clone()?;
-    app.knobs.write_into(&mut header.config.train);
+    let mut header = app.run.header.clone()?;
+    app.run.knobs.write_into(&mut header.config.train);
     header.config.timeline.retain(|e| e.step >= app.last_step());
     Some(header)
 }
@@ -324,12 +324,12 @@ impl Replay {
     }
 
     fn publish(&self, app: &mut App) {
-        app.replay = Some(ReplayStatus {
+        app.view.replay = Some(ReplayStatus {
             speed: self.speed,
             paused: self.paused,
             last_step: self.last_recorded_step(),
         });
-        app.dirty = true;
+        app.view.dirty = true;
     }
 
     fn last_recorded_step(&self) -> u64 {

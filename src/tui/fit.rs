@@ -13,22 +13,23 @@ use super::app::App;
 
 /// The budget in bytes, when the run has one and it can be resolved here.
 pub fn budget_bytes(app: &App) -> Option<u64> {
-    let budget = &app.header.as_ref()?.config.train.memory_budget;
-    let total = app.device.iter().rev().find_map(|d| d.total);
+    let budget = &app.run.header.as_ref()?.config.train.memory_budget;
+    let total = app.run.device.iter().rev().find_map(|d| d.total);
     budget.resolve(total).ok().flatten()
 }
 
 /// The controls that fit the budget now, or why there are none.
 pub fn fit_controls(app: &App) -> Result<Vec<Control>, String> {
     let header = app
+        .run
         .header
         .as_ref()
         .ok_or("fit: the run has not started yet")?;
     let budget = budget_bytes(app)
         .ok_or("fit: no memory budget (set train.memory_budget or run with --budget)")?;
     let k = app.target_knobs();
-    let unified = app.memory_source != Some(MemorySource::Nvml)
-        && app.memory_source != Some(MemorySource::CudaPool);
+    let unified = app.run.memory_source != Some(MemorySource::Nvml)
+        && app.run.memory_source != Some(MemorySource::CudaPool);
     let cfg = Config::from_knobs(&header.config.model, &k, unified);
     let effective = k.effective_batch();
     let row = largest_micro_batch(&cfg, effective, budget).ok_or_else(|| {
@@ -53,7 +54,7 @@ pub fn fit_controls(app: &App) -> Result<Vec<Control>, String> {
 /// "budget 6.00 GiB  headroom 1.20 GiB  guard 2×" for the Controls pane.
 pub fn budget_line(app: &App) -> Option<String> {
     let budget = budget_bytes(app)?;
-    let headroom = match app.measured.as_ref() {
+    let headroom = match app.run.measured.as_ref() {
         Some(m) if m.peak <= budget => human_bytes(budget - m.peak),
         Some(m) => format!("-{}", human_bytes(m.peak - budget)),
         None => "?".into(),
@@ -61,7 +62,7 @@ pub fn budget_line(app: &App) -> Option<String> {
     Some(format!(
         "budget {}  headroom {headroom}  guard actions {}",
         human_bytes(budget),
-        app.guard_actions
+        app.run.guard_actions
     ))
 }
 
@@ -92,7 +93,13 @@ mod tests {
         let mut app = App::default();
         app.update(&Event::Header(header.clone()));
         assert!(app.apply(Action::FitNow).is_empty(), "no budget, no change");
-        assert!(app.log.back().unwrap().text.contains("no memory budget"));
+        assert!(app
+            .run
+            .log
+            .back()
+            .unwrap()
+            .text
+            .contains("no memory budget"));
 
         header.config.train.memory_budget = MemoryBudget::Bytes(budget);
         let mut app = App::default();

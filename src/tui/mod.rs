@@ -51,11 +51,9 @@ pub fn run_live(trainer: Trainer, opts: LiveOptions) -> anyhow::Result<()> {
     require_terminal()?;
     let session = crate::session::Session::start(trainer, opts.record.as_deref(), opts.force)?;
     let live = Live::from_session(session, opts.record.as_deref());
-    let mut app = App {
-        color: terminal::color_enabled(),
-        recording: live.recording_path(),
-        ..App::default()
-    };
+    let mut app = App::default();
+    app.view.color = terminal::color_enabled();
+    app.view.recording = live.recording_path();
     let mut feed = Feed::Live(live);
     on_screen(&mut app, &opts.keys, &mut feed)?;
     if let Some(path) = &opts.record {
@@ -71,10 +69,8 @@ pub fn run_replay(path: &Path, speed: f64, keys: &KeyMap) -> anyhow::Result<()> 
     for w in &recording.warnings {
         eprintln!("warning: {w}");
     }
-    let mut app = App {
-        color: terminal::color_enabled(),
-        ..App::default()
-    };
+    let mut app = App::default();
+    app.view.color = terminal::color_enabled();
     let replay = Replay::new(recording.events, speed, &mut app);
     let mut feed = Feed::Replay(replay);
     on_screen(&mut app, keys, &mut feed)

@@ -19,7 +19,9 @@ const FULL_HEIGHT: u16 = 36;
 
 pub fn render(frame: &mut Frame, app: &App, keys: &KeyMap) {
     let area = frame.area();
-    let theme = Theme { color: app.color };
+    let theme = Theme {
+        color: app.view.color,
+    };
     if area.width < MIN_WIDTH || area.height < MIN_HEIGHT {
         return too_small(frame, area);
     }
@@ -31,14 +33,14 @@ pub fn render(frame: &mut Frame, app: &App, keys: &KeyMap) {
     .areas(area);
     frame.render_widget(Paragraph::new(header_line(app, theme)), top);
     frame.render_widget(Paragraph::new(footer_line(app, keys, theme)), foot);
-    if app.expanded {
-        render_pane(frame, body, app, app.focus, theme);
+    if app.view.expanded {
+        render_pane(frame, body, app, app.view.focus, theme);
     } else if area.width >= FULL_WIDTH && area.height >= FULL_HEIGHT {
         full_layout(frame, body, app, theme);
     } else {
         compact_layout(frame, body, app, theme);
     }
-    if app.help {
+    if app.view.help {
         help_overlay(frame, body, app, keys, theme);
     }
 }
@@ -82,11 +84,11 @@ fn compact_layout(frame: &mut Frame, body: Rect, app: &App, theme: Theme) {
     let [a, b]: [Rect; 2] = Layout::horizontal(halves).areas(r1);
     let [c, d]: [Rect; 2] = Layout::horizontal(halves).areas(r2);
     let swappable = matches!(
-        app.focus,
+        app.view.focus,
         PaneId::DeviceMemory | PaneId::LossScale | PaneId::EventLog
     );
     let slot = if swappable {
-        app.focus
+        app.view.focus
     } else {
         PaneId::GradNorm
     };
@@ -102,10 +104,11 @@ fn compact_layout(frame: &mut Frame, body: Rect, app: &App, theme: Theme) {
 
 fn header_line(app: &App, theme: Theme) -> Line<'static> {
     let mut spans = vec![Span::styled(" gaccwb ", theme.bold())];
-    if let Some(h) = &app.header {
+    if let Some(h) = &app.run.header {
         spans.push(Span::raw(format!("· {} · {} ", h.config.name, h.device)));
     }
     let total = app
+        .run
         .header
         .as_ref()
         .map(|h| h.config.train.steps)
@@ -116,29 +119,29 @@ fn header_line(app: &App, theme: Theme) -> Line<'static> {
     } else {
         format!("· step {step} ")
     }));
-    let state = match (&app.ended, app.paused) {
+    let state = match (&app.run.ended, app.run.paused) {
         (Some(reason), _) => Span::styled(format!("· ended: {reason} "), theme.warn()),
         (None, true) => Span::styled("· PAUSED ".to_string(), theme.warn()),
         (None, false) => Span::styled("· running ".to_string(), theme.fg(Color::Green)),
     };
-    if app.replay.is_none() {
+    if app.view.replay.is_none() {
         spans.push(state);
     }
-    if let Some(r) = &app.replay {
+    if let Some(r) = &app.view.replay {
         let what = if r.paused { "paused" } else { "playing" };
         spans.push(Span::styled(
             format!("· REPLAY {what} ×{} ({} steps) ", r.speed, r.last_step),
             theme.fg(Color::Magenta),
         ));
     }
-    if let Some(path) = &app.recording {
+    if let Some(path) = &app.view.recording {
         spans.push(Span::styled(format!("· ● REC {path} "), theme.error()));
     }
-    if let Some(at) = app.frozen {
+    if let Some(at) = app.view.frozen {
         spans.push(Span::styled(format!("· FROZEN at {at} "), theme.warn()));
     }
     spans.push(Span::styled(
-        format!("· window {} steps", app.zoom),
+        format!("· window {} steps", app.view.zoom),
         theme.dim(),
     ));
     Line::from(spans)
@@ -156,7 +159,7 @@ fn footer_line(app: &App, keys: &KeyMap, theme: Theme) -> Line<'static> {
         (keys.label_for(Action::Quit), "quit"),
         (keys.label_for(Action::PauseResume), "pause"),
     ];
-    if app.replay.is_some() {
+    if app.view.replay.is_some() {
         items.push((
             format!(
                 "{}/{}",
@@ -200,7 +203,7 @@ fn help_overlay(frame: &mut Frame, body: Rect, app: &App, keys: &KeyMap, theme: 
         height,
     };
     let mut lines = Vec::new();
-    if let Some(h) = &app.header {
+    if let Some(h) = &app.run.header {
         let story = h.config.explanation.split_whitespace().collect::<Vec<_>>();
         if !story.is_empty() {
             lines.push(Line::styled(
@@ -211,7 +214,7 @@ fn help_overlay(frame: &mut Frame, body: Rect, app: &App, keys: &KeyMap, theme: 
         }
     }
     let shown: Vec<Action> = Action::all()
-        .filter(|a| match app.replay {
+        .filter(|a| match app.view.replay {
             Some(_) => !a.live_only(),
             None => !a.replay_only(),
         })

@@ -33,6 +33,7 @@ fn gpu_series(app: &App, theme: Theme) -> Option<(String, Vec<Series>)> {
     let mut title = None;
     for (source, color) in sources.into_iter().zip(colors) {
         let points: Vec<(f64, f64)> = app
+            .run
             .device
             .iter()
             .filter(|d| d.source == source && d.x <= end)
@@ -41,7 +42,7 @@ fn gpu_series(app: &App, theme: Theme) -> Option<(String, Vec<Series>)> {
         if points.is_empty() {
             continue;
         }
-        let last = app.device.iter().rev().find(|d| d.source == source)?;
+        let last = app.run.device.iter().rev().find(|d| d.source == source)?;
         let label = source_label(source, false);
         let figure = match last.total {
             Some(t) => format!("{} / {}", fmt_bytes(last.used), fmt_bytes(t)),
@@ -62,14 +63,16 @@ fn gpu_series(app: &App, theme: Theme) -> Option<(String, Vec<Series>)> {
 fn step_series(app: &App, theme: Theme) -> (String, Vec<Series>) {
     let end = app.view_end() as f64;
     let label = app
+        .run
         .memory_source
         .map(|s| source_label(s, app.is_cpu()))
         .unwrap_or("");
-    let last = app.memory.back();
+    let last = app.run.memory.back();
     let live_name = last.map_or("live".into(), |p| format!("live {}", fmt_bytes(p.live)));
     let peak_name = last.map_or("peak".into(), |p| format!("peak {}", fmt_bytes(p.peak)));
     let pick = |f: fn(&StepFigure) -> u64| -> Vec<(f64, f64)> {
-        app.memory
+        app.run
+            .memory
             .iter()
             .filter(|p| p.step as f64 <= end)
             .map(|p| (p.step as f64, f(p) as f64))
@@ -96,7 +99,7 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     let (title, series) = gpu_series(app, theme).unwrap_or_else(|| step_series(app, theme));
     let mut block = block(title, app, PaneId::DeviceMemory, theme);
     let has_data = series.iter().any(|s| !s.points.is_empty());
-    if let Some(reason) = &app.device_unavailable {
+    if let Some(reason) = &app.run.device_unavailable {
         if !has_data {
             return placeholder(frame, area, block, reason, theme);
         }

@@ -12,7 +12,7 @@ use crate::tui::app::{App, PaneId};
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     let block = block(" Events ", app, PaneId::EventLog, theme);
     let rows = block.inner(area).height as usize;
-    if app.log.is_empty() {
+    if app.run.log.is_empty() {
         return placeholder(frame, area, block, "no events yet", theme);
     }
     frame.render_widget(Paragraph::new(lines(app, rows, theme)).block(block), area);
@@ -20,8 +20,9 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
 
 /// The newest `rows` log lines, oldest first.
 pub fn lines(app: &App, rows: usize, theme: Theme) -> Vec<Line<'static>> {
-    let skip = app.log.len().saturating_sub(rows);
-    app.log
+    let skip = app.run.log.len().saturating_sub(rows);
+    app.run
+        .log
         .iter()
         .skip(skip)
         .map(|l| {

@@ -8,7 +8,7 @@ use super::{block, draw_chart, fmt_num, placeholder, steps_in_view, ChartSpec, S
 use crate::tui::app::{App, PaneId};
 
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
-    if app.noise_view {
+    if app.view.noise_view {
         return super::noise::render(frame, area, app, theme);
     }
     let title = match app.last() {
@@ -26,7 +26,7 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
         None => " Grad norm ".into(),
     };
     let block = block(title, app, PaneId::GradNorm, theme);
-    if app.steps.is_empty() {
+    if app.run.steps.is_empty() {
         return placeholder(frame, area, block, "waiting for the first step…", theme);
     }
     let pre: Vec<(f64, f64)> = steps_in_view(app)

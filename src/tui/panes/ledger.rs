@@ -41,7 +41,7 @@ fn phase_name(p: Phase) -> &'static str {
 }
 
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
-    let title = match &app.measured {
+    let title = match &app.run.measured {
         Some(m) => format!(
             " Memory ledger · {} at {} of step {} ",
             source_name(m),
@@ -51,11 +51,11 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
         None => " Memory ledger ".into(),
     };
     let block = block(title, app, PaneId::Ledger, theme);
-    if app.measured.is_none() && app.estimate().is_none() {
+    if app.run.measured.is_none() && app.estimate().is_none() {
         return placeholder(frame, area, block, "no memory data yet", theme);
     }
     let inner = block.inner(area);
-    let measured = app.measured.as_ref().map(|m| m.categories);
+    let measured = app.run.measured.as_ref().map(|m| m.categories);
     let estimate = app.estimate().map(|m| m.categories);
     let lines = rows(measured, estimate, inner.width as usize, theme);
     // Every category always shows; the column heads and the total only when there is room.

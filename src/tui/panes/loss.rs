@@ -8,23 +8,23 @@ use super::{block, draw_chart, fmt_num, placeholder, steps_in_view, ChartSpec, S
 use crate::tui::app::{App, PaneId};
 
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
-    let floor = app.header.as_ref().and_then(|h| h.entropy_floor);
+    let floor = app.run.header.as_ref().and_then(|h| h.entropy_floor);
     let mut title = match app.last() {
         Some(s) => format!(" Loss {:.4}", s.loss),
         None => " Loss".to_string(),
     };
-    if let Some((_, v)) = app.evals.back() {
+    if let Some((_, v)) = app.run.evals.back() {
         title += &format!(" · val {v:.4}");
     }
     match floor {
         Some(f) => title += &format!(" · floor {f:.4}"),
         // Real text: no closed-form floor, so no line is drawn; say why it is missing.
-        None if app.header.is_some() => title += " · no known floor",
+        None if app.run.header.is_some() => title += " · no known floor",
         None => {}
     }
     title.push(' ');
     let block = block(title, app, PaneId::Loss, theme);
-    if app.steps.is_empty() {
+    if app.run.steps.is_empty() {
         return placeholder(frame, area, block, "waiting for the first step…", theme);
     }
     let train: Vec<(f64, f64)> = steps_in_view(app)
@@ -32,6 +32,7 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
         .collect();
     let end = app.view_end();
     let val: Vec<(f64, f64)> = app
+        .run
         .evals
         .iter()
         .filter(|(s, _)| *s <= end)

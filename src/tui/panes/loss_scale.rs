@@ -26,7 +26,7 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
         None => " Loss scale ".into(),
     };
     let block = block(title, app, PaneId::LossScale, theme);
-    if app.steps.is_empty() {
+    if app.run.steps.is_empty() {
         return placeholder(frame, area, block, "waiting for the first step…", theme);
     }
     let scale: Vec<(f64, f64)> = steps_in_view(app)

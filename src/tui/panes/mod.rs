@@ -58,7 +58,7 @@ impl Theme {
 
 /// A pane's frame; the focused pane's border is doubled (visible without colour too).
 pub fn block<'a>(title: impl Into<Line<'a>>, app: &App, pane: PaneId, theme: Theme) -> Block<'a> {
-    let focused = app.focus == pane;
+    let focused = app.view.focus == pane;
     let block = Block::bordered().title(title);
     if focused {
         block
@@ -71,7 +71,7 @@ pub fn block<'a>(title: impl Into<Line<'a>>, app: &App, pane: PaneId, theme: The
 
 /// Steps shown: a window of `app.zoom` steps that advances a quarter window at a time.
 pub fn x_window(app: &App) -> (f64, f64) {
-    let w = app.zoom.max(4);
+    let w = app.view.zoom.max(4);
     let end = app.view_end();
     let q = w / 4;
     let lo = if end <= w {
@@ -207,6 +207,7 @@ pub fn draw_chart(
             .unwrap_or((0.0, 1.0))
     });
     let marks: Vec<[(f64, f64); 2]> = app
+        .run
         .markers
         .iter()
         .filter(|(s, _)| (*s as f64) >= x0 && (*s as f64) <= x1 && *s <= app.view_end())
@@ -273,7 +274,8 @@ pub fn placeholder(frame: &mut Frame, area: Rect, block: Block, text: &str, them
 pub fn steps_in_view(app: &App) -> impl Iterator<Item = &crate::telemetry::StepEvent> {
     let end = app.view_end();
     let (x0, _) = x_window(app);
-    app.steps
+    app.run
+        .steps
         .iter()
         .filter(move |s| s.step <= end && s.step as f64 >= x0)
 }
@@ -304,17 +306,15 @@ mod tests {
 
     #[test]
     fn the_x_window_pages_by_a_quarter() {
-        let mut app = App {
-            zoom: 64,
-            ..App::default()
-        };
+        let mut app = App::default();
+        app.view.zoom = 64;
         for i in 1..=70 {
-            app.steps.push_back(crate::tui::testing::step(i, 1.0));
+            app.run.steps.push_back(crate::tui::testing::step(i, 1.0));
         }
         assert_eq!(x_window(&app), (16.0, 80.0));
-        app.steps.push_back(crate::tui::testing::step(80, 1.0));
+        app.run.steps.push_back(crate::tui::testing::step(80, 1.0));
         assert_eq!(x_window(&app), (16.0, 80.0));
-        app.steps.push_back(crate::tui::testing::step(81, 1.0));
+        app.run.steps.push_back(crate::tui::testing::step(81, 1.0));
         assert_eq!(x_window(&app), (32.0, 96.0));
     }
 

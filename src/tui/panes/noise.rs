@@ -17,7 +17,7 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
         None => " Noise scale ".into(),
     };
     let block = block(title, app, PaneId::GradNorm, theme);
-    if app.steps.is_empty() {
+    if app.run.steps.is_empty() {
         return placeholder(frame, area, block, "waiting for the first step…", theme);
     }
     let inner = block.inner(area);
@@ -70,7 +70,13 @@ fn critical_batch(app: &App) -> Option<f64> {
 
 /// What the estimate says about the effective batch in force, in words.
 pub fn verdict(app: &App, theme: Theme) -> (String, Style) {
-    let Some(last) = app.steps.iter().rev().find(|s| s.step <= app.view_end()) else {
+    let Some(last) = app
+        .run
+        .steps
+        .iter()
+        .rev()
+        .find(|s| s.step <= app.view_end())
+    else {
         return ("waiting for the first step…".into(), theme.dim());
     };
     if last.accum_steps < 2 {
@@ -132,7 +138,7 @@ pub fn status_line(app: &App, theme: Theme) -> Line<'static> {
         AccumPolicy::Fixed => "fixed",
         AccumPolicy::NoiseScale => "noise",
     };
-    let now = app.knobs.accum_policy;
+    let now = app.run.knobs.accum_policy;
     let target = app.target_knobs().accum_policy;
     let mut spans = vec![
         Span::styled("B_crit ", theme.dim()),

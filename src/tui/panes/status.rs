@@ -14,7 +14,7 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     let mut lines = lines(app, theme);
     // The preset's story fills whatever room is left.
     let room = block.inner(area).height as usize;
-    if let Some(h) = &app.header {
+    if let Some(h) = &app.run.header {
         if lines.len() + 2 <= room && !h.config.explanation.trim().is_empty() {
             lines.push(Line::raw(""));
             let text = h.config.explanation.split_whitespace().collect::<Vec<_>>();
@@ -45,7 +45,7 @@ fn clip_text(c: Option<f64>) -> String {
 }
 
 pub fn lines(app: &App, theme: Theme) -> Vec<Line<'static>> {
-    let k = &app.knobs;
+    let k = &app.run.knobs;
     let t = app.target_knobs();
     let differs = |a: String, b: String| if a != b { Some(b) } else { None };
     let mut out = Vec::new();
@@ -121,7 +121,7 @@ pub fn lines(app: &App, theme: Theme) -> Vec<Line<'static>> {
             ));
         }
     }
-    out.push(pending_line(&app.pending, theme));
+    out.push(pending_line(&app.run.pending, theme));
     if let Some(budget) = crate::tui::fit::budget_line(app) {
         out.push(Line::styled(budget, theme.dim()));
     }
