@@ -2,6 +2,7 @@
 
 use assert_cmd::Command;
 use gaccwb::telemetry::Event;
+use std::path::Path;
 
 const TINY: &[&str] = &[
     "--set",
@@ -262,41 +263,77 @@ fn training_is_bitwise_identical_at_one_and_two_threads() {
         ("small", &small[..]),
         ("chunked", &chunked[..]),
     ] {
-        let steps = |threads: &str| -> Vec<[u64; 3]> {
+        let steps = |threads: &str| {
             let path = dir.path().join(format!("{name}-threads-{threads}.jsonl"));
-            let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "3"];
-            args.extend_from_slice(TINY);
-            for set in sets {
-                args.extend_from_slice(&["--set", set]);
-            }
-            args.extend_from_slice(&["--record", path.to_str().unwrap()]);
-            let out = Command::cargo_bin("gaccwb")
-                .unwrap()
-                .env("RAYON_NUM_THREADS", threads)
-                .args(&args)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let recording = gaccwb::record::read_recording(&path).unwrap();
-            recording
-                .events
-                .into_iter()
-                .filter_map(|e| match e {
-                    Event::Step(s) => {
-                        Some([s.loss, s.grad_norm, s.grad_norm_clipped].map(f64::to_bits))
-                    }
-                    _ => None,
-                })
-                .collect()
+            step_bits(&path, sets, 3, &[("RAYON_NUM_THREADS", threads)])
         };
         let (one, two) = (steps("1"), steps("2"));
         assert_eq!(one.len(), 3, "{name}");
         assert_eq!(one, two, "{name}: 1 vs 2 threads");
     }
+}
+
+/// Loss and both gradient norms of every step of a tiny headless run, as bits.
+fn step_bits(record: &Path, sets: &[&str], steps: u32, env: &[(&str, &str)]) -> Vec<[u64; 3]> {
+    let steps = steps.to_string();
+    let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", &steps];
+    args.extend_from_slice(TINY);
+    for set in sets {
+        args.extend_from_slice(&["--set", set]);
+    }
+    args.extend_from_slice(&["--record", record.to_str().unwrap()]);
+    let out = Command::cargo_bin("gaccwb")
+        .unwrap()
+        .envs(env.iter().copied())
+        .args(&args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let recording = gaccwb::record::read_recording(record).unwrap();
+    recording
+        .events
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Step(s) => Some([s.loss, s.grad_norm, s.grad_norm_clipped].map(f64::to_bits)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The pool governor moves the fused ops between the pool and the trainer's thread (its first
+/// probe runs window 5 alone); the bits stay those of either fixed choice.
+#[test]
+fn the_cpu_pool_choice_changes_time_not_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "model.d_model=64",
+        "model.seq_len=64",
+        "train.micro_batch=12",
+    ];
+    let run = |choice: &str| {
+        let path = dir.path().join(format!("{choice}.jsonl"));
+        let env = [("RAYON_NUM_THREADS", "2"), ("GACCWB_CPU_POOL", choice)];
+        step_bits(&path, &sets, 8, &env)
+    };
+    let pool = run("pool");
+    assert_eq!(pool.len(), 8);
+    assert_eq!(pool, run("serial"), "pool vs serial");
+    assert_eq!(pool, run("auto"), "pool vs auto");
+    let mut args = vec!["run", "--headless", "--steps", "1"];
+    args.extend_from_slice(TINY);
+    let out = Command::cargo_bin("gaccwb")
+        .unwrap()
+        .env("GACCWB_CPU_POOL", "many")
+        .args(&args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("GACCWB_CPU_POOL=\"many\""), "{stderr}");
 }
 
 #[test]

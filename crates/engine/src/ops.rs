@@ -15,6 +15,7 @@ use candle_core::{DType, Result, Tensor};
 pub mod composite;
 pub mod fused;
 pub mod half;
+pub mod pool;
 pub mod vmath;
 pub mod workspace;
 

@@ -16,6 +16,7 @@ pub mod guard;
 pub mod inplace;
 pub mod noise;
 pub mod oom_guard;
+pub mod pool_governor;
 pub mod scaler;
 pub mod schedule;
 
@@ -360,6 +361,8 @@ pub struct Trainer {
     pub noise: noise::NoiseTracker,
     /// The adaptive accumulation policy's memory.
     pub adaptive: adaptive::AdaptiveK,
+    /// Whether the CPU's fused ops use the thread pool, window by window (`run` consults it).
+    pub pool: pool_governor::PoolGovernor,
     base_batch: usize,
     started: Instant,
 }
@@ -382,6 +385,7 @@ impl Trainer {
         opt.set_offload(t.offload, &model.params)?;
         let memory = Ledger::new(crate::memory::gpu::meter_for(&device));
         let composite = crate::ops::kernels_from_env().map_err(anyhow::Error::msg)?;
+        let pool_choice = pool_governor::choice_from_env().map_err(anyhow::Error::msg)?;
         let budget = t
             .memory_budget
             .resolve(crate::memory::gpu::device_total(&device))
@@ -391,6 +395,7 @@ impl Trainer {
             composite,
             noise: noise::NoiseTracker::new(t.noise_ema),
             adaptive: adaptive::AdaptiveK::default(),
+            pool: pool_governor::PoolGovernor::new(pool_choice),
             memory,
             knobs: Knobs::from_scenario(&scenario),
             scaler: LossScaler::new(t.loss_scale, t.scale_growth_interval),
@@ -548,6 +553,14 @@ impl Trainer {
         step.step_ms = t0.elapsed().as_secs_f64() * 1e3;
         step.tokens_per_s = step.tokens as f64 / (step.step_ms / 1e3);
         Ok(step)
+    }
+
+    /// Whether the next window takes the fused CPU ops with more than one thread to share them.
+    pub fn runs_fused_cpu_in_parallel(&self) -> bool {
+        self.device.is_cpu()
+            && self.knobs.dtype == crate::telemetry::Dtype::F32
+            && !self.composite
+            && candle_core::utils::get_num_threads() > 1
     }
 
     /// The boundary: unscale → non-finite check → norm → clip → step or skip → scaler update.
@@ -785,14 +798,27 @@ pub fn run_returning(
             continue;
         }
         flow.single_step = false;
-        let step = trainer.train_step(|| {
-            flow.drain(&mut controls);
-            !flow.stop
-        });
+        let serial = trainer
+            .pool
+            .next_serial(trainer.runs_fused_cpu_in_parallel());
+        let step = {
+            let _pool = crate::ops::pool::serial(serial);
+            trainer.train_step(|| {
+                flow.drain(&mut controls);
+                !flow.stop
+            })
+        };
         send_all(&sink, trainer.guard.take_announcements());
         match step {
             Ok(step) => {
                 let n = step.step;
+                if let Some(line) = trainer.pool.observe(serial, step.step_ms, step.tokens) {
+                    sink.send(Event::Log(LogEvent {
+                        step: n,
+                        level: Level::Info,
+                        message: line,
+                    }));
+                }
                 let diverged = divergence.observe(&step);
                 flow.pending.extend(trainer.policy_control(&step));
                 if !sink.send(Event::Step(step)) {

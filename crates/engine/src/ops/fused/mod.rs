@@ -89,7 +89,7 @@ fn for_units(n_rows: usize, width: usize, f: impl Fn(usize, Range<usize>) + Sync
             f(u, u * per..((u + 1) * per).min(n_rows));
         }
     };
-    if units <= 1 || candle_core::utils::get_num_threads() <= 1 {
+    if units <= 1 || crate::ops::pool::threads() <= 1 {
         run(0..units);
     } else {
         candle_core::utils::barrier_pool().execute_chunked(units, run);
@@ -99,7 +99,7 @@ fn for_units(n_rows: usize, width: usize, f: impl Fn(usize, Range<usize>) + Sync
 /// Run `f(units)` over disjoint ranges of `0..units` on Candle's CPU pool (one unit each when
 /// units are few).
 fn for_each_unit(units: usize, f: impl Fn(Range<usize>) + Sync) {
-    if units <= 1 || candle_core::utils::get_num_threads() <= 1 {
+    if units <= 1 || crate::ops::pool::threads() <= 1 {
         f(0..units);
     } else {
         candle_core::utils::barrier_pool().execute_chunked(units, f);

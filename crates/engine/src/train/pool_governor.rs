@@ -1,0 +1,179 @@
+//! On the CPU's fused path, chooses window by window between Candle's thread pool and the
+//! trainer's thread alone, by timing both. When another process wants the cores, a pool worker
+//! is descheduled in the middle of a product and every barrier waits for it, so two threads run
+//! slower than one; when the machine is idle the pool wins. The results are the same bits either
+//! way (work is split by shape, not by thread count), so only the time is at stake.
+//!
+//! The governor runs the current choice and, now and then, one window the other way (a probe).
+//! It switches when the probe costs at least 10% less per token. The first probe comes at the
+//! fifth window (a run that starts under load must not spend long on the slow choice); probes
+//! then back off, doubling the gap up to 512 windows while they confirm the choice (32 after a
+//! switch), and come at once when the current choice's cost jumps by half (load arrived).
+
+/// `GACCWB_CPU_POOL`: `auto` (the default), `pool` (always the pool) or `serial` (never).
+pub const POOL_ENV: &str = "GACCWB_CPU_POOL";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolChoice {
+    Auto,
+    Pool,
+    Serial,
+}
+
+/// `GACCWB_CPU_POOL` parsed; unset or empty is `auto`.
+pub fn choice_from_env() -> Result<PoolChoice, String> {
+    match std::env::var(POOL_ENV).as_deref().map(str::trim) {
+        Err(_) | Ok("" | "auto") => Ok(PoolChoice::Auto),
+        Ok("pool") => Ok(PoolChoice::Pool),
+        Ok("serial") => Ok(PoolChoice::Serial),
+        Ok(other) => Err(format!(
+            "{POOL_ENV}={other:?}: expected \"auto\" (the default), \"pool\" or \"serial\""
+        )),
+    }
+}
+
+/// Windows whose cost is not trusted (the first ones allocate and fill caches).
+const WARM_UP: u64 = 2;
+const FIRST_PROBE: u64 = 4;
+const AFTER_SWITCH: u64 = 32;
+const MAX_INTERVAL: u64 = 512;
+/// The probed choice must cost at most this fraction of the current one to win.
+const WIN: f64 = 0.9;
+/// A window this many times the current choice's smoothed cost calls a probe at once.
+const JUMP: f64 = 1.5;
+
+#[derive(Clone, Debug)]
+pub struct PoolGovernor {
+    choice: PoolChoice,
+    serial: bool,
+    /// Smoothed ms per token, indexed by `serial as usize`.
+    cost: [Option<f64>; 2],
+    windows: u64,
+    next_probe: u64,
+    interval: u64,
+    probing: bool,
+}
+
+impl PoolGovernor {
+    pub fn new(choice: PoolChoice) -> PoolGovernor {
+        PoolGovernor {
+            choice,
+            serial: choice == PoolChoice::Serial,
+            cost: [None; 2],
+            windows: 0,
+            next_probe: FIRST_PROBE,
+            interval: FIRST_PROBE,
+            probing: false,
+        }
+    }
+
+    /// Whether the next window runs without the pool. `applies`: the window takes the fused
+    /// CPU ops with more than one thread (elsewhere there is nothing to choose).
+    pub fn next_serial(&mut self, applies: bool) -> bool {
+        match self.choice {
+            PoolChoice::Pool => false,
+            PoolChoice::Serial => true,
+            PoolChoice::Auto if !applies => false,
+            PoolChoice::Auto => {
+                self.probing = self.windows >= self.next_probe;
+                self.serial ^ self.probing
+            }
+        }
+    }
+
+    /// Records what a window run with `serial` cost; returns a line for the log when the
+    /// choice changes.
+    pub fn observe(&mut self, serial: bool, ms: f64, tokens: u64) -> Option<String> {
+        if self.choice != PoolChoice::Auto || serial != (self.serial ^ self.probing) {
+            return None;
+        }
+        self.windows += 1;
+        if self.windows <= WARM_UP || tokens == 0 || !ms.is_finite() {
+            self.probing = false;
+            return None;
+        }
+        let cost = ms / tokens as f64;
+        let slot = &mut self.cost[serial as usize];
+        if !self.probing {
+            if slot.is_some_and(|c| cost > JUMP * c) {
+                self.next_probe = self.windows;
+            }
+            *slot = Some(slot.map_or(cost, |c| 0.7 * c + 0.3 * cost));
+            return None;
+        }
+        *slot = Some(cost);
+        self.probing = false;
+        let current = self.cost[self.serial as usize]?;
+        let switch = cost < WIN * current;
+        self.interval = if switch {
+            AFTER_SWITCH
+        } else {
+            (self.interval * 2).min(MAX_INTERVAL)
+        };
+        self.next_probe = self.windows + self.interval;
+        if !switch {
+            return None;
+        }
+        self.serial = serial;
+        let (now, was) = if serial {
+            ("the trainer's thread alone", "the thread pool")
+        } else {
+            ("the thread pool", "the trainer's thread alone")
+        };
+        Some(format!(
+            "CPU ops now on {now}: {:.1} µs per token against {:.1} on {was} (set {POOL_ENV}=pool or serial to fix the choice)",
+            cost * 1e3,
+            current * 1e3
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `windows` windows whose cost per token depends on the choice; returns the choices.
+    fn drive(g: &mut PoolGovernor, windows: usize, cost: impl Fn(bool) -> f64) -> Vec<bool> {
+        (0..windows)
+            .map(|_| {
+                let serial = g.next_serial(true);
+                g.observe(serial, cost(serial) * 100.0, 100);
+                serial
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_idle_machine_keeps_the_pool_and_probes_ever_less() {
+        let mut g = PoolGovernor::new(PoolChoice::Auto);
+        let runs = drive(&mut g, 2000, |serial| if serial { 1.6 } else { 1.0 });
+        let probes: Vec<usize> = (0..runs.len()).filter(|&i| runs[i]).collect();
+        assert!(!g.serial);
+        assert_eq!(probes[..5], [4, 13, 30, 63, 128], "{probes:?}");
+        assert!(probes.len() <= 10, "{probes:?}");
+    }
+
+    #[test]
+    fn load_moves_the_work_to_one_thread_and_back_when_it_goes() {
+        let mut g = PoolGovernor::new(PoolChoice::Auto);
+        drive(&mut g, 600, |serial| if serial { 1.6 } else { 1.0 });
+        // Load arrives: the pool's cost jumps fourfold; a probe comes at once.
+        let loaded = drive(&mut g, 5, |serial| if serial { 2.0 } else { 4.0 });
+        assert!(g.serial, "{loaded:?}");
+        // Load leaves: the periodic probe finds the pool faster again.
+        drive(&mut g, 40, |serial| if serial { 1.6 } else { 1.0 });
+        assert!(!g.serial);
+    }
+
+    #[test]
+    fn a_fixed_choice_is_kept() {
+        let mut g = PoolGovernor::new(PoolChoice::Pool);
+        assert!(!drive(&mut g, 100, |s| if s { 0.1 } else { 9.0 })
+            .iter()
+            .any(|&s| s));
+        let mut g = PoolGovernor::new(PoolChoice::Serial);
+        assert!(drive(&mut g, 100, |s| if s { 9.0 } else { 0.1 })
+            .iter()
+            .all(|&s| s));
+    }
+}
