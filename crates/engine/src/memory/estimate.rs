@@ -274,6 +274,62 @@ pub fn recomputed_bytes(cfg: &Config) -> u64 {
     2 * s.n * s.d * s.c + segments.largest * block_bytes(cfg) + s.c
 }
 
+/// Bytes the checkpointed forward holds at its peak beyond what its end keeps (`other` at the
+/// forward's peak). A segment runs without a graph, but each block's intermediates live until
+/// the block returns, so the forward peaks inside the last block: beside the embeddings, the
+/// outputs of the segments before it and (when its segment has more than one block) the previous
+/// block's output, that block holds (`checkpointed_block_peak_bytes`). The end instead keeps
+/// every segment's output, the final norm and the loss head. 0 without checkpointing.
+pub fn checkpointed_forward_excess_bytes(cfg: &Config) -> u64 {
+    let Some(segments) = checkpointed(cfg) else {
+        return 0;
+    };
+    let s = Shape::new(cfg);
+    let (n, d, c) = (s.n, s.d, s.c);
+    let per = segments.largest;
+    // The last block of segment `i` (of `size` blocks): the largest over the segments, as a
+    // shorter last segment casts fewer weights than a full one before it.
+    let present = (0..segments.kept)
+        .map(|i| {
+            let size = per.min(s.layers - i * per);
+            let held = (i + u64::from(size > 1)) * n * d * c;
+            2 * n * d * c + held + checkpointed_block_peak_bytes(cfg, size)
+        })
+        .max()
+        .unwrap_or(0);
+    present.saturating_sub(activation_bytes(cfg))
+}
+
+/// What one block holds at its forward's peak without a graph, its input not counted, as the
+/// `blocks`-th block of its segment.
+///
+/// Fused ops (CPU f32): inside the GELU-linear, ln1's output, the residual, ln2's output, the
+/// hidden layer, its GELU and the product (12·N·d) and `gemm`'s packed weight on each thread.
+///
+/// Composite ops: the larger of attention's softmax (ln1's output, qkv, the q/k/v copies:
+/// 7·N·d, and the six score tensors with two per-row reductions) and the MLP's output layer or
+/// ln2 (13·N·d: ln1's output, the residual, ln2's output, the hidden layer before and after its
+/// bias or GELU, the product and its bias; ln2's f32 copies weigh the same), plus the compute
+/// dtype's copies of the segment's weights so far (`blocks` blocks: they are made per segment).
+fn checkpointed_block_peak_bytes(cfg: &Config, blocks: u64) -> u64 {
+    let s = Shape::new(cfg);
+    let (n, d, c) = (s.n, s.d, s.c);
+    if fused(cfg) {
+        let (per_thread, units) =
+            crate::ops::fused::rhs_packing(n as usize, 4 * d as usize, d as usize);
+        let threads = candle_core::utils::get_num_threads().min(units) as u64;
+        return 12 * n * d * F32 + threads * per_thread;
+    }
+    let attention = 7 * n * d * c + 6 * s.scores * c + 2 * (s.scores / s.t) * c;
+    let mlp = 13 * n * d * c;
+    let casts = if s.cast {
+        blocks * block_params(&cfg.model) * c
+    } else {
+        0
+    };
+    attention.max(mlp) + casts
+}
+
 /// Bytes one block's graph keeps for backward.
 fn block_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
@@ -443,11 +499,29 @@ pub fn embedding_peak_bytes(cfg: &Config) -> u64 {
 /// candidate peaks, the loss head (first), block 0's MLP (last, with everything retained) and,
 /// in f32, the token embedding's gradient at the very end.
 pub fn transient_bytes(cfg: &Config) -> u64 {
-    let block0 = (grad_store_bytes(cfg) + weight_grad_retention(cfg) + in_flight_bytes(cfg))
-        .saturating_sub(after_peak_bytes(cfg));
+    let block0 = (grad_store_bytes(cfg)
+        + weight_grad_retention(cfg)
+        + in_flight_bytes(cfg)
+        + recompute_in_flight_bytes(cfg))
+    .saturating_sub(after_peak_bytes(cfg));
     block0
         .max(head_peak_bytes(cfg))
         .max(embedding_peak_bytes(cfg))
+}
+
+/// Gradients the checkpointed backward holds at block 0's peak beyond the plain one, on the
+/// fused CPU path: the outer backward's gradient of the segment's output, held while the
+/// recompute runs, the gradient Candle's `Mul` backward computes and keeps in the recompute's
+/// store for the detached `grad_y` side of `y · grad_y` (never a node, so never removed), and
+/// three more N·d·4 measured and not yet attributed (`tests/checkpointing_memory.rs`: 5.0 N·d·4
+/// of slope over the micro-batch at d 48 and 64). The composite path's gap is within 2% of its
+/// peak without a term. 0 without checkpointing.
+fn recompute_in_flight_bytes(cfg: &Config) -> u64 {
+    if checkpointed(cfg).is_none() || !fused(cfg) {
+        return 0;
+    }
+    let s = Shape::new(cfg);
+    5 * s.n * s.d * F32
 }
 
 /// Bytes of the largest parameter (f32): the token embedding or head (V·d), or an MLP matrix
@@ -537,7 +611,8 @@ pub fn estimate(cfg: &Config) -> Estimate {
         compute_weights,
         gradients: in_window_buffer,
         activations: activation_bytes(cfg),
-        other: cfg.workspace + head_forward_transient_bytes(cfg),
+        other: cfg.workspace
+            + head_forward_transient_bytes(cfg).max(checkpointed_forward_excess_bytes(cfg)),
         ..persistent
     };
     let backward = Categories {
