@@ -835,7 +835,10 @@ pub fn run_returning(
                     guard::send_error(&sink, trainer.step, &reason);
                     break reason;
                 }
-                maybe_evaluate(&trainer, n, &sink);
+                {
+                    let _pool = crate::ops::pool::serial(trainer.pool.serial());
+                    maybe_evaluate(&trainer, n, &sink);
+                }
                 if let Some(reason) = trainer.overflow_exhausted() {
                     sink.send(Event::Log(LogEvent {
                         step: n,

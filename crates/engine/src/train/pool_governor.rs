@@ -5,7 +5,8 @@
 //! way (work is split by shape, not by thread count), so only the time is at stake.
 //!
 //! The governor runs the current choice and, now and then, one window the other way (a probe).
-//! It switches when the probe costs at least 10% less per token. The first probe comes at the
+//! It switches when two probes in a row cost at least 10% less per token (one lucky window must
+//! not move the work onto the slow side). The first probe comes at the
 //! fifth window (a run that starts under load must not spend long on the slow choice); probes
 //! then back off, doubling the gap up to 512 windows while they confirm the choice (32 after a
 //! switch), and come at once when the current choice's cost jumps by half (load arrived).
@@ -52,6 +53,8 @@ pub struct PoolGovernor {
     next_probe: u64,
     interval: u64,
     probing: bool,
+    /// The last probe won; the next window probes again to confirm.
+    confirming: bool,
 }
 
 impl PoolGovernor {
@@ -64,6 +67,7 @@ impl PoolGovernor {
             next_probe: FIRST_PROBE,
             interval: FIRST_PROBE,
             probing: false,
+            confirming: false,
         }
     }
 
@@ -79,6 +83,11 @@ impl PoolGovernor {
                 self.serial ^ self.probing
             }
         }
+    }
+
+    /// The current choice, for work outside the windows (evaluation).
+    pub fn serial(&self) -> bool {
+        self.serial
     }
 
     /// Records what a window run with `serial` cost; returns a line for the log when the
@@ -104,14 +113,20 @@ impl PoolGovernor {
         *slot = Some(cost);
         self.probing = false;
         let current = self.cost[self.serial as usize]?;
-        let switch = cost < WIN * current;
-        self.interval = if switch {
+        let won = cost < WIN * current;
+        if won && !self.confirming {
+            self.confirming = true;
+            self.next_probe = self.windows;
+            return None;
+        }
+        self.confirming = false;
+        self.interval = if won {
             AFTER_SWITCH
         } else {
             (self.interval * 2).min(MAX_INTERVAL)
         };
         self.next_probe = self.windows + self.interval;
-        if !switch {
+        if !won {
             return None;
         }
         self.serial = serial;
@@ -163,6 +178,17 @@ mod tests {
         // Load leaves: the periodic probe finds the pool faster again.
         drive(&mut g, 40, |serial| if serial { 1.6 } else { 1.0 });
         assert!(!g.serial);
+    }
+
+    #[test]
+    fn one_lucky_probe_does_not_switch() {
+        let mut g = PoolGovernor::new(PoolChoice::Auto);
+        drive(&mut g, 4, |serial| if serial { 2.0 } else { 1.0 });
+        // Window 5 is the probe, and it happens to be fast; window 6 confirms it was luck.
+        drive(&mut g, 1, |serial| if serial { 0.5 } else { 1.0 });
+        assert!(g.confirming);
+        drive(&mut g, 1, |serial| if serial { 2.0 } else { 1.0 });
+        assert!(!g.serial && !g.confirming);
     }
 
     #[test]

@@ -210,8 +210,11 @@ unsafe fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) 
     });
 }
 
-/// Most row blocks one product is cut into: two per thread up to four threads.
-const MATMUL_MAX_BLOCKS: usize = 8;
+/// Most row blocks one product is cut into. Every block packs the right-hand matrix again, and
+/// one thread runs all of them too, so fewer blocks are faster alone: 4 (two per thread at two
+/// threads) measured 5% below the unsplit product at one thread and level with it at two; 8
+/// measured 8% and 2–4% below (docs/PERFORMANCE.md). Beyond four threads a product uses four.
+const MATMUL_MAX_BLOCKS: usize = 4;
 
 /// Rows per block of a parallel product, from its shape alone. `gemm` picks its blocking of
 /// the inner sum from the sizes it is given, so a row's bits depend on the block it falls in;
