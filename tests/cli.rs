@@ -4,6 +4,8 @@ use assert_cmd::Command;
 use gaccwb::telemetry::Event;
 use std::path::Path;
 
+mod common;
+
 const TINY: &[&str] = &[
     "--set",
     "model.vocab=256",
@@ -25,16 +27,7 @@ fn gaccwb(args: &[&str]) -> (i32, String, String) {
         .args(args)
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(
-        !stderr.contains("panicked"),
-        "gaccwb {args:?} panicked:\n{stderr}"
-    );
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr,
-    )
+    common::outcome(args, out)
 }
 
 fn run_headless(extra: &[&str]) -> (i32, String, String) {

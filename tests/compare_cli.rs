@@ -14,6 +14,8 @@ use gaccwb::memory::{step_figures, StepFigure};
 use gaccwb::record::read_recording;
 use gaccwb::telemetry::{Categories, Event, MemoryEvent};
 
+mod common;
+
 /// A tiny model: the `--set`s of the run, the same items in the grid.
 const TINY: &[&str] = &[
     "model.vocab=64",
@@ -35,16 +37,7 @@ fn gaccwb(args: &[&str], dir: &Path) -> (i32, String, String) {
         .timeout(Duration::from_secs(300))
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(
-        !stderr.contains("panicked"),
-        "gaccwb {args:?} panicked:\n{stderr}"
-    );
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr,
-    )
+    common::outcome(args, out)
 }
 
 /// The step figure with the highest peak in a recording, read as `compare` reads its own

@@ -9,6 +9,8 @@ use assert_cmd::Command;
 use gaccwb::record::read_recording;
 use gaccwb::telemetry::{Event, Level};
 
+mod common;
+
 const TINY: &[&str] = &[
     "--set",
     "model.vocab=256",
@@ -32,16 +34,7 @@ fn gaccwb(args: &[&str], dir: &Path) -> (i32, String, String) {
         .timeout(Duration::from_secs(120))
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(
-        !stderr.contains("panicked"),
-        "gaccwb {args:?} panicked:\n{stderr}"
-    );
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr,
-    )
+    common::outcome(args, out)
 }
 
 fn headless(extra: &[&str], dir: &Path) -> (i32, String, String) {

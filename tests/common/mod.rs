@@ -1,4 +1,7 @@
-//! Shared by the integration tests: the smallest model that still exercises every layer type.
+//! Shared by the integration tests: the smallest model that still exercises every layer type,
+//! and how a finished `gaccwb` process is read.
+// Each test binary uses its own subset.
+#![allow(dead_code)]
 
 use gaccwb::scenario::Scenario;
 
@@ -12,4 +15,19 @@ pub fn tiny_scenario() -> Scenario {
     s.model.seq_len = 32;
     s.train.eval_every = 0;
     s
+}
+
+/// A finished `gaccwb` run as (exit code, stdout, stderr); a panic is a test failure whatever
+/// the exit code.
+pub fn outcome(args: &[&str], out: std::process::Output) -> (i32, String, String) {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !stderr.contains("panicked"),
+        "gaccwb {args:?} panicked:\n{stderr}"
+    );
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr,
+    )
 }
