@@ -19,7 +19,7 @@ use crate::ops::vmath;
 /// Logits one chunk holds: 2M floats (8 MiB), 256 rows at V = 8192. Measured on `text-bpe`
 /// at two threads (docs/TOKENIZER.md): 64, 256 and 1024 rows ran at the same speed within noise,
 /// 16 rows 35% slower (a product under 32 rows is one block, one thread); 1024 rows added 21 MiB
-/// to the peak. 256 rows are 8 blocks of a product, enough for up to 8 threads.
+/// to the peak. 256 rows make a product's full 4 blocks (`MATMUL_MAX_BLOCKS`).
 const CHUNK_ELEMENTS: usize = 1 << 21;
 
 /// Rows per chunk at vocabulary `v`: at least 64, so a huge vocabulary's chunk is still two
