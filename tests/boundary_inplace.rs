@@ -4,6 +4,10 @@
 use candle_core::{Device, Tensor};
 use gaccwb::train::inplace::{relative_error, scale_in_place};
 
+mod common;
+
+use common::TINY;
+
 fn tensors(values: &[&[f32]]) -> Vec<Tensor> {
     values
         .iter()
@@ -65,7 +69,7 @@ fn storage_key(t: &Tensor) -> usize {
 #[test]
 fn the_estimator_names_the_copies_only_where_the_boundary_makes_them() {
     use gaccwb::memory::estimate::{estimate, Config};
-    let mut s = gaccwb::scenario::Scenario::default();
+    let mut s = TINY.scenario();
     s.set("train.dtype=f16").unwrap();
     s.set("train.offload=true").unwrap();
     let (v, d) = (s.model.vocab as u64, s.model.d_model as u64);

@@ -10,22 +10,21 @@ use gaccwb::scenario::{Scenario, TimelineEntry};
 use gaccwb::telemetry::{Control, Dtype, Event, StepEvent};
 use gaccwb::train::{self, Trainer};
 
+mod common;
+
+use common::TINY;
+
 const TOTAL: u64 = 6;
 const SPLIT: u64 = 3;
 
 /// Tiny model; the timeline changes K, the micro-batch, precision and offload around the split
 /// (one entry exactly at it), so every piece of restored state matters.
 fn scenario() -> Scenario {
-    let mut s = Scenario::default();
-    s.model.d_model = 32;
-    s.model.heads = 2;
-    s.model.layers = 1;
-    s.model.seq_len = 16;
+    let mut s = TINY.scenario();
     s.train.micro_batch = 4;
     s.train.steps = TOTAL;
     s.train.decay_steps = TOTAL; // the schedule must not depend on where a run stops
     s.train.warmup = 2;
-    s.train.eval_every = 0;
     s.train.scale_growth_interval = 2;
     let at = |step, control| TimelineEntry { step, control };
     s.timeline = vec![
@@ -218,18 +217,6 @@ fn cli_saves_every_n_steps_and_resumes() {
             .output()
             .unwrap()
     };
-    let small = [
-        "--set",
-        "model.d_model=32",
-        "--set",
-        "model.heads=2",
-        "--set",
-        "model.layers=1",
-        "--set",
-        "model.seq_len=16",
-        "--set",
-        "train.eval_every=0",
-    ];
     let mut first = vec![
         "k-ramp",
         "--steps",
@@ -239,7 +226,8 @@ fn cli_saves_every_n_steps_and_resumes() {
         "--checkpoint-dir",
     ];
     first.push(ckpt.to_str().unwrap());
-    first.extend(small);
+    let model = TINY.args();
+    first.extend(model.iter().map(String::as_str));
     let out = gaccwb(&first);
     assert!(
         out.status.success(),

@@ -3,13 +3,14 @@
 mod common;
 
 use candle_core::{Device, Tensor};
+use common::{TestModel, TINY};
 use gaccwb::data::{Sample, Split};
 use gaccwb::telemetry::{Checkpointing, Dtype};
 use gaccwb::train::{relative_error, window_gradients, Knobs, Trainer};
 
 fn trainer() -> Trainer {
-    let mut s = common::tiny_scenario();
-    s.model.layers = 4;
+    // Four blocks: `every-2` makes two segments and `every-3` a full one and a short one.
+    let mut s = TestModel { layers: 4, ..TINY }.scenario();
     s.data.min_doc_len = 4;
     Trainer::new(s, Device::Cpu).unwrap()
 }

@@ -7,19 +7,24 @@ use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Categories, MemoryEvent, Phase};
 use gaccwb::train::Trainer;
 
+mod common;
+
+use common::{TestModel, TINY};
+
+/// The model docs/CHECKPOINTING.md's measured figures are for (`nd4` below is its N·d·4 bytes at
+/// B=8): four layers, so checkpointing has blocks to free.
+const FOUR_LAYERS: TestModel = TestModel {
+    vocab: 256,
+    d_model: 64,
+    layers: 4,
+    seq_len: 64,
+    ..TINY
+};
+
 fn four_layers(sets: &[&str]) -> Scenario {
-    let mut s = Scenario::default();
-    for a in [
-        "model.d_model=64",
-        "model.layers=4",
-        "model.heads=2",
-        "model.seq_len=64",
-        "train.micro_batch=8",
-        "train.eval_every=0",
-    ]
-    .iter()
-    .chain(sets)
-    {
+    let mut s = FOUR_LAYERS.scenario();
+    s.train.micro_batch = 8;
+    for a in sets {
         s.set(a).unwrap();
     }
     s
@@ -96,34 +101,33 @@ fn checkpointing_cuts_the_activations_and_the_estimator_follows() {
 
 const TOLERANCE: f64 = 0.05;
 
+/// The sweep's vocabulary: the shapes docs/CHECKPOINTING.md reports the gaps for.
+const SWEEP: TestModel = TestModel { vocab: 64, ..TINY };
+
 /// Shapes of the sweep (`blocks` and `every-2` over two, three and four layers), and the
 /// model of `three-ways-to-fit` and `notes-table` at their micro-batch of 32.
-const SHAPES: [&[&str]; 4] = [
-    &[
-        "model.d_model=32",
-        "model.layers=2",
-        "model.heads=2",
-        "model.seq_len=32",
-    ],
-    &[
-        "model.d_model=48",
-        "model.layers=3",
-        "model.heads=3",
-        "model.seq_len=24",
-    ],
-    &[
-        "model.d_model=64",
-        "model.layers=4",
-        "model.heads=2",
-        "model.seq_len=64",
-    ],
-    &[
-        "model.d_model=64",
-        "model.layers=4",
-        "model.heads=4",
-        "model.seq_len=64",
-        "model.vocab=32",
-    ],
+const SHAPES: [TestModel; 4] = [
+    SWEEP,
+    TestModel {
+        d_model: 48,
+        layers: 3,
+        heads: 3,
+        seq_len: 24,
+        ..SWEEP
+    },
+    TestModel {
+        d_model: 64,
+        layers: 4,
+        seq_len: 64,
+        ..SWEEP
+    },
+    TestModel {
+        d_model: 64,
+        layers: 4,
+        heads: 4,
+        seq_len: 64,
+        ..TINY
+    },
 ];
 
 /// The memory events of the third step (the first two take the one-time allocations).
@@ -144,7 +148,7 @@ fn every_category_is_predicted_within_five_percent_with_checkpointing() {
     // The largest gap of each category, per path: [fused f32, composite bf16].
     let mut worst = vec![vec![(0.0, String::new()); Categories::NAMES.len()]; 2];
     let mut failures = Vec::new();
-    for (shape, sets) in SHAPES.iter().enumerate() {
+    for (shape, model) in SHAPES.iter().enumerate() {
         for (path, dtype) in ["f32", "bf16"].into_iter().enumerate() {
             let preset = shape == SHAPES.len() - 1;
             let (modes, batches): (&[&str], &[(usize, usize, &str)]) = if preset {
@@ -157,13 +161,8 @@ fn every_category_is_predicted_within_five_percent_with_checkpointing() {
             };
             for ckpt in modes {
                 for &(b, k, extra) in batches {
-                    let mut s = Scenario::default();
-                    s.set("model.vocab=64").unwrap();
-                    for set in sets.iter() {
-                        s.set(set).unwrap();
-                    }
+                    let mut s = model.scenario();
                     for set in [
-                        "train.eval_every=0".to_string(),
                         format!("train.micro_batch={b}"),
                         format!("train.accum_steps={k}"),
                         format!("train.dtype={dtype}"),

@@ -6,20 +6,18 @@ use std::path::Path;
 
 mod common;
 
-const TINY: &[&str] = &[
-    "--set",
-    "model.vocab=256",
-    "--set",
-    "model.d_model=32",
-    "--set",
-    "model.layers=1",
-    "--set",
-    "model.heads=2",
-    "--set",
-    "model.seq_len=32",
-    "--set",
-    "train.eval_every=0",
-];
+use common::{TestModel, TINY};
+
+/// [`TINY`] reading a file: its bytes are tokens, so it needs the whole byte vocabulary.
+const BYTES: TestModel = TestModel { vocab: 256, ..TINY };
+
+/// Wide and long enough that at B=12 (768 rows) the fused products are cut into row blocks.
+const SPLIT: TestModel = TestModel {
+    d_model: 64,
+    heads: 4,
+    seq_len: 64,
+    ..TINY
+};
 
 fn gaccwb(args: &[&str]) -> (i32, String, String) {
     let out = Command::cargo_bin("gaccwb")
@@ -31,8 +29,14 @@ fn gaccwb(args: &[&str]) -> (i32, String, String) {
 }
 
 fn run_headless(extra: &[&str]) -> (i32, String, String) {
+    run_headless_with(TINY, extra)
+}
+
+/// Two steps of `model` on the CPU, then `extra` arguments.
+fn run_headless_with(model: TestModel, extra: &[&str]) -> (i32, String, String) {
+    let model = model.args();
     let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "2"];
-    args.extend_from_slice(TINY);
+    args.extend(model.iter().map(String::as_str));
     args.extend_from_slice(extra);
     gaccwb(&args)
 }
@@ -74,7 +78,7 @@ fn a_bad_set_value_names_the_value() {
 
 #[test]
 fn a_missing_data_file_is_named() {
-    let (code, _, stderr) = run_headless(&["--data", "/nonexistent/corpus.txt"]);
+    let (code, _, stderr) = run_headless_with(BYTES, &["--data", "/nonexistent/corpus.txt"]);
     assert_ne!(code, 0);
     assert!(stderr.contains("/nonexistent/corpus.txt"), "{stderr}");
 }
@@ -84,7 +88,7 @@ fn an_empty_data_file_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("empty.txt");
     std::fs::write(&path, b"").unwrap();
-    let (code, _, stderr) = run_headless(&["--data", path.to_str().unwrap()]);
+    let (code, _, stderr) = run_headless_with(BYTES, &["--data", path.to_str().unwrap()]);
     assert_ne!(code, 0);
     assert!(
         stderr.contains("empty.txt") && stderr.contains("empty"),
@@ -97,7 +101,7 @@ fn a_data_file_shorter_than_seq_len_says_what_is_needed() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("short.txt");
     std::fs::write(&path, b"just a few bytes").unwrap();
-    let (code, _, stderr) = run_headless(&["--data", path.to_str().unwrap()]);
+    let (code, _, stderr) = run_headless_with(BYTES, &["--data", path.to_str().unwrap()]);
     assert_ne!(code, 0);
     assert!(
         stderr.contains("short.txt") && stderr.contains("seq_len"),
@@ -114,7 +118,7 @@ fn a_file_corpus_trains() {
         "the quick brown fox jumps over the lazy dog. ".repeat(40),
     )
     .unwrap();
-    let (code, stdout, stderr) = run_headless(&["--data", path.to_str().unwrap()]);
+    let (code, stdout, stderr) = run_headless_with(BYTES, &["--data", path.to_str().unwrap()]);
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("completed"), "{stdout}");
 }
@@ -133,8 +137,9 @@ fn an_unknown_device_is_rejected() {
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_without_the_feature_or_a_gpu_explains_itself() {
+    let model = TINY.args();
     let mut args = vec!["run", "--headless", "--steps", "1", "--device", "cuda:0"];
-    args.extend_from_slice(TINY);
+    args.extend(model.iter().map(String::as_str));
     let (code, _, stderr) = gaccwb(&args);
     assert_ne!(code, 0);
     assert!(stderr.contains("cuda:0"), "{stderr}");
@@ -227,38 +232,46 @@ fn a_bad_command_line_control_is_a_usage_error() {
 /// same bits (losses and gradient norms of every step).
 #[test]
 fn training_is_bitwise_identical_at_one_and_two_threads() {
-    // The issue's shape (B=12 rows of 64 tokens: 768-row products) once split differently at 1
-    // and 2 threads; the others cover a tall head (vocab 256) and a product too small to split.
-    let issue = [
-        "model.vocab=32",
-        "model.layers=2",
-        "model.heads=4",
-        "model.d_model=64",
-        "model.seq_len=64",
-        "train.micro_batch=12",
-    ];
-    let tall = [
-        "model.d_model=48",
-        "model.seq_len=48",
-        "train.micro_batch=9",
-    ];
-    let small = ["model.d_model=32", "train.micro_batch=2"];
-    // 8,256 rows: the fused head and loss go through them in two chunks (8,192 rows at V = 256).
-    let chunked = [
-        "model.d_model=32",
-        "model.seq_len=64",
-        "train.micro_batch=129",
-    ];
     let dir = tempfile::tempdir().unwrap();
-    for (name, sets) in [
-        ("issue", &issue[..]),
-        ("tall", &tall[..]),
-        ("small", &small[..]),
-        ("chunked", &chunked[..]),
+    for (name, model, micro_batch) in [
+        // The issue's shape: it once split its 768-row products differently at 1 and 2 threads.
+        ("issue", SPLIT, "train.micro_batch=12"),
+        // A tall head: vocabulary 256 over 432 rows.
+        (
+            "tall",
+            TestModel {
+                vocab: 256,
+                d_model: 48,
+                layers: 1,
+                seq_len: 48,
+                ..TINY
+            },
+            "train.micro_batch=9",
+        ),
+        // A product too small to split.
+        ("small", TINY, "train.micro_batch=2"),
+        // 8,256 rows: the fused head and loss go through them in two chunks (8,192 rows at
+        // V = 256); one layer keeps them quick.
+        (
+            "chunked",
+            TestModel {
+                vocab: 256,
+                layers: 1,
+                seq_len: 64,
+                ..TINY
+            },
+            "train.micro_batch=129",
+        ),
     ] {
         let steps = |threads: &str| {
             let path = dir.path().join(format!("{name}-threads-{threads}.jsonl"));
-            step_bits(&path, sets, 3, &[("RAYON_NUM_THREADS", threads)])
+            step_bits(
+                &path,
+                model,
+                &[micro_batch],
+                3,
+                &[("RAYON_NUM_THREADS", threads)],
+            )
         };
         let (one, two) = (steps("1"), steps("2"));
         assert_eq!(one.len(), 3, "{name}");
@@ -266,11 +279,17 @@ fn training_is_bitwise_identical_at_one_and_two_threads() {
     }
 }
 
-/// Loss and both gradient norms of every step of a tiny headless run, as bits.
-fn step_bits(record: &Path, sets: &[&str], steps: u32, env: &[(&str, &str)]) -> Vec<[u64; 3]> {
-    let steps = steps.to_string();
+/// Loss and both gradient norms of every step of a headless run of `model`, as bits.
+fn step_bits(
+    record: &Path,
+    model: TestModel,
+    sets: &[&str],
+    steps: u32,
+    env: &[(&str, &str)],
+) -> Vec<[u64; 3]> {
+    let (model, steps) = (model.args(), steps.to_string());
     let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", &steps];
-    args.extend_from_slice(TINY);
+    args.extend(model.iter().map(String::as_str));
     for set in sets {
         args.extend_from_slice(&["--set", set]);
     }
@@ -302,22 +321,18 @@ fn step_bits(record: &Path, sets: &[&str], steps: u32, env: &[(&str, &str)]) -> 
 #[test]
 fn the_cpu_pool_choice_changes_time_not_results() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = [
-        "model.d_model=64",
-        "model.seq_len=64",
-        "train.micro_batch=12",
-    ];
     let run = |choice: &str| {
         let path = dir.path().join(format!("{choice}.jsonl"));
         let env = [("RAYON_NUM_THREADS", "2"), ("GACCWB_CPU_POOL", choice)];
-        step_bits(&path, &sets, 8, &env)
+        step_bits(&path, SPLIT, &["train.micro_batch=12"], 8, &env)
     };
     let pool = run("pool");
     assert_eq!(pool.len(), 8);
     assert_eq!(pool, run("serial"), "pool vs serial");
     assert_eq!(pool, run("auto"), "pool vs auto");
+    let model = TINY.args();
     let mut args = vec!["run", "--headless", "--steps", "1"];
-    args.extend_from_slice(TINY);
+    args.extend(model.iter().map(String::as_str));
     let out = Command::cargo_bin("gaccwb")
         .unwrap()
         .env("GACCWB_CPU_POOL", "many")
@@ -332,8 +347,9 @@ fn the_cpu_pool_choice_changes_time_not_results() {
 #[test]
 fn the_composite_kernels_switch_runs_and_rejects_unknown_values() {
     let run = |value: &str| {
+        let model = TINY.args();
         let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "2"];
-        args.extend_from_slice(TINY);
+        args.extend(model.iter().map(String::as_str));
         let out = Command::cargo_bin("gaccwb")
             .unwrap()
             .env("GACCWB_KERNELS", value)

@@ -5,6 +5,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
+use common::TINY;
 use gaccwb::model::Gpt;
 use gaccwb::ops;
 use gaccwb::scenario::Scenario;
@@ -12,7 +13,7 @@ use gaccwb::train::adamw::{AdamW, Hyper};
 use gaccwb::train::Trainer;
 
 fn tiny() -> Scenario {
-    let mut s = common::tiny_scenario();
+    let mut s = TINY.scenario();
     s.train.micro_batch = 4;
     s.train.accum_steps = 2;
     s.train.warmup = 2;

@@ -5,6 +5,10 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::TINY;
+
 struct Tmux {
     socket: String,
 }
@@ -115,9 +119,9 @@ fn k_up_in_a_real_terminal_applies_records_and_quits_cleanly() {
     let rec = dir.path().join("session.jsonl");
     let tmux = Tmux::start("session");
     let command = format!(
-        "RAYON_NUM_THREADS=1 {} run --set model.d_model=32 --set model.layers=1 \
-         --set model.seq_len=32 --device cpu --record {}; echo EXIT=$?",
+        "RAYON_NUM_THREADS=1 {} run {} --device cpu --record {}; echo EXIT=$?",
         env!("CARGO_BIN_EXE_gaccwb"),
+        TINY.args().join(" "),
         rec.display()
     );
     tmux.send(&[&command, "Enter"]);
@@ -171,10 +175,11 @@ fn stop_with(signal: &str, code: i32) {
     let tmux = Tmux::start(&signal.to_lowercase());
     // `exec` keeps the pid the shell wrote: the signal goes to gaccwb itself.
     let command = format!(
-        "sh -c 'echo $$ > {}; RAYON_NUM_THREADS=1 exec {} run --set model.d_model=32 \
-         --set model.layers=1 --set model.seq_len=32 --device cpu --record {}'; echo EXIT=$?",
+        "sh -c 'echo $$ > {}; RAYON_NUM_THREADS=1 exec {} run {} --device cpu --record {}'; \
+         echo EXIT=$?",
         pidfile.display(),
         env!("CARGO_BIN_EXE_gaccwb"),
+        TINY.args().join(" "),
         rec.display()
     );
     tmux.send(&[&command, "Enter"]);

@@ -3,12 +3,13 @@
 mod common;
 
 use candle_core::Device;
+use common::TINY;
 use gaccwb::telemetry::Control;
 use gaccwb::train::Trainer;
 
 #[test]
 fn the_validation_set_is_the_same_before_and_after_a_micro_batch_change() {
-    let mut s = common::tiny_scenario();
+    let mut s = TINY.scenario();
     s.train.micro_batch = 4;
     s.train.eval_batches = 3;
     let mut t = Trainer::new(s, Device::Cpu).unwrap();

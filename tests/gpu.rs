@@ -6,6 +6,7 @@
 mod common;
 
 use candle_core::{Device, Tensor};
+use common::{TestModel, TINY};
 use gaccwb::data::Split;
 use gaccwb::memory::gpu::sources_for;
 use gaccwb::model::Gpt;
@@ -26,7 +27,7 @@ fn gpu(test: &str) -> Option<Device> {
 }
 
 fn tiny() -> Scenario {
-    let mut s = common::tiny_scenario();
+    let mut s = TINY.scenario();
     s.train.micro_batch = 4;
     s.train.accum_steps = 2;
     s.train.warmup = 2;
@@ -113,14 +114,16 @@ fn one_adamw_step_matches_the_cpu() {
     }
 }
 
-/// `steps` steps of a built-in preset on `device` with a narrow model.
+/// `steps` steps of a built-in preset on `device` with 2 heads.
 fn preset_run(name: &str, device: &Device, steps: u64) -> Trainer {
-    let mut s = gaccwb::presets::resolve(name).unwrap();
-    s.model.d_model = 64;
-    s.model.layers = 2;
-    s.model.heads = 2;
+    // The width and sample length of `fp16-overflow` and `offload`, whose runs this checks.
+    let model = TestModel {
+        d_model: 64,
+        seq_len: 64,
+        ..TINY
+    };
+    let mut s = model.onto(gaccwb::presets::resolve(name).unwrap());
     s.train.steps = steps;
-    s.train.eval_every = 0;
     let mut t = Trainer::new(s, device.clone()).unwrap();
     for _ in 0..steps {
         let due: Vec<_> = t

@@ -11,6 +11,10 @@ use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Categories, Control, MemoryEvent, MemorySource, Phase};
 use gaccwb::train::Trainer;
 
+mod common;
+
+use common::{TestModel, TINY};
+
 /// The allocator counts every thread of the process, so the checks run one after another in a
 /// single test: another test thread allocating (a panic's backtrace is tens of MiB) would land in
 /// the figures being checked.
@@ -30,17 +34,11 @@ fn memory_ledger_physics_and_accounting() {
 /// if one is ever called from elsewhere).
 static SERIAL: Mutex<()> = Mutex::new(());
 
+/// [`TINY`] at the byte vocabulary docs/MEMORY.md's figures were measured at.
+const BYTES: TestModel = TestModel { vocab: 256, ..TINY };
+
 fn tiny(b: usize, k: usize, sets: &[&str]) -> Scenario {
-    let mut s = Scenario::default();
-    for a in [
-        "model.d_model=32",
-        "model.layers=2",
-        "model.heads=2",
-        "model.seq_len=32",
-        "train.eval_every=0",
-    ] {
-        s.set(a).unwrap();
-    }
+    let mut s = BYTES.scenario();
     s.set(&format!("train.micro_batch={b}")).unwrap();
     s.set(&format!("train.accum_steps={k}")).unwrap();
     for a in sets {

@@ -10,6 +10,10 @@ use gaccwb::telemetry::{DeviceEvent, Event, MemorySource, Phase};
 use gaccwb::train::EventSink;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+mod common;
+
+use common::TINY;
+
 fn sink() -> (EventSink, UnboundedReceiver<Event>) {
     let (tx, rx) = unbounded_channel();
     (EventSink::new(tx), rx)
@@ -144,18 +148,9 @@ fn a_cpu_run_samples_the_allocator() {
 fn a_headless_run_records_measured_and_estimated_memory_and_device_samples() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("run.jsonl");
-    let mut s = gaccwb::scenario::Scenario::default();
-    for a in [
-        "model.d_model=32",
-        "model.layers=1",
-        "model.heads=2",
-        "model.seq_len=16",
-        "train.steps=3",
-        "train.eval_every=0",
-        "train.micro_batch=4",
-    ] {
-        s.set(a).unwrap();
-    }
+    let mut s = TINY.scenario();
+    s.train.steps = 3;
+    s.train.micro_batch = 4;
     s.timeline.push(gaccwb::scenario::TimelineEntry {
         step: 1,
         control: gaccwb::telemetry::Control::SetMicroBatch { value: 8 },

@@ -11,38 +11,30 @@ use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Categories, MemoryEvent, Phase};
 use gaccwb::train::Trainer;
 
+mod common;
+
+use common::{TestModel, TINY};
+
 const TOLERANCE: f64 = 0.05;
 
-struct Shape {
-    name: &'static str,
-    sets: &'static [&'static str],
-}
+/// The sweep's vocabulary: the shapes docs/MEMORY.md reports the gaps for.
+const SWEEP: TestModel = TestModel { vocab: 64, ..TINY };
 
-const SHAPES: [Shape; 2] = [
-    Shape {
-        name: "d32 L2 T32",
-        sets: &[
-            "model.d_model=32",
-            "model.layers=2",
-            "model.heads=2",
-            "model.seq_len=32",
-        ],
-    },
-    Shape {
-        name: "d48 L1 T24",
-        sets: &[
-            "model.d_model=48",
-            "model.layers=1",
-            "model.heads=3",
-            "model.seq_len=24",
-        ],
+const SHAPES: [TestModel; 2] = [
+    SWEEP,
+    TestModel {
+        d_model: 48,
+        layers: 1,
+        heads: 3,
+        seq_len: 24,
+        ..SWEEP
     },
 ];
 
 /// One point of the grid.
 #[derive(Clone, Copy, Debug)]
 struct Point {
-    shape: usize,
+    model: TestModel,
     dtype: &'static str,
     offload: bool,
     pitfall: bool,
@@ -53,9 +45,12 @@ struct Point {
 
 impl Point {
     fn label(&self) -> String {
+        let m = self.model;
         format!(
-            "{} {} B{} K{}{}{}{}",
-            SHAPES[self.shape].name,
+            "d{} L{} T{} {} B{} K{}{}{}{}",
+            m.d_model,
+            m.layers,
+            m.seq_len,
             self.dtype,
             self.micro_batch,
             self.accum_steps,
@@ -66,12 +61,7 @@ impl Point {
     }
 
     fn scenario(&self) -> Scenario {
-        let mut s = Scenario::default();
-        for set in SHAPES[self.shape].sets {
-            s.set(set).unwrap();
-        }
-        s.set("model.vocab=64").unwrap();
-        s.set("train.eval_every=0").unwrap();
+        let mut s = self.model.scenario();
         s.set(&format!("train.micro_batch={}", self.micro_batch))
             .unwrap();
         s.set(&format!("train.accum_steps={}", self.accum_steps))
@@ -89,14 +79,14 @@ impl Point {
 
 fn grid() -> Vec<Point> {
     let mut points = Vec::new();
-    for shape in 0..SHAPES.len() {
+    for model in SHAPES {
         for dtype in ["f32", "bf16", "f16"] {
             for offload in [false, true] {
                 for pitfall in [false, true] {
                     for clip in [false, true] {
                         for (micro_batch, accum_steps) in [(4, 1), (2, 3)] {
                             points.push(Point {
-                                shape,
+                                model,
                                 dtype,
                                 offload,
                                 pitfall,

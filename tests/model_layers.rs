@@ -4,13 +4,14 @@
 mod common;
 
 use candle_core::Device;
+use common::TINY;
 use gaccwb::model::Gpt;
 use gaccwb::telemetry::Dtype;
 use gaccwb::train::Trainer;
 
 /// (train loss, grad norm) of the first steps of the tiny model on the CPU.
 fn first_steps(dtype: Dtype, steps: usize) -> Vec<(f64, f64)> {
-    let mut s = common::tiny_scenario();
+    let mut s = TINY.scenario();
     s.train.dtype = dtype;
     s.train.micro_batch = 2;
     s.train.accum_steps = 2;
@@ -62,7 +63,7 @@ fn the_named_layers_train_as_the_flat_model_did() {
 
 #[test]
 fn named_layers_are_the_flat_parameters_in_creation_order() {
-    let s = common::tiny_scenario();
+    let s = TINY.scenario();
     let m = Gpt::new(&s.model, 0, &Device::Cpu).unwrap();
     let mut named = vec![&m.embeddings.wte, &m.embeddings.wpe];
     for b in &m.blocks {

@@ -4,6 +4,7 @@
 mod common;
 
 use candle_core::{Device, Tensor};
+use common::TINY;
 use gaccwb::data::{Sample, Split};
 use gaccwb::scenario::Scenario;
 use gaccwb::train::noise::NoiseTracker;
@@ -12,7 +13,7 @@ use gaccwb::train::{window_gradients, Knobs, Trainer};
 /// Every sample counts all `seq_len` targets, so a micro-batch's token-mean gradient is the plain
 /// mean of its samples' gradients and sequences and tokens give the same estimate.
 fn full_length() -> Scenario {
-    let mut s = common::tiny_scenario();
+    let mut s = TINY.scenario();
     s.data.min_doc_len = s.model.seq_len;
     s.data.max_doc_len = s.model.seq_len;
     s
@@ -143,7 +144,7 @@ fn weights(t: &Trainer) -> Vec<Vec<u32>> {
 #[test]
 fn measuring_the_noise_scale_does_not_change_training() {
     let run = |measure: bool| {
-        let mut s = common::tiny_scenario();
+        let mut s = TINY.scenario();
         s.train.accum_steps = 4;
         s.train.micro_batch = 2;
         s.train.noise = measure;
@@ -165,7 +166,7 @@ fn measuring_the_noise_scale_does_not_change_training() {
 #[test]
 fn pitfalls_are_measured_from_the_correct_gradients() {
     use gaccwb::telemetry::{LossNorm, ZeroGrad};
-    let s = common::tiny_scenario();
+    let s = TINY.scenario();
     let t = Trainer::new(s.clone(), Device::Cpu).unwrap();
     let window: Vec<Sample> = (0..8).map(|i| t.corpus.sample(Split::Train, i)).collect();
     let norms = |loss_norm, zero_grad| {

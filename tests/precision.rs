@@ -3,12 +3,13 @@
 mod common;
 
 use candle_core::Device;
+use common::{TestModel, TINY};
 use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Control, Dtype, StepEvent};
 use gaccwb::train::Trainer;
 
 fn tiny() -> Scenario {
-    let mut s = common::tiny_scenario();
+    let mut s = TINY.scenario();
     s.train.micro_batch = 4;
     s.train.accum_steps = 2;
     s.train.warmup = 2;
@@ -153,10 +154,14 @@ fn half_precision_tracks_f32_early_on() {
 fn gradient_errors(dtype: Dtype, tokens_per_micro: usize) -> Vec<(String, f64)> {
     use gaccwb::data::Split;
     use gaccwb::train::{relative_error, window_gradients, Knobs};
-    let mut s = common::tiny_scenario();
-    s.model.vocab = 64;
-    s.model.d_model = 64;
-    s.model.seq_len = 64;
+    // The shape whose errors docs/GPU.md reports.
+    let mut s = TestModel {
+        vocab: 64,
+        d_model: 64,
+        seq_len: 64,
+        ..TINY
+    }
+    .scenario();
     s.train.micro_batch = tokens_per_micro / s.model.seq_len;
     s.train.accum_steps = 1;
     let t = Trainer::new(s.clone(), Device::Cpu).unwrap();

@@ -11,6 +11,10 @@ use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Control, Event, LossNorm, Origin, StepEvent, ZeroGrad};
 use gaccwb::train::{self, relative_error, window_gradients, Knobs};
 
+mod common;
+
+use common::TINY;
+
 const RUN_STEPS: u64 = 3;
 
 fn preset_files() -> Vec<PathBuf> {
@@ -24,16 +28,12 @@ fn preset_files() -> Vec<PathBuf> {
     files
 }
 
-/// A tiny model and the timeline squeezed into `RUN_STEPS` steps, so every control fires.
-fn shrink(mut s: Scenario) -> Scenario {
+/// [`TINY`] and the timeline squeezed into `RUN_STEPS` steps, so every control fires.
+fn shrink(s: Scenario) -> Scenario {
     let total = s.train.steps.max(1);
-    s.model.d_model = 32;
-    s.model.heads = 2;
-    s.model.layers = 1;
-    s.model.seq_len = 16;
+    let mut s = TINY.onto(s);
     s.train.steps = RUN_STEPS;
     s.train.decay_steps = RUN_STEPS;
-    s.train.eval_every = 0;
     s.train.micro_batch = s.train.micro_batch.min(4);
     for e in &mut s.timeline {
         e.step = (e.step * RUN_STEPS / total).min(RUN_STEPS - 1);

@@ -13,19 +13,15 @@ use gaccwb::record::{parse_recording, read_recording, Recorder, Recording};
 use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Categories, Event, MemoryEvent, Phase, StepEvent};
 
-/// A small, quick scenario with a timeline (so controls are recorded).
+mod common;
+
+use common::TINY;
+
+/// A small, quick scenario with a timeline (so controls are recorded) and evaluations.
 fn tiny(steps: u64) -> Scenario {
-    let mut s = presets::resolve("accumulate-to-fit").unwrap();
-    for set in [
-        "model.d_model=32",
-        "model.heads=2",
-        "model.layers=1",
-        "model.seq_len=16",
-        "train.micro_batch=4",
-        "train.eval_every=2",
-    ] {
-        s.set(set).unwrap();
-    }
+    let mut s = TINY.onto(presets::resolve("accumulate-to-fit").unwrap());
+    s.train.micro_batch = 4;
+    s.train.eval_every = 2;
     s.train.steps = steps;
     s.timeline[0].step = 2;
     s.timeline[0].control = gaccwb::telemetry::Control::SetMicroBatch { value: 2 };
@@ -327,8 +323,7 @@ fn kill_dash_nine_mid_recording_leaves_a_file_that_replays() {
             "--steps",
             "0",
         ])
-        .args(["--set", "model.d_model=32", "--set", "model.heads=2"])
-        .args(["--set", "model.layers=1", "--set", "model.seq_len=16"])
+        .args(TINY.args())
         .arg("--record")
         .arg(&path)
         .env("RAYON_NUM_THREADS", "1")

@@ -11,20 +11,7 @@ use gaccwb::telemetry::{Event, Level};
 
 mod common;
 
-const TINY: &[&str] = &[
-    "--set",
-    "model.vocab=256",
-    "--set",
-    "model.d_model=32",
-    "--set",
-    "model.layers=1",
-    "--set",
-    "model.heads=2",
-    "--set",
-    "model.seq_len=16",
-    "--set",
-    "train.eval_every=0",
-];
+use common::TINY;
 
 fn gaccwb(args: &[&str], dir: &Path) -> (i32, String, String) {
     let out = Command::cargo_bin("gaccwb")
@@ -38,8 +25,9 @@ fn gaccwb(args: &[&str], dir: &Path) -> (i32, String, String) {
 }
 
 fn headless(extra: &[&str], dir: &Path) -> (i32, String, String) {
+    let model = TINY.args();
     let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "2"];
-    args.extend_from_slice(TINY);
+    args.extend(model.iter().map(String::as_str));
     args.extend_from_slice(extra);
     gaccwb(&args, dir)
 }
@@ -71,16 +59,8 @@ fn end_reason(path: &Path) -> String {
 // Item 1: a crash in the trainer thread ends the run instead of hanging it.
 #[test]
 fn a_panicking_trainer_sends_end_with_the_reason() {
-    use gaccwb::scenario::Scenario;
-    let mut s = Scenario::default();
-    (
-        s.model.d_model,
-        s.model.layers,
-        s.model.heads,
-        s.model.seq_len,
-    ) = (32, 1, 2, 16);
+    let mut s = TINY.scenario();
     s.train.steps = 3;
-    s.train.eval_every = 0;
     let mut trainer = gaccwb::train::Trainer::new(s, candle_core::Device::Cpu).unwrap();
     trainer.opt.m.clear(); // the optimizer indexes past its state: a panic at the first step
     let (mut handle, sink) = gaccwb::train::spawn_trainer(trainer).unwrap();
@@ -254,9 +234,9 @@ fn export_refuses_existing_outputs_and_its_own_input() {
 #[test]
 fn compare_refuses_existing_outputs_before_training() {
     let dir = tempfile::tempdir().unwrap();
-    let grid = "B=2,model.d_model=16,model.layers=1,model.heads=2,model.seq_len=16";
+    let grid = format!("B=2,{}", TINY.sets().join(","));
     let compare = |extra: &[&str]| {
-        let mut args = vec!["compare", "baseline", "--grid", grid, "--steps", "1"];
+        let mut args = vec!["compare", "baseline", "--grid", &grid, "--steps", "1"];
         args.extend_from_slice(extra);
         gaccwb(&args, dir.path())
     };
@@ -277,7 +257,7 @@ fn compare_refuses_existing_outputs_before_training() {
     let csv = std::fs::read_to_string(dir.path().join("mine")).unwrap();
     assert!(csv.starts_with("config,"), "{csv}");
     let svg = std::fs::read_to_string(dir.path().join("chart.svg")).unwrap();
-    assert!(svg.contains("<svg") && svg.contains("B=2,model.d_model=16"));
+    assert!(svg.contains("<svg") && svg.contains(&grid), "{svg}");
 }
 
 #[test]
@@ -335,7 +315,7 @@ fn sigterm_sigint_and_sighup_end_the_run_with_the_conventional_code() {
         (libc::SIGHUP, 129),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let mut args = vec![
+        let args = [
             "run",
             "--headless",
             "--device",
@@ -345,10 +325,10 @@ fn sigterm_sigint_and_sighup_end_the_run_with_the_conventional_code() {
             "--record",
             "r.jsonl",
         ];
-        args.extend_from_slice(TINY);
         let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("gaccwb"))
             .current_dir(dir.path())
-            .args(&args)
+            .args(args)
+            .args(TINY.args())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -510,18 +490,6 @@ fn a_cut_off_header_line_is_reported_as_such() {
     assert!(!stderr.contains("empty"), "{stderr}");
 }
 
-fn tiny_scenario() -> gaccwb::scenario::Scenario {
-    let mut s = gaccwb::scenario::Scenario::default();
-    (
-        s.model.d_model,
-        s.model.layers,
-        s.model.heads,
-        s.model.seq_len,
-    ) = (32, 1, 2, 16);
-    s.train.eval_every = 0;
-    s
-}
-
 /// The live event loop on a TestBackend with scripted keys (ms to wait, key).
 async fn screen(
     feed: &mut gaccwb::tui::feed::Feed,
@@ -548,7 +516,7 @@ async fn screen(
 async fn the_screen_closes_with_an_error_when_the_trainer_crashes() {
     use gaccwb::tui::feed::{Feed, Live};
     let mut trainer =
-        gaccwb::train::Trainer::new(tiny_scenario(), candle_core::Device::Cpu).unwrap();
+        gaccwb::train::Trainer::new(TINY.scenario(), candle_core::Device::Cpu).unwrap();
     trainer.opt.m.clear();
     let (handle, _sink) = gaccwb::train::spawn_trainer(trainer).unwrap();
     let mut feed = Feed::Live(Live::new(handle, None).unwrap());
@@ -573,7 +541,7 @@ async fn the_record_key_never_truncates_an_existing_file() {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("rec.jsonl");
     std::fs::write(&base, "mine\n").unwrap();
-    let (handle, _sink) = gaccwb::train::spawn(tiny_scenario(), candle_core::Device::Cpu).unwrap();
+    let (handle, _sink) = gaccwb::train::spawn(TINY.scenario(), candle_core::Device::Cpu).unwrap();
     let mut live = Live::new(handle, None).unwrap();
     live.set_record_base(base.clone());
     let mut feed = Feed::Live(live);
@@ -595,7 +563,7 @@ async fn the_record_key_never_truncates_an_existing_file() {
 fn a_knob_change_that_overflows_is_refused_at_the_boundary() {
     use gaccwb::telemetry::Control;
     let mut trainer =
-        gaccwb::train::Trainer::new(tiny_scenario(), candle_core::Device::Cpu).unwrap();
+        gaccwb::train::Trainer::new(TINY.scenario(), candle_core::Device::Cpu).unwrap();
     trainer.knobs.micro_batch = gaccwb::limits::MAX_MICRO_BATCH;
     let too_many = Control::SetAccumSteps {
         value: gaccwb::limits::MAX_ACCUM_STEPS,

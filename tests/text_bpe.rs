@@ -4,21 +4,16 @@
 use candle_core::Device;
 use gaccwb::train::Trainer;
 
-/// `text-bpe` with a tiny model (the vocabulary stays 8192, so the head is what it is in the
-/// preset) and no timeline.
+mod common;
+
+use common::TINY;
+
+/// `text-bpe` with [`TINY`] (the tokenizer still sizes the vocabulary, 8192, so the head is what
+/// it is in the preset) and no timeline.
 fn tiny_text_bpe() -> gaccwb::scenario::Scenario {
-    let mut s = gaccwb::presets::resolve("text-bpe").unwrap();
-    for a in [
-        "model.d_model=32",
-        "model.layers=2",
-        "model.heads=2",
-        "model.seq_len=32",
-        "train.micro_batch=8",
-        "train.accum_steps=1",
-        "train.eval_every=0",
-    ] {
-        s.set(a).unwrap();
-    }
+    let mut s = TINY.onto(gaccwb::presets::resolve("text-bpe").unwrap());
+    s.train.micro_batch = 8;
+    s.train.accum_steps = 1;
     s.timeline.clear();
     s
 }

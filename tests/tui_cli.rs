@@ -3,16 +3,9 @@
 
 use assert_cmd::Command;
 
-const TINY: [&str; 8] = [
-    "--set",
-    "model.d_model=32",
-    "--set",
-    "model.layers=1",
-    "--set",
-    "model.seq_len=32",
-    "--device",
-    "cpu",
-];
+mod common;
+
+use common::TINY;
 
 fn gaccwb() -> Command {
     let mut c = Command::cargo_bin("gaccwb").unwrap();
@@ -55,8 +48,8 @@ fn replay_headless_and_cast_export_read_a_recording() {
     let dir = tempfile::tempdir().unwrap();
     let rec = dir.path().join("run.jsonl");
     let live = gaccwb()
-        .args(["run", "--headless", "--steps", "3"])
-        .args(TINY)
+        .args(["run", "--headless", "--steps", "3", "--device", "cpu"])
+        .args(TINY.args())
         .arg("--record")
         .arg(&rec)
         .output()

@@ -15,13 +15,9 @@ use gaccwb::tui::keymap::KeyMap;
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
 
-fn tiny() -> gaccwb::scenario::Scenario {
-    let mut s = gaccwb::presets::resolve("baseline").unwrap();
-    for set in ["model.d_model=32", "model.layers=1", "model.seq_len=32"] {
-        s.set(set).unwrap();
-    }
-    s
-}
+mod common;
+
+use common::TINY;
 
 fn key(c: char) -> std::io::Result<T> {
     Ok(T::Key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE)))
@@ -31,7 +27,8 @@ fn key(c: char) -> std::io::Result<T> {
 async fn keys_drive_the_trainer_and_recording_starts_mid_run() {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("rec.jsonl");
-    let (handle, sink) = gaccwb::train::spawn(tiny(), candle_core::Device::Cpu).unwrap();
+    let baseline = TINY.onto(gaccwb::presets::resolve("baseline").unwrap());
+    let (handle, sink) = gaccwb::train::spawn(baseline, candle_core::Device::Cpu).unwrap();
     drop(sink);
     // `--record` not given: the key's recording goes to a fresh file named after `base`.
     let mut live = Live::new(handle, None).unwrap();

@@ -15,6 +15,10 @@ use gaccwb::tui::ui;
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
 
+mod common;
+
+use common::TINY;
+
 fn text(t: &Terminal<TestBackend>) -> String {
     let buf = t.backend().buffer();
     let area = buf.area;
@@ -151,16 +155,9 @@ fn a_recorded_run_replays_to_the_same_summary() {
     use gaccwb::headless::{self, HeadlessOptions};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("run.jsonl");
-    let mut s = gaccwb::presets::resolve("baseline").unwrap();
-    for set in [
-        "model.d_model=32",
-        "model.layers=1",
-        "model.seq_len=32",
-        "train.steps=4",
-        "train.eval_every=2",
-    ] {
-        s.set(set).unwrap();
-    }
+    let mut s = TINY.onto(gaccwb::presets::resolve("baseline").unwrap());
+    s.train.steps = 4;
+    s.train.eval_every = 2;
     let live = headless::run(
         s,
         candle_core::Device::Cpu,

@@ -1,20 +1,77 @@
-//! Shared by the integration tests: the smallest model that still exercises every layer type,
-//! and how a finished `gaccwb` process is read.
+//! Shared by the integration tests: the one place test models are defined, and how a finished
+//! `gaccwb` process is read.
 // Each test binary uses its own subset.
 #![allow(dead_code)]
 
-use gaccwb::scenario::Scenario;
+use gaccwb::scenario::{ModelConfig, Scenario};
 
-/// A 2-layer, 32-wide GPT over a 32-token vocabulary with 32-token samples; no evaluation.
-pub fn tiny_scenario() -> Scenario {
-    let mut s = Scenario::default();
-    s.model.vocab = 32;
-    s.model.d_model = 32;
-    s.model.layers = 2;
-    s.model.heads = 2;
-    s.model.seq_len = 32;
-    s.train.eval_every = 0;
-    s
+/// A model shape for tests. A test that needs another shape derives it from [`TINY`]
+/// (`TestModel { layers: 4, ..TINY }`) and says why.
+#[derive(Clone, Copy, Debug)]
+pub struct TestModel {
+    pub vocab: usize,
+    pub d_model: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub seq_len: usize,
+}
+
+/// The smallest model that still exercises every layer type, and a block feeding another: a
+/// 2-layer, 32-wide GPT with 2 heads over a 32-token vocabulary (the synthetic source's alphabet
+/// fits) and 32-token samples.
+pub const TINY: TestModel = TestModel {
+    vocab: 32,
+    d_model: 32,
+    layers: 2,
+    heads: 2,
+    seq_len: 32,
+};
+
+impl TestModel {
+    pub fn config(&self) -> ModelConfig {
+        ModelConfig {
+            vocab: self.vocab,
+            d_model: self.d_model,
+            layers: self.layers,
+            heads: self.heads,
+            seq_len: self.seq_len,
+        }
+    }
+
+    /// `Scenario::default()` with this model and no evaluation pass (it costs time and adds events
+    /// few tests look at; those that do turn it back on).
+    pub fn scenario(&self) -> Scenario {
+        self.onto(Scenario::default())
+    }
+
+    /// `s` (a preset's scenario, say) with this model in place of its own, and no evaluation;
+    /// its other settings stay.
+    pub fn onto(&self, mut s: Scenario) -> Scenario {
+        s.model = self.config();
+        s.train.eval_every = 0;
+        s
+    }
+
+    /// The `key=value` assignments `onto` makes, as `--set` and a compare grid take them.
+    pub fn sets(&self) -> Vec<String> {
+        vec![
+            format!("model.vocab={}", self.vocab),
+            format!("model.d_model={}", self.d_model),
+            format!("model.layers={}", self.layers),
+            format!("model.heads={}", self.heads),
+            format!("model.seq_len={}", self.seq_len),
+            "train.eval_every=0".to_string(),
+        ]
+    }
+
+    /// [`sets`](Self::sets) as `gaccwb run` arguments: the binary runs the model that `scenario`
+    /// builds in process.
+    pub fn args(&self) -> Vec<String> {
+        self.sets()
+            .into_iter()
+            .flat_map(|set| ["--set".to_string(), set])
+            .collect()
+    }
 }
 
 /// A finished `gaccwb` run as (exit code, stdout, stderr); a panic is a test failure whatever
