@@ -95,9 +95,9 @@ pub fn case_scenario(base: &Scenario, case: Case) -> Scenario {
     s
 }
 
-/// Threads Candle's CPU kernels use in this process.
+/// Threads of the CPU path in this process (`ops::pool::cpu_threads`).
 pub fn threads() -> usize {
-    candle_core::utils::get_num_threads()
+    crate::ops::pool::cpu_threads()
 }
 
 /// Run `warmup` untimed then `steps` timed optimizer steps of `scenario` as given.

@@ -7,13 +7,15 @@
 
 use std::fmt;
 
-use candle_core::Device;
+use std::path::PathBuf;
+
+use anyhow::Context;
 use serde::Serialize;
 
-use crate::memory::{step_figures, StepFigure};
+use crate::memory::{highest_figure, step_figures};
+use crate::record::{read_recording, Recording};
 use crate::scenario::{nearest, Scenario};
-use crate::telemetry::Categories;
-use crate::train::Trainer;
+use crate::telemetry::{Categories, Event};
 
 /// The short items a grid entry accepts (besides `section.key=value`).
 const SHORT_KEYS: &[&str] = &["B", "K", "offload", "f32", "bf16", "f16", "ckpt"];
@@ -40,9 +42,11 @@ impl fmt::Display for GridError {
 
 impl std::error::Error for GridError {}
 
-/// One configuration of the grid: its label (the entry as written) and its scenario.
+/// One configuration of the grid: its label (the entry as written), the `--set` assignments it
+/// stands for, and the scenario they make of the base.
 pub struct Config {
     pub label: String,
+    pub sets: Vec<String>,
     pub scenario: Scenario,
 }
 
@@ -52,6 +56,7 @@ pub fn parse_grid(spec: &str, base: &Scenario) -> Result<Vec<Config>, GridError>
     let mut offset = 0;
     for (i, entry) in spec.split(';').enumerate() {
         let mut scenario = base.clone();
+        let mut sets = Vec::new();
         let mut item_offset = offset;
         for raw in entry.split(',') {
             let column = item_offset + raw.len() - raw.trim_start().len() + 1;
@@ -67,6 +72,7 @@ pub fn parse_grid(spec: &str, base: &Scenario) -> Result<Vec<Config>, GridError>
             };
             let assignment = assignment(item).map_err(fail)?;
             scenario.set(&assignment).map_err(|e| fail(e.to_string()))?;
+            sets.push(assignment);
         }
         scenario.validate().map_err(|e| GridError {
             entry: i + 1,
@@ -75,7 +81,11 @@ pub fn parse_grid(spec: &str, base: &Scenario) -> Result<Vec<Config>, GridError>
         })?;
         let label = entry.trim().to_string();
         if !label.is_empty() {
-            configs.push(Config { label, scenario });
+            configs.push(Config {
+                label,
+                sets,
+                scenario,
+            });
         }
         offset += entry.len() + 1;
     }
@@ -115,7 +125,7 @@ fn assignment(item: &str) -> Result<String, String> {
     })
 }
 
-/// What one configuration measured.
+/// What one configuration measured, read from its run's recording.
 #[derive(Clone, Debug, Serialize)]
 pub struct Row {
     pub config: String,
@@ -129,58 +139,155 @@ pub struct Row {
     /// By category, the bytes of the step with the highest peak, at its fullest phase
     /// (`memory::figure`), counting only what lies in the measured memory.
     pub measured_ledger: Categories,
+    /// The estimator's peak for the configuration the run started with.
     pub predicted_peak: u64,
     pub tokens_per_s: f64,
     pub steps_per_s: f64,
     pub train_loss: f64,
     pub val_loss: Option<f64>,
+    /// The `gaccwb` arguments that ran this configuration: run them to get the same recording.
+    pub command: Vec<String>,
 }
 
-/// Train `config` for `steps` optimizer steps with a fresh trainer.
-pub fn run_one(config: &Config, steps: u64, device: &Device) -> anyhow::Result<Row> {
-    let mut trainer = Trainer::new(config.scenario.clone(), device.clone())?;
-    let predicted_peak = trainer.memory_estimate().peak();
-    let mut peak: Option<StepFigure> = None;
-    let (mut tokens, mut seconds, mut loss) = (0u64, 0f64, f64::NAN);
-    for _ in 0..steps {
-        let step = match trainer.train_step(|| true) {
-            Ok(s) => s,
-            Err(crate::train::Interrupt::Failed(e)) => return Err(e.into()),
-            Err(crate::train::Interrupt::Stop) => anyhow::bail!("stopped"),
-        };
-        tokens += step.tokens;
-        seconds += step.step_ms / 1e3;
-        loss = step.loss;
-        for figure in step_figures(&trainer.memory.take_events()) {
-            if peak.as_ref().is_none_or(|p| figure.peak > p.peak) {
-                peak = Some(figure);
+impl Row {
+    /// The row of a finished run of `config`: the last step's knobs and loss, tokens over the
+    /// summed step times, the highest step figure, the first estimate and the last evaluation.
+    pub fn from_recording(
+        config: &str,
+        command: Vec<String>,
+        recording: &Recording,
+    ) -> anyhow::Result<Row> {
+        let mut steps = Vec::new();
+        let (mut memory, mut estimates, mut val_loss) = (Vec::new(), Vec::new(), None);
+        for event in &recording.events {
+            match event {
+                Event::Step(s) => steps.push(s),
+                Event::Memory(m) => memory.push(m),
+                Event::Estimate(e) => estimates.push(e),
+                Event::Eval(e) => val_loss = Some(e.val_loss),
+                _ => {}
             }
         }
+        let Some(last) = steps.last() else {
+            anyhow::bail!("the run of `{config}` recorded no steps");
+        };
+        let tokens: u64 = steps.iter().map(|s| s.tokens).sum();
+        let seconds = (steps.iter().map(|s| s.step_ms).sum::<f64>() / 1e3).max(f64::MIN_POSITIVE);
+        let first_estimate = estimates.first().map(|e| e.step);
+        let predicted_peak = estimates
+            .iter()
+            .filter(|e| Some(e.step) == first_estimate)
+            .map(|e| e.total)
+            .max()
+            .unwrap_or(0);
+        let peak = highest_figure(step_figures(memory));
+        let (measured_peak, ledger) = peak
+            .map(|p| (p.peak, p.measured_ledger()))
+            .unwrap_or_default();
+        Ok(Row {
+            config: config.to_string(),
+            micro_batch: last.micro_batch,
+            accum_steps: last.accum_steps,
+            effective_batch: last.micro_batch * last.accum_steps,
+            measured_peak,
+            largest_category: largest_category(&ledger),
+            measured_ledger: ledger,
+            predicted_peak,
+            tokens_per_s: tokens as f64 / seconds,
+            steps_per_s: steps.len() as f64 / seconds,
+            train_loss: last.loss,
+            val_loss,
+            command,
+        })
     }
-    let val_loss = if trainer.corpus.has_validation() {
-        Some(trainer.evaluate()?)
-    } else {
-        None
-    };
-    let k = &trainer.knobs;
-    let (measured_peak, ledger) = match &peak {
-        Some(p) => (p.peak, p.measured_ledger()),
-        None => (0, Categories::default()),
-    };
-    Ok(Row {
-        config: config.label.clone(),
-        micro_batch: k.micro_batch,
-        accum_steps: k.accum_steps,
-        effective_batch: k.effective_batch(),
-        measured_peak,
-        largest_category: largest_category(&ledger),
-        measured_ledger: ledger,
-        predicted_peak,
-        tokens_per_s: tokens as f64 / seconds.max(f64::MIN_POSITIVE),
-        steps_per_s: steps as f64 / seconds.max(f64::MIN_POSITIVE),
-        train_loss: loss,
-        val_loss,
-    })
+}
+
+/// How `compare` runs a configuration: as its own `gaccwb run --headless` process, recorded.
+/// A process of its own is what makes the row the run's figures, to the byte: the counting
+/// allocator measures a whole process, and nothing `compare` holds, nor any configuration before
+/// it, is in that process.
+pub struct Runner {
+    /// The `gaccwb` executable.
+    pub exe: PathBuf,
+    /// The preset as the user named it (a built-in name or a path).
+    pub preset: String,
+    pub device: String,
+    pub steps: u64,
+    /// Where the recordings go.
+    pub record_dir: PathBuf,
+    /// Replace recordings that exist.
+    pub force: bool,
+}
+
+impl Runner {
+    /// The `gaccwb` arguments for configuration `index` (0-based) of the grid. Evaluation runs at
+    /// the last step so every row has its validation loss; the grid's items come after and may
+    /// change that.
+    pub fn arguments(&self, index: usize, config: &Config) -> Vec<String> {
+        let steps = self.steps.to_string();
+        let record = self.recording(index, config);
+        let mut args: Vec<String> = [
+            "run",
+            &self.preset,
+            "--headless",
+            "--device",
+            &self.device,
+            "--steps",
+            &steps,
+            "--record",
+            &record.to_string_lossy(),
+            "--set",
+            &format!("train.eval_every={steps}"),
+        ]
+        .map(String::from)
+        .to_vec();
+        for set in &config.sets {
+            args.extend(["--set".to_string(), set.clone()]);
+        }
+        if self.force {
+            args.push("--force".into());
+        }
+        args
+    }
+
+    /// The recording of configuration `index`: numbered, named after its label.
+    pub fn recording(&self, index: usize, config: &Config) -> PathBuf {
+        let slug: String = config
+            .label
+            .chars()
+            .filter_map(|c| match c {
+                c if c.is_ascii_alphanumeric() => Some(c),
+                ',' | ' ' | '.' => Some('-'),
+                _ => None,
+            })
+            .take(60)
+            .collect();
+        self.record_dir
+            .join(format!("{:02}-{}.jsonl", index + 1, slug.trim_matches('-')))
+    }
+
+    /// Run configuration `index` to its end and read its row from the recording.
+    pub fn run(&self, index: usize, config: &Config) -> anyhow::Result<Row> {
+        let args = self.arguments(index, config);
+        let out = std::process::Command::new(&self.exe)
+            .args(&args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .with_context(|| format!("starting {}", self.exe.display()))?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            anyhow::bail!(
+                "configuration {} (`{}`) failed ({}): {}\n{}",
+                index + 1,
+                config.label,
+                out.status,
+                command_line(&args),
+                stderr.trim_end()
+            );
+        }
+        let recording = read_recording(&self.recording(index, config))?;
+        Row::from_recording(&config.label, args, &recording)
+    }
 }
 
 fn largest_category(c: &Categories) -> String {
@@ -229,29 +336,60 @@ pub fn table(rows: &[Row]) -> String {
     out
 }
 
+/// `gaccwb` with `args`, as a line to paste into a POSIX shell.
+pub fn command_line(args: &[String]) -> String {
+    let quote = |a: &String| {
+        let plain = a
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
+        match plain && !a.is_empty() {
+            true => a.clone(),
+            false => format!("'{}'", a.replace('\'', "'\\''")),
+        }
+    };
+    std::iter::once("gaccwb".to_string())
+        .chain(args.iter().map(quote))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// One line of the CSV: a row's scalar columns and its command.
+#[derive(Serialize)]
+struct CsvRow<'a> {
+    config: &'a str,
+    micro_batch: usize,
+    accum_steps: usize,
+    effective_batch: usize,
+    measured_peak: u64,
+    largest_category: &'a str,
+    predicted_peak: u64,
+    tokens_per_s: f64,
+    steps_per_s: f64,
+    train_loss: f64,
+    val_loss: Option<f64>,
+    command: String,
+}
+
 /// The rows as CSV (header first).
-pub fn csv(rows: &[Row]) -> String {
-    let mut out = String::from(
-        "config,micro_batch,accum_steps,effective_batch,measured_peak,largest_category,\
-         predicted_peak,tokens_per_s,steps_per_s,train_loss,val_loss\n",
-    );
+pub fn csv(rows: &[Row]) -> anyhow::Result<Vec<u8>> {
+    let mut out = csv::Writer::from_writer(Vec::new());
     for r in rows {
-        out += &format!(
-            "\"{}\",{},{},{},{},{},{},{:.3},{:.4},{},{}\n",
-            r.config.replace('"', "\"\""),
-            r.micro_batch,
-            r.accum_steps,
-            r.effective_batch,
-            r.measured_peak,
-            r.largest_category,
-            r.predicted_peak,
-            r.tokens_per_s,
-            r.steps_per_s,
-            r.train_loss,
-            r.val_loss.map_or(String::new(), |v| v.to_string())
-        );
+        out.serialize(CsvRow {
+            config: &r.config,
+            micro_batch: r.micro_batch,
+            accum_steps: r.accum_steps,
+            effective_batch: r.effective_batch,
+            measured_peak: r.measured_peak,
+            largest_category: &r.largest_category,
+            predicted_peak: r.predicted_peak,
+            tokens_per_s: r.tokens_per_s,
+            steps_per_s: r.steps_per_s,
+            train_loss: r.train_loss,
+            val_loss: r.val_loss,
+            command: command_line(&r.command),
+        })?;
     }
-    out
+    Ok(out.into_inner()?)
 }
 
 #[cfg(test)]

@@ -102,7 +102,9 @@ pub fn run_session(
             r.write(&event)?;
         }
         match &event {
-            Event::Step(s) => {
+            // A hidden bar is given no message: its length would follow the timing, and the
+            // run's heap (`other`) with it.
+            Event::Step(s) if !bar.is_hidden() => {
                 bar.set_position(s.step);
                 bar.set_message(format!("loss {:.3}  {:.0} tok/s", s.loss, s.tokens_per_s));
             }

@@ -1,6 +1,7 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 use gaccwb::device::DeviceChoice;
@@ -70,6 +71,17 @@ struct CompareArgs {
     /// Print the rows as JSON instead of the table.
     #[arg(long)]
     json: bool,
+    /// cpu, cuda, cuda:N or auto, for every configuration.
+    #[arg(long, default_value = "auto", value_parser = device_name)]
+    device: String,
+    /// Keep each configuration's recording in DIR (NN-LABEL.jsonl), to replay or export;
+    /// by default they go to a temporary directory that is removed.
+    #[arg(long, value_name = "DIR")]
+    record_dir: Option<PathBuf>,
+}
+
+fn device_name(s: &str) -> Result<String, String> {
+    s.parse::<DeviceChoice>().map(|_| s.to_string())
 }
 
 #[derive(Args)]
@@ -284,6 +296,7 @@ fn start_log(path: &Path) -> std::io::Result<()> {
 
 fn main() -> ExitCode {
     tune_allocator();
+    gaccwb::ops::pool::configure_process();
     let cli = Cli::parse();
     if let Some(path) = &cli.log {
         if let Err(e) = start_log(path) {
@@ -708,20 +721,48 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
             gaccwb::safe_write::check_free(path, what, args.force)?;
         }
     }
-    let device = candle_core::Device::Cpu;
+    let temporary = tempfile::tempdir()?;
+    let runner = compare::Runner {
+        exe: std::env::current_exe()?,
+        preset: args.preset.clone(),
+        device: args.device.clone(),
+        steps,
+        record_dir: args
+            .record_dir
+            .clone()
+            .unwrap_or_else(|| temporary.path().to_path_buf()),
+        force: args.force,
+    };
+    if let Some(dir) = &args.record_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (i, c) in configs.iter().enumerate() {
+            gaccwb::safe_write::check_free(&runner.recording(i, c), "recording", args.force)?;
+        }
+    }
+    let bar = compare_progress(configs.len());
     let mut rows = Vec::new();
     for (i, c) in configs.iter().enumerate() {
-        eprintln!("[{}/{}] {} ({steps} steps)", i + 1, configs.len(), c.label);
-        rows.push(compare::run_one(c, steps, &device)?);
+        let line = format!("[{}/{}] {} ({steps} steps)", i + 1, configs.len(), c.label);
+        match bar.is_hidden() {
+            true => eprintln!("{line}"),
+            false => bar.set_message(line),
+        }
+        rows.push(runner.run(i, c)?);
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         print!("{}", compare::table(&rows));
+        eprintln!(
+            "Each row is its own `gaccwb run --headless` process; --json and --csv give its \
+             command, --record-dir DIR keeps its recording."
+        );
     }
     if let Some(path) = &args.csv {
-        let csv = compare::csv(&rows);
-        gaccwb::safe_write::write_file(path, csv.as_bytes(), "table", args.force)?;
+        let csv = compare::csv(&rows)?;
+        gaccwb::safe_write::write_file(path, &csv, "table", args.force)?;
     }
     if let Some(path) = &args.svg {
         let title = format!(
@@ -731,4 +772,21 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         gaccwb::export::compare_svg::write_compare_svg(&rows, &title, path, args.force)?;
     }
     Ok(())
+}
+
+/// A bar over the configurations, ticking while each one's run is in progress; hidden when
+/// stderr is not a terminal (a line per configuration is printed instead).
+fn compare_progress(configs: usize) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(configs as u64).with_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} {wide_msg} [{elapsed_precise}] {pos}/{len} done",
+        )
+        .expect("valid template"),
+    );
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    bar
 }

@@ -344,6 +344,53 @@ fn the_cpu_pool_choice_changes_time_not_results() {
     assert!(stderr.contains("GACCWB_CPU_POOL=\"many\""), "{stderr}");
 }
 
+#[cfg(target_os = "linux")]
+/// A process allowed one CPU (its affinity mask, as `taskset -c 0` or a container sets it) runs
+/// one thread, whatever `RAYON_NUM_THREADS` says: a second would only wait for the first.
+#[test]
+fn the_cpu_path_uses_no_more_threads_than_the_cpus_it_may_run_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let threads = |one_cpu: bool| {
+        let path = dir.path().join(format!("{one_cpu}.jsonl"));
+        let model = TINY.args();
+        let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "1"];
+        args.extend(["--record", path.to_str().unwrap()]);
+        args.extend(model.iter().map(String::as_str));
+        let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("gaccwb"));
+        cmd.env("RAYON_NUM_THREADS", "2").args(&args);
+        if one_cpu {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: between fork and exec the hook calls only `sched_setaffinity` on a set
+            // built on its own stack: async-signal-safe, no allocation, no locks.
+            unsafe {
+                cmd.pre_exec(|| {
+                    let mut set: libc::cpu_set_t = std::mem::zeroed();
+                    libc::CPU_SET(0, &mut set);
+                    match libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) {
+                        0 => Ok(()),
+                        _ => Err(std::io::Error::last_os_error()),
+                    }
+                });
+            }
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let recording = gaccwb::record::read_recording(&path).unwrap();
+        recording.header.build.threads
+    };
+    assert_eq!(threads(true), 1, "one CPU allowed");
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert_eq!(
+        threads(false),
+        cpus.min(2),
+        "RAYON_NUM_THREADS=2 on {cpus} CPUs"
+    );
+}
+
 #[test]
 fn the_composite_kernels_switch_runs_and_rejects_unknown_values() {
     let run = |value: &str| {

@@ -17,7 +17,7 @@ fn valid_recording() -> Vec<u8> {
         version: FORMAT_VERSION,
         config: Scenario::default(),
         device: "cpu".into(),
-        build: BuildInfo::current(),
+        build: BuildInfo::current(1),
         params: 1000,
         entropy_floor: Some(0.95),
         tokenizer: None,

@@ -228,6 +228,7 @@ mod tests {
             tokens_per_s,
             steps_per_s: 1.5,
             train_loss: 2.0,
+            command: Vec::new(),
             val_loss: None,
         }
     }

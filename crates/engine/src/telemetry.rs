@@ -82,7 +82,8 @@ pub struct BuildInfo {
 }
 
 impl BuildInfo {
-    pub fn current() -> Self {
+    /// This build, running its CPU path on `threads` threads.
+    pub fn current(threads: usize) -> Self {
         let mut features = Vec::new();
         if cfg!(feature = "cuda") {
             features.push("cuda".to_string());
@@ -90,7 +91,7 @@ impl BuildInfo {
         BuildInfo {
             version: env!("CARGO_PKG_VERSION").to_string(),
             features,
-            threads: candle_core::utils::get_num_threads(),
+            threads,
         }
     }
 }

@@ -317,7 +317,7 @@ fn checkpointed_block_peak_bytes(cfg: &Config, blocks: u64) -> u64 {
     if fused(cfg) {
         let (per_thread, units) =
             crate::ops::fused::rhs_packing(n as usize, 4 * d as usize, d as usize);
-        let threads = candle_core::utils::get_num_threads().min(units) as u64;
+        let threads = crate::ops::pool::cpu_threads().min(units) as u64;
         return 12 * n * d * F32 + threads * per_thread;
     }
     let attention = 7 * n * d * c + 6 * s.scores * c + 2 * (s.scores / s.t) * c;
@@ -414,7 +414,7 @@ pub fn in_flight_bytes(cfg: &Config) -> u64 {
     if fused(cfg) {
         let (d, n) = (s.d as usize, s.n as usize);
         let (per_thread, blocks) = crate::ops::fused::rhs_packing(n, d, 4 * d);
-        let threads = candle_core::utils::get_num_threads().min(blocks) as u64;
+        let threads = crate::ops::pool::cpu_threads().min(blocks) as u64;
         return (14 * s.n * s.d + 4 * s.d * s.d + s.d) * F32 + threads * per_thread;
     }
     81 * s.n * s.d * s.c

@@ -65,6 +65,11 @@ pub fn step_figures<'a>(events: impl IntoIterator<Item = &'a MemoryEvent>) -> Ve
     figures
 }
 
+/// The figure with the highest peak; of equal peaks, the later (the run's steady state).
+pub fn highest_figure(figures: impl IntoIterator<Item = StepFigure>) -> Option<StepFigure> {
+    figures.into_iter().max_by_key(|f| f.peak)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

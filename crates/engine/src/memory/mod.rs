@@ -19,5 +19,5 @@ pub mod gpu;
 pub mod ledger;
 pub mod planner;
 
-pub use figure::{step_figures, StepFigure};
+pub use figure::{highest_figure, step_figures, StepFigure};
 pub use ledger::{Ledger, NoProbe, Persistent, TotalMeter, WindowProbe};

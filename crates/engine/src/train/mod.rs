@@ -427,7 +427,7 @@ impl Trainer {
             version: FORMAT_VERSION,
             config: self.scenario.clone(),
             device: device_name(&self.device),
-            build: BuildInfo::current(),
+            build: BuildInfo::current(crate::ops::pool::cpu_threads()),
             params: self.model.param_count(),
             entropy_floor: self.corpus.entropy_floor(),
             tokenizer: self.corpus.tokenizer().cloned(),
@@ -560,7 +560,7 @@ impl Trainer {
         self.device.is_cpu()
             && self.knobs.dtype == crate::telemetry::Dtype::F32
             && !self.composite
-            && candle_core::utils::get_num_threads() > 1
+            && crate::ops::pool::cpu_threads() > 1
     }
 
     /// The boundary: unscale → non-finite check → norm → clip → step or skip → scaler update.

@@ -1,8 +1,8 @@
-//! On the CPU's fused path, chooses window by window between Candle's thread pool and the
+//! On the CPU's fused path, chooses window by window between the CPU pool (`ops::pool`) and the
 //! trainer's thread alone, by timing both. When another process wants the cores, a pool worker
-//! is descheduled in the middle of a product and every barrier waits for it, so two threads run
-//! slower than one; when the machine is idle the pool wins. The results are the same bits either
-//! way (work is split by shape, not by thread count), so only the time is at stake.
+//! can be descheduled in the middle of a product and the product waits for it, so two threads can
+//! run slower than one; when the machine is idle the pool wins. The results are the same bits
+//! either way (work is split by shape, not by thread count), so only the time is at stake.
 //!
 //! The governor runs the current choice and, now and then, one window the other way (a probe).
 //! It switches when two probes in a row cost at least 10% less per token (one lucky window must

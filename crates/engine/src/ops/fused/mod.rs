@@ -80,30 +80,19 @@ fn unit_rows(width: usize) -> usize {
     (16 * 1024 / width.max(1)).max(1)
 }
 
-/// Run `f(unit, rows)` for every unit of `unit_rows(width)` rows, on Candle's CPU pool.
+/// Run `f(unit, rows)` for every unit of `unit_rows(width)` rows, on the CPU pool.
 fn for_units(n_rows: usize, width: usize, f: impl Fn(usize, Range<usize>) + Sync) {
     let per = unit_rows(width);
-    let units = n_rows.div_ceil(per);
-    let run = |range: Range<usize>| {
-        for u in range {
+    for_each_unit(n_rows.div_ceil(per), |units| {
+        for u in units {
             f(u, u * per..((u + 1) * per).min(n_rows));
         }
-    };
-    if units <= 1 || crate::ops::pool::threads() <= 1 {
-        run(0..units);
-    } else {
-        candle_core::utils::barrier_pool().execute_chunked(units, run);
-    }
+    });
 }
 
-/// Run `f(units)` over disjoint ranges of `0..units` on Candle's CPU pool (one unit each when
-/// units are few).
+/// Run `f(units)` over disjoint ranges of `0..units` on the CPU pool (`ops::pool`).
 fn for_each_unit(units: usize, f: impl Fn(Range<usize>) + Sync) {
-    if units <= 1 || crate::ops::pool::threads() <= 1 {
-        f(0..units);
-    } else {
-        candle_core::utils::barrier_pool().execute_chunked(units, f);
-    }
+    crate::ops::pool::for_chunks(units, f);
 }
 
 /// `n` f32 values that `fill` initialises, every one, before anything reads them: no zeroing
