@@ -99,7 +99,7 @@ pub fn start_workers() {
 const IDLE_SPINS: u32 = 20_000;
 
 fn pool() -> &'static Pool {
-    static POOL: OnceLock<Pool> = OnceLock::new();
+    static POOL: OnceLock<&'static Pool> = OnceLock::new();
     POOL.get_or_init(|| Pool::start(cpu_threads() - 1))
 }
 
@@ -139,8 +139,9 @@ struct Pool {
 }
 
 impl Pool {
-    fn start(workers: usize) -> Pool {
-        let new = Pool {
+    /// A pool of `workers` threads besides its callers, alive for the rest of the process.
+    fn start(workers: usize) -> &'static Pool {
+        let pool: &'static Pool = Box::leak(Box::new(Pool {
             slot: Mutex::new(Slot {
                 generation: 0,
                 job: None,
@@ -153,7 +154,7 @@ impl Pool {
             caller: Mutex::new(None),
             panicked: AtomicBool::new(false),
             call: Mutex::new(()),
-        };
+        }));
         let ready = std::sync::Arc::new(std::sync::Barrier::new(workers + 1));
         for i in 0..workers {
             let ready = ready.clone();
@@ -162,12 +163,12 @@ impl Pool {
                 .spawn(move || {
                     crate::ops::workspace::touch();
                     ready.wait();
-                    self::pool().work();
+                    pool.work();
                 })
                 .expect("spawning a CPU pool thread");
         }
         ready.wait();
-        new
+        pool
     }
 
     /// `f` over `0..units` in chunks of `chunk`, the caller taking part; returns when every
@@ -193,7 +194,13 @@ impl Pool {
                 .store(slot.generation as usize, Ordering::Release);
         }
         self.wake.notify_all();
-        self.take_chunks(f, units, chunk);
+        // A panic here must still close the job and wait for the workers: they hold `f`.
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.take_chunks(f, units, chunk)
+        }));
+        if ran.is_err() {
+            self.cursor.store(units, Ordering::Relaxed);
+        }
         let active = {
             let mut slot = self.lock_slot();
             slot.job = None;
@@ -201,6 +208,9 @@ impl Pool {
         };
         if active > 0 {
             self.wait_finished();
+        }
+        if let Err(payload) = ran {
+            std::panic::resume_unwind(payload);
         }
         if self.panicked.swap(false, Ordering::Relaxed) {
             panic!("a CPU pool thread panicked in a fused op");
@@ -305,11 +315,17 @@ impl Pool {
 mod tests {
     use super::*;
 
+    /// A pool of its own for a test, whatever this machine's thread count.
+    fn three_workers() -> &'static Pool {
+        static POOL: OnceLock<&'static Pool> = OnceLock::new();
+        POOL.get_or_init(|| Pool::start(3))
+    }
+
     #[test]
     fn every_unit_runs_once_whoever_takes_it() {
-        for units in [0, 1, 2, 7, 64, 1000] {
+        for (units, chunk) in [(1, 1), (2, 1), (7, 2), (64, 3), (1000, 16)] {
             let hits: Vec<AtomicUsize> = (0..units).map(|_| AtomicUsize::new(0)).collect();
-            for_chunks(units, |range| {
+            three_workers().run(units, chunk, &|range: Range<usize>| {
                 for u in range {
                     hits[u].fetch_add(1, Ordering::Relaxed);
                 }
@@ -319,6 +335,48 @@ mod tests {
                 "{units}"
             );
         }
+        // Slow chunks, so the workers take some.
+        let threads = Mutex::new(std::collections::HashSet::new());
+        three_workers().run(64, 1, &|_| {
+            threads.lock().unwrap().insert(std::thread::current().id());
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        });
+        assert!(threads.lock().unwrap().len() > 1, "only the caller ran");
+    }
+
+    #[test]
+    fn a_panic_in_a_chunk_reaches_the_caller_and_the_pool_runs_on() {
+        for unit in [0, 63] {
+            let hit = std::panic::catch_unwind(|| {
+                three_workers().run(64, 1, &|range: Range<usize>| {
+                    assert!(!range.contains(&unit), "unit {unit}")
+                })
+            });
+            assert!(hit.is_err(), "unit {unit}");
+        }
+        let total = AtomicUsize::new(0);
+        three_workers().run(64, 1, &|range: Range<usize>| {
+            total.fetch_add(range.len(), Ordering::Relaxed);
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 64);
+    }
+
+    #[test]
+    fn callers_on_several_threads_each_get_their_units() {
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                s.spawn(move || {
+                    for round in 0..200 {
+                        let units = 1 + (t * 7 + round) % 50;
+                        let sum = AtomicUsize::new(0);
+                        three_workers().run(units, 2, &|range: Range<usize>| {
+                            sum.fetch_add(range.map(|u| u + 1).sum::<usize>(), Ordering::Relaxed);
+                        });
+                        assert_eq!(sum.load(Ordering::Relaxed), units * (units + 1) / 2);
+                    }
+                });
+            }
+        });
     }
 
     #[test]
