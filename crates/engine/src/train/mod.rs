@@ -812,7 +812,9 @@ pub fn run_returning(
         match step {
             Ok(step) => {
                 let n = step.step;
-                if let Some(line) = trainer.pool.observe(serial, step.step_ms, step.tokens) {
+                let positions =
+                    step.micro_batch * step.accum_steps * trainer.scenario.model.seq_len;
+                if let Some(line) = trainer.pool.observe(serial, step.step_ms, positions as u64) {
                     sink.send(Event::Log(LogEvent {
                         step: n,
                         level: Level::Info,

@@ -5,11 +5,14 @@
 //! either way (work is split by shape, not by thread count), so only the time is at stake.
 //!
 //! The governor runs the current choice and, now and then, one window the other way (a probe).
-//! It switches when two probes in a row cost at least 10% less per token (one lucky window must
-//! not move the work onto the slow side). The first probe comes at the
+//! It switches when two probes in a row cost less per position, by at least 10% to move onto the
+//! trainer's thread alone and 25% to move back onto the pool (one lucky window must not move the
+//! work onto the slow side; beside a busy process the pool's windows are the noisy ones). The
+//! first probe comes at the
 //! fifth window (a run that starts under load must not spend long on the slow choice); probes
-//! then back off, doubling the gap up to 512 windows while they confirm the choice (32 after a
-//! switch), and come at once when the current choice's cost jumps by half (load arrived).
+//! then back off, doubling the gap up to 512 windows while they cost more than the choice (32
+//! after a switch; the same gap again after a probe that was cheaper but not by the margin), and
+//! come at once when the current choice's cost jumps by half (load arrived).
 
 /// `GACCWB_CPU_POOL`: `auto` (the default), `pool` (always the pool) or `serial` (never).
 pub const POOL_ENV: &str = "GACCWB_CPU_POOL";
@@ -38,8 +41,13 @@ const WARM_UP: u64 = 2;
 const FIRST_PROBE: u64 = 4;
 const AFTER_SWITCH: u64 = 32;
 const MAX_INTERVAL: u64 = 512;
-/// The probed choice must cost at most this fraction of the current one to win.
+/// The probed choice must cost at most this fraction of the current one to win: the trainer's
+/// thread alone ...
 const WIN: f64 = 0.9;
+/// ... and the pool, a stricter bar. Idle, the pool costs about half (it clears this at once);
+/// beside a busy process its windows scatter around the serial cost, and a lucky pair of them
+/// must not move the run back onto it for a whole interval.
+const WIN_TO_POOL: f64 = 0.75;
 /// A window this many times the current choice's smoothed cost calls a probe at once.
 const JUMP: f64 = 1.5;
 
@@ -47,7 +55,7 @@ const JUMP: f64 = 1.5;
 pub struct PoolGovernor {
     choice: PoolChoice,
     serial: bool,
-    /// Smoothed ms per token, indexed by `serial as usize`.
+    /// Smoothed ms per position, indexed by `serial as usize`.
     cost: [Option<f64>; 2],
     windows: u64,
     next_probe: u64,
@@ -90,18 +98,19 @@ impl PoolGovernor {
         self.serial
     }
 
-    /// Records what a window run with `serial` cost; returns a line for the log when the
-    /// choice changes.
-    pub fn observe(&mut self, serial: bool, ms: f64, tokens: u64) -> Option<String> {
+    /// Records what a window run with `serial` cost: its time over the positions it computed
+    /// (micro-batch × sequence length × K, padding included: the work, whatever the documents'
+    /// lengths); returns a line for the log when the choice changes.
+    pub fn observe(&mut self, serial: bool, ms: f64, positions: u64) -> Option<String> {
         if self.choice != PoolChoice::Auto || serial != (self.serial ^ self.probing) {
             return None;
         }
         self.windows += 1;
-        if self.windows <= WARM_UP || tokens == 0 || !ms.is_finite() {
+        if self.windows <= WARM_UP || positions == 0 || !ms.is_finite() {
             self.probing = false;
             return None;
         }
-        let cost = ms / tokens as f64;
+        let cost = ms / positions as f64;
         let slot = &mut self.cost[serial as usize];
         if !self.probing {
             if slot.is_some_and(|c| cost > JUMP * c) {
@@ -113,15 +122,19 @@ impl PoolGovernor {
         *slot = Some(cost);
         self.probing = false;
         let current = self.cost[self.serial as usize]?;
-        let won = cost < WIN * current;
+        let won = cost < if serial { WIN } else { WIN_TO_POOL } * current;
         if won && !self.confirming {
             self.confirming = true;
             self.next_probe = self.windows;
             return None;
         }
         self.confirming = false;
+        // A probe that was cheaper, but not by the margin, is asked again as soon; only a
+        // probe that cost more backs the probes off.
         self.interval = if won {
             AFTER_SWITCH
+        } else if cost < current {
+            self.interval
         } else {
             (self.interval * 2).min(MAX_INTERVAL)
         };
@@ -136,7 +149,7 @@ impl PoolGovernor {
             ("the thread pool", "the trainer's thread alone")
         };
         Some(format!(
-            "CPU ops now on {now}: {:.1} µs per token against {:.1} on {was} (set {POOL_ENV}=pool or serial to fix the choice)",
+            "CPU ops now on {now}: {:.1} µs per position against {:.1} on {was} (set {POOL_ENV}=pool or serial to fix the choice)",
             cost * 1e3,
             current * 1e3
         ))
