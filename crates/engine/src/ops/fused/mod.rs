@@ -175,7 +175,7 @@ impl MatMut {
 }
 
 /// `dst = a·b`, or `dst += a·b` when `accumulate`. With `parallel`, blocks of `dst` rows go to
-/// Candle's CPU pool, each one single-threaded `gemm` call: the same pool as every other fused
+/// the CPU pool (`ops::pool`), each one single-threaded `gemm` call: the same pool as every other fused
 /// op (a second pool, rayon's, would compete with it for the cores).
 ///
 /// # Safety

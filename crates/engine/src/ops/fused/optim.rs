@@ -31,8 +31,8 @@ pub struct AdamWJob<'a> {
     pub step: AdamWStep,
 }
 
-/// Every job's `adamw_update`, parameters spread over Candle's CPU pool (one hand-off for the
-/// whole step instead of three per parameter).
+/// Every job's `adamw_update`, parameters spread over the CPU pool, `ops::pool` (one hand-off for
+/// the whole step instead of three per parameter).
 pub fn adamw_update_all(jobs: &[AdamWJob]) -> Result<()> {
     let first_error = std::sync::Mutex::new(None);
     super::for_each_unit(jobs.len(), |range| {
