@@ -344,50 +344,121 @@ fn the_cpu_pool_choice_changes_time_not_results() {
     assert!(stderr.contains("GACCWB_CPU_POOL=\"many\""), "{stderr}");
 }
 
+/// Has `cmd` run on the given CPUs only (its affinity mask, as `taskset` or a container sets it).
 #[cfg(target_os = "linux")]
+fn pin_to(cmd: &mut std::process::Command, cpus: &'static [usize]) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: between fork and exec the hook calls only `sched_setaffinity` on a set built on
+    // its own stack: async-signal-safe, no allocation, no locks.
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for &cpu in cpus {
+                libc::CPU_SET(cpu, &mut set);
+            }
+            match libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+}
+
+/// `gaccwb run --headless` of `model` on the CPU with two threads for `steps` steps, recorded to
+/// `path`; the recording.
+#[cfg(target_os = "linux")]
+fn run_recorded(
+    model: TestModel,
+    steps: &str,
+    path: &Path,
+    pin: Option<&'static [usize]>,
+) -> gaccwb::record::Recording {
+    let model = model.args();
+    let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", steps];
+    args.extend(["--record", path.to_str().unwrap()]);
+    args.extend(model.iter().map(String::as_str));
+    let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("gaccwb"));
+    cmd.env("RAYON_NUM_THREADS", "2").args(&args);
+    if let Some(cpus) = pin {
+        pin_to(&mut cmd, cpus);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    gaccwb::record::read_recording(path).unwrap()
+}
+
 /// A process allowed one CPU (its affinity mask, as `taskset -c 0` or a container sets it) runs
 /// one thread, whatever `RAYON_NUM_THREADS` says: a second would only wait for the first.
+#[cfg(target_os = "linux")]
 #[test]
 fn the_cpu_path_uses_no_more_threads_than_the_cpus_it_may_run_on() {
     let dir = tempfile::tempdir().unwrap();
-    let threads = |one_cpu: bool| {
-        let path = dir.path().join(format!("{one_cpu}.jsonl"));
-        let model = TINY.args();
-        let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "1"];
-        args.extend(["--record", path.to_str().unwrap()]);
-        args.extend(model.iter().map(String::as_str));
-        let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("gaccwb"));
-        cmd.env("RAYON_NUM_THREADS", "2").args(&args);
-        if one_cpu {
-            use std::os::unix::process::CommandExt;
-            // SAFETY: between fork and exec the hook calls only `sched_setaffinity` on a set
-            // built on its own stack: async-signal-safe, no allocation, no locks.
-            unsafe {
-                cmd.pre_exec(|| {
-                    let mut set: libc::cpu_set_t = std::mem::zeroed();
-                    libc::CPU_SET(0, &mut set);
-                    match libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) {
-                        0 => Ok(()),
-                        _ => Err(std::io::Error::last_os_error()),
-                    }
-                });
-            }
-        }
-        let out = cmd.output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let recording = gaccwb::record::read_recording(&path).unwrap();
-        recording.header.build.threads
+    let threads = |pin: Option<&'static [usize]>| {
+        let path = dir.path().join(format!("{}.jsonl", pin.is_some()));
+        run_recorded(TINY, "1", &path, pin).header.build.threads
     };
-    assert_eq!(threads(true), 1, "one CPU allowed");
+    assert_eq!(threads(Some(&[0])), 1, "one CPU allowed");
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     assert_eq!(
-        threads(false),
+        threads(None),
         cpus.min(2),
         "RAYON_NUM_THREADS=2 on {cpus} CPUs"
+    );
+}
+
+/// Busy loops that end with the value.
+#[cfg(target_os = "linux")]
+struct BusyLoops(Vec<std::process::Child>);
+
+#[cfg(target_os = "linux")]
+impl Drop for BusyLoops {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Beside processes that keep its CPUs busy, a run starts with the fused ops on the trainer's
+/// thread alone, from the governor's reading of `/proc` before any window is timed, and says so.
+/// The run and two busy loops share CPUs 0 and 1; on a one-CPU machine there is no pool to
+/// choose, and no such line.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_run_beside_busy_processes_starts_on_one_thread_and_logs_why() {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pinned: &'static [usize] = if cpus >= 2 { &[0, 1] } else { &[0] };
+    let _loops = BusyLoops(
+        (0..2)
+            .map(|_| {
+                let mut sh = std::process::Command::new("sh");
+                sh.args(["-c", "while :; do :; done"]);
+                pin_to(&mut sh, pinned);
+                sh.spawn().unwrap()
+            })
+            .collect(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("busy.jsonl");
+    // Windows of this size take long enough for a reading before the third.
+    let recording = run_recorded(SPLIT, "3", &path, Some(pinned));
+    let started_serial = recording.events.iter().any(|e| {
+        matches!(e, Event::Log(l) if l.message.starts_with("CPU ops start on the trainer's thread alone"))
+    });
+    assert_eq!(
+        started_serial,
+        cpus >= 2,
+        "{:?}",
+        recording
+            .events
+            .iter()
+            .filter(|e| matches!(e, Event::Log(_)))
+            .collect::<Vec<_>>()
     );
 }
 

@@ -13,6 +13,7 @@ use std::sync::OnceLock;
 use candle_core::{DType, Result, Tensor};
 
 pub mod composite;
+pub mod cpu_load;
 pub mod fused;
 pub mod half;
 pub mod pool;

@@ -363,12 +363,16 @@ pub struct Trainer {
     pub adaptive: adaptive::AdaptiveK,
     /// Whether the CPU's fused ops use the thread pool, window by window (`run` consults it).
     pub pool: pool_governor::PoolGovernor,
+    /// Other processes' load on this process's CPUs, read for the governor between windows
+    /// (from the trainer's start, so the first reading covers building the model).
+    pub cpu_load: crate::ops::cpu_load::OthersLoad,
     base_batch: usize,
     started: Instant,
 }
 
 impl Trainer {
     pub fn new(mut scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
+        let cpu_load = crate::ops::cpu_load::OthersLoad::start();
         scenario.validate().map_err(anyhow::Error::msg)?;
         guard::check_model_fits(&scenario, &device).map_err(anyhow::Error::msg)?;
         let corpus = Corpus::open_sizing(&mut scenario)?;
@@ -396,6 +400,7 @@ impl Trainer {
             noise: noise::NoiseTracker::new(t.noise_ema),
             adaptive: adaptive::AdaptiveK::default(),
             pool: pool_governor::PoolGovernor::new(pool_choice),
+            cpu_load,
             memory,
             knobs: Knobs::from_scenario(&scenario),
             scaler: LossScaler::new(t.loss_scale, t.scale_growth_interval),
@@ -798,9 +803,7 @@ pub fn run_returning(
             continue;
         }
         flow.single_step = false;
-        let serial = trainer
-            .pool
-            .next_serial(trainer.runs_fused_cpu_in_parallel());
+        let serial = choose_pool(&mut trainer, &sink);
         let step = {
             let _pool = crate::ops::pool::serial(serial);
             trainer.train_step(|| {
@@ -976,6 +979,24 @@ fn send_estimate(trainer: &Trainer, sink: &EventSink) {
     for e in trainer.memory_estimate().events(trainer.step) {
         sink.send(Event::Estimate(e));
     }
+}
+
+/// Whether the next window runs without the CPU pool: the governor's choice, given the latest
+/// reading of other processes' load (logged when it sets the start).
+fn choose_pool(trainer: &mut Trainer, sink: &EventSink) -> bool {
+    let applies = trainer.runs_fused_cpu_in_parallel();
+    let reading = applies.then(|| trainer.cpu_load.take()).flatten();
+    if let Some(reading) = reading {
+        let (cpus, threads) = (trainer.cpu_load.cpus(), crate::ops::pool::cpu_threads());
+        if let Some(message) = trainer.pool.load(reading.others, cpus, threads) {
+            sink.send(Event::Log(LogEvent {
+                step: trainer.step,
+                level: Level::Info,
+                message,
+            }));
+        }
+    }
+    trainer.pool.next_serial(applies)
 }
 
 fn maybe_evaluate(trainer: &Trainer, step: u64, sink: &EventSink) {

@@ -13,6 +13,13 @@
 //! then back off, doubling the gap up to 512 windows while they cost more than the choice (32
 //! after a switch; the same gap again after a probe that was cheaper but not by the margin), and
 //! come at once when the current choice's cost jumps by half (load arrived).
+//!
+//! Timing alone learns of load only after windows have paid for it, so the governor also reads
+//! how busy other processes keep the CPUs (`ops::cpu_load`). Until the windows have been timed
+//! the choice follows that reading (a run that starts beside a busy process starts on its own
+//! thread) and the first timed probe waits for the gap a switch earns; afterwards a reading that
+//! turns against the current choice times one window of it and then probes. Without a reading
+//! (no `/proc`) the schedule above is all there is.
 
 /// `GACCWB_CPU_POOL`: `auto` (the default), `pool` (always the pool) or `serial` (never).
 pub const POOL_ENV: &str = "GACCWB_CPU_POOL";
@@ -50,6 +57,11 @@ const WIN: f64 = 0.9;
 const WIN_TO_POOL: f64 = 0.75;
 /// A window this many times the current choice's smoothed cost calls a probe at once.
 const JUMP: f64 = 1.5;
+/// The CPUs count as contended when fewer than `threads - CONTENDED` are left free by other
+/// processes, and as free again above `threads - FREE` (a gap, so a reading near the line does
+/// not call probe after probe).
+const CONTENDED: f64 = 0.5;
+const FREE: f64 = 0.25;
 
 #[derive(Clone, Debug)]
 pub struct PoolGovernor {
@@ -63,6 +75,11 @@ pub struct PoolGovernor {
     probing: bool,
     /// The last probe won; the next window probes again to confirm.
     confirming: bool,
+    /// Whether other processes kept too many CPUs busy for the pool, as last read.
+    contended: Option<bool>,
+    /// The load changed: the next window's cost replaces the current choice's smoothed one
+    /// (which was measured under the old load) before the probe that follows it.
+    restart_cost: bool,
 }
 
 impl PoolGovernor {
@@ -76,7 +93,41 @@ impl PoolGovernor {
             interval: FIRST_PROBE,
             probing: false,
             confirming: false,
+            contended: None,
+            restart_cost: false,
         }
+    }
+
+    /// Takes a reading of other processes' load: `others` CPUs' worth busy of the `cpus` this
+    /// process may run on, against a pool of `threads`. Returns a line for the log when it sets
+    /// the starting choice to the trainer's thread alone.
+    pub fn load(&mut self, others: f64, cpus: usize, threads: usize) -> Option<String> {
+        if self.choice != PoolChoice::Auto || !others.is_finite() {
+            return None;
+        }
+        let free = cpus as f64 - others;
+        let contended = match self.contended {
+            Some(true) => free < threads as f64 - FREE,
+            _ => free < threads as f64 - CONTENDED,
+        };
+        let changed = self.contended.replace(contended) != Some(contended);
+        if self.windows <= WARM_UP {
+            // The reading stands in for the first probes: timed probes start at the gap a
+            // switch earns, and a reading that turns calls one sooner.
+            self.interval = AFTER_SWITCH;
+            self.next_probe = self.windows + AFTER_SWITCH;
+            let was = std::mem::replace(&mut self.serial, contended);
+            return (contended && !was).then(|| {
+                format!(
+                    "CPU ops start on the trainer's thread alone: other processes keep {others:.1} of {cpus} CPUs busy (set {POOL_ENV}=pool or serial to fix the choice)"
+                )
+            });
+        }
+        if changed && contended != self.serial && !self.confirming {
+            self.restart_cost = true;
+            self.next_probe = self.windows + 1;
+        }
+        None
     }
 
     /// Whether the next window runs without the pool. `applies`: the window takes the fused
@@ -116,7 +167,10 @@ impl PoolGovernor {
             if slot.is_some_and(|c| cost > JUMP * c) {
                 self.next_probe = self.windows;
             }
-            *slot = Some(slot.map_or(cost, |c| 0.7 * c + 0.3 * cost));
+            *slot = match *slot {
+                Some(c) if !std::mem::take(&mut self.restart_cost) => Some(0.7 * c + 0.3 * cost),
+                _ => Some(cost),
+            };
             return None;
         }
         *slot = Some(cost);
@@ -205,8 +259,60 @@ mod tests {
     }
 
     #[test]
+    fn a_run_that_starts_beside_a_busy_process_starts_on_one_thread() {
+        let mut g = PoolGovernor::new(PoolChoice::Auto);
+        let line = g.load(1.0, 2, 2).expect("a line for the log");
+        assert!(line.contains("1.0 of 2 CPUs"), "{line}");
+        let runs = drive(&mut g, 100, |serial| if serial { 1.0 } else { 1.6 });
+        let probes: Vec<usize> = (0..runs.len()).filter(|&i| !runs[i]).collect();
+        assert_eq!(
+            probes,
+            [32, 97],
+            "the first probe waits for the reading's gap"
+        );
+        assert!(g.serial);
+        // Idle from the start: the pool, nothing to log, and the same gap before probing.
+        let mut g = PoolGovernor::new(PoolChoice::Auto);
+        assert_eq!(g.load(0.1, 2, 2), None);
+        let runs = drive(&mut g, 100, |serial| if serial { 1.6 } else { 1.0 });
+        let probes: Vec<usize> = (0..runs.len()).filter(|&i| runs[i]).collect();
+        assert_eq!(probes, [32, 97]);
+    }
+
+    #[test]
+    fn a_reading_that_turns_against_the_choice_calls_a_probe_at_once() {
+        let mut g = PoolGovernor::new(PoolChoice::Auto);
+        g.load(1.0, 2, 2);
+        drive(&mut g, 100, |serial| if serial { 1.0 } else { 1.6 });
+        assert!(g.serial);
+        // A reading just under the line keeps the choice (the gap); a clear one probes the pool.
+        g.load(0.4, 2, 2);
+        assert!(g.next_serial(true), "no probe for a reading inside the gap");
+        g.observe(true, 100.0, 100);
+        g.load(0.1, 2, 2);
+        let runs = drive(&mut g, 3, |serial| if serial { 1.0 } else { 0.6 });
+        assert_eq!(
+            runs,
+            [true, false, false],
+            "a window timed, a probe, its confirmation"
+        );
+        assert!(!g.serial);
+        // Load that arrives while on the pool calls a probe of one thread.
+        drive(&mut g, 10, |serial| if serial { 1.0 } else { 0.6 });
+        g.load(1.0, 2, 2);
+        let runs = drive(&mut g, 3, |serial| if serial { 1.0 } else { 1.6 });
+        assert_eq!(
+            runs,
+            [false, true, true],
+            "a window timed, a probe, its confirmation"
+        );
+        assert!(g.serial);
+    }
+
+    #[test]
     fn a_fixed_choice_is_kept() {
         let mut g = PoolGovernor::new(PoolChoice::Pool);
+        assert_eq!(g.load(2.0, 2, 2), None);
         assert!(!drive(&mut g, 100, |s| if s { 0.1 } else { 9.0 })
             .iter()
             .any(|&s| s));
