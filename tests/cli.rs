@@ -265,13 +265,8 @@ fn training_is_bitwise_identical_at_one_and_two_threads() {
     ] {
         let steps = |threads: &str| {
             let path = dir.path().join(format!("{name}-threads-{threads}.jsonl"));
-            step_bits(
-                &path,
-                model,
-                &[micro_batch],
-                3,
-                &[("RAYON_NUM_THREADS", threads)],
-            )
+            let env = [("RAYON_NUM_THREADS", threads)];
+            step_bits(&run_recorded(&path, model, &[micro_batch], 3, &env, None))
         };
         let (one, two) = (steps("1"), steps("2"));
         assert_eq!(one.len(), 3, "{name}");
@@ -279,14 +274,16 @@ fn training_is_bitwise_identical_at_one_and_two_threads() {
     }
 }
 
-/// Loss and both gradient norms of every step of a headless run of `model`, as bits.
-fn step_bits(
+/// A headless run of `model` on the CPU for `steps` steps with `--set`s, environment `env` and,
+/// with `pin`, only the given CPUs allowed; its recording, written to `record`.
+fn run_recorded(
     record: &Path,
     model: TestModel,
     sets: &[&str],
     steps: u32,
     env: &[(&str, &str)],
-) -> Vec<[u64; 3]> {
+    pin: Option<&'static [usize]>,
+) -> gaccwb::record::Recording {
     let (model, steps) = (model.args(), steps.to_string());
     let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", &steps];
     args.extend(model.iter().map(String::as_str));
@@ -294,42 +291,65 @@ fn step_bits(
         args.extend_from_slice(&["--set", set]);
     }
     args.extend_from_slice(&["--record", record.to_str().unwrap()]);
-    let out = Command::cargo_bin("gaccwb")
-        .unwrap()
-        .envs(env.iter().copied())
-        .args(&args)
-        .output()
-        .unwrap();
+    let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("gaccwb"));
+    cmd.envs(env.iter().copied()).args(&args);
+    if let Some(cpus) = pin {
+        #[cfg(target_os = "linux")]
+        pin_to(&mut cmd, cpus);
+        #[cfg(not(target_os = "linux"))]
+        panic!("pinning to CPUs {cpus:?} is written for Linux");
+    }
+    let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let recording = gaccwb::record::read_recording(record).unwrap();
-    recording
-        .events
-        .into_iter()
-        .filter_map(|e| match e {
-            Event::Step(s) => Some([s.loss, s.grad_norm, s.grad_norm_clipped].map(f64::to_bits)),
-            _ => None,
-        })
+    gaccwb::record::read_recording(record).unwrap()
+}
+
+/// Loss and both gradient norms of every step, as bits.
+fn step_bits(recording: &gaccwb::record::Recording) -> Vec<[u64; 3]> {
+    steps(recording)
+        .map(|s| [s.loss, s.grad_norm, s.grad_norm_clipped].map(f64::to_bits))
         .collect()
 }
 
-/// The pool governor moves the fused ops between the pool and the trainer's thread (its first
-/// probe runs window 5 alone); the bits stay those of either fixed choice.
+fn steps(
+    recording: &gaccwb::record::Recording,
+) -> impl Iterator<Item = &gaccwb::telemetry::StepEvent> {
+    recording.events.iter().filter_map(|e| match e {
+        Event::Step(s) => Some(s),
+        _ => None,
+    })
+}
+
+/// Whether the fused ops run on the pool or on the trainer's thread alone changes time, not
+/// bits: fixed either way, or chosen by the governor (its reading of the load, its probes), the
+/// steps are the same; each step records the threads it ran on.
 #[test]
 fn the_cpu_pool_choice_changes_time_not_results() {
     let dir = tempfile::tempdir().unwrap();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let run = |choice: &str| {
         let path = dir.path().join(format!("{choice}.jsonl"));
         let env = [("RAYON_NUM_THREADS", "2"), ("GACCWB_CPU_POOL", choice)];
-        step_bits(&path, SPLIT, &["train.micro_batch=12"], 8, &env)
+        run_recorded(&path, SPLIT, &["train.micro_batch=12"], 8, &env, None)
     };
-    let pool = run("pool");
-    assert_eq!(pool.len(), 8);
-    assert_eq!(pool, run("serial"), "pool vs serial");
-    assert_eq!(pool, run("auto"), "pool vs auto");
+    let threads = |r: &gaccwb::record::Recording| -> Vec<Option<usize>> {
+        steps(r).map(|s| s.cpu_threads).collect()
+    };
+    let (pool, serial) = (run("pool"), run("serial"));
+    assert_eq!(step_bits(&pool).len(), 8);
+    assert_eq!(step_bits(&pool), step_bits(&serial), "pool vs serial");
+    assert_eq!(step_bits(&pool), step_bits(&run("auto")), "pool vs auto");
+    let (on_pool, alone) = if cpus >= 2 {
+        (Some(2), Some(1))
+    } else {
+        (None, None)
+    };
+    assert_eq!(threads(&pool), [on_pool; 8]);
+    assert_eq!(threads(&serial), [alone; 8]);
     let model = TINY.args();
     let mut args = vec!["run", "--headless", "--steps", "1"];
     args.extend(model.iter().map(String::as_str));
@@ -364,33 +384,6 @@ fn pin_to(cmd: &mut std::process::Command, cpus: &'static [usize]) {
     }
 }
 
-/// `gaccwb run --headless` of `model` on the CPU with two threads for `steps` steps, recorded to
-/// `path`; the recording.
-#[cfg(target_os = "linux")]
-fn run_recorded(
-    model: TestModel,
-    steps: &str,
-    path: &Path,
-    pin: Option<&'static [usize]>,
-) -> gaccwb::record::Recording {
-    let model = model.args();
-    let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", steps];
-    args.extend(["--record", path.to_str().unwrap()]);
-    args.extend(model.iter().map(String::as_str));
-    let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("gaccwb"));
-    cmd.env("RAYON_NUM_THREADS", "2").args(&args);
-    if let Some(cpus) = pin {
-        pin_to(&mut cmd, cpus);
-    }
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    gaccwb::record::read_recording(path).unwrap()
-}
-
 /// A process allowed one CPU (its affinity mask, as `taskset -c 0` or a container sets it) runs
 /// one thread, whatever `RAYON_NUM_THREADS` says: a second would only wait for the first.
 #[cfg(target_os = "linux")]
@@ -399,7 +392,11 @@ fn the_cpu_path_uses_no_more_threads_than_the_cpus_it_may_run_on() {
     let dir = tempfile::tempdir().unwrap();
     let threads = |pin: Option<&'static [usize]>| {
         let path = dir.path().join(format!("{}.jsonl", pin.is_some()));
-        run_recorded(TINY, "1", &path, pin).header.build.threads
+        let env = [("RAYON_NUM_THREADS", "2")];
+        run_recorded(&path, TINY, &[], 1, &env, pin)
+            .header
+            .build
+            .threads
     };
     assert_eq!(threads(Some(&[0])), 1, "one CPU allowed");
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -425,14 +422,25 @@ impl Drop for BusyLoops {
 }
 
 /// Beside processes that keep its CPUs busy, a run starts with the fused ops on the trainer's
-/// thread alone, from the governor's reading of `/proc` before any window is timed, and says so.
-/// The run and two busy loops share CPUs 0 and 1; on a one-CPU machine there is no pool to
-/// choose, and no such line.
+/// thread alone, from the governor's reading of `/proc` before any window is timed, says so, and
+/// its steps say so; the bits are those of a run on the pool. The run and two busy loops share
+/// CPUs 0 and 1; on a one-CPU machine there is no pool to choose, and no such line.
 #[cfg(target_os = "linux")]
 #[test]
 fn a_run_beside_busy_processes_starts_on_one_thread_and_logs_why() {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pinned: &'static [usize] = if cpus >= 2 { &[0, 1] } else { &[0] };
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["train.micro_batch=12"];
+    let two = ("RAYON_NUM_THREADS", "2");
+    let on_pool = run_recorded(
+        &dir.path().join("pool.jsonl"),
+        SPLIT,
+        &sets,
+        3,
+        &[two, ("GACCWB_CPU_POOL", "pool")],
+        Some(pinned),
+    );
     let _loops = BusyLoops(
         (0..2)
             .map(|_| {
@@ -443,23 +451,30 @@ fn a_run_beside_busy_processes_starts_on_one_thread_and_logs_why() {
             })
             .collect(),
     );
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("busy.jsonl");
     // Windows of this size take long enough for a reading before the third.
-    let recording = run_recorded(SPLIT, "3", &path, Some(pinned));
-    let started_serial = recording.events.iter().any(|e| {
-        matches!(e, Event::Log(l) if l.message.starts_with("CPU ops start on the trainer's thread alone"))
-    });
-    assert_eq!(
-        started_serial,
-        cpus >= 2,
-        "{:?}",
-        recording
-            .events
-            .iter()
-            .filter(|e| matches!(e, Event::Log(_)))
-            .collect::<Vec<_>>()
-    );
+    let busy = dir.path().join("busy.jsonl");
+    let recording = run_recorded(&busy, SPLIT, &sets, 3, &[two], Some(pinned));
+    let logs: Vec<&str> = recording
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Log(l) => Some(l.message.as_str()),
+            _ => None,
+        })
+        .collect();
+    let started_serial = logs
+        .iter()
+        .any(|l| l.starts_with("CPU ops start on the trainer's thread alone"));
+    assert_eq!(started_serial, cpus >= 2, "{logs:?}");
+    let threads: Vec<Option<usize>> = steps(&recording).map(|s| s.cpu_threads).collect();
+    let pool_threads: Vec<Option<usize>> = steps(&on_pool).map(|s| s.cpu_threads).collect();
+    if cpus >= 2 {
+        assert_eq!(threads.last(), Some(&Some(1)), "{threads:?}");
+        assert_eq!(pool_threads, [Some(2); 3]);
+    } else {
+        assert_eq!(threads, [None; 3], "one CPU: no choice to record");
+    }
+    assert_eq!(step_bits(&recording), step_bits(&on_pool));
 }
 
 #[test]

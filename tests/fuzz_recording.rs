@@ -35,6 +35,7 @@ fn valid_recording() -> Vec<u8> {
             tokens: 512,
             tokens_per_s: 1000.0,
             step_ms: 12.5,
+            cpu_threads: None,
             skipped: false,
             loss_scale: 65536.0,
             overflow_count: 0,

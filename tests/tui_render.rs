@@ -303,3 +303,19 @@ fn the_noise_view_at_80x24_shows_the_critical_batch_beside_b_k_and_a_verdict() {
         "{s}"
     );
 }
+
+#[test]
+fn the_status_pane_says_how_many_threads_the_cpu_ops_ran_on() {
+    let mut app = app();
+    assert!(
+        !screen(&app, 160, 48).contains(" thread"),
+        "no count recorded yet"
+    );
+    for (n, threads, expected) in [(41, 2, "2 threads"), (42, 1, "1 thread")] {
+        let mut s = step(n, 1.3);
+        s.cpu_threads = Some(threads);
+        app.update(&Event::Step(s));
+        let text = screen(&app, 160, 48);
+        assert!(text.contains(&format!("ms  {expected}")), "{text}");
+    }
+}

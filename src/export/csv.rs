@@ -22,7 +22,7 @@ use crate::telemetry::{
     Categories, Dtype, EstimateEvent, Event, MemoryEvent, MemorySource, Origin, Phase, StepEvent,
 };
 
-pub const STEP_COLUMNS: [&str; 28] = [
+pub const STEP_COLUMNS: [&str; 29] = [
     "step",
     "loss",
     "grad_norm",
@@ -43,6 +43,7 @@ pub const STEP_COLUMNS: [&str; 28] = [
     "forward_ms",
     "backward_ms",
     "optimizer_ms",
+    "cpu_threads",
     "grad_error",
     "noise_g2",
     "noise_trace",
@@ -116,6 +117,7 @@ struct StepRow {
     forward_ms: f64,
     backward_ms: f64,
     optimizer_ms: f64,
+    cpu_threads: Option<usize>,
     grad_error: Option<f64>,
     /// The `noise_*` cells: empty where the window gave no estimate (K = 1, overflow).
     noise_g2: Option<f64>,
@@ -150,6 +152,7 @@ impl From<&StepEvent> for StepRow {
             forward_ms: s.phase_ms.forward,
             backward_ms: s.phase_ms.backward,
             optimizer_ms: s.phase_ms.optimizer,
+            cpu_threads: s.cpu_threads,
             grad_error: s.grad_error,
             noise_g2: s.noise.as_ref().map(|n| n.g2),
             noise_trace: s.noise.as_ref().map(|n| n.trace),

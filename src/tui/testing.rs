@@ -43,6 +43,7 @@ pub fn step(step: u64, loss: f64) -> StepEvent {
         tokens: 1024,
         tokens_per_s: 20_000.0,
         step_ms: 50.0,
+        cpu_threads: None,
         skipped: false,
         loss_scale: 1.0,
         overflow_count: 0,

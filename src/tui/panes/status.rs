@@ -107,13 +107,21 @@ pub fn lines(app: &App, theme: Theme) -> Vec<Line<'static>> {
             )),
         ]));
         let p = s.phase_ms;
-        out.push(Line::from(vec![
+        let mut phases = vec![
             Span::styled("fwd/bwd/opt ", theme.dim()),
             Span::raw(format!(
                 "{:.0}/{:.0}/{:.0} ms",
                 p.forward, p.backward, p.optimizer
             )),
-        ]));
+        ];
+        if let Some(threads) = s.cpu_threads {
+            let plural = if threads == 1 { "" } else { "s" };
+            phases.push(Span::styled(
+                format!("  {threads} thread{plural}"),
+                theme.dim(),
+            ));
+        }
+        out.push(Line::from(phases));
         if let Some(err) = s.grad_error {
             out.push(Line::styled(
                 format!("grad error vs correct path: {:.2}%", err * 100.0),

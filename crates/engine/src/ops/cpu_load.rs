@@ -7,9 +7,9 @@
 //! (`/proc/stat`) less this process's own user and system ticks (`/proc/self/stat`), over all the
 //! ticks those CPUs counted, so no tick rate is needed.
 
-/// A reading covers at least this many ticks over all allowed CPUs (0.1 s on two CPUs at the
-/// usual 100 Hz), so one tick more or less moves it by at most a tenth of a CPU.
-const MIN_TICKS: u64 = 20;
+/// A reading covers at least this many ticks per allowed CPU (0.1 s at the usual 100 Hz), so one
+/// tick more or less moves it by at most a tenth of a CPU, however many CPUs there are.
+const MIN_TICKS_PER_CPU: u64 = 10;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Ticks {
@@ -66,7 +66,7 @@ impl OthersLoad {
         let now = self.ticks()?;
         let last = self.last?;
         let total = now.total.saturating_sub(last.total);
-        if total < MIN_TICKS {
+        if total < MIN_TICKS_PER_CPU * self.cpus.len() as u64 {
             return None;
         }
         self.last = Some(now);

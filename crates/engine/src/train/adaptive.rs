@@ -97,6 +97,7 @@ mod tests {
             tokens: 100,
             tokens_per_s: 0.0,
             step_ms: 1.0,
+            cpu_threads: None,
             skipped: false,
             loss_scale: 1.0,
             overflow_count: 0,

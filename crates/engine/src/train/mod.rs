@@ -613,6 +613,9 @@ impl Trainer {
             tokens: w.tokens,
             tokens_per_s: 0.0,
             step_ms: t0.elapsed().as_secs_f64() * 1e3,
+            cpu_threads: self
+                .runs_fused_cpu_in_parallel()
+                .then(crate::ops::pool::threads),
             skipped: !finite,
             loss_scale: scale,
             overflow_count: self.overflow_count,
@@ -987,8 +990,8 @@ fn choose_pool(trainer: &mut Trainer, sink: &EventSink) -> bool {
     let applies = trainer.runs_fused_cpu_in_parallel();
     let reading = applies.then(|| trainer.cpu_load.take()).flatten();
     if let Some(reading) = reading {
-        let (cpus, threads) = (trainer.cpu_load.cpus(), crate::ops::pool::cpu_threads());
-        if let Some(message) = trainer.pool.load(reading.others, cpus, threads) {
+        let cpus = trainer.cpu_load.cpus();
+        if let Some(message) = trainer.pool.load(reading.others, cpus) {
             sink.send(Event::Log(LogEvent {
                 step: trainer.step,
                 level: Level::Info,

@@ -57,11 +57,13 @@ const WIN: f64 = 0.9;
 const WIN_TO_POOL: f64 = 0.75;
 /// A window this many times the current choice's smoothed cost calls a probe at once.
 const JUMP: f64 = 1.5;
-/// The CPUs count as contended when fewer than `threads - CONTENDED` are left free by other
-/// processes, and as free again above `threads - FREE` (a gap, so a reading near the line does
-/// not call probe after probe).
-const CONTENDED: f64 = 0.5;
-const FREE: f64 = 0.25;
+/// The CPUs count as contended when other processes leave fewer than this many free (no room
+/// for a second thread: the pool's workers would wait on each other) ...
+const CONTENDED_BELOW: f64 = 1.5;
+/// ... and as free again above this many (a gap, so a reading near the line does not call probe
+/// after probe). Where more are free the pool is kept, however many threads it has, and timing
+/// decides: one busy process on a 16-CPU machine must not send a 16-thread pool to one thread.
+const FREE_ABOVE: f64 = 1.75;
 
 #[derive(Clone, Debug)]
 pub struct PoolGovernor {
@@ -99,16 +101,16 @@ impl PoolGovernor {
     }
 
     /// Takes a reading of other processes' load: `others` CPUs' worth busy of the `cpus` this
-    /// process may run on, against a pool of `threads`. Returns a line for the log when it sets
-    /// the starting choice to the trainer's thread alone.
-    pub fn load(&mut self, others: f64, cpus: usize, threads: usize) -> Option<String> {
+    /// process may run on. Returns a line for the log when it sets the starting choice to the
+    /// trainer's thread alone.
+    pub fn load(&mut self, others: f64, cpus: usize) -> Option<String> {
         if self.choice != PoolChoice::Auto || !others.is_finite() {
             return None;
         }
         let free = cpus as f64 - others;
         let contended = match self.contended {
-            Some(true) => free < threads as f64 - FREE,
-            _ => free < threads as f64 - CONTENDED,
+            Some(true) => free <= FREE_ABOVE,
+            _ => free < CONTENDED_BELOW,
         };
         let changed = self.contended.replace(contended) != Some(contended);
         if self.windows <= WARM_UP {
@@ -261,7 +263,7 @@ mod tests {
     #[test]
     fn a_run_that_starts_beside_a_busy_process_starts_on_one_thread() {
         let mut g = PoolGovernor::new(PoolChoice::Auto);
-        let line = g.load(1.0, 2, 2).expect("a line for the log");
+        let line = g.load(1.0, 2).expect("a line for the log");
         assert!(line.contains("1.0 of 2 CPUs"), "{line}");
         let runs = drive(&mut g, 100, |serial| if serial { 1.0 } else { 1.6 });
         let probes: Vec<usize> = (0..runs.len()).filter(|&i| !runs[i]).collect();
@@ -271,9 +273,12 @@ mod tests {
             "the first probe waits for the reading's gap"
         );
         assert!(g.serial);
+        // Many CPUs: one busy process leaves room for the pool; one CPU left free does not.
+        assert_eq!(PoolGovernor::new(PoolChoice::Auto).load(1.0, 16), None);
+        assert!(PoolGovernor::new(PoolChoice::Auto).load(15.0, 16).is_some());
         // Idle from the start: the pool, nothing to log, and the same gap before probing.
         let mut g = PoolGovernor::new(PoolChoice::Auto);
-        assert_eq!(g.load(0.1, 2, 2), None);
+        assert_eq!(g.load(0.1, 2), None);
         let runs = drive(&mut g, 100, |serial| if serial { 1.6 } else { 1.0 });
         let probes: Vec<usize> = (0..runs.len()).filter(|&i| runs[i]).collect();
         assert_eq!(probes, [32, 97]);
@@ -282,14 +287,14 @@ mod tests {
     #[test]
     fn a_reading_that_turns_against_the_choice_calls_a_probe_at_once() {
         let mut g = PoolGovernor::new(PoolChoice::Auto);
-        g.load(1.0, 2, 2);
+        g.load(1.0, 2);
         drive(&mut g, 100, |serial| if serial { 1.0 } else { 1.6 });
         assert!(g.serial);
         // A reading just under the line keeps the choice (the gap); a clear one probes the pool.
-        g.load(0.4, 2, 2);
+        g.load(0.4, 2);
         assert!(g.next_serial(true), "no probe for a reading inside the gap");
         g.observe(true, 100.0, 100);
-        g.load(0.1, 2, 2);
+        g.load(0.1, 2);
         let runs = drive(&mut g, 3, |serial| if serial { 1.0 } else { 0.6 });
         assert_eq!(
             runs,
@@ -299,7 +304,7 @@ mod tests {
         assert!(!g.serial);
         // Load that arrives while on the pool calls a probe of one thread.
         drive(&mut g, 10, |serial| if serial { 1.0 } else { 0.6 });
-        g.load(1.0, 2, 2);
+        g.load(1.0, 2);
         let runs = drive(&mut g, 3, |serial| if serial { 1.0 } else { 1.6 });
         assert_eq!(
             runs,
@@ -312,7 +317,7 @@ mod tests {
     #[test]
     fn a_fixed_choice_is_kept() {
         let mut g = PoolGovernor::new(PoolChoice::Pool);
-        assert_eq!(g.load(2.0, 2, 2), None);
+        assert_eq!(g.load(2.0, 2), None);
         assert!(!drive(&mut g, 100, |s| if s { 0.1 } else { 9.0 })
             .iter()
             .any(|&s| s));
