@@ -10,6 +10,10 @@
 /// A reading covers at least this many ticks per allowed CPU (0.1 s at the usual 100 Hz), so one
 /// tick more or less moves it by at most a tenth of a CPU, however many CPUs there are.
 const MIN_TICKS_PER_CPU: u64 = 10;
+/// The first reading, which sets where a run starts, asks for less (0.04 s): building a small
+/// model and its first windows can take under 0.1 s, and a busy process still reads as most of
+/// a CPU, an idle machine as a quarter at most.
+const FIRST_TICKS_PER_CPU: u64 = 4;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Ticks {
@@ -35,6 +39,8 @@ pub struct Reading {
 pub struct OthersLoad {
     cpus: Vec<usize>,
     last: Option<Ticks>,
+    /// No reading has been given yet.
+    first: bool,
     /// Read into again and again: a reading between windows allocates nothing after the first.
     text: String,
 }
@@ -49,6 +55,7 @@ impl OthersLoad {
         let mut load = OthersLoad {
             cpus,
             last: None,
+            first: true,
             text: String::new(),
         };
         load.last = load.ticks();
@@ -66,10 +73,16 @@ impl OthersLoad {
         let now = self.ticks()?;
         let last = self.last?;
         let total = now.total.saturating_sub(last.total);
-        if total < MIN_TICKS_PER_CPU * self.cpus.len() as u64 {
+        let per_cpu = if self.first {
+            FIRST_TICKS_PER_CPU
+        } else {
+            MIN_TICKS_PER_CPU
+        };
+        if total < per_cpu * self.cpus.len() as u64 {
             return None;
         }
         self.last = Some(now);
+        self.first = false;
         let busy = now.busy.saturating_sub(last.busy);
         let own = now.own.saturating_sub(last.own);
         let cpus = self.cpus.len() as f64 / total as f64;
