@@ -24,6 +24,11 @@
 /// `GACCWB_CPU_POOL`: `auto` (the default), `pool` (always the pool) or `serial` (never).
 pub const POOL_ENV: &str = "GACCWB_CPU_POOL";
 
+/// Ends every line the governor logs: how to take the choice out of its hands.
+fn fix_hint() -> String {
+    format!("(set {POOL_ENV}=pool or serial to fix the choice)")
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PoolChoice {
     Auto,
@@ -121,7 +126,8 @@ impl PoolGovernor {
             let was = std::mem::replace(&mut self.serial, contended);
             return (contended && !was).then(|| {
                 format!(
-                    "CPU ops start on the trainer's thread alone: other processes keep {others:.1} of {cpus} CPUs busy (set {POOL_ENV}=pool or serial to fix the choice)"
+                    "CPU ops start on the trainer's thread alone: other processes keep {others:.1} of {cpus} CPUs busy {}",
+                    fix_hint()
                 )
             });
         }
@@ -205,9 +211,10 @@ impl PoolGovernor {
             ("the thread pool", "the trainer's thread alone")
         };
         Some(format!(
-            "CPU ops now on {now}: {:.1} µs per position against {:.1} on {was} (set {POOL_ENV}=pool or serial to fix the choice)",
+            "CPU ops now on {now}: {:.1} µs per position against {:.1} on {was} {}",
             cost * 1e3,
-            current * 1e3
+            current * 1e3,
+            fix_hint()
         ))
     }
 }
@@ -227,11 +234,16 @@ mod tests {
             .collect()
     }
 
+    /// The windows that ran with `serial` equal to `side`.
+    fn windows_on(runs: &[bool], side: bool) -> Vec<usize> {
+        (0..runs.len()).filter(|&i| runs[i] == side).collect()
+    }
+
     #[test]
     fn an_idle_machine_keeps_the_pool_and_probes_ever_less() {
         let mut g = PoolGovernor::new(PoolChoice::Auto);
         let runs = drive(&mut g, 2000, |serial| if serial { 1.6 } else { 1.0 });
-        let probes: Vec<usize> = (0..runs.len()).filter(|&i| runs[i]).collect();
+        let probes = windows_on(&runs, true);
         assert!(!g.serial);
         assert_eq!(probes[..5], [4, 13, 30, 63, 128], "{probes:?}");
         assert!(probes.len() <= 10, "{probes:?}");
@@ -266,9 +278,8 @@ mod tests {
         let line = g.load(1.0, 2).expect("a line for the log");
         assert!(line.contains("1.0 of 2 CPUs"), "{line}");
         let runs = drive(&mut g, 100, |serial| if serial { 1.0 } else { 1.6 });
-        let probes: Vec<usize> = (0..runs.len()).filter(|&i| !runs[i]).collect();
         assert_eq!(
-            probes,
+            windows_on(&runs, false),
             [32, 97],
             "the first probe waits for the reading's gap"
         );
@@ -280,8 +291,7 @@ mod tests {
         let mut g = PoolGovernor::new(PoolChoice::Auto);
         assert_eq!(g.load(0.1, 2), None);
         let runs = drive(&mut g, 100, |serial| if serial { 1.6 } else { 1.0 });
-        let probes: Vec<usize> = (0..runs.len()).filter(|&i| runs[i]).collect();
-        assert_eq!(probes, [32, 97]);
+        assert_eq!(windows_on(&runs, true), [32, 97]);
     }
 
     #[test]
