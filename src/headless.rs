@@ -10,9 +10,22 @@ use crate::memory::StepFigure;
 use crate::scenario::Scenario;
 use crate::session::Session;
 use crate::telemetry::{
-    Control, ControlMsg, Event, Header, Level, MemorySource, Origin, StepEvent,
+    Control, ControlMsg, EndReason, Event, Header, Level, MemorySource, Origin, StepEvent,
 };
 use crate::train;
+
+/// A run that failed or that a signal stopped: the program exits with the reason's code
+/// (`EndReason::exit_code`: 1, or 128 + the signal).
+#[derive(Debug, thiserror::Error)]
+#[error("{}", describe(.0))]
+pub struct RunEnded(pub EndReason);
+
+fn describe(reason: &EndReason) -> String {
+    match reason {
+        EndReason::Signalled(_) => reason.to_string(),
+        _ => format!("training failed: {}", strip(&reason.to_string())),
+    }
+}
 
 pub struct HeadlessOptions {
     pub record: Option<PathBuf>,
@@ -30,10 +43,9 @@ pub struct Summary {
     pub peak_memory: Option<(u64, MemorySource)>,
     /// The figure of the step being measured.
     figure: Option<StepFigure>,
-    pub end_reason: String,
+    /// Why the run ended; `None` until its `end` event (a recording may lack one).
+    pub end_reason: Option<EndReason>,
     pub errors: Vec<String>,
-    /// The signal that stopped the run, if one did.
-    pub signal: Option<crate::signals::Signalled>,
 }
 
 pub fn run(scenario: Scenario, device: Device, opts: HeadlessOptions) -> anyhow::Result<Summary> {
@@ -95,9 +107,7 @@ pub fn run_session(
     let bar = progress_bar(total, quiet);
     let mut summary = Summary::default();
     while let Some(mut event) = handle.events.blocking_recv() {
-        if let Some(signal) = crate::signals::mark_end(&mut event) {
-            summary.signal = Some(signal);
-        }
+        crate::signals::mark_end(&mut event);
         if let Some(r) = recorder.as_mut() {
             r.write(&event)?;
         }
@@ -108,11 +118,15 @@ pub fn run_session(
                 bar.set_position(s.step);
                 bar.set_message(format!("loss {:.3}  {:.0} tok/s", s.loss, s.tokens_per_s));
             }
-            Event::Log(l) if l.level == Level::Error => {
-                // Errors go to stderr as they happen, not only into the final summary.
-                bar.suspend(|| {
-                    eprintln!("gaccwb: error at step {}: {}", l.step, strip(&l.message))
-                });
+            Event::Log(l) if l.level != Level::Info => {
+                // Errors and warnings go to stderr as they happen (a hidden bar prints nothing),
+                // errors into the final summary too.
+                let level = match l.level {
+                    Level::Error => "error",
+                    _ => "warning",
+                };
+                let line = format!("gaccwb: {level} at step {}: {}", l.step, strip(&l.message));
+                bar.suspend(|| eprintln!("{line}"));
             }
             Event::Log(l) => bar.println(format!("{:?}: {}", l.level, strip(&l.message))),
             _ => {}
@@ -166,15 +180,33 @@ impl Summary {
                 }
             }
             Event::Log(l) if l.level == Level::Error => self.errors.push(l.message.clone()),
-            Event::End(e) => self.end_reason = e.reason.clone(),
+            Event::End(e) => self.end_reason = Some(e.reason.clone()),
             _ => {}
         }
     }
 
+    /// The end reason as text, or what a recording cut short lacks.
+    fn why(&self) -> String {
+        match &self.end_reason {
+            Some(reason) => reason.to_string(),
+            None => "recording ends without an end event".into(),
+        }
+    }
+
+    /// The error a run that did not succeed ends the program with (its exit code follows the
+    /// reason); `None` for a completed or stopped run.
+    pub fn outcome(&self) -> Option<RunEnded> {
+        self.end_reason
+            .clone()
+            .filter(|r| r.exit_code() != 0)
+            .map(RunEnded)
+    }
+
     /// One paragraph for the end of a headless run.
     pub fn render(&self) -> String {
+        let why = self.why();
         let Some(last) = self.steps.last() else {
-            return strip(&format!("no steps ran ({})", self.end_reason));
+            return strip(&format!("no steps ran ({why})"));
         };
         let n = self.steps.len();
         let tail = &self.steps[n.saturating_sub(10)..];
@@ -183,7 +215,7 @@ impl Summary {
         let mut out = format!(
             "{} steps ({}) on {}: loss {:.4}",
             last.step,
-            self.end_reason,
+            why,
             self.header
                 .as_ref()
                 .map(|h| h.device.as_str())

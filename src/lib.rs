@@ -6,7 +6,7 @@
 //! this one: the layering is checked by the compiler.
 
 pub use gaccwb_engine::{
-    budget, checkpoint, data, device, limits, memory, model, ops, presets, record, safe_write,
+    budget, checkpoint, data, device, end, limits, memory, model, ops, presets, record, safe_write,
     scenario, telemetry, tokenizer, train,
 };
 

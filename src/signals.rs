@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicI32, Ordering};
 
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
+use crate::telemetry::EndReason;
+
 /// The first stopping signal this process caught (0: none).
 static CAUGHT: AtomicI32 = AtomicI32::new(0);
 
@@ -27,14 +29,9 @@ impl Signalled {
     }
 }
 
-/// `SIGINT`, `SIGTERM`, `SIGHUP`, or the number.
+/// `SIGINT`, `SIGTERM`, `SIGHUP`, or `signal N`.
 pub fn name(signo: i32) -> String {
-    match signo {
-        libc::SIGINT => "SIGINT".into(),
-        libc::SIGTERM => "SIGTERM".into(),
-        libc::SIGHUP => "SIGHUP".into(),
-        n => format!("signal {n}"),
-    }
+    crate::end::signal_name(signo)
 }
 
 /// The first stopping signal caught so far.
@@ -45,13 +42,17 @@ pub fn caught() -> Option<Signalled> {
     }
 }
 
-/// If a signal stopped the run, say so in its `end` event (the trainer only knows "stopped").
+/// If a signal stopped the run, say so in its `end` event (the trainer only knows "stopped";
+/// a run that failed before it stopped keeps its failure).
 pub fn mark_end(event: &mut crate::telemetry::Event) -> Option<Signalled> {
     let crate::telemetry::Event::End(end) = event else {
         return None;
     };
+    if end.reason != EndReason::Stopped {
+        return None;
+    }
     let signal = caught()?;
-    end.reason = format!("stopped by {}", name(signal.0));
+    end.reason = EndReason::Signalled(signal.0);
     Some(signal)
 }
 

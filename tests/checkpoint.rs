@@ -54,7 +54,7 @@ fn run(mut trainer: Trainer, dir: &Path, save_every: u64) -> Vec<StepEvent> {
             Event::Step(s) => steps.push(s),
             Event::Log(l) => assert!(l.message.starts_with("checkpoint at step"), "{l:?}"),
             Event::End(e) => {
-                assert_eq!(e.reason, "completed");
+                assert_eq!(e.reason, gaccwb::telemetry::EndReason::Completed);
                 break;
             }
             _ => {}

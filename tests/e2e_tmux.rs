@@ -202,7 +202,7 @@ fn stop_with(signal: &str, code: i32) {
     let reason = format!("stopped by SIG{signal}");
     assert!(matches!(
         rec.events.last(),
-        Some(gaccwb::telemetry::Event::End(e)) if e.reason == reason
+        Some(gaccwb::telemetry::Event::End(e)) if e.reason.to_string() == reason
     ));
 }
 
@@ -222,6 +222,6 @@ fn assert_recorded_k2(path: &Path) {
     assert!(text.contains(r#""kind":"set_accum_steps","value":2"#));
     assert!(matches!(
         rec.events.last(),
-        Some(gaccwb::telemetry::Event::End(e)) if e.reason == "stopped"
+        Some(gaccwb::telemetry::Event::End(e)) if e.reason == gaccwb::telemetry::EndReason::Stopped
     ));
 }

@@ -62,7 +62,7 @@ fn valid_recording() -> Vec<u8> {
     }
     events.push(Event::End(EndEvent {
         step: 5,
-        reason: "completed".into(),
+        reason: gaccwb::telemetry::EndReason::Completed,
     }));
     let mut out = Vec::new();
     for e in &events {

@@ -164,7 +164,10 @@ fn a_headless_run_records_measured_and_estimated_memory_and_device_samples() {
         },
     )
     .unwrap();
-    assert_eq!(summary.end_reason, "completed");
+    assert_eq!(
+        summary.end_reason,
+        Some(gaccwb::telemetry::EndReason::Completed)
+    );
     let text = std::fs::read_to_string(&path).unwrap();
     let events: Vec<Event> = text
         .lines()

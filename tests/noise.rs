@@ -221,7 +221,10 @@ fn the_adaptive_k_preset_lets_the_noise_scale_choose_k() {
         },
     )
     .unwrap();
-    assert_eq!(summary.end_reason, "completed");
+    assert_eq!(
+        summary.end_reason,
+        Some(gaccwb::telemetry::EndReason::Completed)
+    );
     let recording = gaccwb::record::read_recording(&path).unwrap();
     let changes: Vec<(u64, usize)> = recording
         .events

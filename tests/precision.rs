@@ -251,7 +251,11 @@ fn f16_gradients_that_overflow_at_the_scale_floor_end_the_run() {
         "ended at step {} after {skipped} skipped: {}",
         end.step, end.reason
     );
-    assert!(end.reason.contains("loss-scale floor"), "{}", end.reason);
+    assert!(
+        matches!(&end.reason, gaccwb::telemetry::EndReason::LossScaleExhausted(m) if m.contains("loss-scale floor")),
+        "{}",
+        end.reason
+    );
     // 8 → 4 → 2 → 1, then FLOOR_PATIENCE overflows at 1.
     assert!(end.step < 20, "the run went on to step {}", end.step);
     assert!(skipped >= 6, "{skipped} skipped steps");

@@ -101,7 +101,7 @@ fn every_preset_runs_three_steps_and_applies_its_timeline() {
         let name = f.display();
         assert_eq!(steps(&events).len() as u64, RUN_STEPS, "{name}");
         assert!(
-            matches!(events.last(), Some(Event::End(e)) if e.reason == "completed"),
+            matches!(events.last(), Some(Event::End(e)) if e.reason == gaccwb::telemetry::EndReason::Completed),
             "{name}: {:?}",
             events.last()
         );

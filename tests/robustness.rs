@@ -51,7 +51,7 @@ fn resume_ck(extra: &[&str], dir: &Path) -> (i32, String, String) {
 fn end_reason(path: &Path) -> String {
     let rec = read_recording(path).unwrap();
     match rec.events.last() {
-        Some(Event::End(e)) => e.reason.clone(),
+        Some(Event::End(e)) => e.reason.to_string(),
         other => panic!("the recording does not end with `end`: {other:?}"),
     }
 }
@@ -73,14 +73,14 @@ fn a_panicking_trainer_sends_end_with_the_reason() {
             "no `end` after the trainer crashed"
         );
         match handle.events.try_recv() {
-            Ok(Event::End(e)) => break e.reason,
+            Ok(Event::End(e)) => break e.reason.to_string(),
             Ok(Event::Log(l)) if l.level == Level::Error => errors.push(l.message),
             Ok(_) => {}
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
         }
     };
     assert!(reason.starts_with("error: the trainer crashed"), "{reason}");
-    assert!(gaccwb::train::guard::is_failure(&reason));
+    assert!(gaccwb::telemetry::EndReason::parse(&reason).is_failure());
     assert_eq!(errors, vec![reason]);
 }
 

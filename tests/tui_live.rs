@@ -60,7 +60,7 @@ async fn keys_drive_the_trainer_and_recording_starts_mid_run() {
 
     assert_eq!(app.run.knobs.accum_steps, 2, "K=2 came back applied");
     assert!(app.run.pending.is_empty());
-    assert_eq!(app.run.ended.as_deref(), Some("stopped"));
+    assert_eq!(app.run.ended, Some(gaccwb::telemetry::EndReason::Stopped));
     assert!(app.run.log.iter().any(|l| l.text == "K=2 applied (key)"));
 
     let rec = read_recording(&base).unwrap();

@@ -112,7 +112,7 @@ async fn the_event_loop_plays_a_recording_to_the_end_and_quits() {
     .await
     .unwrap();
     assert!(app.view.quit);
-    assert_eq!(app.run.ended.as_deref(), Some("completed"));
+    assert_eq!(app.run.ended, Some(gaccwb::telemetry::EndReason::Completed));
     let s = text(&t);
     assert!(s.contains("step 40/100"), "{s}");
     assert!(s.contains("REPLAY playing ×64"), "{s}");

@@ -70,7 +70,7 @@ pub fn write_cast(
         "width": opts.width,
         "height": opts.height,
         "timestamp": started,
-        "title": format!("gaccwb replay: {name}"),
+        "title": crate::headless::strip(&format!("gaccwb replay: {name}")),
         "env": {"TERM": "xterm-256color"},
     });
     writeln!(out, "{header}")?;

@@ -174,3 +174,23 @@ mod tests {
         assert_eq!(axis_number(1e300, &(0.0..1e300)), "1.00e300");
     }
 }
+
+/// Text from a recording or the command line as it may appear in a chart: without escape
+/// sequences or other control characters (`headless::strip`), newlines and tabs as spaces.
+pub fn text(raw: &str) -> String {
+    crate::headless::strip(raw).replace(['\n', '\t'], " ")
+}
+
+/// The SVG without any character XML 1.0 forbids (C0 controls other than tab, newline and
+/// return, U+FFFE, U+FFFF), whatever text reached it: the file is always well-formed.
+pub fn well_formed(svg: String) -> String {
+    let allowed = |c: &char| match *c {
+        '\t' | '\n' | '\r' => true,
+        '\u{fffe}' | '\u{ffff}' => false,
+        c => !c.is_control() || c as u32 >= 0x7f,
+    };
+    if svg.chars().all(|c| allowed(&c)) {
+        return svg;
+    }
+    svg.chars().filter(allowed).collect()
+}

@@ -11,8 +11,9 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::chart::{
-    axis_number, category_color, category_label, draw_legend, legend_top, wrap_at_commas, Area,
-    DrawResult, LegendEntry, Swatch, FONT, LEGEND_WIDTH, MIB, PALETTE, STACK_ORDER,
+    axis_number, category_color, category_label, draw_legend, legend_top, text, well_formed,
+    wrap_at_commas, Area, DrawResult, LegendEntry, Swatch, FONT, LEGEND_WIDTH, MIB, PALETTE,
+    STACK_ORDER,
 };
 use crate::compare::Row;
 
@@ -43,7 +44,7 @@ pub fn render_compare_svg(rows: &[Row], title: &str) -> Result<String, Box<dyn s
     let labels: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
-            let mut lines = wrap_at_commas(&r.config, slot - 10, LABEL_FONT);
+            let mut lines = wrap_at_commas(&text(&r.config), slot - 10, LABEL_FONT);
             lines.push(format!("B·K = {}", r.effective_batch));
             lines
         })
@@ -56,7 +57,7 @@ pub fn render_compare_svg(rows: &[Row], title: &str) -> Result<String, Box<dyn s
         root.fill(&WHITE)?;
         let (head, rest) = root.split_vertically(TITLE_HEIGHT);
         head.draw(&Text::new(
-            title.to_string(),
+            text(title),
             ((MARGIN + Y_LABELS) as i32, 12),
             (FONT, 24),
         ))?;
@@ -65,7 +66,7 @@ pub fn render_compare_svg(rows: &[Row], title: &str) -> Result<String, Box<dyn s
         draw_speed(&speed, rows, &labels, label_height)?;
         root.present()?;
     }
-    Ok(svg)
+    Ok(well_formed(svg))
 }
 
 /// A panel's chart (configuration i centred at x = i) and its legend column.

@@ -11,8 +11,9 @@ use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
 
 use super::chart::{
-    axis_number, category_color, category_label, draw_legend, legend_top, text_width, Area,
-    DrawResult, LegendEntry, Swatch, FONT, LEGEND_WIDTH, MIB, PALETTE, STACK_ORDER,
+    axis_number, category_color, category_label, draw_legend, legend_top, text, text_width,
+    well_formed, Area, DrawResult, LegendEntry, Swatch, FONT, LEGEND_WIDTH, MIB, PALETTE,
+    STACK_ORDER,
 };
 use crate::memory::{step_figures, StepFigure};
 use crate::record::Recording;
@@ -135,16 +136,16 @@ pub fn render_svg(recording: &Recording) -> Result<String, Box<dyn std::error::E
         draw_control_strip(&strip, &placed, &pixels, unlabelled)?;
         root.present()?;
     }
-    Ok(svg)
+    Ok(well_formed(svg))
 }
 
 fn draw_title(area: &Area, recording: &Recording) -> DrawResult {
     let config = &recording.header.config;
     let title = format!("{} on {}", config.name, recording.header.device);
-    area.draw(&Text::new(title, (PLOT_LEFT, 8), (FONT, 26)))?;
+    area.draw(&Text::new(text(&title), (PLOT_LEFT, 8), (FONT, 26)))?;
     if !config.description.is_empty() {
         area.draw(&Text::new(
-            config.description.clone(),
+            text(&config.description),
             (PLOT_LEFT, 36),
             (FONT, 15).into_font().color(&RGBColor(90, 90, 90)),
         ))?;

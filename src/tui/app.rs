@@ -7,8 +7,8 @@ use strum::VariantArray;
 
 use crate::memory::StepFigure;
 use crate::telemetry::{
-    Checkpointing, Control, ControlEvent, DeviceEvent, EstimateEvent, Event, Header, Knobs, Level,
-    MemoryEvent, MemorySource, Origin, Phase, StepEvent,
+    Checkpointing, Control, ControlEvent, DeviceEvent, EndReason, EstimateEvent, Event, Header,
+    Knobs, Level, MemoryEvent, MemorySource, Origin, Phase, StepEvent,
 };
 
 use super::keymap::Action;
@@ -91,7 +91,7 @@ pub struct RunData {
     pub markers: VecDeque<(u64, String)>,
     pub log: VecDeque<LogLine>,
     pub paused: bool,
-    pub ended: Option<String>,
+    pub ended: Option<EndReason>,
     /// Changes the memory guard made (controls with origin `guard`).
     pub guard_actions: u64,
     pub retention: usize,
@@ -227,8 +227,12 @@ impl App {
             Event::Device(d) => self.on_device(d),
             Event::Log(l) => self.log(l.step, l.level, l.message.clone()),
             Event::End(e) => {
+                let level = match e.reason.is_failure() {
+                    true => Level::Error,
+                    false => Level::Info,
+                };
+                self.log(e.step, level, format!("run ended: {}", e.reason));
                 self.run.ended = Some(e.reason.clone());
-                self.log(e.step, Level::Info, format!("run ended: {}", e.reason));
             }
         }
         self.view.dirty = true;

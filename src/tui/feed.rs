@@ -178,7 +178,7 @@ impl Live {
                 s.stop();
             }
             // A failed run (an error, a crash, divergence) closes the screen; `finish` reports it.
-            if crate::train::guard::is_failure(&end.reason) {
+            if end.reason.is_failure() {
                 app.view.quit = true;
             }
         }
@@ -225,9 +225,9 @@ impl Live {
         if let Some(r) = self.recorder.as_mut() {
             r.flush()?;
         }
-        match app.run.ended.as_deref() {
-            Some(reason) if crate::train::guard::is_failure(reason) => {
-                anyhow::bail!("training failed: {}", crate::headless::strip(reason))
+        match &app.run.ended {
+            Some(reason) if reason.is_failure() => {
+                Err(crate::headless::RunEnded(reason.clone()).into())
             }
             _ => Ok(()),
         }

@@ -105,8 +105,5 @@ pub fn summarize(events: &[Event]) -> Summary {
     for event in events {
         summary.absorb(event);
     }
-    if summary.end_reason.is_empty() {
-        summary.end_reason = "recording ends without an end event".into();
-    }
     summary
 }

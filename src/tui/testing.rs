@@ -135,7 +135,7 @@ pub fn sample_run_ended(steps: u64) -> Vec<Event> {
     let mut out = sample_run(steps);
     out.push(Event::End(EndEvent {
         step: steps,
-        reason: "completed".into(),
+        reason: crate::telemetry::EndReason::Completed,
     }));
     out
 }

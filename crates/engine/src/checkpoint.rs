@@ -16,9 +16,9 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::scenario::Scenario;
-use crate::telemetry::{Control, Event, Level, LogEvent};
+use crate::telemetry::{Control, EndReason, Event, Level, LogEvent};
 use crate::train::scaler::LossScaler;
-use crate::train::{AfterStep, Knobs, Trainer};
+use crate::train::{AfterStep, EventSink, Knobs, Trainer};
 
 /// Version of the checkpoint layout; a newer one is refused.
 pub const CHECKPOINT_VERSION: u32 = 1;
@@ -51,32 +51,90 @@ pub struct State {
 
 impl Policy {
     /// The trainer's after-step hook that saves by this policy.
-    pub fn after_step(self) -> AfterStep {
-        Box::new(move |trainer| maybe_save(trainer, &self))
+    pub fn after_step(self) -> Box<dyn AfterStep> {
+        Box::new(Saver {
+            policy: self,
+            tried: 0,
+            saved: 0,
+            first_error: None,
+        })
     }
 }
 
-/// Save after a step when the policy says so; the result is a log event for the UI.
-fn maybe_save(trainer: &Trainer, policy: &Policy) -> Option<Event> {
-    if policy.every == 0 || !trainer.step.is_multiple_of(policy.every) {
-        return None;
+/// Saves by the policy and counts: the first failed save is a warning, a second one before
+/// any save succeeded ends the run, and a run that tried and saved nothing fails.
+struct Saver {
+    policy: Policy,
+    tried: u64,
+    saved: u64,
+    first_error: Option<String>,
+}
+
+impl AfterStep for Saver {
+    fn after_step(&mut self, trainer: &Trainer, sink: &EventSink) -> Option<EndReason> {
+        let every = self.policy.every;
+        if every == 0 || !trainer.step.is_multiple_of(every) {
+            return None;
+        }
+        self.tried += 1;
+        let error = match save(trainer, &self.policy.dir) {
+            Ok(path) => {
+                self.saved += 1;
+                let message = format!(
+                    "checkpoint at step {} saved to {}",
+                    trainer.step,
+                    path.display()
+                );
+                log(sink, trainer.step, Level::Info, message);
+                return None;
+            }
+            Err(e) => format!("{e:#}"),
+        };
+        let first = self
+            .first_error
+            .get_or_insert_with(|| error.clone())
+            .clone();
+        if self.saved == 0 && self.tried >= 2 {
+            return Some(self.failure(&first));
+        }
+        let (level, consequence) = match self.saved {
+            0 => (Level::Warn, "; the run fails if the next one fails too"),
+            _ => (Level::Error, "; the last saved checkpoint stays"),
+        };
+        let message = format!(
+            "checkpoint at step {} failed: {error}{consequence}",
+            trainer.step
+        );
+        log(sink, trainer.step, level, message);
+        None
     }
-    let (level, message) = match save(trainer, &policy.dir) {
-        Ok(path) => (
-            Level::Info,
-            format!(
-                "checkpoint at step {} saved to {}",
-                trainer.step,
-                path.display()
-            ),
-        ),
-        Err(e) => (Level::Error, format!("checkpoint failed: {e:#}")),
-    };
-    Some(Event::Log(LogEvent {
-        step: trainer.step,
+
+    fn at_end(&mut self, reason: EndReason) -> EndReason {
+        match (&reason, &self.first_error) {
+            (EndReason::Completed | EndReason::Stopped, Some(first)) if self.saved == 0 => {
+                self.failure(first)
+            }
+            _ => reason,
+        }
+    }
+}
+
+impl Saver {
+    fn failure(&self, first: &str) -> EndReason {
+        EndReason::CheckpointingFailed(format!(
+            "none of the {} checkpoint(s) tried could be written to {} (first: {first})",
+            self.tried,
+            self.policy.dir.display()
+        ))
+    }
+}
+
+fn log(sink: &EventSink, step: u64, level: Level, message: String) {
+    sink.send(Event::Log(LogEvent {
+        step,
         level,
         message,
-    }))
+    }));
 }
 
 /// Write the trainer's state into `dir` (created if missing); returns the state file's path.
@@ -209,6 +267,21 @@ fn check_state(state: &State) -> Result<(), String> {
     ];
     for (key, value) in counters {
         at_most(key, value, MAX_INTEGER >> 1)?;
+    }
+    // Each optimizer step advances these by at most one (a skipped step not at all).
+    for (key, value) in [
+        ("adam_t", state.adam_t),
+        ("lr_step", state.lr_step),
+        ("overflow_count", state.overflow_count),
+    ] {
+        if value > state.step {
+            return Err(format!(
+                "{key} ({value}) is more than step ({}): a run cannot have taken more AdamW \
+                 updates, scheduled steps or overflows than optimizer steps; restore the file \
+                 the run wrote",
+                state.step
+            ));
+        }
     }
     if state.tensors.contains(['/', '\\']) || state.tensors.starts_with('.') {
         return Err(format!(

@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod control;
 pub mod data;
 pub mod device;
+pub mod end;
 pub mod limits;
 pub mod memory;
 pub mod model;

@@ -3,7 +3,9 @@
 //! Line 1 is `Event::Header` (format version, the scenario, device, build); every later line is
 //! one `Event` exactly as the UI received it, applied controls included (`Event::Control` carries
 //! its origin). `telemetry::FORMAT_VERSION` is the major version: additive changes (a new field
-//! with a default, a new event type) keep it; a reader refuses a file with a newer major version.
+//! with a default, a new event type, control kind, origin or end reason) keep it, and a reader
+//! skips, with one warning, the events holding names it does not know; it refuses a file with a
+//! newer major version.
 //!
 //! The writer pushes every step-level event to the OS at once and samples at least once a second,
 //! so `kill -9` loses at most the last second and leaves a file whose only possible defect is a
@@ -197,8 +199,9 @@ pub fn parse_recording(bytes: &[u8], origin: &str) -> Result<Recording, RecordEr
     }
     if unknown_types > 0 {
         warnings.push(format!(
-            "{origin}: skipped {unknown_types} event(s) of types this gaccwb does not know \
-             (written by a newer minor version)"
+            "{origin}: skipped {unknown_types} event(s) or timeline entries holding names this \
+             gaccwb does not know (an event type, control kind, origin…; written by a newer \
+             version)"
         ));
     }
     let header = match events.first() {
@@ -243,9 +246,39 @@ fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Eve
         }
         Some(_) => {}
     }
-    serde_json::from_value(value)
-        .map(Some)
-        .map_err(|e| format!("bad {} event: {e}", kind.as_deref().unwrap_or("?")))
+    if first {
+        drop_unknown_timeline_entries(&mut value, unknown);
+    }
+    match serde_json::from_value(value) {
+        Ok(event) => Ok(Some(event)),
+        // A name from a newer minor version (a control kind, an origin, a level): skipped like
+        // an unknown event type. The header cannot be skipped.
+        Err(e) if !first && e.to_string().starts_with("unknown variant") => {
+            *unknown += 1;
+            Ok(None)
+        }
+        Err(e) => Err(format!("bad {} event: {e}", kind.as_deref().unwrap_or("?"))),
+    }
+}
+
+/// The header's timeline without the entries whose control kind this version does not know
+/// (counted with the skipped events); the rest of the scenario must be readable.
+fn drop_unknown_timeline_entries(header: &mut serde_json::Value, unknown: &mut usize) {
+    let Some(timeline) = header
+        .pointer_mut("/config/timeline")
+        .and_then(|t| t.as_array_mut())
+    else {
+        return;
+    };
+    let before = timeline.len();
+    timeline.retain(|entry| {
+        let control = entry.get("control").cloned().unwrap_or_default();
+        match serde_json::from_value::<crate::telemetry::Control>(control) {
+            Err(e) => !e.to_string().starts_with("unknown variant"),
+            Ok(_) => true,
+        }
+    });
+    *unknown += before - timeline.len();
 }
 
 /// Recordings made before estimates had their own event type carried them as `memory` events

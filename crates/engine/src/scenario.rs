@@ -11,7 +11,7 @@ use crate::control::{AccumPolicy, Checkpointing, Control, Dtype, LossNorm, LrRul
 mod bounds;
 mod knobs;
 
-pub use bounds::check_schedule;
+pub use bounds::{check_needs, check_schedule};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]

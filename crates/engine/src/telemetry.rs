@@ -15,6 +15,7 @@ pub use crate::control::{
     AccumPolicy, Checkpointing, Control, ControlMsg, Dtype, Knobs, LossNorm, LrRule, Origin,
     ZeroGrad,
 };
+pub use crate::end::EndReason;
 use crate::scenario::Scenario;
 
 /// Major version of the event format. Readers reject a newer major version.
@@ -327,8 +328,8 @@ pub struct LogEvent {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EndEvent {
     pub step: u64,
-    /// "completed", "stopped" or "error: ...".
-    pub reason: String,
+    /// Written as the text gaccwb has always written ("completed", "diverged: …").
+    pub reason: EndReason,
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ const LAYERS: [&[&str]; 8] = [
         "safe_write",
         "tensors",
         "device",
+        "end",
     ],
     &["scenario"],
     &["telemetry", "presets"],

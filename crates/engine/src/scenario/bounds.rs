@@ -2,7 +2,7 @@
 //! makes. The error names the key, so a preset error can point at its line.
 
 use super::{Scenario, TimelineEntry};
-use crate::control::Control;
+use crate::control::{AccumPolicy, Control};
 use crate::limits::*;
 
 /// A scenario's sizes: every integer TOML can hold, the model and the window within bounds.
@@ -63,8 +63,24 @@ pub fn check_scenario(s: &Scenario) -> Result<(), (&'static str, String)> {
 /// The windows the timeline's B and K changes make, in step order, each within bounds.
 fn check_timeline_windows(s: &Scenario) -> Result<(), String> {
     let (b, k) = (s.train.micro_batch, s.train.accum_steps);
-    check_schedule(b, k, s.model.seq_len, &s.timeline)
+    check_schedule(b, k, s.train.noise, s.model.seq_len, &s.timeline)
         .map_err(|(i, m)| format!("timeline[{i}] (step {}): {m}", s.timeline[i].step))
+}
+
+/// A control that needs a knob the run has off: the noise-scale K policy reads the noise
+/// scale, which `train.noise = false` does not measure (the preset's own policy is refused the
+/// same way).
+pub fn check_needs(control: &Control, noise: bool) -> Result<(), String> {
+    match control {
+        Control::SetAccumPolicy {
+            value: AccumPolicy::NoiseScale,
+        } if !noise => Err(
+            "set_accum_policy=noise-scale needs train.noise = true (the policy reads the \
+             gradient noise scale); drop it or --set train.noise=true"
+                .into(),
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// Walk `entries` in step order from micro-batch `b` and accumulation steps `k`: every window
@@ -72,12 +88,14 @@ fn check_timeline_windows(s: &Scenario) -> Result<(), String> {
 pub fn check_schedule(
     mut b: usize,
     mut k: usize,
+    noise: bool,
     seq_len: usize,
     entries: &[TimelineEntry],
 ) -> Result<(), (usize, String)> {
     let mut order: Vec<usize> = (0..entries.len()).collect();
     order.sort_by_key(|&i| entries[i].step);
     for i in order {
+        check_needs(&entries[i].control, noise).map_err(|m| (i, m))?;
         match entries[i].control {
             Control::SetMicroBatch { value } => b = value,
             Control::SetAccumSteps { value } => k = value,

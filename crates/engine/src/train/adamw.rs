@@ -114,8 +114,10 @@ impl AdamW {
             weight_decay,
         } = self.hyper;
         self.t += 1;
-        let bc1 = 1.0 - beta1.powi(self.t as i32);
-        let bc2 = 1.0 - beta2.powi(self.t as i32);
+        // Past i32::MAX steps β^t is 0 in any float; a wrapped exponent would make it huge.
+        let t = i32::try_from(self.t).unwrap_or(i32::MAX);
+        let bc1 = 1.0 - beta1.powi(t);
+        let bc2 = 1.0 - beta2.powi(t);
         let state_device = self.state_device(params);
         let mut fused = Vec::new();
         for (i, p) in params.iter().enumerate() {

@@ -30,14 +30,19 @@ pub struct AdaptiveK {
 }
 
 impl AdaptiveK {
-    /// After a window: the K to switch to at this boundary, if any.
+    /// After a window: the K to switch to at this boundary, if any. The policy chooses the
+    /// effective batch B·K; the memory guard chooses how it is split. So K is counted against
+    /// `reference_b`, the micro-batch before the guard split it (else the one in force): a guard
+    /// split, B halved and K doubled, is no change of K here and moves no limit.
     pub fn decide(
         &mut self,
         policy: AccumPolicy,
         limits: Limits,
         step: &StepEvent,
+        reference_b: usize,
     ) -> Option<usize> {
-        let k = step.accum_steps;
+        let reference_b = reference_b.max(1);
+        let k = (step.micro_batch * step.accum_steps / reference_b).max(1);
         if policy != AccumPolicy::NoiseScale || k != self.last_k {
             *self = AdaptiveK {
                 last_k: k,
@@ -53,7 +58,7 @@ impl AdaptiveK {
         self.since_change += 1;
         // Windows without an estimate (overflow, no positive |G|² yet) neither count nor reset.
         let b_simple = step.noise.as_ref().and_then(|n| n.b_simple_seqs)?;
-        let wanted = b_simple / step.micro_batch.max(1) as f64;
+        let wanted = b_simple / reference_b as f64;
         let up = wanted >= 2.0 * k as f64 && k * 2 <= limits.max;
         let down = wanted <= k as f64 / 2.0 && k / 2 >= limits.min;
         self.above = if up { self.above + 1 } else { 0 };
@@ -121,16 +126,16 @@ mod tests {
         let mut p = AdaptiveK::default();
         // B_simple 40 sequences / B 4 = 10 ≥ 2·K(2).
         let policy = AccumPolicy::NoiseScale;
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), Some(4));
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), Some(4));
         // At K = 4 the count starts again.
-        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0))), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0))), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0))), Some(8));
+        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0)), 4), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0)), 4), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0)), 4), Some(8));
         // 10 is within [K/2, 2K) for K = 8: stay.
         for _ in 0..5 {
-            assert_eq!(p.decide(policy, LIMITS, &step(8, Some(40.0))), None);
+            assert_eq!(p.decide(policy, LIMITS, &step(8, Some(40.0)), 4), None);
         }
     }
 
@@ -139,20 +144,20 @@ mod tests {
         let mut p = AdaptiveK::default();
         let policy = AccumPolicy::NoiseScale;
         let low = |k| step(k, Some(4.0));
-        assert_eq!(p.decide(policy, LIMITS, &low(8)), None);
-        assert_eq!(p.decide(policy, LIMITS, &low(8)), None);
-        assert_eq!(p.decide(policy, LIMITS, &low(8)), Some(4));
+        assert_eq!(p.decide(policy, LIMITS, &low(8), 4), None);
+        assert_eq!(p.decide(policy, LIMITS, &low(8), 4), None);
+        assert_eq!(p.decide(policy, LIMITS, &low(8), 4), Some(4));
         for _ in 0..3 {
-            p.decide(policy, LIMITS, &low(4));
+            p.decide(policy, LIMITS, &low(4), 4);
         }
         // Never below accum_min.
         for _ in 0..5 {
-            assert_eq!(p.decide(policy, LIMITS, &low(2)), None);
+            assert_eq!(p.decide(policy, LIMITS, &low(2), 4), None);
         }
-        assert_eq!(p.decide(policy, LIMITS, &step(1, None)), Some(2));
+        assert_eq!(p.decide(policy, LIMITS, &step(1, None), 4), Some(2));
         let mut fixed = AdaptiveK::default();
         for _ in 0..5 {
-            assert_eq!(fixed.decide(AccumPolicy::Fixed, LIMITS, &low(8)), None);
+            assert_eq!(fixed.decide(AccumPolicy::Fixed, LIMITS, &low(8), 4), None);
         }
     }
 
@@ -175,15 +180,35 @@ mod tests {
         assert!(err.contains("[0, 1)"), "{err}");
     }
 
+    /// The guard split B=2,K=2 into B=1,K=4: the policy still sees K=2 at its reference B=2,
+    /// at `accum_min`, so weak noise cannot shrink B·K below 4; strong noise doubles B·K.
+    #[test]
+    fn a_guard_split_is_no_change_of_k() {
+        let mut p = AdaptiveK::default();
+        let policy = AccumPolicy::NoiseScale;
+        let split = |b_simple| StepEvent {
+            micro_batch: 1,
+            ..step(4, Some(b_simple))
+        };
+        for _ in 0..10 {
+            assert_eq!(p.decide(policy, LIMITS, &split(0.5), 2), None);
+        }
+        let mut p = AdaptiveK::default();
+        let asked: Vec<_> = (0..3)
+            .map(|_| p.decide(policy, LIMITS, &split(40.0), 2))
+            .collect();
+        assert_eq!(asked, [None, None, Some(4)], "K=4 at B=2: B·K 8");
+    }
+
     #[test]
     fn an_interrupted_streak_starts_over() {
         let mut p = AdaptiveK::default();
         let policy = AccumPolicy::NoiseScale;
-        p.decide(policy, LIMITS, &step(2, Some(40.0)));
-        p.decide(policy, LIMITS, &step(2, Some(40.0)));
-        p.decide(policy, LIMITS, &step(2, Some(8.0)));
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0))), Some(4));
+        p.decide(policy, LIMITS, &step(2, Some(40.0)), 4);
+        p.decide(policy, LIMITS, &step(2, Some(40.0)), 4);
+        p.decide(policy, LIMITS, &step(2, Some(8.0)), 4);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), Some(4));
     }
 }

@@ -11,12 +11,9 @@ use super::{EventSink, Trainer};
 use crate::memory::estimate::{changes_memory, Config};
 use crate::memory::fit;
 use crate::scenario::Scenario;
-use crate::telemetry::{Control, ControlMsg, EndEvent, Event, Level, LogEvent, StepEvent};
-
-/// The end reasons that mean the run failed (non-zero exit): an error, a panic, divergence.
-pub fn is_failure(reason: &str) -> bool {
-    reason.starts_with("error") || reason.starts_with("diverged")
-}
+use crate::telemetry::{
+    Control, ControlMsg, EndEvent, EndReason, Event, Level, LogEvent, StepEvent,
+};
 
 /// `super::run`, turning a panic into an error log and an `end` event: without it the thread
 /// dies silently while the sampler keeps the event channel open, and the UI waits forever.
@@ -35,9 +32,9 @@ pub fn run_catching_panics(
             .map(|s| s.to_string())
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown cause".into());
-        let reason = format!("error: the trainer crashed: {what}");
+        let reason = EndReason::Crashed(what);
         let step = watcher.last_step();
-        send_error(&watcher, step, &reason);
+        send_error(&watcher, step, &reason.to_string());
         watcher.send(Event::End(EndEvent { step, reason }));
     }
 }
@@ -51,36 +48,56 @@ pub fn send_error(sink: &EventSink, step: u64, message: &str) {
     }));
 }
 
-/// Counts consecutive windows whose loss or gradient norm was not finite.
+/// Counts consecutive windows whose loss or gradient norm was not finite, and remembers the
+/// last loss: a run too short to reach the limit still must not end "completed" on NaN.
 pub struct Divergence {
     limit: u64,
     run: u64,
+    last_loss: Option<(u64, f64)>,
 }
 
 impl Divergence {
-    /// `limit` 0: never end the run.
+    /// `limit` 0: never end the run early.
     pub fn new(limit: u64) -> Divergence {
-        Divergence { limit, run: 0 }
+        Divergence {
+            limit,
+            run: 0,
+            last_loss: None,
+        }
     }
 
     /// The end reason once `limit` windows in a row were non-finite.
-    pub fn observe(&mut self, step: &StepEvent) -> Option<String> {
+    pub fn observe(&mut self, step: &StepEvent) -> Option<EndReason> {
+        self.last_loss = Some((step.step, step.loss));
         let finite = step.loss.is_finite() && step.grad_norm.is_finite() && !step.skipped;
         self.observe_window(step.step, finite)
     }
 
     /// `observe` for the window that made optimizer step `step`.
-    pub fn observe_window(&mut self, step: u64, finite: bool) -> Option<String> {
+    pub fn observe_window(&mut self, step: u64, finite: bool) -> Option<EndReason> {
         self.run = if finite { 0 } else { self.run + 1 };
         (self.limit > 0 && self.run >= self.limit).then(|| {
-            format!(
-                "diverged: the loss or gradients were not finite for {} consecutive windows \
+            EndReason::Diverged(format!(
+                "the loss or gradients were not finite for {} consecutive windows \
                  (steps {}–{}; train.max_nonfinite_windows = {})",
                 self.run,
                 step + 1 - self.run,
                 step,
                 self.limit
-            )
+            ))
+        })
+    }
+
+    /// For a run ending otherwise fine: diverged when its last loss was not finite, whatever
+    /// the limit (an f16 overflow skip keeps a finite loss and does not count here).
+    pub fn at_end(&self) -> Option<EndReason> {
+        let (step, loss) = self.last_loss?;
+        (!loss.is_finite()).then(|| {
+            EndReason::Diverged(format!(
+                "the loss at the last step ({step}) is {loss}: training broke down before \
+                 train.max_nonfinite_windows windows in a row (lower train.lr, or keep \
+                 train.clip on)"
+            ))
         })
     }
 }
@@ -135,7 +152,7 @@ mod tests {
             .observe_window(6, false)
             .expect("third in a row ends the run");
         assert!(
-            is_failure(&reason) && reason.contains("steps 4–6"),
+            reason.is_failure() && reason.to_string().contains("steps 4–6"),
             "{reason}"
         );
         let mut off = Divergence::new(0);

@@ -32,8 +32,8 @@ use crate::memory::{Ledger, NoProbe, Persistent, WindowProbe};
 use crate::model::{Gpt, Param};
 use crate::scenario::{Scenario, TimelineEntry};
 use crate::telemetry::{
-    BuildInfo, Control, ControlEvent, ControlMsg, EndEvent, EvalEvent, Event, Header, Level,
-    LogEvent, LossNorm, Origin, Phase, PhaseMs, StepEvent, ZeroGrad, FORMAT_VERSION,
+    BuildInfo, Control, ControlEvent, ControlMsg, EndEvent, EndReason, EvalEvent, Event, Header,
+    Level, LogEvent, LossNorm, Origin, Phase, PhaseMs, StepEvent, ZeroGrad, FORMAT_VERSION,
 };
 pub use crate::telemetry::{EventSink, Knobs};
 use adamw::{AdamW, Hyper};
@@ -316,18 +316,25 @@ pub fn relative_error(a: &[Tensor], reference: &[Tensor]) -> Result<f64> {
     inplace::relative_error(a, reference)
 }
 
-/// Work a caller adds after each optimizer step (saving a checkpoint); what it returns goes to
-/// the event log. The trainer does not know what it does, so the layers above it may add any.
-pub type AfterStep = Box<dyn FnMut(&Trainer) -> Option<Event> + Send>;
+/// Work a caller adds after each optimizer step (saving a checkpoint). The trainer does not
+/// know what it does, so the layers above it may add any.
+pub trait AfterStep: Send {
+    /// Called after every optimizer step; its events go to the event log. `Some` ends the run
+    /// with that reason.
+    fn after_step(&mut self, trainer: &Trainer, sink: &EventSink) -> Option<EndReason>;
 
-fn run_after_step(trainer: &mut Trainer, sink: &EventSink) {
-    let Some(mut hook) = trainer.after_step.take() else {
-        return;
-    };
-    if let Some(log) = hook(trainer) {
-        sink.send(log);
+    /// The run is ending with `reason`; the hook may turn it into a failure (a run that saved
+    /// nothing it tried to save).
+    fn at_end(&mut self, reason: EndReason) -> EndReason {
+        reason
     }
+}
+
+fn run_after_step(trainer: &mut Trainer, sink: &EventSink) -> Option<EndReason> {
+    let mut hook = trainer.after_step.take()?;
+    let end = hook.after_step(trainer, sink);
     trainer.after_step = Some(hook);
+    end
 }
 
 pub struct Trainer {
@@ -349,7 +356,7 @@ pub struct Trainer {
     pub memory: Ledger,
     /// Runs after every optimizer step; `--checkpoint-every` installs a saver
     /// (`checkpoint::Policy::after_step`).
-    pub after_step: Option<AfterStep>,
+    pub after_step: Option<Box<dyn AfterStep>>,
     /// Controls given with `--control STEP:KIND=VALUE`: a timeline reported with origin `cli`.
     pub cli_controls: Vec<TimelineEntry>,
     /// Run the composite ops (CUDA's code path) even where the fused CPU kernels apply; from
@@ -477,9 +484,9 @@ impl Trainer {
     }
 
     /// Why the run must end, once f16 gradients keep overflowing at the loss-scale floor.
-    pub fn overflow_exhausted(&self) -> Option<String> {
+    pub fn overflow_exhausted(&self) -> Option<EndReason> {
         (self.knobs.dtype.needs_loss_scaling() && self.scaler.exhausted())
-            .then(|| self.scaler.exhausted_reason())
+            .then(|| EndReason::LossScaleExhausted(self.scaler.exhausted_reason()))
     }
 
     /// Learning rate for the next step: schedule × LR rule for the current effective batch.
@@ -635,6 +642,7 @@ impl Trainer {
     /// Apply a knob change now (the caller makes sure "now" is a window boundary).
     pub fn apply_control(&mut self, c: &Control) -> anyhow::Result<()> {
         crate::scenario::validate_control(c).map_err(anyhow::Error::msg)?;
+        crate::scenario::check_needs(c, self.knobs.noise).map_err(anyhow::Error::msg)?;
         guard::check_knob_change(self, c).map_err(anyhow::Error::msg)?;
         match *c {
             Control::SetOffload { value } => self.opt.set_offload(value, &self.model.params)?,
@@ -645,21 +653,35 @@ impl Trainer {
         Ok(())
     }
 
-    /// The adaptive policy's K change after this window, if it asks for one.
-    pub fn policy_control(&mut self, step: &StepEvent) -> Option<ControlMsg> {
+    /// The adaptive policy's change after this window, if it asks for one: it chooses B·K, and
+    /// the split keeps the guard's micro-batch (or the largest divisor of the new B·K below it).
+    pub fn policy_control(&mut self, step: &StepEvent) -> Vec<ControlMsg> {
         let t = &self.scenario.train;
         let limits = adaptive::Limits {
             min: t.accum_min,
             max: t.accum_max,
             patience: t.accum_patience,
         };
-        let value = self
+        let reference = self.guard.reference_micro_batch(self.knobs.micro_batch);
+        let Some(k) = self
             .adaptive
-            .decide(self.knobs.accum_policy, limits, step)?;
-        Some(ControlMsg {
-            control: Control::SetAccumSteps { value },
-            origin: Origin::Policy,
-        })
+            .decide(self.knobs.accum_policy, limits, step, reference)
+        else {
+            return Vec::new();
+        };
+        let (b, k) = oom_guard::split(reference * k, self.knobs.micro_batch);
+        let mut controls = Vec::new();
+        if b != self.knobs.micro_batch {
+            controls.push(Control::SetMicroBatch { value: b });
+        }
+        controls.push(Control::SetAccumSteps { value: k });
+        controls
+            .into_iter()
+            .map(|control| ControlMsg {
+                control,
+                origin: Origin::Policy,
+            })
+            .collect()
     }
 
     /// Mean validation loss per counted token over a fixed set of validation samples
@@ -793,15 +815,15 @@ pub fn run_returning(
         apply_due(&mut trainer, &mut flow, &sink);
         let total = trainer.scenario.train.steps;
         if flow.stop {
-            break "stopped".to_string();
+            break EndReason::Stopped;
         }
         if total > 0 && trainer.step >= total {
-            break "completed".to_string();
+            break EndReason::Completed;
         }
         if flow.paused && !flow.single_step {
             match controls.blocking_recv() {
                 Some(msg) => flow.pending.push(msg),
-                None => break "stopped".to_string(),
+                None => break EndReason::Stopped,
             }
             continue;
         }
@@ -815,64 +837,82 @@ pub fn run_returning(
             })
         };
         send_all(&sink, trainer.guard.take_announcements());
-        match step {
-            Ok(step) => {
-                let n = step.step;
-                let positions =
-                    step.micro_batch * step.accum_steps * trainer.scenario.model.seq_len;
-                if let Some(line) = trainer.pool.observe(serial, step.step_ms, positions as u64) {
-                    sink.send(Event::Log(LogEvent {
-                        step: n,
-                        level: Level::Info,
-                        message: line,
-                    }));
-                }
-                let diverged = divergence.observe(&step);
-                flow.pending.extend(trainer.policy_control(&step));
-                if !sink.send(Event::Step(step)) {
-                    break "stopped".to_string();
-                }
-                let memory = trainer.memory.take_events();
-                let guard_log = oom_guard::after_step(&mut trainer, &memory);
-                send_all(
-                    &sink,
-                    memory.into_iter().map(Event::Memory).chain(guard_log),
-                );
-                run_after_step(&mut trainer, &sink);
-                if let Some(reason) = diverged {
-                    guard::send_error(&sink, trainer.step, &reason);
-                    break reason;
-                }
-                {
-                    let _pool = crate::ops::pool::serial(trainer.pool.serial());
-                    maybe_evaluate(&trainer, n, &sink);
-                }
-                if let Some(reason) = trainer.overflow_exhausted() {
-                    sink.send(Event::Log(LogEvent {
-                        step: n,
-                        level: Level::Error,
-                        message: reason.clone(),
-                    }));
-                    break reason;
-                }
-            }
-            Err(Interrupt::Stop) => break "stopped".to_string(),
-            Err(Interrupt::Failed(e)) => {
-                let message = format!("error: {e}");
-                sink.send(Event::Log(LogEvent {
-                    step: trainer.step,
-                    level: Level::Error,
-                    message: message.clone(),
-                }));
-                break message;
-            }
+        let step = match step {
+            Ok(step) => step,
+            Err(Interrupt::Stop) => break EndReason::Stopped,
+            Err(Interrupt::Failed(e)) => break EndReason::Error(e.to_string()),
+        };
+        if let Some(end) = after_window(
+            &mut trainer,
+            &mut flow,
+            &mut divergence,
+            serial,
+            step,
+            &sink,
+        ) {
+            break end;
         }
     };
+    let reason = finish(&mut trainer, reason, &divergence);
+    if reason.is_failure() {
+        guard::send_error(&sink, trainer.step, &reason.to_string());
+    }
     sink.send(Event::End(EndEvent {
         step: trainer.step,
         reason,
     }));
     trainer
+}
+
+/// Everything after a window's optimizer step: its events, the guard and the policy, the
+/// after-step hook, evaluation, and whether the run must end.
+fn after_window(
+    trainer: &mut Trainer,
+    flow: &mut Flow,
+    divergence: &mut guard::Divergence,
+    serial: bool,
+    step: StepEvent,
+    sink: &EventSink,
+) -> Option<EndReason> {
+    let n = step.step;
+    let positions = step.micro_batch * step.accum_steps * trainer.scenario.model.seq_len;
+    if let Some(line) = trainer.pool.observe(serial, step.step_ms, positions as u64) {
+        sink.send(Event::Log(LogEvent {
+            step: n,
+            level: Level::Info,
+            message: line,
+        }));
+    }
+    let diverged = divergence.observe(&step);
+    flow.pending.extend(trainer.policy_control(&step));
+    if !sink.send(Event::Step(step)) {
+        return Some(EndReason::Stopped);
+    }
+    let memory = trainer.memory.take_events();
+    let guard_log = oom_guard::after_step(trainer, &memory);
+    send_all(sink, memory.into_iter().map(Event::Memory).chain(guard_log));
+    let hook_end = run_after_step(trainer, sink);
+    if let Some(end) = diverged.or(hook_end) {
+        return Some(end);
+    }
+    {
+        let _pool = crate::ops::pool::serial(trainer.pool.serial());
+        maybe_evaluate(trainer, n, sink);
+    }
+    trainer.overflow_exhausted()
+}
+
+/// The reason the run ends with, once the after-step hook had its say and a run that ends on a
+/// non-finite loss is called diverged however short it was.
+fn finish(trainer: &mut Trainer, reason: EndReason, divergence: &guard::Divergence) -> EndReason {
+    let reason = match reason {
+        EndReason::Completed | EndReason::Stopped => divergence.at_end().unwrap_or(reason),
+        other => other,
+    };
+    match trainer.after_step.as_mut() {
+        Some(hook) => hook.at_end(reason),
+        None => reason,
+    }
 }
 
 /// Flow state and knob changes waiting for the boundary.
@@ -948,7 +988,14 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
             }
             Control::Stop => flow.stop = true,
             _ => {
-                if let Err(e) = trainer.apply_control(&msg.control) {
+                let b_before = trainer.knobs.micro_batch;
+                let applied = trainer.apply_control(&msg.control);
+                if applied.is_ok() {
+                    trainer
+                        .guard
+                        .note_applied(msg.origin, &msg.control, b_before);
+                }
+                if let Err(e) = applied {
                     let message = format!("control {} rejected: {e}", msg.control.describe());
                     sink.send(Event::Log(LogEvent {
                         step,

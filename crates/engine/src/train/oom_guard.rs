@@ -32,6 +32,9 @@ pub struct Guard {
     queued: Vec<Control>,
     /// Events describing what the guard did inside the last window (applied retries).
     announcements: Vec<Event>,
+    /// The micro-batch in force before the guard first split it, while its split stands: the
+    /// adaptive policy counts K against it (`adaptive::AdaptiveK::decide`).
+    pub split_from: Option<usize>,
     /// Test hook: make a chosen micro-batch fail as an out-of-memory error would.
     #[cfg(test)]
     pub fault: Option<Fault>,
@@ -56,6 +59,29 @@ impl Guard {
         }
     }
 
+    /// Follow a control applied at the boundary (`b_before`: the micro-batch before it): the
+    /// guard's own split keeps the micro-batch it started from; a split or K chosen by anyone
+    /// but the guard or the policy ends the guard's split.
+    pub fn note_applied(&mut self, origin: Origin, control: &Control, b_before: usize) {
+        let split_change = matches!(
+            control,
+            Control::SetMicroBatch { .. } | Control::SetAccumSteps { .. }
+        );
+        match origin {
+            Origin::Guard if split_change => {
+                self.split_from.get_or_insert(b_before);
+            }
+            Origin::Guard | Origin::Policy => {}
+            _ if split_change => self.split_from = None,
+            _ => {}
+        }
+    }
+
+    /// The micro-batch the adaptive policy counts K against.
+    pub fn reference_micro_batch(&self, current: usize) -> usize {
+        self.split_from.unwrap_or(current)
+    }
+
     /// Controls for the next boundary, taken once.
     pub fn take_queued(&mut self) -> Vec<Control> {
         std::mem::take(&mut self.queued)
@@ -74,6 +100,16 @@ pub fn smaller_micro_batch(micro_batch: usize, effective: usize) -> usize {
         .rev()
         .find(|b| effective.is_multiple_of(*b))
         .unwrap_or(1)
+}
+
+/// The split of `effective` the guard's micro-batch `micro_batch` allows: the largest divisor
+/// of `effective` that is at most `micro_batch`, and K to match.
+pub fn split(effective: usize, micro_batch: usize) -> (usize, usize) {
+    let b = (1..=micro_batch.clamp(1, effective.max(1)))
+        .rev()
+        .find(|b| effective.is_multiple_of(*b))
+        .unwrap_or(1);
+    (b, effective / b)
 }
 
 fn split_controls(micro_batch: usize, effective: usize) -> [Control; 2] {
@@ -220,6 +256,7 @@ pub(super) fn after_failure(
         return AfterFailure::Retry;
     }
     let smaller = smaller_micro_batch(b, effective);
+    trainer.guard.split_from.get_or_insert(b);
     for control in split_controls(smaller, effective) {
         trainer.knobs.apply(&control);
         trainer
