@@ -7,7 +7,9 @@
 
 use std::fmt;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Mutex;
 
 use anyhow::Context;
 use serde::Serialize;
@@ -56,7 +58,7 @@ pub fn parse_grid(spec: &str, base: &Scenario) -> Result<Vec<Config>, GridError>
     let mut offset = 0;
     for (i, entry) in spec.split(';').enumerate() {
         let mut scenario = base.clone();
-        let mut sets = Vec::new();
+        let mut sets: Vec<String> = Vec::new();
         let mut item_offset = offset;
         for raw in entry.split(',') {
             let column = item_offset + raw.len() - raw.trim_start().len() + 1;
@@ -71,6 +73,13 @@ pub fn parse_grid(spec: &str, base: &Scenario) -> Result<Vec<Config>, GridError>
                 message,
             };
             let assignment = assignment(item).map_err(fail)?;
+            let key_of = |a: &str| a.split('=').next().unwrap_or_default().trim().to_string();
+            let key = key_of(&assignment);
+            if let Some(earlier) = sets.iter().find(|s| key_of(s.as_str()) == key) {
+                return Err(fail(format!(
+                    "`{item}` sets {key} again (after `{earlier}`); one value per entry"
+                )));
+            }
             scenario.set(&assignment).map_err(|e| fail(e.to_string()))?;
             sets.push(assignment);
         }
@@ -266,14 +275,14 @@ impl Runner {
             .join(format!("{:02}-{}.jsonl", index + 1, slug.trim_matches('-')))
     }
 
-    /// Run configuration `index` to its end and read its row from the recording.
+    /// Run configuration `index` to its end and read its row from the recording. A signal
+    /// `compare` caught meanwhile (forwarded to the run by `forward_signals`) is the error.
     pub fn run(&self, index: usize, config: &Config) -> anyhow::Result<Row> {
         let args = self.arguments(index, config);
-        let out = std::process::Command::new(&self.exe)
-            .args(&args)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .with_context(|| format!("starting {}", self.exe.display()))?;
+        let out = run_child(&self.exe, &args)?;
+        if let Some(signal) = crate::signals::caught() {
+            return Err(signal.into());
+        }
         if !out.status.success() {
             let stderr = String::from_utf8_lossy(&out.stderr);
             anyhow::bail!(
@@ -288,6 +297,91 @@ impl Runner {
         let recording = read_recording(&self.recording(index, config))?;
         Row::from_recording(&config.label, args, &recording)
     }
+}
+
+/// The configuration's process now running (pid 0: none), and a signal that arrived while
+/// none was, to forward as soon as one is.
+static CHILD: Mutex<Child> = Mutex::new(Child {
+    pid: 0,
+    pending: None,
+});
+
+struct Child {
+    pid: i32,
+    pending: Option<i32>,
+}
+
+/// The child now running is `pid` (0: none); it is sent the signal that came meanwhile.
+fn set_child(pid: i32) {
+    let mut child = CHILD.lock().unwrap_or_else(|e| e.into_inner());
+    child.pid = pid;
+    if pid > 0 {
+        if let Some(signo) = child.pending.take() {
+            send(pid, signo);
+        }
+    }
+}
+
+/// From now on, pass SIGINT, SIGTERM and SIGHUP to the configuration's run as they arrive: it
+/// stops at its next micro-batch and records its end (a second signal ends it at once), and
+/// `Runner::run` returns the signal once it has exited.
+pub fn forward_signals() -> anyhow::Result<()> {
+    let mut stoppers = crate::signals::Stoppers::register()?;
+    std::thread::Builder::new()
+        .name("gaccwb-forward".into())
+        .spawn(move || loop {
+            let signo = stoppers.wait();
+            let mut child = CHILD.lock().unwrap_or_else(|e| e.into_inner());
+            match child.pid {
+                0 => child.pending = Some(signo),
+                pid => send(pid, signo),
+            }
+        })?;
+    Ok(())
+}
+
+fn send(pid: i32, signo: i32) {
+    if pid > 0 {
+        // SAFETY: kill only sends a signal, to the child this process started and still waits
+        // for (its pid cannot be reused before the wait).
+        unsafe { libc::kill(pid, signo) };
+    }
+}
+
+/// Run `exe` to its end. It gets a process group of its own, so a terminal's ctrl-c reaches
+/// `compare` alone and is forwarded once, and it is sent SIGTERM if `compare` dies first (even
+/// by SIGKILL): no run outlives `compare`.
+fn run_child(exe: &Path, args: &[String]) -> anyhow::Result<std::process::Output> {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id();
+    let mut command = std::process::Command::new(exe);
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    // SAFETY: the closure runs in the forked child before exec and calls only prctl and
+    // getppid, which are async-signal-safe; it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have died before the prctl: then nothing would ever signal us.
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::other("gaccwb compare exited"));
+            }
+            Ok(())
+        });
+    }
+    let child = command
+        .spawn()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    set_child(child.id() as i32);
+    let out = child.wait_with_output();
+    set_child(0);
+    Ok(out?)
 }
 
 fn largest_category(c: &Categories) -> String {
@@ -423,5 +517,16 @@ mod tests {
             .unwrap();
         assert_eq!(e.entry, 2);
         assert!(e.to_string().contains("accum_steps"), "{e}");
+    }
+
+    /// `B=2,B=4` ran B=4 under that label.
+    #[test]
+    fn an_entry_setting_a_key_twice_is_refused() {
+        let e = parse_grid("B=8; B=2, train.micro_batch = 4", &Scenario::default())
+            .err()
+            .unwrap();
+        assert_eq!((e.entry, e.column), (2, 11), "{e}");
+        assert!(e.message.contains("sets train.micro_batch again"), "{e}");
+        assert!(parse_grid("B=2,K=2", &Scenario::default()).is_ok());
     }
 }

@@ -126,7 +126,7 @@ pub fn run_session(
                     _ => "warning",
                 };
                 let line = format!("gaccwb: {level} at step {}: {}", l.step, strip(&l.message));
-                bar.suspend(|| eprintln!("{line}"));
+                bar.suspend(|| crate::out::note(&line));
             }
             Event::Log(l) => bar.println(format!("{:?}: {}", l.level, strip(&l.message))),
             _ => {}

@@ -14,6 +14,7 @@ pub mod bench;
 pub mod compare;
 pub mod export;
 pub mod headless;
+pub mod out;
 pub mod session;
 pub mod signals;
 pub mod tui;

@@ -1,15 +1,27 @@
 //! SIGINT, SIGTERM and SIGHUP stop a run cleanly: the trainer ends at its next micro-batch, the
 //! recording gets its `end`, the summary is printed and the process exits with the shell's
 //! convention, 128 + the signal number (130, 143, 129).
+//!
+//! The handlers only record the signal in atomics (async-signal-safe); the watchers poll them
+//! every few milliseconds. Nothing here needs a file descriptor, so a process that has used up
+//! its descriptors (`ulimit -n`) still stops cleanly, and setting up can only fail with an
+//! error, never a panic.
 
-use std::sync::atomic::{AtomicI32, Ordering};
-
-use tokio::signal::unix::{signal, Signal, SignalKind};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
+use std::time::Duration;
 
 use crate::telemetry::EndReason;
 
 /// The first stopping signal this process caught (0: none).
 static CAUGHT: AtomicI32 = AtomicI32::new(0);
+/// The latest one, and how many arrived.
+static LATEST: AtomicI32 = AtomicI32::new(0);
+static COUNT: AtomicU32 = AtomicU32::new(0);
+/// A run's own handling (`watch`, the screen's `Stoppers`) has taken over from `until_started`.
+static STARTED: AtomicBool = AtomicBool::new(false);
+
+/// How often the watchers look at the atomics.
+const POLL: Duration = Duration::from_millis(20);
 
 /// The run was stopped by a signal; `main` exits with `128 + signo`.
 #[derive(Debug)]
@@ -25,7 +37,7 @@ impl std::error::Error for Signalled {}
 
 impl Signalled {
     pub fn exit_code(&self) -> u8 {
-        (128 + self.0).clamp(0, 255) as u8
+        EndReason::Signalled(self.0).exit_code()
     }
 }
 
@@ -56,55 +68,119 @@ pub fn mark_end(event: &mut crate::telemetry::Event) -> Option<Signalled> {
     Some(signal)
 }
 
-/// The three stopping signals, registered (the default action, dying, is off from here on).
+extern "C" fn on_signal(signo: libc::c_int) {
+    // Only lock-free atomics: async-signal-safe.
+    let _ = CAUGHT.compare_exchange(0, signo, Ordering::SeqCst, Ordering::SeqCst);
+    LATEST.store(signo, Ordering::SeqCst);
+    COUNT.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Catch the three stopping signals from here on (their default action, dying, is off).
+pub fn install() -> std::io::Result<()> {
+    for signo in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: `action` is fully initialised (zeroed, then the handler and flags set) before
+        // sigaction reads it, and the handler only touches lock-free atomics.
+        let installed = unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(signo, &action, std::ptr::null_mut())
+        };
+        if installed != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The signals after the first `seen`, one at a time.
 pub struct Stoppers {
-    int: Signal,
-    term: Signal,
-    hup: Signal,
+    seen: u32,
 }
 
 impl Stoppers {
-    /// Must be called inside a Tokio runtime context.
+    /// Install the handlers; signals already caught count as delivered. From here on a signal
+    /// is this run's to handle (`until_started` lets go).
     pub fn register() -> std::io::Result<Stoppers> {
-        Ok(Stoppers {
-            int: signal(SignalKind::interrupt())?,
-            term: signal(SignalKind::terminate())?,
-            hup: signal(SignalKind::hangup())?,
-        })
+        install()?;
+        STARTED.store(true, Ordering::SeqCst);
+        Ok(Stoppers { seen: 0 })
     }
 
-    /// Resolves with the next signal (and remembers the first one for `caught`).
+    /// The next signal, or `None` if none has arrived since the last call.
+    pub fn poll(&mut self) -> Option<i32> {
+        if COUNT.load(Ordering::SeqCst) <= self.seen {
+            return None;
+        }
+        self.seen += 1;
+        Some(LATEST.load(Ordering::SeqCst))
+    }
+
+    /// Resolves with the next signal (in a Tokio runtime with its timer).
     pub async fn next(&mut self) -> i32 {
-        let signo = tokio::select! {
-            _ = self.int.recv() => libc::SIGINT,
-            _ = self.term.recv() => libc::SIGTERM,
-            _ = self.hup.recv() => libc::SIGHUP,
-        };
-        let _ = CAUGHT.compare_exchange(0, signo, Ordering::SeqCst, Ordering::SeqCst);
-        signo
+        loop {
+            if let Some(signo) = self.poll() {
+                return signo;
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Blocks the thread until the next signal.
+    pub fn wait(&mut self) -> i32 {
+        loop {
+            if let Some(signo) = self.poll() {
+                return signo;
+            }
+            std::thread::sleep(POLL);
+        }
     }
 }
 
+/// Before a run starts (building the model, training a tokenizer) there is nothing to stop
+/// cleanly: a signal ends the process at once, with a line saying so and 128 + its number.
+/// Once `Stoppers::register` is called the run handles signals itself.
+pub fn until_started() -> std::io::Result<()> {
+    install()?;
+    let mut early = Stoppers { seen: 0 };
+    std::thread::Builder::new()
+        .name("gaccwb-signals-early".into())
+        .spawn(move || loop {
+            if STARTED.load(Ordering::SeqCst) {
+                return;
+            }
+            if let Some(signo) = early.poll() {
+                if STARTED.load(Ordering::SeqCst) {
+                    return;
+                }
+                crate::out::note(&format!(
+                    "gaccwb: stopped by {} before the run started",
+                    name(signo)
+                ));
+                std::process::exit(i32::from(Signalled(signo).exit_code()));
+            }
+            std::thread::sleep(POLL);
+        })?;
+    Ok(())
+}
+
 /// Without a screen: on the first signal call `stop` (ask the trainer to end); on a second one,
-/// the user insists, exit at once. The signals are registered before this returns.
+/// the user insists, exit at once. The handlers are installed before this returns.
 pub fn watch(stop: impl FnOnce() + Send + 'static) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let mut stoppers = {
-        let _context = runtime.enter();
-        Stoppers::register()?
-    };
+    let mut stoppers = Stoppers::register()?;
     std::thread::Builder::new()
         .name("gaccwb-signals".into())
         .spawn(move || {
-            runtime.block_on(async {
-                let first = stoppers.next().await;
-                eprintln!("gaccwb: {}: stopping at the next micro-batch", name(first));
-                stop();
-                let again = stoppers.next().await;
-                std::process::exit(i32::from(Signalled(again).exit_code()));
-            })
+            let first = stoppers.wait();
+            // Stop first: stderr may be a closed pipe, and nothing must keep the run going.
+            stop();
+            crate::out::note(&format!(
+                "gaccwb: {}: stopping at the next micro-batch",
+                name(first)
+            ));
+            let again = stoppers.wait();
+            std::process::exit(i32::from(Signalled(again).exit_code()));
         })?;
     Ok(())
 }

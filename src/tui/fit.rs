@@ -39,7 +39,13 @@ pub fn fit_controls(app: &App) -> Result<Vec<Control>, String> {
         )
     })?;
     if row.micro_batch == k.micro_batch {
-        return Ok(Vec::new());
+        return Err(format!(
+            "fit: B={} is already the largest micro-batch of effective batch {effective} that \
+             fits {} by the estimate (predicted {})",
+            row.micro_batch,
+            human_bytes(budget),
+            human_bytes(row.peak)
+        ));
     }
     Ok(vec![
         Control::SetMicroBatch {
@@ -113,5 +119,19 @@ mod tests {
         );
         assert_eq!(app.target_knobs().effective_batch(), 16);
         assert!(budget_line(&app).unwrap().starts_with("budget "));
+        // Pressed again once B=4 is in force: nothing to change, and it says so.
+        app.update(&Event::Control(crate::telemetry::ControlEvent {
+            step: 0,
+            origin: crate::telemetry::Origin::Key,
+            control: Control::SetMicroBatch { value: 4 },
+        }));
+        app.update(&Event::Control(crate::telemetry::ControlEvent {
+            step: 0,
+            origin: crate::telemetry::Origin::Key,
+            control: Control::SetAccumSteps { value: 4 },
+        }));
+        assert!(app.apply(Action::FitNow).is_empty());
+        let said = &app.run.log.back().unwrap().text;
+        assert!(said.contains("B=4 is already the largest"), "{said}");
     }
 }

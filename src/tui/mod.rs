@@ -57,7 +57,7 @@ pub fn run_live(trainer: Trainer, opts: LiveOptions) -> anyhow::Result<()> {
     let mut feed = Feed::Live(live);
     on_screen(&mut app, &opts.keys, &mut feed)?;
     if let Some(path) = &opts.record {
-        eprintln!("recording saved to {}", path.display());
+        crate::out::note(&format!("recording saved to {}", path.display()));
     }
     Ok(())
 }
@@ -67,7 +67,7 @@ pub fn run_replay(path: &Path, speed: f64, keys: &KeyMap) -> anyhow::Result<()> 
     require_terminal()?;
     let recording = crate::record::read_recording(path)?;
     for w in &recording.warnings {
-        eprintln!("warning: {w}");
+        crate::out::note(&format!("warning: {}", crate::headless::strip(w)));
     }
     let mut app = App::default();
     app.view.color = terminal::color_enabled();

@@ -28,7 +28,10 @@ impl MemoryBudget {
                  \"512 MiB\", \"8 GB\"), a share of the device (\"80%\") or \"off\""
             )
         };
-        if t.is_empty() || t.eq_ignore_ascii_case("off") || t.eq_ignore_ascii_case("none") {
+        if t.is_empty() {
+            return Err(bad("empty"));
+        }
+        if t.eq_ignore_ascii_case("off") || t.eq_ignore_ascii_case("none") {
             return Ok(MemoryBudget::Off);
         }
         if let Some(number) = t.strip_suffix('%') {
@@ -151,7 +154,7 @@ mod tests {
         assert_eq!(MemoryBudget::parse("123"), Ok(MemoryBudget::Bytes(123)));
         assert_eq!(MemoryBudget::parse("80%"), Ok(MemoryBudget::Percent(80.0)));
         assert_eq!(MemoryBudget::parse("off"), Ok(MemoryBudget::Off));
-        for bad in ["6 GiBs", "x GiB", "0%", "120%", "0"] {
+        for bad in ["6 GiBs", "x GiB", "0%", "120%", "0", "", "  "] {
             assert!(MemoryBudget::parse(bad).is_err(), "{bad}");
         }
         assert_eq!(

@@ -311,11 +311,11 @@ impl Scenario {
                 message: "expected section.key=value, e.g. train.accum_steps=4".into(),
             })?;
         let key = key.trim();
-        let value = parse_value(raw.trim());
         let set_err = |message: String| ScenarioError::Set {
             key: key.to_string(),
             message,
         };
+        let value = parse_value(raw.trim()).map_err(set_err)?;
 
         let mut root = toml::Value::try_from(&*self).map_err(|e| set_err(e.to_string()))?;
         let (section, field) = key.split_once('.').ok_or_else(|| {
@@ -698,27 +698,58 @@ pub fn parse_control_arg(arg: &str) -> Result<TimelineEntry, String> {
         .map_err(|_| format!("--control {arg}: `{step}` is not a step number; {usage}"))?;
     let mut table = toml::Table::new();
     let (kind, value) = match rest.split_once('=') {
-        Some((k, v)) => (k.trim(), Some(parse_value(v.trim()))),
+        Some((k, v)) => (
+            k.trim(),
+            Some(parse_value(v.trim()).map_err(|e| format!("--control {arg}: {e}"))?),
+        ),
         None => (rest.trim(), None),
     };
     table.insert("kind".into(), toml::Value::String(kind.to_string()));
+    let given = value.is_some();
     if let Some(v) = value {
         table.insert("value".into(), v);
     }
     let control: Control = toml::Value::Table(table)
         .try_into()
         .map_err(|e: toml::de::Error| format!("--control {arg}: {}", e.message().trim()))?;
+    // Serde ignores a value the kind does not take (`stop=1`): refuse it instead.
+    let takes_value = toml::Value::try_from(&control)
+        .ok()
+        .and_then(|t| t.get("value").cloned())
+        .is_some();
+    if given && !takes_value {
+        return Err(format!(
+            "--control {arg}: `{kind}` takes no value; write {step}:{kind}"
+        ));
+    }
     validate_control(&control).map_err(|m| format!("--control {arg}: {m}"))?;
     Ok(TimelineEntry { step, control })
 }
 
-fn parse_value(raw: &str) -> toml::Value {
+/// A `--set` or `--control` value as TOML reads it; text TOML does not read is a string, unless
+/// it is a number TOML cannot hold (`1e309`), which is refused as such.
+fn parse_value(raw: &str) -> Result<toml::Value, String> {
     let wrapped = format!("v = {raw}");
     match toml::from_str::<toml::Table>(&wrapped) {
-        Ok(mut t) => t
+        Ok(mut t) => Ok(t
             .remove("v")
-            .unwrap_or_else(|| toml::Value::String(raw.into())),
-        Err(_) => toml::Value::String(raw.trim_matches('"').to_string()),
+            .unwrap_or_else(|| toml::Value::String(raw.into()))),
+        Err(_) => match raw.parse::<f64>() {
+            Ok(x) if x.is_infinite() => Err(format!(
+                "bad value `{raw}`: beyond the largest number (about 1.8e308)"
+            )),
+            Ok(_)
+                if raw
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || b == b'-' || b == b'+') =>
+            {
+                Err(format!(
+                    "bad value `{raw}`: beyond the largest integer ({})",
+                    crate::limits::MAX_INTEGER
+                ))
+            }
+            _ => Ok(toml::Value::String(raw.trim_matches('"').to_string())),
+        },
     }
 }
 
@@ -811,6 +842,24 @@ mod tests {
         assert!(parse_control_arg("3:set_acum_steps=2")
             .unwrap_err()
             .contains("set_acum_steps"));
+        assert_eq!(parse_control_arg("5:stop").unwrap().control, Control::Stop);
+        let err = parse_control_arg("5:stop=1").unwrap_err();
+        assert!(err.contains("`stop` takes no value"), "{err}");
+        let err = parse_control_arg("5:set_lr=1e309").unwrap_err();
+        assert!(err.contains("beyond the largest number"), "{err}");
+    }
+
+    #[test]
+    fn numbers_toml_cannot_hold_are_named_as_such() {
+        let mut s = Scenario::default();
+        let err = s.set("train.lr=1e309").unwrap_err().to_string();
+        assert!(err.contains("`1e309`: beyond the largest number"), "{err}");
+        let err = s
+            .set("train.steps=99999999999999999999")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("beyond the largest integer"), "{err}");
+        s.set("train.lr=1e-3").unwrap();
     }
 
     #[test]

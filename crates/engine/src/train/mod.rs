@@ -434,10 +434,14 @@ impl Trainer {
         &self.model.params
     }
 
+    /// The recording's first line. Its scenario carries the knobs in force, which for a run
+    /// resumed from a checkpoint are the checkpoint's, not its scenario's first values.
     pub fn header(&self) -> Header {
+        let mut config = self.scenario.clone();
+        self.knobs.write_into(&mut config.train);
         Header {
             version: FORMAT_VERSION,
-            config: self.scenario.clone(),
+            config,
             device: device_name(&self.device),
             build: BuildInfo::current(crate::ops::pool::cpu_threads()),
             params: self.model.param_count(),

@@ -35,6 +35,8 @@ pub struct Guard {
     /// The micro-batch in force before the guard first split it, while its split stands: the
     /// adaptive policy counts K against it (`adaptive::AdaptiveK::decide`).
     pub split_from: Option<usize>,
+    /// Whether "already at micro-batch 1" was logged since the guard last had B to trade.
+    said_nothing_left: bool,
     /// Test hook: make a chosen micro-batch fail as an out-of-memory error would.
     #[cfg(test)]
     pub fault: Option<Fault>,
@@ -176,21 +178,23 @@ pub fn after_step(trainer: &mut Trainer, memory: &[MemoryEvent]) -> Option<Event
         return None;
     }
     let (b, effective) = (trainer.knobs.micro_batch, trainer.knobs.effective_batch());
+    let (peak, limit) = distinct_sizes(worst.peak, budget);
     let measured = format!(
-        "measured {:?} peak {} ({:?}) at step {} exceeds the budget {}",
-        worst.phase,
-        human_bytes(worst.peak),
-        worst.source,
-        worst.step,
-        human_bytes(budget)
+        "measured {:?} peak {peak} ({:?}) at step {} exceeds the budget {limit}",
+        worst.phase, worst.source, worst.step,
     );
     if b == 1 {
+        // Said once: every later step at B=1 would say the same.
+        if std::mem::replace(&mut trainer.guard.said_nothing_left, true) {
+            return None;
+        }
         return Some(log(
             trainer.step,
             Level::Warn,
             format!("guard: {measured}; already at micro-batch 1, nothing left to trade for K"),
         ));
     }
+    trainer.guard.said_nothing_left = false;
     let smaller = smaller_micro_batch(b, effective);
     trainer
         .guard
@@ -205,6 +209,16 @@ pub fn after_step(trainer: &mut Trainer, memory: &[MemoryEvent]) -> Option<Event
             effective / smaller
         ),
     ))
+}
+
+/// Two sizes as the log shows them, in bytes when the rounded figures would look equal
+/// ("1.86 MiB exceeds 1.86 MiB").
+fn distinct_sizes(a: u64, b: u64) -> (String, String) {
+    let (ha, hb) = (human_bytes(a), human_bytes(b));
+    if ha == hb && a != b {
+        return (format!("{ha} ({a} B)"), format!("{hb} ({b} B)"));
+    }
+    (ha, hb)
 }
 
 /// Out-of-memory errors as Candle reports them (cudarc's `CUDA_ERROR_OUT_OF_MEMORY`, "out of
@@ -384,6 +398,35 @@ mod tests {
         assert_eq!(smaller_micro_batch(3, 9), 1);
         assert_eq!(smaller_micro_batch(5, 10), 2);
         assert_eq!(smaller_micro_batch(1, 7), 1);
+    }
+
+    /// At B=1 there is nothing to trade: said once, not every step, with figures that differ.
+    #[test]
+    fn the_guard_at_micro_batch_one_says_so_once() {
+        let mut t = trainer(scenario(1, 2));
+        t.guard.budget = Some(1_950_000);
+        let over = |step| MemoryEvent {
+            step,
+            phase: Phase::Backward,
+            source: crate::telemetry::MemorySource::Allocator,
+            categories: Default::default(),
+            total: 0,
+            peak: 1_950_001,
+            unified: true,
+        };
+        let Some(Event::Log(first)) = after_step(&mut t, &[over(1)]) else {
+            panic!("no log at the first step over the budget");
+        };
+        assert!(
+            first
+                .message
+                .contains("1.86 MiB (1950001 B) exceeds the budget 1.86 MiB (1950000 B)"),
+            "{}",
+            first.message
+        );
+        for step in 2..5 {
+            assert!(after_step(&mut t, &[over(step)]).is_none());
+        }
     }
 
     #[test]
