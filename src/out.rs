@@ -7,7 +7,13 @@ use std::io::Write;
 /// Standard output could not be written.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot write to standard output: {0}")]
-pub struct OutputError(#[from] pub std::io::Error);
+pub struct OutputError(pub std::io::Error);
+
+impl From<std::io::Error> for OutputError {
+    fn from(e: std::io::Error) -> OutputError {
+        OutputError(e)
+    }
+}
 
 impl OutputError {
     /// The reader went away: nothing to report, as `head` users expect.

@@ -3,7 +3,8 @@
 //! cannot honour are refused. Each case is a regression test (docs/ROBUSTNESS.md lists them).
 
 use std::path::Path;
-use std::time::Duration;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 use assert_cmd::Command;
 use gaccwb::record::{parse_recording, read_recording};
@@ -245,4 +246,490 @@ fn exports_carry_no_control_characters_from_the_recording() {
         );
         assert!(first.contains("evilname"), "{format}");
     }
+}
+
+/// `gaccwb ARGS` started in `dir` with the tiny model's `--set`s appended when `tiny`.
+fn spawn(args: &[&str], dir: &Path, tiny: bool) -> std::process::Command {
+    let mut command = std::process::Command::new(assert_cmd::cargo::cargo_bin("gaccwb"));
+    command.current_dir(dir).args(args);
+    if tiny {
+        command.args(TINY.args());
+    }
+    command
+}
+
+/// Wait for `child` at most `secs` seconds; its exit code (-1 for a signal).
+fn wait_at_most(child: &mut std::process::Child, secs: u64) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status.code().unwrap_or(-1);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("gaccwb did not end within {secs} s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Block until `path` holds a recorded step (the run is training).
+fn wait_for_a_step(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .contains("\"type\":\"step\"")
+    {
+        assert!(Instant::now() < deadline, "no step in {}", path.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn signal(pid: u32, signo: i32) {
+    // SAFETY: kill only sends a signal to a process this test started.
+    unsafe { libc::kill(pid as i32, signo) };
+}
+
+// C1: a closed stdout ends the program quietly with 1; a full disk with one line and 1.
+#[test]
+fn output_that_cannot_be_written_ends_with_1_not_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = ["run", "--headless", "--device", "cpu", "--steps", "2"];
+    let asset = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/accumulate-to-fit.jsonl");
+    let asset = asset.to_str().unwrap();
+    let replay = ["replay", "--headless", asset];
+    for (args, tiny) in [
+        (&run[..], true),
+        (&replay[..], false),
+        (&["estimate"][..], false),
+    ] {
+        let mut child = spawn(args, dir.path(), tiny)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take()); // the reader went away: `| true`
+        let out = child.wait_with_output().unwrap();
+        let (code, _, stderr) = common::outcome(args, out);
+        assert_eq!(code, 1, "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("standard output"),
+            "{args:?}: quiet: {stderr}"
+        );
+
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let out = spawn(args, dir.path(), tiny).stdout(full).output().unwrap();
+        let (code, _, stderr) = common::outcome(args, out);
+        assert_eq!(code, 1, "{args:?}: {stderr}");
+        let last = stderr.lines().last().unwrap_or_default();
+        assert_eq!(
+            last, "gaccwb: cannot write to standard output: No space left on device (os error 28)",
+            "{args:?}"
+        );
+    }
+}
+
+// C2: with few file descriptors left the signal set-up cannot panic.
+#[test]
+fn few_file_descriptors_are_no_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["run", "--headless", "--device", "cpu", "--steps", "1"];
+    for limit in [6u64, 7, 8] {
+        let mut command = spawn(&args, dir.path(), true);
+        // SAFETY: the closure runs in the forked child before exec and calls only setrlimit.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            command.pre_exec(move || {
+                let lim = libc::rlimit {
+                    rlim_cur: limit,
+                    rlim_max: limit,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let (code, _, stderr) = common::outcome(&args, command.output().unwrap());
+        assert!(code == 0 || code == 1, "ulimit -n {limit}: {code} {stderr}");
+    }
+}
+
+// H4: a headless run whose stdout and stderr are closed pipes still ends on SIGTERM.
+#[test]
+fn sigterm_ends_a_run_whose_output_is_a_closed_pipe() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "run",
+        "--headless",
+        "--device",
+        "cpu",
+        "--steps",
+        "0",
+        "--record",
+        "r.jsonl",
+    ];
+    let mut child = spawn(&args, dir.path(), true)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    wait_for_a_step(&dir.path().join("r.jsonl"));
+    signal(child.id(), libc::SIGTERM);
+    assert_eq!(wait_at_most(&mut child, 60), 143);
+    assert_eq!(
+        end_reason(&dir.path().join("r.jsonl")),
+        EndReason::Signalled(libc::SIGTERM)
+    );
+}
+
+/// The tiny model as a preset file, for `compare` (which takes a preset, not `--set`s).
+fn tiny_preset(dir: &Path) -> &'static str {
+    let m = TINY;
+    let text = format!(
+        "name = \"tiny\"\n[model]\nvocab = {}\nd_model = {}\nlayers = {}\nheads = {}\nseq_len = {}\n\
+         [train]\neval_every = 0\n",
+        m.vocab, m.d_model, m.layers, m.heads, m.seq_len
+    );
+    std::fs::write(dir.join("tiny.toml"), text).unwrap();
+    "tiny.toml"
+}
+
+/// The pids of `pid`'s children.
+fn children(pid: u32) -> Vec<u32> {
+    let path = format!("/proc/{pid}/task/{pid}/children");
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+// H3: compare forwards the signal to its run, waits, removes its temporary directory, prints
+// the rows finished and exits 128 + n; no run outlives it.
+#[test]
+fn a_signal_stops_compare_and_its_run_and_cleans_up() {
+    for (signo, code) in [
+        (libc::SIGTERM, 143),
+        (libc::SIGINT, 130),
+        (libc::SIGHUP, 129),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let tmp = dir.path().join("tmp");
+        std::fs::create_dir(&tmp).unwrap();
+        let preset = tiny_preset(dir.path());
+        // The first configuration stops after 2 steps (its own train.steps); the second runs on.
+        let grid = "B=2,train.steps=2; B=4";
+        let args = [
+            "compare", preset, "--device", "cpu", "--grid", grid, "--steps", "1000000",
+        ];
+        let mut child = spawn(&args, dir.path(), false)
+            .env("TMPDIR", &tmp)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let run = loop {
+            let recordings: Vec<_> = walk(&tmp)
+                .into_iter()
+                .filter(|p| p.ends_with("02-B4.jsonl"))
+                .collect();
+            if let Some(r) = recordings.first() {
+                wait_for_a_step(r);
+                break children(child.id())[0];
+            }
+            assert!(Instant::now() < deadline, "the second run never started");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        signal(child.id(), signo);
+        assert_eq!(wait_at_most(&mut child, 60), code);
+        let out = child.wait_with_output().unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            stdout
+                .lines()
+                .nth(1)
+                .unwrap_or_default()
+                .starts_with("B=2,train.steps=2"),
+            "{stdout}"
+        );
+        assert!(
+            stderr.contains("compare stopped after 1 of 2 configurations"),
+            "{stderr}"
+        );
+        assert!(
+            !Path::new(&format!("/proc/{run}")).exists(),
+            "the run outlived compare"
+        );
+        assert!(walk(&tmp).is_empty(), "left behind: {:?}", walk(&tmp));
+    }
+}
+
+/// Every file and directory under `dir`.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        }
+        out.push(path);
+    }
+    out
+}
+
+// Loose validation: a signal while the tokenizer trains ends the run with a message.
+#[test]
+fn a_signal_before_the_run_starts_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    // A text of its own, so the tokenizer is trained (not found in a cache) for a few seconds.
+    let mut words = Vec::new();
+    let mut x = 12345u64;
+    for _ in 0..300_000 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let len = 2 + (x >> 60) as usize % 8;
+        words.push(
+            (0..len)
+                .map(|i| (b'a' + ((x >> (i * 5)) % 26) as u8) as char)
+                .collect::<String>(),
+        );
+    }
+    std::fs::write(dir.path().join("corpus.txt"), words.join(" ")).unwrap();
+    let args = [
+        "run",
+        "text-bpe",
+        "--headless",
+        "--device",
+        "cpu",
+        "--data",
+        "corpus.txt",
+        "--set",
+        "data.vocab=8000",
+    ];
+    let mut child = spawn(&args, dir.path(), false)
+        .env("XDG_CACHE_HOME", dir.path().join("cache"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    signal(child.id(), libc::SIGTERM);
+    assert_eq!(wait_at_most(&mut child, 60), 143);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("stopped by SIGTERM before the run started"),
+        "{stderr}"
+    );
+}
+
+// M5: the policy chooses B·K, the guard the split: a guard split to B=1 does not let the
+// policy shrink B·K below accum_min × the B it split (it went B=1,K=2: B·K 4 → 2).
+#[test]
+fn the_guard_split_does_not_move_the_policys_effective_batch() {
+    use gaccwb::memory::estimate::{estimate, Config};
+    let dir = tempfile::tempdir().unwrap();
+    let preset = gaccwb::presets::resolve("adaptive-k").unwrap();
+    let cfg = Config::from_scenario(&preset, true);
+    let peak = |micro_batch, accum_steps| {
+        estimate(&Config {
+            micro_batch,
+            accum_steps,
+            ..cfg.clone()
+        })
+        .peak()
+    };
+    // Between the predicted peaks of B=1,K=4 and B=2,K=2: the guard starts at B=1.
+    let budget = ((peak(1, 4) + peak(2, 2)) / 2).to_string();
+    let args = [
+        "run",
+        "adaptive-k",
+        "--headless",
+        "--device",
+        "cpu",
+        "--steps",
+        "60",
+        "--set",
+        "train.accum_patience=2",
+        "--budget",
+        &budget,
+        "--record",
+        "r.jsonl",
+    ];
+    let (code, _, stderr) = gaccwb(&args, dir.path());
+    assert_eq!(code, 0, "{stderr}");
+    let splits: Vec<(u64, usize, usize)> = read_recording(&dir.path().join("r.jsonl"))
+        .unwrap()
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step(s) => Some((s.step, s.micro_batch, s.accum_steps)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!((splits[0].1, splits[0].2), (1, 4), "{splits:?}");
+    assert!(splits.iter().all(|&(_, b, k)| b * k >= 4), "{splits:?}");
+}
+
+/// A checkpoint of the tiny model at step 2 in `ck`, made with `extra`.
+fn checkpoint_at_2(dir: &Path, extra: &[&str]) {
+    let mut args = vec!["--checkpoint-every", "2", "--checkpoint-dir", "ck"];
+    args.extend_from_slice(extra);
+    let (code, _, stderr) = headless("2", &args, dir);
+    assert_eq!(code, 0, "{stderr}");
+    std::fs::remove_file(dir.join("r.jsonl")).unwrap();
+}
+
+// M7: --resume refuses what it would ignore (a preset, --seed, --budget, a past --control).
+#[test]
+fn resume_refuses_what_it_would_silently_ignore() {
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint_at_2(dir.path(), &[]);
+    let resume = [
+        "run",
+        "--headless",
+        "--device",
+        "cpu",
+        "--resume",
+        "ck",
+        "--steps",
+        "4",
+    ];
+    for (extra, expected) in [
+        (&["adaptive-k"][..], "drop a preset"),
+        (&["--seed", "9"][..], "drop --seed"),
+        (&["--budget", "1 GiB"][..], "drop --budget"),
+        (
+            &["--control", "1:set_accum_steps=2"][..],
+            "checkpoint is at step 2",
+        ),
+    ] {
+        let mut args = resume.to_vec();
+        args.extend_from_slice(extra);
+        let (code, _, stderr) = gaccwb(&args, dir.path());
+        assert_eq!(code, 2, "{extra:?}: {stderr}");
+        assert!(stderr.contains(expected), "{extra:?}: {stderr}");
+    }
+    let mut args = resume.to_vec();
+    args.extend_from_slice(&["--control", "2:set_accum_steps=2"]);
+    let (code, stdout, stderr) = gaccwb(&args, dir.path());
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("K=2"), "{stdout}");
+}
+
+// M10: a resumed run's header carries the knobs in force, not the scenario's first values.
+#[test]
+fn a_resumed_recording_header_has_the_knobs_in_force() {
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint_at_2(dir.path(), &["--control", "0:set_checkpointing=every-2"]);
+    let args = [
+        "run",
+        "--headless",
+        "--device",
+        "cpu",
+        "--resume",
+        "ck",
+        "--steps",
+        "3",
+        "--record",
+        "r2.jsonl",
+    ];
+    let (code, _, stderr) = gaccwb(&args, dir.path());
+    assert_eq!(code, 0, "{stderr}");
+    let header = read_recording(&dir.path().join("r2.jsonl")).unwrap().header;
+    assert_eq!(header.config.train.checkpointing.name(), "every-2");
+}
+
+// Loose validation: values that were accepted and then ignored, changed or misreported.
+#[test]
+fn loose_values_are_usage_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let asset = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/accumulate-to-fit.jsonl");
+    let asset = asset.to_str().unwrap();
+    let preset = tiny_preset(dir.path());
+    let model = TINY.args();
+    let mut run: Vec<&str> = vec!["run", "--headless", "--device", "cpu", "--steps", "1"];
+    run.extend(model.iter().map(String::as_str));
+    let with = |extra: &[&'static str]| -> Vec<&str> {
+        let mut args = run.clone();
+        args.extend_from_slice(extra);
+        args
+    };
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["estimate", "--effective", "0"], "--effective 0"),
+        (with(&["--budget", ""]), "empty"),
+        (with(&["--checkpoint-every", "0"]), "--checkpoint-every"),
+        (with(&["--control", "5:stop=1"]), "`stop` takes no value"),
+        (
+            with(&["--set", "train.lr=1e309"]),
+            "beyond the largest number",
+        ),
+        (
+            vec!["compare", preset, "--grid", "B=2,B=4"],
+            "sets train.micro_batch again",
+        ),
+        (
+            vec![
+                "compare",
+                preset,
+                "--grid",
+                "B=2",
+                "--steps",
+                "18446744073709551615",
+            ],
+            "must be at most 9223372036854775807",
+        ),
+        (
+            vec![
+                "export", asset, "--to", "cast", "-o", "c.cast", "--speed", "0",
+            ],
+            "expected a positive number",
+        ),
+        (
+            vec![
+                "export",
+                asset,
+                "--to",
+                "cast",
+                "-o",
+                "c.cast",
+                "--speed=-1",
+            ],
+            "expected a positive number",
+        ),
+        (
+            vec![
+                "export", asset, "--to", "cast", "-o", "c.cast", "--speed", "NaN",
+            ],
+            "expected a positive number",
+        ),
+        (
+            with(&["--record", "x.jsonl", "--log", "x.jsonl"]),
+            "name the same file",
+        ),
+    ];
+    for (args, expected) in cases {
+        let (code, _, stderr) = gaccwb(&args, dir.path());
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+    let left: Vec<_> = walk(dir.path())
+        .into_iter()
+        .filter(|p| !p.ends_with("tiny.toml"))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "nothing is written for a refused command: {left:?}"
+    );
 }

@@ -64,20 +64,20 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     };
     let m = &preset.model;
     if !args.json {
-        println!(
+        gaccwb::out::println(&format!(
             "gaccwb bench: model vocab {} d_model {} layers {} heads {} seq_len {}, f32, CPU, {} thread(s), \
              {} timed steps after {} warm-up",
             m.vocab, m.d_model, m.layers, m.heads, m.seq_len, bench::threads(), args.steps, args.warmup
-        );
-        println!(
+        ))?;
+        gaccwb::out::println(&format!(
             "{:>4} {:>3} {:>12} {:>12} {:>12} {:>12}",
             "B", "K", "tokens/step", "tok/s min", "tok/s med", "tok/s max"
-        );
+        ))?;
     }
     let mut results = Vec::new();
     for case in cases {
         let r = bench::measure_case(&preset, case, &device, args.warmup, args.steps)?;
-        print_case(&r, args.json);
+        print_case(&r, args.json)?;
         results.push(r);
     }
     if !whole_suite || args.json {
@@ -90,22 +90,22 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             .map(|r| r.median_tokens_per_s())
     };
     if let (Some(k1), Some(k4)) = (median_at(8, 1), median_at(8, 4)) {
-        println!(
+        gaccwb::out::println(&format!(
             "K=4 vs K=1 at B=8: {:.3}x tokens/s (accumulation costs {:.1}%; budget 2%)",
             k4 / k1,
             (1.0 - k4 / k1) * 100.0
-        );
+        ))?;
     }
     let default = bench::measure(preset.clone(), &device, args.warmup, args.steps)?;
-    println!(
+    gaccwb::out::println(&format!(
         "default preset `{}` (B={}, K={}, variable-length documents): {:.2} optimizer steps/s (median; target >= 2)",
         preset.name, default.micro_batch, default.accum_steps, default.median_steps_per_s()
-    );
+    ))?;
     Ok(())
 }
 
 /// One case as a table row, or as a JSON object.
-fn print_case(r: &bench::Measurement, json: bool) {
+fn print_case(r: &bench::Measurement, json: bool) -> Result<(), gaccwb::out::OutputError> {
     if json {
         let row = serde_json::json!({
             "impl": "candle",
@@ -116,11 +116,10 @@ fn print_case(r: &bench::Measurement, json: bool) {
             "tokens_per_s": r.median_tokens_per_s(),
             "step_s": r.step_s,
         });
-        println!("{row}");
-        return;
+        return gaccwb::out::println(&row.to_string());
     }
     let sorted = r.tokens_per_s_sorted();
-    println!(
+    gaccwb::out::println(&format!(
         "{:>4} {:>3} {:>12} {:>12.0} {:>12.0} {:>12.0}",
         r.micro_batch,
         r.accum_steps,
@@ -128,5 +127,5 @@ fn print_case(r: &bench::Measurement, json: bool) {
         sorted[0],
         r.median_tokens_per_s(),
         sorted[sorted.len() - 1]
-    );
+    ))
 }

@@ -8,6 +8,8 @@ use clap::Args;
 use gaccwb::device::DeviceChoice;
 use gaccwb::{compare, presets};
 
+use gaccwb::signals::Signalled;
+
 use super::{usage, UsageError};
 
 #[derive(Args)]
@@ -61,6 +63,8 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
     if steps == 0 {
         anyhow::bail!(UsageError("--steps must be at least 1".into()));
     }
+    // The runs check it too, but only after the ones before them trained.
+    gaccwb::limits::at_most("--steps", steps, gaccwb::limits::MAX_INTEGER).map_err(usage)?;
     let configs = compare::parse_grid(&grid, &base).map_err(usage)?;
     // Refuse before the runs, not after minutes of training.
     if args.csv.is_some() && args.csv == args.svg {
@@ -89,26 +93,39 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
             gaccwb::safe_write::check_free(&runner.recording(i, c), "recording", args.force)?;
         }
     }
+    compare::forward_signals()?;
     let bar = progress(configs.len());
     let mut rows = Vec::new();
+    let mut stopped = None;
     for (i, c) in configs.iter().enumerate() {
         let line = format!("[{}/{}] {} ({steps} steps)", i + 1, configs.len(), c.label);
         match bar.is_hidden() {
-            true => eprintln!("{line}"),
+            true => gaccwb::out::note(&line),
             false => bar.set_message(line),
         }
-        rows.push(runner.run(i, c)?);
+        match gaccwb::signals::caught().map_or_else(|| runner.run(i, c), |s| Err(s.into())) {
+            Ok(row) => rows.push(row),
+            Err(e) => match e.downcast::<Signalled>() {
+                Ok(signal) => {
+                    stopped = Some(signal);
+                    break;
+                }
+                Err(e) => return Err(e),
+            },
+        }
         bar.inc(1);
     }
     bar.finish_and_clear();
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-    } else {
-        print!("{}", compare::table(&rows));
-        eprintln!(
-            "Each row is its own `gaccwb run --headless` process; --json and --csv give its \
-             command, --record-dir DIR keeps its recording."
+    print_rows(&rows, args.json)?;
+    if let Some(signal) = stopped {
+        // The temporary directory goes with `temporary`; the outputs are not written for a
+        // table cut short.
+        let done = format!(
+            "compare stopped after {} of {} configurations (--csv and --svg not written)",
+            rows.len(),
+            configs.len()
         );
+        return Err(anyhow::Error::new(signal).context(done));
     }
     if let Some(path) = &args.csv {
         let csv = compare::csv(&rows)?;
@@ -121,6 +138,20 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
         );
         gaccwb::export::compare_svg::write_compare_svg(&rows, &title, path, args.force)?;
     }
+    Ok(())
+}
+
+/// The table (or JSON) of the rows so far.
+fn print_rows(rows: &[compare::Row], json: bool) -> anyhow::Result<()> {
+    if json {
+        gaccwb::out::println(&serde_json::to_string_pretty(rows)?)?;
+        return Ok(());
+    }
+    gaccwb::out::print(&compare::table(rows))?;
+    gaccwb::out::note(
+        "Each row is its own `gaccwb run --headless` process; --json and --csv give its command, \
+         --record-dir DIR keeps its recording.",
+    );
     Ok(())
 }
 

@@ -2,7 +2,9 @@
 
 use std::process::ExitCode;
 
+use gaccwb::headless::RunEnded;
 use gaccwb::signals::Signalled;
+use gaccwb::telemetry::EndReason;
 
 /// A problem with what the user asked for (a bad argument, file or value): exit code 2.
 #[derive(Debug, thiserror::Error)]
@@ -28,13 +30,23 @@ pub enum ExitClass {
 impl ExitClass {
     /// The class of `e`, found by type anywhere in its chain of causes.
     pub fn of(e: &anyhow::Error) -> ExitClass {
-        if let Some(signal) = e.downcast_ref::<Signalled>() {
-            return ExitClass::Signal(signal.exit_code());
+        e.chain()
+            .find_map(Self::of_cause)
+            .unwrap_or(ExitClass::Failure)
+    }
+
+    /// The class one error in the chain asks for, if its type has one.
+    fn of_cause(cause: &(dyn std::error::Error + 'static)) -> Option<ExitClass> {
+        if let Some(signal) = cause.downcast_ref::<Signalled>() {
+            return Some(ExitClass::Signal(signal.exit_code()));
         }
-        if e.downcast_ref::<UsageError>().is_some() {
-            return ExitClass::Usage;
+        if let Some(RunEnded(reason)) = cause.downcast_ref::<RunEnded>() {
+            return Some(match reason {
+                EndReason::Signalled(_) => ExitClass::Signal(reason.exit_code()),
+                _ => ExitClass::Failure,
+            });
         }
-        ExitClass::Failure
+        cause.downcast_ref::<UsageError>().map(|_| ExitClass::Usage)
     }
 
     pub fn exit_code(self) -> ExitCode {

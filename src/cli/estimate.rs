@@ -60,10 +60,12 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         )));
     }
     let cfg = Config::from_scenario(&scenario, !args.gpu);
-    let effective = args
-        .effective
-        .unwrap_or(cfg.micro_batch * cfg.accum_steps)
-        .max(1);
+    if args.effective == Some(0) {
+        anyhow::bail!(UsageError(
+            "--effective 0: the effective batch is at least 1 sequence".into()
+        ));
+    }
+    let effective = args.effective.unwrap_or(cfg.micro_batch * cfg.accum_steps);
     if effective > gaccwb::limits::MAX_EFFECTIVE_BATCH {
         anyhow::bail!(UsageError(format!(
             "--effective {effective}: at most {} (the table tries every micro-batch that divides it)",
@@ -79,9 +81,9 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     let mut report = est::Report::new(&scenario.name, &cfg, effective, budget);
     report.not_trainable_here = not_trainable_here;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        gaccwb::out::println(&serde_json::to_string_pretty(&report)?)?;
     } else {
-        print!("{}", report.render());
+        gaccwb::out::print(&report.render())?;
     }
     Ok(())
 }

@@ -24,7 +24,7 @@ pub struct ExportArgs {
     #[arg(long, default_value = "120x40", value_parser = parse_size)]
     size: (u16, u16),
     /// cast: time runs this many times faster than the recorded step times.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = super::speed)]
     speed: f64,
     /// Replace existing output files (by default they are refused).
     #[arg(long)]
@@ -52,7 +52,7 @@ fn parse_size(s: &str) -> Result<(u16, u16), String> {
 pub fn export(args: ExportArgs) -> anyhow::Result<()> {
     let recording = read_recording(&args.file)?;
     for w in &recording.warnings {
-        eprintln!("gaccwb: warning: {}", headless::strip(w));
+        gaccwb::out::note(&format!("gaccwb: warning: {}", headless::strip(w)));
     }
     let same_file = matches!(
         (args.file.canonicalize(), args.out.canonicalize()),
@@ -67,12 +67,12 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
     match args.format {
         ExportFormat::Csv => {
             for path in export::csv::write_csv(&recording, &args.out, args.force)? {
-                println!("{}", path.display());
+                gaccwb::out::println(&path.display().to_string())?;
             }
         }
         ExportFormat::Svg => {
             export::svg::write_svg(&recording, &args.out, args.force)?;
-            println!("{}", args.out.display());
+            gaccwb::out::println(&args.out.display().to_string())?;
         }
         ExportFormat::Cast => {
             gaccwb::safe_write::check_free(&args.out, "cast", args.force)?;
@@ -85,13 +85,13 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
             };
             let stats = write_cast(&recording.events, &mut out, &opts)?;
             gaccwb::safe_write::write_file(&args.out, &out, "cast", args.force)?;
-            eprintln!(
+            gaccwb::out::note(&format!(
                 "wrote {}: {} frames, {} control markers, {:.1} s",
                 args.out.display(),
                 stats.frames,
                 stats.markers,
                 stats.duration_s
-            );
+            ));
         }
     }
     Ok(())

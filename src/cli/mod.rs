@@ -63,8 +63,21 @@ enum Command {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(path) = &cli.log {
+        let record = match &cli.command {
+            None => cli.run.record(),
+            Some(Command::Run(args)) => args.record(),
+            Some(_) => None,
+        };
+        if let Some(record) = record.filter(|r| same_path(r, path)) {
+            gaccwb::out::note(&format!(
+                "gaccwb: --log {} and --record {} name the same file; give each its own",
+                path.display(),
+                record.display()
+            ));
+            return ExitCode::from(2);
+        }
         if let Err(e) = start_log(path) {
-            eprintln!("gaccwb: --log {}: {e}", path.display());
+            gaccwb::out::note(&format!("gaccwb: --log {}: {e}", path.display()));
             return ExitCode::from(2);
         }
     }
@@ -81,9 +94,33 @@ pub fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("gaccwb: {e:#}");
+            // A reader that went away (`| head`) is told nothing, as `head` users expect.
+            let closed = e
+                .downcast_ref::<gaccwb::out::OutputError>()
+                .is_some_and(|o| o.is_broken_pipe());
+            if !closed {
+                gaccwb::out::note(&format!("gaccwb: {e:#}"));
+            }
             ExitClass::of(&e).exit_code()
         }
+    }
+}
+
+/// `a` and `b` are one file: the same once resolved, or (not there yet) the same absolute path.
+fn same_path(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => std::path::absolute(a).ok() == std::path::absolute(b).ok(),
+    }
+}
+
+/// `--speed`: a positive, finite factor (replay and the cast export).
+pub fn speed(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok(x),
+        _ => Err(format!(
+            "`{text}`: expected a positive number, e.g. 2 or 0.5"
+        )),
     }
 }
 

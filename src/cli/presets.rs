@@ -3,8 +3,10 @@
 use gaccwb::presets;
 
 pub fn list() -> anyhow::Result<()> {
-    for s in presets::all() {
-        println!("{:<24} {}", s.name, s.description);
-    }
+    let lines: String = presets::all()
+        .iter()
+        .map(|s| format!("{:<24} {}\n", s.name, s.description))
+        .collect();
+    gaccwb::out::print(&lines)?;
     Ok(())
 }

@@ -8,14 +8,14 @@ use gaccwb::headless;
 use gaccwb::record::read_recording;
 use gaccwb::tui::{self, keymap::KeyMap};
 
-use super::{usage, UsageError};
+use super::usage;
 
 #[derive(Args)]
 pub struct ReplayArgs {
     /// A recording written by --record (JSON Lines).
     file: PathBuf,
     /// Playback speed against the recorded step times (2 = twice as fast).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = super::speed)]
     speed: f64,
     /// No screen: print the run's summary.
     #[arg(long)]
@@ -26,12 +26,6 @@ pub struct ReplayArgs {
 }
 
 pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
-    if !(args.speed > 0.0 && args.speed.is_finite()) {
-        anyhow::bail!(UsageError(format!(
-            "--speed {}: expected a positive number, e.g. 2 or 0.5",
-            args.speed
-        )));
-    }
     if !args.headless {
         let keys = KeyMap::load(args.keys.as_deref()).map_err(usage)?;
         tui::require_terminal().map_err(usage)?;
@@ -39,8 +33,8 @@ pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     }
     let recording = read_recording(&args.file)?;
     for w in &recording.warnings {
-        eprintln!("warning: {}", headless::strip(w));
+        gaccwb::out::note(&format!("warning: {}", headless::strip(w)));
     }
-    println!("{}", tui::summarize(&recording.events).render());
+    gaccwb::out::println(&tui::summarize(&recording.events).render())?;
     Ok(())
 }

@@ -15,9 +15,8 @@ use super::{usage, UsageError};
 
 #[derive(Args)]
 pub struct RunArgs {
-    /// Built-in preset name or path to a preset TOML file.
-    #[arg(default_value = presets::DEFAULT)]
-    preset: String,
+    /// Built-in preset name or path to a preset TOML file [default: baseline].
+    preset: Option<String>,
     /// No screen: a progress bar and a summary.
     #[arg(long)]
     headless: bool,
@@ -47,7 +46,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     keys: Option<PathBuf>,
     /// Save a checkpoint every N optimizer steps (into --checkpoint-dir).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     checkpoint_every: Option<u64>,
     /// Where checkpoints go.
     #[arg(long, value_name = "DIR", default_value = "checkpoints")]
@@ -65,7 +64,22 @@ pub struct RunArgs {
     budget: Option<String>,
 }
 
+impl RunArgs {
+    /// The `--record` file, if any.
+    pub fn record(&self) -> Option<&Path> {
+        self.record.as_deref()
+    }
+
+    /// The preset as named, or the default one.
+    fn preset(&self) -> &str {
+        self.preset.as_deref().unwrap_or(presets::DEFAULT)
+    }
+}
+
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    // Building the model (or training a tokenizer) can take a while; a signal meanwhile ends
+    // the process with a line saying so. The run takes over once it starts.
+    gaccwb::signals::until_started()?;
     let scenario = scenario_from(&args)?;
     let keys = match args.headless {
         false => {
@@ -92,19 +106,17 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let session = gaccwb::session::Session::start(trainer, args.record.as_deref(), args.force)
         .map_err(|e| usage(format!("{e:#}")))?;
     let summary = headless::run_session(session, Progress::Bar, SignalHandling::Stop)?;
-    println!("{}", summary.render());
-    if let Some(signal) = summary.signal {
-        return Err(signal.into());
+    let printed = gaccwb::out::println(&summary.render());
+    // How the run ended decides the exit code, even when the summary could not be printed.
+    match summary.outcome() {
+        Some(ended) => Err(ended.into()),
+        None => Ok(printed?),
     }
-    if gaccwb::train::guard::is_failure(&summary.end_reason) {
-        anyhow::bail!("training failed: {}", headless::strip(&summary.end_reason));
-    }
-    Ok(())
 }
 
 /// The preset with every command-line override applied.
 fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
-    let mut s = presets::resolve(&args.preset).map_err(usage)?;
+    let mut s = presets::resolve(args.preset()).map_err(usage)?;
     if let Some(path) = &args.data {
         s.data.source = DataSource::File;
         s.data.path = Some(path.clone());
@@ -143,7 +155,7 @@ fn check_record_target(record: &Path, args: &RunArgs, scenario: &Scenario) -> an
         anyhow::bail!(UsageError(gaccwb::safe_write::refusal(record, "recording")));
     }
     let inputs = [
-        Some(PathBuf::from(&args.preset)),
+        Some(PathBuf::from(args.preset())),
         scenario.data.path.clone(),
         args.keys.clone(),
     ];
@@ -165,13 +177,7 @@ fn build_trainer(
     scenario: Scenario,
     device: candle_core::Device,
 ) -> anyhow::Result<Trainer> {
-    if args.resume.is_some() && (!args.sets.is_empty() || args.data.is_some()) {
-        anyhow::bail!(UsageError(
-            "--resume continues the checkpoint's own scenario; only --steps may change \
-             (drop --set/--data)"
-                .into()
-        ));
-    }
+    refuse_with_resume(args)?;
     if args.checkpoint_every.is_some() {
         checkpoint::claim_dir(&args.checkpoint_dir, args.resume.as_deref(), args.force)
             .map_err(|e| usage(format!("{e:#}")))?;
@@ -190,6 +196,9 @@ fn build_trainer(
         .map(|c| gaccwb::scenario::parse_control_arg(c).map_err(UsageError))
         .collect::<Result<_, _>>()?;
     check_cli_controls(&trainer).map_err(UsageError)?;
+    if args.resume.is_some() {
+        refuse_past_controls(&trainer)?;
+    }
     trainer.after_step = args.checkpoint_every.map(|every| {
         checkpoint::Policy {
             every,
@@ -205,10 +214,50 @@ fn build_trainer(
 fn check_cli_controls(trainer: &Trainer) -> Result<(), String> {
     let (b, k) = (trainer.knobs.micro_batch, trainer.knobs.accum_steps);
     let entries = &trainer.cli_controls;
-    gaccwb::scenario::check_schedule(b, k, trainer.scenario.model.seq_len, entries).map_err(
-        |(i, m)| {
-            let e = &entries[i];
-            format!("--control {}:{}: {m}", e.step, e.control.describe())
-        },
-    )
+    let (noise, seq_len) = (trainer.knobs.noise, trainer.scenario.model.seq_len);
+    gaccwb::scenario::check_schedule(b, k, noise, seq_len, entries).map_err(|(i, m)| {
+        let e = &entries[i];
+        format!("--control {}:{}: {m}", e.step, e.control.describe())
+    })
+}
+
+/// `--resume` continues the checkpoint's own run: what would start another one (a preset, a
+/// seed, a budget, `--set`, `--data`) is refused rather than silently ignored.
+fn refuse_with_resume(args: &RunArgs) -> Result<(), UsageError> {
+    if args.resume.is_none() {
+        return Ok(());
+    }
+    let given = [
+        (args.preset.is_some(), "a preset"),
+        (!args.sets.is_empty(), "--set"),
+        (args.data.is_some(), "--data"),
+        (args.seed.is_some(), "--seed"),
+        (args.budget.is_some(), "--budget"),
+    ];
+    let named: Vec<&str> = given.iter().filter(|(g, _)| *g).map(|(_, n)| *n).collect();
+    if named.is_empty() {
+        return Ok(());
+    }
+    Err(UsageError(format!(
+        "--resume continues the checkpoint's own preset, seed and budget; only --steps, \
+         --control (from the checkpoint's step on) and the checkpoint options may be given \
+         (drop {})",
+        named.join(", ")
+    )))
+}
+
+/// A resumed run starts at the checkpoint's step: a `--control` before it would never apply.
+fn refuse_past_controls(trainer: &Trainer) -> Result<(), UsageError> {
+    let past = trainer.cli_controls.iter().find(|e| e.step < trainer.step);
+    match past {
+        Some(e) => Err(UsageError(format!(
+            "--control {}:{}: the checkpoint is at step {}, so this would never apply; give a \
+             step from {} on",
+            e.step,
+            e.control.describe(),
+            trainer.step,
+            trainer.step
+        ))),
+        None => Ok(()),
+    }
 }
