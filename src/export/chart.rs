@@ -155,26 +155,6 @@ pub fn wrap_at_commas(text: &str, width: i32, font_size: u32) -> Vec<String> {
     lines
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn long_labels_wrap_at_commas_only_when_too_wide() {
-        assert_eq!(wrap_at_commas("B=4,K=8", 500, 15), ["B=4,K=8"]);
-        let lines = wrap_at_commas("B=4,K=8,offload,bf16", text_width("B=4,K=8", 15), 15);
-        assert_eq!(lines, ["B=4,K=8", "offload", "bf16"]);
-    }
-
-    #[test]
-    fn axis_numbers_carry_the_decimals_their_span_needs() {
-        assert_eq!(axis_number(40.0, &(0.0..47.0)), "40");
-        assert_eq!(axis_number(2.5, &(1.4..3.6)), "2.5");
-        assert_eq!(axis_number(0.25, &(0.2..0.3)), "0.250");
-        assert_eq!(axis_number(1e300, &(0.0..1e300)), "1.00e300");
-    }
-}
-
 /// Text from a recording or the command line as it may appear in a chart: without escape
 /// sequences or other control characters (`headless::strip`), newlines and tabs as spaces.
 pub fn text(raw: &str) -> String {
@@ -193,4 +173,24 @@ pub fn well_formed(svg: String) -> String {
         return svg;
     }
     svg.chars().filter(allowed).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_labels_wrap_at_commas_only_when_too_wide() {
+        assert_eq!(wrap_at_commas("B=4,K=8", 500, 15), ["B=4,K=8"]);
+        let lines = wrap_at_commas("B=4,K=8,offload,bf16", text_width("B=4,K=8", 15), 15);
+        assert_eq!(lines, ["B=4,K=8", "offload", "bf16"]);
+    }
+
+    #[test]
+    fn axis_numbers_carry_the_decimals_their_span_needs() {
+        assert_eq!(axis_number(40.0, &(0.0..47.0)), "40");
+        assert_eq!(axis_number(2.5, &(1.4..3.6)), "2.5");
+        assert_eq!(axis_number(0.25, &(0.2..0.3)), "0.250");
+        assert_eq!(axis_number(1e300, &(0.0..1e300)), "1.00e300");
+    }
 }

@@ -420,7 +420,7 @@ mod tests {
         assert!(
             first
                 .message
-                .contains("1.86 MiB (1950001 B) exceeds the budget 1.86 MiB (1950000 B)"),
+                .contains("1.86 MiB (1950001 B) (Allocator) at step 1 exceeds the budget 1.86 MiB (1950000 B)"),
             "{}",
             first.message
         );
