@@ -13,7 +13,7 @@ use gaccwb::{checkpoint, presets};
 
 use super::{usage, UsageError};
 
-#[derive(Args)]
+#[derive(Args, Debug)]
 pub struct RunArgs {
     /// Built-in preset name or path to a preset TOML file [default: baseline].
     preset: Option<String>,
