@@ -353,11 +353,10 @@ pub fn grad_store_bytes(cfg: &Config) -> u64 {
 /// Bytes in flight at the backward's block-0 peak, when the store is largest.
 ///
 /// Lean ops (CUDA, bf16/f16): the peak falls in block 0's GELU-linear backward
-/// (`ops::lean::gelu_linear`), while it rebuilds the GELU's slope in f32: the hidden layer's
-/// f32 copy, its tanh, the outer factor, 0.5·tanh, tanh² and 1 − tanh² (or their product) beside
-/// the f32 copy of the hidden layer's gradient: 7 × 4·N·d·4 (6 in f32, where the gradient's copy
-/// is the gradient); and in the compute dtype the hidden layer's gradient (4·N·d), the
-/// output's gradient and the residual stream's pending one (2·N·d).
+/// (`ops::lean::gelu_linear`), while it rebuilds the GELU's slope in f32: four f32 tensors of the
+/// hidden layer's size at once (4 × 4·N·d·4; the gradient's f32 copy is made after), and in the
+/// compute dtype the hidden layer's gradient (4·N·d), the output's gradient and the residual
+/// stream's pending one (2·N·d).
 ///
 /// Fused ops (CPU f32): the peak falls inside block 0's GELU-linear backward, which holds its
 /// packed result (dh, 4·N·d, and dW, db: 4·d² + d) and its recomputed GELU and slope (2 × 4·N·d),
@@ -372,8 +371,7 @@ pub fn in_flight_bytes(cfg: &Config) -> u64 {
         let threads = crate::ops::pool::cpu_threads().min(blocks) as u64;
         return (14 * s.n * s.d + 4 * s.d * s.d + s.d) * F32 + threads * per_thread;
     }
-    let f32_copies = if s.cast { 7 } else { 6 };
-    (f32_copies * 4 * F32 + 6 * s.c) * s.n * s.d
+    (4 * 4 * F32 + 6 * s.c) * s.n * s.d
 }
 
 /// Bytes of the end-of-backward figure that do not exist yet at the block-0 peak: the
@@ -471,19 +469,19 @@ pub fn transient_bytes(cfg: &Config) -> u64 {
         .max(embedding_peak_bytes(cfg))
 }
 
-/// Gradients the checkpointed backward holds at block 0's peak beyond the plain one, on the
-/// fused CPU path: the outer backward's gradient of the segment's output, held while the
-/// recompute runs, the gradient Candle's `Mul` backward computes and keeps in the recompute's
-/// store for the detached `grad_y` side of `y · grad_y` (never a node, so never removed), and
-/// three more N·d·4 measured and not yet attributed (`tests/checkpointing_memory.rs`: 5.0 N·d·4
-/// of slope over the micro-batch at d 48 and 64). The composite path's gap is within 2% of its
-/// peak without a term. 0 without checkpointing.
+/// Gradients the checkpointed backward holds at block 0's peak beyond the plain one: the outer
+/// backward's gradient of the segment's output, held while the recompute runs, the gradient
+/// Candle's `Mul` backward computes and keeps in the recompute's store for the detached `grad_y`
+/// side of `y · grad_y` (never a node, so never removed), and three more N·d·c measured and not
+/// yet attributed (`tests/checkpointing_memory.rs`: 5.0 N·d·4 of slope over the micro-batch at
+/// d 48 and 64 on the fused path; on the lean ops' path the same 5·N·d·c brings the one gap over
+/// 5%, the `notes-table` model at B 32, within). 0 without checkpointing.
 fn recompute_in_flight_bytes(cfg: &Config) -> u64 {
-    if checkpointed(cfg).is_none() || !fused(cfg) {
+    if checkpointed(cfg).is_none() {
         return 0;
     }
     let s = Shape::new(cfg);
-    5 * s.n * s.d * F32
+    5 * s.n * s.d * s.c
 }
 
 /// Bytes of the largest parameter (f32): the token embedding or head (V·d), or an MLP matrix

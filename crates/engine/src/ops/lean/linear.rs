@@ -21,7 +21,8 @@ pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     apply("lean-gelu-linear", &[h, w, b], y, Vec::new(), |i, _, g| {
         let h = &i[0];
         let (da, dw, db) = affine_grads(&h.gelu()?, &i[1], &i[2], g)?;
-        let dh = (da.to_dtype(DType::F32)? * gelu_slope(&h.to_dtype(DType::F32)?)?)?;
+        let slope = gelu_slope(h.to_dtype(DType::F32)?)?;
+        let dh = (da.to_dtype(DType::F32)? * slope)?;
         Ok(vec![Some(dh.to_dtype(h.dtype())?), Some(dw), Some(db)])
     })
 }
@@ -44,10 +45,22 @@ fn affine_grads(
     Ok((dx, dw, db))
 }
 
-/// d gelu(x)/dx for the tanh approximation, with Candle's constants (its `Gelu` backward).
-fn gelu_slope(x: &Tensor) -> Result<Tensor> {
-    let cube = x.powf(3.0)?;
-    let tanh = ((0.0356774 * &cube)? + (0.797885 * x)?)?.tanh()?;
-    let outer = ((0.0535161 * cube)? + (0.398942 * x)?)?;
-    ((0.5 * &tanh)? + (outer * (1.0 - tanh.sqr()?)?)?)? + 0.5
+/// d gelu(x)/dx for the tanh approximation: with u = x·(a + b·x²) (a = √(2/π), b = 0.044715·a),
+/// 0.5·(1 + tanh u) + (1.5·u − a·x)·(1 − tanh² u), Candle's `Gelu` backward rearranged so that at
+/// most four tensors of `x`'s size are live at once (each Candle op makes a new one).
+fn gelu_slope(x: Tensor) -> Result<Tensor> {
+    const A: f64 = 0.797885;
+    const B: f64 = 0.0356774;
+    let sq = x.sqr()?;
+    let u = sq.affine(B, A)?;
+    drop(sq);
+    let u = (u * &x)?;
+    let ax = x.affine(A / 1.5, 0.0)?;
+    drop(x);
+    let outer = (&u - ax)?.affine(1.5, 0.0)?;
+    let t = u.tanh()?;
+    drop(u);
+    let sech2 = t.sqr()?.affine(-1.0, 1.0)?;
+    let product = (outer * sech2)?;
+    product + t.affine(0.5, 0.5)?
 }
