@@ -1,0 +1,226 @@
+//! `gaccwb run` (the default command): train a preset on the screen or headless.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use gaccwb::device::DeviceChoice;
+use gaccwb::headless::{self, Progress, SignalHandling};
+use gaccwb::safe_write::{Inputs, Overwrite};
+use gaccwb::scenario::{DataSource, Scenario};
+use gaccwb::train::Trainer;
+use gaccwb::tui::{self, keymap::KeyMap, LiveOptions};
+use gaccwb::{checkpoint, presets};
+
+use super::{usage, UsageError};
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// Built-in preset name or path to a preset TOML file.
+    #[arg(default_value = presets::DEFAULT)]
+    preset: String,
+    /// No screen: a progress bar and a summary.
+    #[arg(long)]
+    headless: bool,
+    /// Optimizer steps to run (0: until stopped).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Seed for model initialisation and data order.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// cpu, cuda, cuda:N or auto.
+    #[arg(long, default_value = "auto")]
+    device: DeviceChoice,
+    /// Train on FILE instead of the preset's data: its bytes, or BPE tokens with --set data.tokenizer=bpe.
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
+    /// Override a preset field, e.g. --set train.accum_steps=4 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+    /// Write the session's events to FILE as JSON Lines.
+    #[arg(long, value_name = "FILE")]
+    record: Option<PathBuf>,
+    /// Apply a control at a step, reported with origin `cli`: STEP:KIND[=VALUE], e.g.
+    /// 100:set_accum_steps=8 or 0:set_clip (off). Repeatable.
+    #[arg(long = "control", value_name = "STEP:KIND[=VALUE]")]
+    controls: Vec<String>,
+    /// Key bindings (TOML); default: $XDG_CONFIG_HOME/gaccwb/keys.toml when it exists.
+    #[arg(long, value_name = "FILE")]
+    keys: Option<PathBuf>,
+    /// Save a checkpoint every N optimizer steps (into --checkpoint-dir).
+    #[arg(long, value_name = "N")]
+    checkpoint_every: Option<u64>,
+    /// Where checkpoints go.
+    #[arg(long, value_name = "DIR", default_value = "checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// Continue the run saved in DIR (its preset and knobs; --steps may extend it).
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Replace an existing --record file, and save into a --checkpoint-dir that holds another
+    /// run's checkpoint (by default both are refused).
+    #[arg(long)]
+    force: bool,
+    /// Memory the run may use (train.memory_budget): bytes, a size such as "6 GiB", or a share
+    /// of the device such as "80%". The guard trades micro-batch for K to stay under it.
+    #[arg(long, value_name = "SIZE")]
+    budget: Option<String>,
+}
+
+impl RunArgs {
+    /// Everything the run reads: no file it writes may be one of them.
+    pub(super) fn inputs(&self) -> Inputs {
+        let mut inputs = self.inputs_but_resumed(scenario_from(self).ok().as_ref());
+        if let Some(dir) = &self.resume {
+            checkpoint::add_inputs(dir, &mut inputs);
+        }
+        inputs
+    }
+
+    /// What the run reads but the checkpoint it resumes (which its own saves replace).
+    fn inputs_but_resumed(&self, scenario: Option<&Scenario>) -> Inputs {
+        let mut inputs = super::inputs::preset(&self.preset);
+        if let Some(s) = scenario {
+            super::inputs::add_scenario(s, &mut inputs);
+        }
+        if let Some(state) = self
+            .resume
+            .as_deref()
+            .and_then(|d| checkpoint::read_state(d).ok())
+        {
+            super::inputs::add_scenario(&state.scenario, &mut inputs);
+        }
+        if let Some(keys) = &self.keys {
+            inputs.add("the keymap", keys);
+        }
+        inputs
+    }
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    let scenario = scenario_from(&args)?;
+    let keys = match args.headless {
+        false => {
+            let keys = KeyMap::load(args.keys.as_deref()).map_err(usage)?;
+            tui::require_terminal().map_err(usage)?;
+            Some(keys)
+        }
+        true => None,
+    };
+    let overwrite = Overwrite::new(args.force, args.inputs());
+    if let Some(record) = &args.record {
+        // Checked here too (the recorder checks again, race-free) so the screen and headless
+        // both say it before anything starts, as a usage error.
+        gaccwb::safe_write::check(record, "recording", &overwrite).map_err(usage)?;
+    }
+    let device = args.device.open()?;
+    let trainer = build_trainer(&args, scenario, device)?;
+    if let Some(keys) = keys {
+        let options = LiveOptions {
+            record: args.record,
+            keys,
+            overwrite,
+        };
+        return tui::run_live(trainer, options);
+    }
+    headless::refuse_screen_controls(&trainer).map_err(|e| usage(format!("{e:#}")))?;
+    let session = gaccwb::session::Session::start(trainer, args.record.as_deref(), &overwrite)
+        .map_err(|e| usage(format!("{e:#}")))?;
+    let summary = headless::run_session(session, Progress::Bar, SignalHandling::Stop)?;
+    println!("{}", summary.render());
+    if let Some(signal) = summary.signal {
+        return Err(signal.into());
+    }
+    if gaccwb::train::guard::is_failure(&summary.end_reason) {
+        anyhow::bail!("training failed: {}", headless::strip(&summary.end_reason));
+    }
+    Ok(())
+}
+
+/// The preset with every command-line override applied.
+fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
+    let mut s = presets::resolve(&args.preset).map_err(usage)?;
+    if let Some(path) = &args.data {
+        s.data.source = DataSource::File;
+        s.data.path = Some(path.clone());
+    }
+    if let Some(n) = args.steps {
+        s.train.steps = n;
+    }
+    if let Some(seed) = args.seed {
+        s.train.seed = seed;
+        s.data.seed = seed;
+    }
+    // Blame a bad --steps/--seed on itself, not on the first --set that re-reads the scenario.
+    s.validate()
+        .map_err(|e| usage(format!("{e} (from --steps/--seed)")))?;
+    for assignment in &args.sets {
+        s.set(assignment).map_err(usage)?;
+    }
+    if let Some(budget) = &args.budget {
+        gaccwb::budget::MemoryBudget::parse(budget).map_err(|e| usage(format!("--budget: {e}")))?;
+        s.set(&format!("train.memory_budget=\"{budget}\""))
+            .map_err(usage)?;
+    }
+    s.validate().map_err(usage)?;
+    Ok(s)
+}
+
+/// A fresh trainer for `scenario`, or the one saved in `--resume DIR`; with the checkpoint policy.
+fn build_trainer(
+    args: &RunArgs,
+    scenario: Scenario,
+    device: candle_core::Device,
+) -> anyhow::Result<Trainer> {
+    if args.resume.is_some() && (!args.sets.is_empty() || args.data.is_some()) {
+        anyhow::bail!(UsageError(
+            "--resume continues the checkpoint's own scenario; only --steps may change \
+             (drop --set/--data)"
+                .into()
+        ));
+    }
+    // Held by the checkpoint hook, so for as long as the trainer lives.
+    let lock = match args.checkpoint_every {
+        Some(_) => Some(
+            checkpoint::claim_dir(&args.checkpoint_dir, args.resume.as_deref(), args.force)
+                .map_err(|e| usage(format!("{e:#}")))?,
+        ),
+        None => None,
+    };
+    let mut trainer = match &args.resume {
+        Some(dir) => checkpoint::resume(dir, device, |s| {
+            if let Some(n) = args.steps {
+                s.train.steps = n;
+            }
+        })?,
+        None => Trainer::new(scenario, device)?,
+    };
+    trainer.cli_controls = args
+        .controls
+        .iter()
+        .map(|c| gaccwb::scenario::parse_control_arg(c).map_err(UsageError))
+        .collect::<Result<_, _>>()?;
+    check_cli_controls(&trainer).map_err(UsageError)?;
+    let inputs = args.inputs_but_resumed(Some(&trainer.scenario));
+    trainer.after_step = args.checkpoint_every.zip(lock).map(|(every, lock)| {
+        checkpoint::Policy {
+            every,
+            dir: args.checkpoint_dir.clone(),
+            inputs,
+        }
+        .after_step(lock)
+    });
+    Ok(trainer)
+}
+
+/// `--control` values checked against the run's model before the trainer starts, with the
+/// rules presets follow (a window B·K·seq_len that overflows is refused here, not mid-run).
+fn check_cli_controls(trainer: &Trainer) -> Result<(), String> {
+    let (b, k) = (trainer.knobs.micro_batch, trainer.knobs.accum_steps);
+    let entries = &trainer.cli_controls;
+    gaccwb::scenario::check_schedule(b, k, trainer.scenario.model.seq_len, entries).map_err(
+        |(i, m)| {
+            let e = &entries[i];
+            format!("--control {}:{}: {m}", e.step, e.control.describe())
+        },
+    )
+}
