@@ -271,8 +271,9 @@ fn log_may_not_name_an_input() {
     ];
     for (input, args) in cases {
         let before = std::fs::read(d.join(input)).unwrap();
-        let mut with_log = vec!["--log", input];
-        with_log.extend(&args);
+        // `--log` after the command: before it, `gaccwb --log F run` reads `run` as a preset.
+        let mut with_log = args.clone();
+        with_log.extend(["--log", input]);
         let (code, _, stderr) = gaccwb(&with_log, d);
         assert_eq!(code, 2, "{with_log:?}: {stderr}");
         assert!(
@@ -379,8 +380,8 @@ fn log_to_a_fifo_or_a_device_is_refused_at_once() {
     mkfifo(&d.join("log.fifo"));
     for log in ["log.fifo", "/dev/null"] {
         for command in [&["estimate"][..], &["run", "--headless", "--steps", "1"]] {
-            let mut args = vec!["--log", log];
-            args.extend_from_slice(command);
+            let mut args = command.to_vec();
+            args.extend(["--log", log]);
             let (code, _, stderr) = gaccwb(&args, d);
             assert_eq!(code, 2, "{args:?}: {stderr}");
             assert!(stderr.contains("not a regular file"), "{args:?}: {stderr}");

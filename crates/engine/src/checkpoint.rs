@@ -297,6 +297,10 @@ pub fn resume(
 /// Load weights, optimizer state, scaler, knobs and counters into a freshly built trainer.
 pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> anyhow::Result<()> {
     let path = dir.join(&state.tensors);
+    // Candle maps the file: a FIFO or a device there would block or never end.
+    if !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
+        bail!("{}: missing, or not a regular file", path.display());
+    }
     let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("reading {}", path.display()))?;
     let mut take = |key: String, like: &Tensor| -> anyhow::Result<Tensor> {

@@ -37,7 +37,7 @@ pub struct Recorder {
     /// are written right after it so the header is always line 1.
     before_header: Option<Vec<Event>>,
     /// With `create_replacing`: the temporary file written, renamed over `path` when done.
-    replacing: Option<crate::safe_write::Pending>,
+    replacing: Option<Box<crate::safe_write::Pending>>,
 }
 
 impl Recorder {
@@ -55,10 +55,14 @@ impl Recorder {
     ) -> anyhow::Result<Recorder> {
         let mut pending = crate::safe_write::Pending::begin(path, "recording", rules)?;
         let file = pending.file().try_clone()?;
-        Ok(Recorder::writing(path, file, Some(pending)))
+        Ok(Recorder::writing(path, file, Some(Box::new(pending))))
     }
 
-    fn writing(path: &Path, file: File, replacing: Option<crate::safe_write::Pending>) -> Recorder {
+    fn writing(
+        path: &Path,
+        file: File,
+        replacing: Option<Box<crate::safe_write::Pending>>,
+    ) -> Recorder {
         Recorder {
             path: path.to_path_buf(),
             out: BufWriter::new(file),
