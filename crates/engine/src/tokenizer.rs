@@ -245,39 +245,35 @@ fn read_cache(
     }
     let inner = Tokenizer::from_bytes(json.as_bytes())
         .map_err(|e| invalid(format!("not a tokenizer: {e}")))?;
-    check_trained_shape(&inner, json, header.vocab).map_err(invalid)?;
+    check_trained_shape(&inner, header.vocab).map_err(invalid)?;
     Ok(Some((inner, json.to_string())))
 }
 
-/// `inner` (serialised as `json`) is what `train_bpe` makes: its pipeline, and ids exactly
-/// 0..`vocab`-1 with every byte symbol among them.
-fn check_trained_shape(inner: &Tokenizer, json: &str, vocab: usize) -> Result<(), String> {
-    let parsed: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
-    let reference: serde_json::Value = serde_json::from_str(
-        &pipeline()
-            .to_string(false)
-            .expect("the empty pipeline serialises"),
-    )
-    .expect("the empty pipeline is JSON");
-    for key in [
+/// `inner` is what `train_bpe` makes: its pipeline (normalizer, pre-tokenizer, post-processor,
+/// decoder, no added tokens, no truncation or padding), and ids exactly 0..`vocab`-1 with every
+/// byte symbol among them.
+fn check_trained_shape(inner: &Tokenizer, vocab: usize) -> Result<(), String> {
+    let names = [
         "normalizer",
-        "pre_tokenizer",
-        "post_processor",
+        "pre-tokenizer",
+        "post-processor",
         "decoder",
-        "added_tokens",
         "truncation",
         "padding",
-    ] {
-        if parsed.get(key) != reference.get(key) {
-            return Err(format!("another {key} than this trainer's"));
-        }
+    ];
+    let (found, wanted) = (pipeline_parts(inner), pipeline_parts(&pipeline()));
+    if let Some(i) = (0..names.len()).find(|&i| found[i] != wanted[i]) {
+        return Err(format!("another {} than this trainer's", names[i]));
     }
-    let mut ids: Vec<u32> = inner.get_vocab(true).into_values().collect();
+    if !inner.get_added_tokens_decoder().is_empty() {
+        return Err("added tokens this trainer does not make".into());
+    }
+    let tokens = inner.get_vocab(true);
+    let mut ids: Vec<u32> = tokens.values().copied().collect();
     ids.sort_unstable();
     if ids.len() != vocab || ids.iter().enumerate().any(|(i, &id)| id as usize != i) {
         return Err(format!("its token ids are not exactly 0..{}", vocab - 1));
     }
-    let tokens = inner.get_vocab(true);
     if let Some(missing) = ByteLevel::alphabet()
         .into_iter()
         .find(|c| !tokens.contains_key(&c.to_string()))
@@ -285,6 +281,19 @@ fn check_trained_shape(inner: &Tokenizer, json: &str, vocab: usize) -> Result<()
         return Err(format!("the byte symbol {missing:?} is missing"));
     }
     Ok(())
+}
+
+/// A tokenizer's parts other than its vocabulary and merges, as JSON, to compare.
+fn pipeline_parts(t: &Tokenizer) -> [String; 6] {
+    let json = |r: serde_json::Result<String>| r.unwrap_or_else(|e| e.to_string());
+    [
+        json(serde_json::to_string(&t.get_normalizer())),
+        json(serde_json::to_string(&t.get_pre_tokenizer())),
+        json(serde_json::to_string(&t.get_post_processor())),
+        json(serde_json::to_string(&t.get_decoder())),
+        json(serde_json::to_string(&t.get_truncation())),
+        json(serde_json::to_string(&t.get_padding())),
+    ]
 }
 
 /// A text's token ids and what the header records about the tokenizer (dropped afterwards: the
