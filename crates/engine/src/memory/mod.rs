@@ -20,4 +20,4 @@ pub mod ledger;
 pub mod planner;
 
 pub use figure::{highest_figure, step_figures, StepFigure};
-pub use ledger::{Ledger, NoProbe, Persistent, TotalMeter, WindowProbe};
+pub use ledger::{Ledger, Persistent, TotalMeter};
