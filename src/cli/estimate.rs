@@ -35,6 +35,13 @@ pub struct EstimateArgs {
     json: bool,
 }
 
+impl EstimateArgs {
+    /// The files estimate reads.
+    pub(super) fn inputs(&self) -> gaccwb::safe_write::Inputs {
+        super::inputs::preset(&self.preset)
+    }
+}
+
 pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     let mut scenario = presets::resolve(&args.preset).map_err(usage)?;
     if let Some(name) = &args.shape {
