@@ -302,16 +302,17 @@ impl Drop for Pending {
 /// tried when a file of that name is left from an earlier process.
 fn create_temp_beside(path: &Path, what: &str) -> Result<(PathBuf, File), WriteError> {
     const TRIES: u32 = 100;
-    let mut last = None;
-    for n in 0..TRIES {
+    let mut n = 0;
+    loop {
         let tmp = temp_name(path, n);
         match create_new(&tmp, what) {
             Ok(f) => return Ok((tmp, f)),
-            Err(e @ (WriteError::Exists { .. } | WriteError::NotRegular { .. })) => last = Some(e),
+            Err(WriteError::Exists { .. } | WriteError::NotRegular { .. }) if n + 1 < TRIES => {
+                n += 1
+            }
             Err(e) => return Err(e),
         }
     }
-    Err(last.expect("at least one try"))
 }
 
 fn temp_name(path: &Path, n: u32) -> PathBuf {

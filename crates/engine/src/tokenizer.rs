@@ -65,6 +65,7 @@ impl TextTokenizer {
     }
 
     /// The tokenizer's JSON (the cache file's content).
+    #[allow(clippy::expect_used)] // a tokenizer built or loaded by `tokenizers` serialises
     pub fn to_json(&self) -> String {
         self.inner
             .to_string(false)
@@ -138,6 +139,7 @@ impl TextTokenizer {
             data: data.to_string(),
             message,
         })?;
+        #[allow(clippy::expect_used)] // a tokenizer `tokenizers` just trained serialises
         let json = inner
             .to_string(false)
             .expect("a trained tokenizer serialises");
@@ -377,7 +379,7 @@ fn write_cache(path: &Path, header: &CacheHeader, json: &str) -> Result<(), Stri
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     }
-    let line = serde_json::to_string(header).expect("a header serialises");
+    let line = serde_json::to_string(header).map_err(|e| format!("the cache header: {e}"))?;
     let content = format!("{line}\n{json}");
     safe_write::write_file(
         path,

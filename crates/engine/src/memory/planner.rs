@@ -129,6 +129,7 @@ impl Verdict {
     pub fn new(cfg: &Config, effective: usize, budget: u64) -> Verdict {
         let configured_peak = estimate(cfg).peak();
         let levers = levers(cfg, effective, budget);
+        #[allow(clippy::expect_used)] // `levers` always offers K at micro-batch 1
         let best = levers
             .iter()
             .min_by_key(|l| l.peak)
@@ -275,6 +276,7 @@ fn lever_config(cfg: &Config, l: &Lever) -> Config {
 /// category in its peak phase.
 fn blocker(cfg: &Config, budget: u64) -> Blocker {
     let e = estimate(cfg);
+    #[allow(clippy::expect_used)] // an estimate has four phases
     let (_, peak_phase) = e
         .phases()
         .into_iter()
@@ -285,6 +287,7 @@ fn blocker(cfg: &Config, budget: u64) -> Blocker {
         ..peak_phase
     };
     // The weights first: when they alone exceed the budget no lever but a smaller model helps.
+    #[allow(clippy::expect_used)] // there are eight categories
     let (i, bytes) = if resident.parameters > budget {
         (0, resident.parameters)
     } else {
