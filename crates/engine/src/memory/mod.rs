@@ -25,6 +25,7 @@ pub mod gpu;
 pub mod hf_config;
 pub mod ledger;
 pub mod plan;
+pub mod plan_options;
 pub mod planner;
 pub mod reference;
 pub mod step_time;

@@ -11,6 +11,70 @@ use super::reference::{activations, Activations, Attention, Recompute};
 use super::step_time::{step_time, Rates, StepTime};
 use super::zero::{model_states, ModelStates, Offload, Zero};
 
+/// Which stacks `gaccwb estimate` answers for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, strum::EnumString, strum::Display)]
+#[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
+pub enum Stack {
+    Engine,
+    Reference,
+    Both,
+}
+
+/// Both answers: this engine's estimate (its fields at the top level, as before) and the
+/// reference stack's.
+#[derive(Clone, Debug, Serialize)]
+pub struct StackReport {
+    #[serde(flatten)]
+    pub engine: Option<super::estimate::Report>,
+    /// Why this engine has no answer (an architecture it cannot build), when it has none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_unavailable: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference: Option<ReferencePlan>,
+}
+
+impl StackReport {
+    pub fn render(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(e) = &self.engine {
+            parts.push(format!("This engine:\n{}", e.render()));
+        }
+        if let Some(why) = &self.engine_unavailable {
+            parts.push(format!("This engine: {why}\n"));
+        }
+        if let Some(r) = &self.reference {
+            parts.push(r.render());
+        }
+        parts.join("\n")
+    }
+}
+
+/// Why this engine cannot build `arch`, in one line.
+pub fn engine_unavailable(arch: &Arch) -> String {
+    let mut differs = Vec::new();
+    if arch.mlp != Mlp::Gelu || arch.intermediate != 4 * arch.hidden {
+        differs.push("its MLP is not 4×GELU");
+    }
+    if arch.norm != Norm::LayerNorm {
+        differs.push("RMSNorm");
+    }
+    if arch.positions != Positions::Learned {
+        differs.push("rotary positions");
+    }
+    if arch.kv_heads != arch.heads {
+        differs.push("grouped-query attention");
+    }
+    if differs.is_empty() {
+        differs.push("its biases or head width differ from GPT blocks");
+    }
+    format!(
+        "cannot build {} ({}); only the reference stack answers",
+        arch.family,
+        differs.join(", ")
+    )
+}
+
 /// One configuration of the reference stack.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Setup {

@@ -22,6 +22,9 @@ pub struct Gpu {
     pub pcie_gbps: f64,
     /// Link between ranks, GB/s in each direction (NVLink; PCIe where there is none).
     pub link_gbps: f64,
+    /// The device is the host (`cpu`): nothing crosses PCIe and the optimizer always runs on
+    /// the host.
+    pub host: bool,
 }
 
 /// The models `--gpu-model` names: (name, peak bf16 dense TFLOPS, memory GB, PCIe GB/s per
@@ -61,6 +64,7 @@ pub fn gpu(name: &str) -> Result<Gpu, TimeError> {
         memory_bytes: gb * 1_000_000_000,
         pcie_gbps,
         link_gbps,
+        host: false,
     })
 }
 
@@ -203,12 +207,16 @@ pub fn step_time(
     let rank_tokens = b * accum * arch.seq_len;
     let flops = flops_per_token(arch, recompute) * rank_tokens as f64;
     let compute_s = flops / (rates.gpu.peak_tflops * 1e12 * rates.mfu);
-    let (h2d, d2h) = pcie_bytes(params, z, accum, recompute);
+    let (h2d, d2h) = if rates.gpu.host {
+        (0, 0)
+    } else {
+        pcie_bytes(params, z, accum, recompute)
+    };
     let pcie_s = h2d.max(d2h) as f64 / (rates.gpu.pcie_gbps * 1e9);
     let network = network_bytes(params, z, accum, recompute);
     let network_s = network as f64 / (rates.gpu.link_gbps * 1e9);
     // The host updates every rank's partition: the whole model once (stage 0: once per rank).
-    let cpu_adam_bytes = if z.offload.optimizer {
+    let cpu_adam_bytes = if z.offload.optimizer || rates.gpu.host {
         16 * params * if z.stage == 0 { z.ranks } else { 1 }
     } else {
         0
@@ -304,6 +312,26 @@ mod tests {
         assert_eq!(ring(2, 4), 5 * 1400);
         assert_eq!(ring(3, 4), 4 * 3 * 1400);
         assert_eq!(network_bytes(p, &Zero::new(3, 1, none).unwrap(), 4, Recompute::None), 0);
+    }
+
+    #[test]
+    fn on_the_host_nothing_crosses_pcie_and_adamw_always_runs_there() {
+        let a = named("gpt2").unwrap();
+        let host = Rates {
+            gpu: Gpu {
+                host: true,
+                ..gpu("a100").unwrap()
+            },
+            ..rates()
+        };
+        let z = Zero::new(0, 1, Offload::parse("optimizer").unwrap()).unwrap();
+        let t = step_time(&a, 2, 1, Recompute::None, &z, &host);
+        assert_eq!((t.h2d_bytes, t.d2h_bytes, t.pcie_s), (0, 0, 0.0));
+        assert_eq!(t.cpu_adam_bytes, 16 * a.param_count());
+        assert_eq!(t.step_s, t.compute_s + t.cpu_adam_bytes as f64 / 10e9);
+        let plain = Zero::new(0, 1, Offload::default()).unwrap();
+        let t = step_time(&a, 2, 1, Recompute::None, &plain, &host);
+        assert_eq!(t.cpu_adam_bytes, 16 * a.param_count());
     }
 
     #[test]
