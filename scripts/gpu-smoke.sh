@@ -148,7 +148,7 @@ smoke() {
 
     phase build "$BUILD_LIMIT_S" cargo build --locked --release --features cuda ||
         fail "the cuda build failed; see $OUT/build.log"
-    phase test "$TEST_LIMIT_S" cargo test --locked --release --features cuda || failed=1
+    phase test "$TEST_LIMIT_S" cargo test --locked --release --features cuda -- --include-ignored || failed=1
     grep -E '^test result:' "$OUT/test.log" | sed 's/^/   /'
 
     presets_and_verdict ./target/release/gaccwb 480 "$failed" "$OUT/test.log" "$start"
@@ -262,7 +262,7 @@ smoke_prebuilt() {
     for t in "$OUT"/bin/tests/*; do
         [ -x "$t" ] || continue
         # The tests read presets and fixtures relative to the repository root (this folder).
-        phase "test-$(basename "$t")" "$TEST_LIMIT_S" "$t" --test-threads=1 --nocapture || failed=1
+        phase "test-$(basename "$t")" "$TEST_LIMIT_S" "$t" --include-ignored --test-threads=1 --nocapture || failed=1
         grep -E '^test |skipped|rel\. error|^(NVML|fp16|f32)' "$OUT/test-$(basename "$t").log" |
             sed 's/^/   /'
     done

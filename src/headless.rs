@@ -44,7 +44,27 @@ pub fn run(scenario: Scenario, device: Device, opts: HeadlessOptions) -> anyhow:
 pub fn run_trainer(trainer: train::Trainer, opts: HeadlessOptions) -> anyhow::Result<Summary> {
     refuse_screen_controls(&trainer)?;
     let session = Session::start(trainer, opts.record.as_deref(), false)?;
-    run_session(session, opts.quiet, false)
+    let progress = match opts.quiet {
+        true => Progress::Hidden,
+        false => Progress::Bar,
+    };
+    run_session(session, progress, SignalHandling::Ignore)
+}
+
+/// Whether a headless run draws a progress bar (on a terminal only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    Bar,
+    Hidden,
+}
+
+/// What SIGINT, SIGTERM and SIGHUP do to a headless run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SignalHandling {
+    /// End the run cleanly at the next boundary (the CLI).
+    Stop,
+    /// Leave them alone (tests, which share the process).
+    Ignore,
 }
 
 /// Without a screen nobody can resume a paused run: a scripted `pause` or `single_step` would
@@ -69,13 +89,11 @@ pub fn refuse_screen_controls(trainer: &train::Trainer) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Follow a started session to its end with a progress bar (or none, `quiet`), recording as it
-/// goes. `stop_on_signals`: SIGINT, SIGTERM and SIGHUP end the run cleanly (the CLI; not in
-/// tests, which share the process).
+/// Follow a started session to its end, recording as it goes.
 pub fn run_session(
     session: Session,
-    quiet: bool,
-    stop_on_signals: bool,
+    progress: Progress,
+    signals: SignalHandling,
 ) -> anyhow::Result<Summary> {
     let Session {
         mut handle,
@@ -83,7 +101,7 @@ pub fn run_session(
         mut recorder,
         steps: total,
     } = session;
-    if stop_on_signals {
+    if signals == SignalHandling::Stop {
         let controls = handle.controls.clone();
         crate::signals::watch(move || {
             let _ = controls.send(ControlMsg {
@@ -92,7 +110,7 @@ pub fn run_session(
             });
         })?;
     }
-    let bar = progress_bar(total, quiet);
+    let bar = progress_bar(total, progress);
     let mut summary = Summary::default();
     while let Some(mut event) = handle.events.blocking_recv() {
         if let Some(signal) = crate::signals::mark_end(&mut event) {
@@ -130,8 +148,8 @@ pub fn run_session(
     Ok(summary)
 }
 
-fn progress_bar(total: u64, quiet: bool) -> ProgressBar {
-    if quiet || !std::io::stderr().is_terminal() {
+fn progress_bar(total: u64, progress: Progress) -> ProgressBar {
+    if progress == Progress::Hidden || !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
     let bar = if total > 0 {

@@ -86,18 +86,18 @@ impl Drop for Tmux {
     }
 }
 
-/// Whether tmux runs here. Under CI (which installs it) a missing tmux fails the test instead of
-/// skipping it: a skipped end-to-end test must never pass for a run that could not see the screen.
-fn tmux_available() -> bool {
+/// tmux must run here: a test that cannot see the screen fails rather than passing unseen.
+/// `.ci/run` installs it; on a workstation, install tmux (`apt-get install tmux`).
+fn require_tmux() {
     let found = Command::new("tmux")
         .arg("-V")
         .output()
         .is_ok_and(|o| o.status.success());
     assert!(
-        found || std::env::var_os("CI").is_none(),
-        "tmux is not installed but CI is set: .ci/run must install it"
+        found,
+        "tmux is not installed: the end-to-end tests drive the real screen through it; install \
+         tmux (.ci/run does)"
     );
-    found
 }
 
 fn steps_on_screen(s: &str) -> u64 {
@@ -111,10 +111,7 @@ fn steps_on_screen(s: &str) -> u64 {
 
 #[test]
 fn k_up_in_a_real_terminal_applies_records_and_quits_cleanly() {
-    if !tmux_available() {
-        eprintln!("skipped: tmux is not installed (CI installs it)");
-        return;
-    }
+    require_tmux();
     let dir = tempfile::tempdir().unwrap();
     let rec = dir.path().join("session.jsonl");
     let tmux = Tmux::start("session");
@@ -157,10 +154,7 @@ fn k_up_in_a_real_terminal_applies_records_and_quits_cleanly() {
 
 #[test]
 fn sigterm_and_sigint_stop_the_run_and_restore_the_terminal() {
-    if !tmux_available() {
-        eprintln!("skipped: tmux is not installed (CI installs it)");
-        return;
-    }
+    require_tmux();
     for (signal, code) in [("TERM", 143), ("INT", 130)] {
         stop_with(signal, code);
     }

@@ -174,8 +174,10 @@ pub enum ZeroGrad {
     PerMicroBatch,
 }
 
-/// A change to the run. Every variant is applied by the trainer at the next window boundary
-/// (never inside a window) and reported back as an `Event::Control` when it takes effect.
+/// A change to the run, reported back as an `Event::Control` when it takes effect. Knob changes
+/// wait for the next window boundary. Two things act sooner: `Stop`, seen between micro-batches,
+/// ends the run without finishing the window, and the out-of-memory guard's retry halves the
+/// micro-batch of the window it is retrying.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Control {

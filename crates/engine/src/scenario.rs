@@ -626,7 +626,8 @@ pub fn validate_control(c: &Control) -> Result<(), String> {
 
 pub const SECTIONS: [&str; 3] = ["model", "data", "train"];
 
-/// The keys a section accepts, read from its serialised default so the list never drifts.
+/// The keys a section accepts. The lists are written out (the strings must be `'static`);
+/// `keys_of_matches_the_structs` holds them to each section's serialised default.
 pub fn keys_of(section: &str) -> Vec<&'static str> {
     const MODEL: &[&str] = &["vocab", "d_model", "layers", "heads", "seq_len"];
     const DATA: &[&str] = &[

@@ -214,7 +214,7 @@ pub enum MemorySource {
     CudaPool,
 }
 
-/// Bytes per ledger category. See DESIGN.md "Memory truth model".
+/// Bytes per ledger category; docs/MEMORY.md says what each holds and how it is measured.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Categories {
     pub parameters: u64,

@@ -3,9 +3,15 @@
 //! compiler already keeps the engine off the terminal side (this crate cannot name the root
 //! crate, nor ratatui or crossterm); this test holds the order inside the engine. Test code
 //! counts too: a test that needs a higher module belongs in `tests/`. See docs/ARCHITECTURE.md.
+//!
+//! Every file is parsed (`syn`), and every path it names is resolved to the engine's top-level
+//! module it starts in: `crate::x`, grouped `use crate::{x, y::z}`, and `super::`/`self::`
+//! paths that climb out of the file's own module; `crate::x` inside macro bodies is read as text.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+
+use syn::visit::Visit;
 
 /// Lowest first. A module may use modules of its own layer or of a lower one.
 const LAYERS: [&[&str]; 8] = [
@@ -33,7 +39,110 @@ fn layer_of(module: &str) -> usize {
         .unwrap_or_else(|| panic!("module `{module}` is in no layer: add it to LAYERS"))
 }
 
-/// module -> the engine modules its files name through `crate::`.
+/// Collects the top-level engine modules named by the paths of one file.
+struct Names<'a> {
+    /// The module the file's items are in, from the crate root (`["train", "guard"]`).
+    module: Vec<String>,
+    /// The top-level modules named.
+    found: &'a mut BTreeSet<String>,
+}
+
+impl Names<'_> {
+    /// The top-level module a path of these segments starts in, if it leaves the file's module
+    /// through `crate` or `super`.
+    fn record(&mut self, segments: &[String]) {
+        let Some(first) = segments.first() else {
+            return;
+        };
+        let absolute: Vec<String> = match first.as_str() {
+            "crate" => segments[1..].to_vec(),
+            "super" | "self" => {
+                let mut here = self.module.clone();
+                let mut rest = segments;
+                while let Some(s) = rest.first() {
+                    match s.as_str() {
+                        "super" => {
+                            here.pop();
+                        }
+                        "self" => {}
+                        _ => break,
+                    }
+                    rest = &rest[1..];
+                }
+                here.extend(rest.iter().cloned());
+                here
+            }
+            _ => return,
+        };
+        if let Some(top) = absolute.first() {
+            self.found.insert(top.clone());
+        }
+    }
+
+    /// Every full path in a (possibly grouped) `use` tree.
+    fn use_tree(&mut self, prefix: &mut Vec<String>, tree: &syn::UseTree) {
+        match tree {
+            syn::UseTree::Path(p) => {
+                prefix.push(p.ident.to_string());
+                self.use_tree(prefix, &p.tree);
+                prefix.pop();
+            }
+            syn::UseTree::Name(n) => self.leaf(prefix, n.ident.to_string()),
+            syn::UseTree::Rename(r) => self.leaf(prefix, r.ident.to_string()),
+            syn::UseTree::Glob(_) => self.record(prefix),
+            syn::UseTree::Group(g) => g.items.iter().for_each(|t| self.use_tree(prefix, t)),
+        }
+    }
+
+    fn leaf(&mut self, prefix: &mut Vec<String>, name: String) {
+        prefix.push(name);
+        self.record(prefix);
+        prefix.pop();
+    }
+}
+
+impl<'ast> Visit<'ast> for Names<'_> {
+    fn visit_item_use(&mut self, item: &'ast syn::ItemUse) {
+        self.use_tree(&mut Vec::new(), &item.tree);
+    }
+
+    fn visit_path(&mut self, path: &'ast syn::Path) {
+        let segments: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
+        self.record(&segments);
+        syn::visit::visit_path(self, path);
+    }
+
+    fn visit_item_mod(&mut self, item: &'ast syn::ItemMod) {
+        // An inline module (`mod tests { use super::*; }`) is one level deeper.
+        self.module.push(item.ident.to_string());
+        syn::visit::visit_item_mod(self, item);
+        self.module.pop();
+    }
+}
+
+/// The top-level engine modules named by `source`, a file of module `module`.
+fn names_in(source: &str, module: &[&str]) -> BTreeSet<String> {
+    let file = syn::parse_file(source).unwrap_or_else(|e| panic!("cannot parse {module:?}: {e}"));
+    let mut found = BTreeSet::new();
+    Names {
+        module: module.iter().map(|s| s.to_string()).collect(),
+        found: &mut found,
+    }
+    .visit_file(&file);
+    // Macro bodies are tokens to the parser: `crate::x` written inside `format!(…)` is read as text.
+    for (i, _) in source.match_indices("crate::") {
+        let name: String = source[i + 7..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if !name.is_empty() {
+            found.insert(name);
+        }
+    }
+    found
+}
+
+/// module -> the other engine modules its files name.
 fn imports() -> BTreeMap<String, BTreeSet<String>> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
@@ -45,31 +154,26 @@ fn imports() -> BTreeMap<String, BTreeSet<String>> {
                 stack.push(path);
                 continue;
             }
-            let rel = path
-                .strip_prefix(&root)
-                .unwrap()
-                .to_string_lossy()
-                .into_owned();
-            let module = rel
-                .split('/')
-                .next()
-                .unwrap()
-                .trim_end_matches(".rs")
-                .to_string();
-            if module == "lib" {
+            let rel = path.strip_prefix(&root).unwrap().with_extension("");
+            let mut module: Vec<String> = rel
+                .iter()
+                .map(|c| c.to_string_lossy().into_owned())
+                .collect();
+            if module.last().is_some_and(|m| m == "mod") {
+                module.pop();
+            }
+            if module == ["lib"] {
                 continue;
             }
             let text = std::fs::read_to_string(&path).unwrap();
-            let used = graph.entry(module.clone()).or_default();
-            for (i, _) in text.match_indices("crate::") {
-                let name: String = text[i + 7..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
-                if !name.is_empty() && name != module {
-                    used.insert(name);
-                }
-            }
+            let module_refs: Vec<&str> = module.iter().map(String::as_str).collect();
+            let top = module[0].clone();
+            let used = graph.entry(top.clone()).or_default();
+            used.extend(
+                names_in(&text, &module_refs)
+                    .into_iter()
+                    .filter(|n| *n != top),
+            );
         }
     }
     graph
@@ -86,6 +190,31 @@ fn engine_modules_import_only_their_layer_or_below() {
         }
     }
     assert!(wrong.is_empty(), "imports upward: {wrong:?}");
+}
+
+/// The reader finds what a text search for `crate::x` misses: grouped imports, `super` paths
+/// that climb to the crate root, and paths in expressions.
+#[test]
+fn every_kind_of_path_is_read() {
+    let source = r#"
+        use crate::{telemetry, train::Trainer};
+        use super::super::checkpoint::Policy;
+        mod tests {
+            use super::super::super::memory::*;
+        }
+        fn f() { let _ = crate::record::Recorder::new; }
+    "#;
+    let names = names_in(source, &["ops", "fused"]);
+    let expected: BTreeSet<String> = ["telemetry", "train", "checkpoint", "memory", "record"]
+        .into_iter()
+        .map(String::from)
+        .collect();
+    assert_eq!(names, expected);
+    // A path inside the file's own module is not an import of another module.
+    assert_eq!(
+        names_in("use super::half::Bf16;", &["ops", "fused"]),
+        BTreeSet::from(["ops".to_string()])
+    );
 }
 
 #[test]

@@ -3,8 +3,8 @@
 //! The trainer calls the `WindowProbe` hooks inside a window (end of each forward and backward)
 //! and `begin_window` / `optimizer_*` / `finish_window` around it. For every phase the ledger keeps
 //! the micro-step whose measured peak was highest, with the categories taken at that phase's end,
-//! and turns them into `MemoryEvent`s once the step is done. DESIGN.md "Memory truth model" defines
-//! the categories; `other` is the measured figure minus the sum of the rest.
+//! and turns them into `MemoryEvent`s once the step is done. docs/MEMORY.md defines the
+//! categories; `other` is the measured figure minus the sum of the rest.
 
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;

@@ -727,8 +727,8 @@ impl Drop for TrainerHandle {
 }
 
 /// Build the trainer here (so bad input fails before any thread starts), then run it on its
-/// own thread. `sink_extra` receives a clone of the event sender for other producers (the
-/// device sampler).
+/// own thread. Returns its handle and a sender into the same event stream for other producers
+/// (the device sampler).
 pub fn spawn(scenario: Scenario, device: Device) -> anyhow::Result<(TrainerHandle, EventSink)> {
     spawn_trainer(Trainer::new(scenario, device)?)
 }

@@ -1,7 +1,7 @@
 //! The memory guard: keeps a run under `train.memory_budget` by trading micro-batch for K, so
 //! the effective batch B·K, the LR and the sample order never change.
 //!
-//! Three sources of truth, in order (DESIGN.md, "Memory guard"):
+//! Three sources of truth, in order (docs/PLANNER.md, "A budget for runs"):
 //! 1. before the run, the estimator: if the configured micro-batch's predicted peak exceeds the
 //!    budget, the largest micro-batch dividing B·K that fits is chosen (or the run is refused
 //!    with the estimate's verdict);

@@ -1,0 +1,132 @@
+//! `gaccwb bench`: training tokens/s of the default model on the CPU, case by case.
+
+use clap::Args;
+
+use gaccwb::bench::{self, Case, DEFAULT_CASES};
+use gaccwb::presets;
+
+use super::{usage, UsageError};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// CPU threads for Candle's kernels (default: RAYON_NUM_THREADS, else every core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Micro-batch and accumulation steps to measure, as B,K (repeatable; default 8,1 8,4 32,1
+    /// plus the default preset's steps/s).
+    #[arg(long = "case", value_name = "B,K", value_parser = parse_case)]
+    cases: Vec<Case>,
+    /// Timed optimizer steps per case.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Untimed optimizer steps before timing.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// One JSON object per case on stdout instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_case(text: &str) -> Result<Case, String> {
+    let parse = |s: &str| s.trim().parse::<usize>().ok().filter(|&n| n > 0);
+    match text.split_once(',') {
+        Some((b, k)) => match (parse(b), parse(k)) {
+            (Some(micro_batch), Some(accum_steps)) => Ok(Case {
+                micro_batch,
+                accum_steps,
+            }),
+            _ => Err(format!(
+                "`{text}`: B and K must be positive integers, e.g. 8,4"
+            )),
+        },
+        None => Err(format!("`{text}`: expected B,K, e.g. 8,4")),
+    }
+}
+
+pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    if let Some(n) = args.threads {
+        if n == 0 {
+            anyhow::bail!(UsageError("--threads must be at least 1".into()));
+        }
+        // Candle sizes its thread pools from this on first use, which has not happened yet.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+    if args.steps == 0 {
+        anyhow::bail!(UsageError("--steps must be at least 1".into()));
+    }
+    let preset = presets::resolve(presets::DEFAULT).map_err(usage)?;
+    let device = candle_core::Device::Cpu;
+    let whole_suite = args.cases.is_empty();
+    let cases = if whole_suite {
+        DEFAULT_CASES.to_vec()
+    } else {
+        args.cases.clone()
+    };
+    let m = &preset.model;
+    if !args.json {
+        println!(
+            "gaccwb bench: model vocab {} d_model {} layers {} heads {} seq_len {}, f32, CPU, {} thread(s), \
+             {} timed steps after {} warm-up",
+            m.vocab, m.d_model, m.layers, m.heads, m.seq_len, bench::threads(), args.steps, args.warmup
+        );
+        println!(
+            "{:>4} {:>3} {:>12} {:>12} {:>12} {:>12}",
+            "B", "K", "tokens/step", "tok/s min", "tok/s med", "tok/s max"
+        );
+    }
+    let mut results = Vec::new();
+    for case in cases {
+        let r = bench::measure_case(&preset, case, &device, args.warmup, args.steps)?;
+        print_case(&r, args.json);
+        results.push(r);
+    }
+    if !whole_suite || args.json {
+        return Ok(());
+    }
+    let median_at = |micro_batch, accum_steps| {
+        results
+            .iter()
+            .find(|r| r.micro_batch == micro_batch && r.accum_steps == accum_steps)
+            .map(|r| r.median_tokens_per_s())
+    };
+    if let (Some(k1), Some(k4)) = (median_at(8, 1), median_at(8, 4)) {
+        println!(
+            "K=4 vs K=1 at B=8: {:.3}x tokens/s (accumulation costs {:.1}%; budget 2%)",
+            k4 / k1,
+            (1.0 - k4 / k1) * 100.0
+        );
+    }
+    let default = bench::measure(preset.clone(), &device, args.warmup, args.steps)?;
+    println!(
+        "default preset `{}` (B={}, K={}, variable-length documents): {:.2} optimizer steps/s (median; target >= 2)",
+        preset.name, default.micro_batch, default.accum_steps, default.median_steps_per_s()
+    );
+    Ok(())
+}
+
+/// One case as a table row, or as a JSON object.
+fn print_case(r: &bench::Measurement, json: bool) {
+    if json {
+        let row = serde_json::json!({
+            "impl": "candle",
+            "micro_batch": r.micro_batch,
+            "accum_steps": r.accum_steps,
+            "threads": r.threads,
+            "tokens_per_step": r.tokens_per_step,
+            "tokens_per_s": r.median_tokens_per_s(),
+            "step_s": r.step_s,
+        });
+        println!("{row}");
+        return;
+    }
+    let sorted = r.tokens_per_s_sorted();
+    println!(
+        "{:>4} {:>3} {:>12} {:>12.0} {:>12.0} {:>12.0}",
+        r.micro_batch,
+        r.accum_steps,
+        r.tokens_per_step,
+        sorted[0],
+        r.median_tokens_per_s(),
+        sorted[sorted.len() - 1]
+    );
+}

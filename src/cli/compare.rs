@@ -1,0 +1,142 @@
+//! `gaccwb compare`: each configuration of a grid as its own recorded `gaccwb run`, one table.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+
+use gaccwb::device::DeviceChoice;
+use gaccwb::{compare, presets};
+
+use super::{usage, UsageError};
+
+#[derive(Args)]
+pub struct CompareArgs {
+    /// The preset every configuration starts from.
+    #[arg(default_value = presets::DEFAULT)]
+    preset: String,
+    /// Configurations, e.g. "B=32,K=1; B=4,K=8; B=4,K=8,offload; B=32,K=1,ckpt" (default:
+    /// the preset's [compare] grid).
+    #[arg(long)]
+    grid: Option<String>,
+    /// Optimizer steps per configuration (default: the preset's [compare] steps, else 20).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Also write the table as CSV.
+    #[arg(long, value_name = "FILE")]
+    csv: Option<PathBuf>,
+    /// Also draw the table as an SVG chart (grouped bars: peak memory, tokens/s).
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+    /// Replace the --csv / --svg files when they exist.
+    #[arg(long)]
+    force: bool,
+    /// Print the rows as JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// cpu, cuda, cuda:N or auto, for every configuration.
+    #[arg(long, default_value = "auto", value_parser = device_name)]
+    device: String,
+    /// Keep each configuration's recording in DIR (NN-LABEL.jsonl), to replay or export;
+    /// by default they go to a temporary directory that is removed.
+    #[arg(long, value_name = "DIR")]
+    record_dir: Option<PathBuf>,
+}
+
+fn device_name(s: &str) -> Result<String, String> {
+    s.parse::<DeviceChoice>().map(|_| s.to_string())
+}
+
+pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
+    let base = presets::resolve(&args.preset).map_err(usage)?;
+    let spec = base.compare.clone().unwrap_or_default();
+    let grid = match args.grid.or(Some(spec.grid).filter(|g| !g.is_empty())) {
+        Some(g) => g,
+        None => anyhow::bail!(UsageError(format!(
+            "preset {} has no [compare] grid; give one with --grid, e.g. \"B=32,K=1; B=4,K=8\"",
+            args.preset
+        ))),
+    };
+    let steps = args.steps.or(spec.steps).unwrap_or(20);
+    if steps == 0 {
+        anyhow::bail!(UsageError("--steps must be at least 1".into()));
+    }
+    let configs = compare::parse_grid(&grid, &base).map_err(usage)?;
+    // Refuse before the runs, not after minutes of training.
+    if args.csv.is_some() && args.csv == args.svg {
+        anyhow::bail!(UsageError("--csv and --svg name the same file".into()));
+    }
+    for (path, what) in [(&args.csv, "table"), (&args.svg, "chart")] {
+        if let Some(path) = path {
+            gaccwb::safe_write::check_free(path, what, args.force)?;
+        }
+    }
+    let temporary = tempfile::tempdir()?;
+    let runner = compare::Runner {
+        exe: std::env::current_exe()?,
+        preset: args.preset.clone(),
+        device: args.device.clone(),
+        steps,
+        record_dir: args
+            .record_dir
+            .clone()
+            .unwrap_or_else(|| temporary.path().to_path_buf()),
+        force: args.force,
+    };
+    if let Some(dir) = &args.record_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (i, c) in configs.iter().enumerate() {
+            gaccwb::safe_write::check_free(&runner.recording(i, c), "recording", args.force)?;
+        }
+    }
+    let bar = progress(configs.len());
+    let mut rows = Vec::new();
+    for (i, c) in configs.iter().enumerate() {
+        let line = format!("[{}/{}] {} ({steps} steps)", i + 1, configs.len(), c.label);
+        match bar.is_hidden() {
+            true => eprintln!("{line}"),
+            false => bar.set_message(line),
+        }
+        rows.push(runner.run(i, c)?);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", compare::table(&rows));
+        eprintln!(
+            "Each row is its own `gaccwb run --headless` process; --json and --csv give its \
+             command, --record-dir DIR keeps its recording."
+        );
+    }
+    if let Some(path) = &args.csv {
+        let csv = compare::csv(&rows)?;
+        gaccwb::safe_write::write_file(path, &csv, "table", args.force)?;
+    }
+    if let Some(path) = &args.svg {
+        let title = format!(
+            "{}: {steps} optimizer steps per configuration, same seed and samples",
+            base.name
+        );
+        gaccwb::export::compare_svg::write_compare_svg(&rows, &title, path, args.force)?;
+    }
+    Ok(())
+}
+
+/// A bar over the configurations, ticking while each one's run is in progress; hidden when
+/// stderr is not a terminal (a line per configuration is printed instead).
+fn progress(configs: usize) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    // A fixed template: its parse cannot fail at run time.
+    let style = indicatif::ProgressStyle::with_template(
+        "{spinner} {wide_msg} [{elapsed_precise}] {pos}/{len} done",
+    )
+    .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner());
+    let bar = indicatif::ProgressBar::new(configs as u64).with_style(style);
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    bar
+}

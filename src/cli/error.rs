@@ -1,0 +1,47 @@
+//! How a command that did not do what was asked ends: its error's class decides the exit code.
+
+use std::process::ExitCode;
+
+use gaccwb::signals::Signalled;
+
+/// A problem with what the user asked for (a bad argument, file or value): exit code 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+/// Wrap anything printable as a [`UsageError`], for `map_err`.
+pub fn usage(e: impl std::fmt::Display) -> UsageError {
+    UsageError(e.to_string())
+}
+
+/// The classes of failure, each with its exit code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExitClass {
+    /// The request itself was wrong: 2, as for a usage error.
+    Usage,
+    /// The command ran and failed: 1.
+    Failure,
+    /// A signal ended it: 128 + the signal's number.
+    Signal(u8),
+}
+
+impl ExitClass {
+    /// The class of `e`, found by type anywhere in its chain of causes.
+    pub fn of(e: &anyhow::Error) -> ExitClass {
+        if let Some(signal) = e.downcast_ref::<Signalled>() {
+            return ExitClass::Signal(signal.exit_code());
+        }
+        if e.downcast_ref::<UsageError>().is_some() {
+            return ExitClass::Usage;
+        }
+        ExitClass::Failure
+    }
+
+    pub fn exit_code(self) -> ExitCode {
+        match self {
+            ExitClass::Usage => ExitCode::from(2),
+            ExitClass::Failure => ExitCode::FAILURE,
+            ExitClass::Signal(code) => ExitCode::from(code),
+        }
+    }
+}

@@ -1,0 +1,98 @@
+//! `gaccwb export`: a recording as CSV files, an SVG chart or an asciinema cast.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use gaccwb::export::cast::{write_cast, CastOptions};
+use gaccwb::record::read_recording;
+use gaccwb::{export, headless};
+
+use super::UsageError;
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// A recording made with --record.
+    file: PathBuf,
+    /// csv: a directory of steps.csv, memory.csv, controls.csv, evals.csv; svg: one chart file.
+    #[arg(long = "to", value_enum)]
+    format: ExportFormat,
+    /// Output directory (csv) or file (svg, cast).
+    #[arg(short = 'o', long = "out", value_name = "OUT")]
+    out: PathBuf,
+    /// cast: screen size, COLSxROWS.
+    #[arg(long, default_value = "120x40", value_parser = parse_size)]
+    size: (u16, u16),
+    /// cast: time runs this many times faster than the recorded step times.
+    #[arg(long, default_value_t = 1.0)]
+    speed: f64,
+    /// Replace existing output files (by default they are refused).
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ExportFormat {
+    Csv,
+    Svg,
+    /// asciinema v2 recording of the replayed screen.
+    Cast,
+}
+
+fn parse_size(s: &str) -> Result<(u16, u16), String> {
+    let bad = || format!("bad size `{s}`: expected COLSxROWS, at least 80x24, e.g. 120x40");
+    let (w, h) = s.split_once('x').ok_or_else(bad)?;
+    let (w, h): (u16, u16) = (w.parse().map_err(|_| bad())?, h.parse().map_err(|_| bad())?);
+    if w < 80 || h < 24 {
+        return Err(bad());
+    }
+    Ok((w, h))
+}
+
+pub fn export(args: ExportArgs) -> anyhow::Result<()> {
+    let recording = read_recording(&args.file)?;
+    for w in &recording.warnings {
+        eprintln!("gaccwb: warning: {}", headless::strip(w));
+    }
+    let same_file = matches!(
+        (args.file.canonicalize(), args.out.canonicalize()),
+        (Ok(a), Ok(b)) if a == b
+    );
+    if same_file {
+        anyhow::bail!(UsageError(format!(
+            "-o {} is the recording being exported; write to another file",
+            args.out.display()
+        )));
+    }
+    match args.format {
+        ExportFormat::Csv => {
+            for path in export::csv::write_csv(&recording, &args.out, args.force)? {
+                println!("{}", path.display());
+            }
+        }
+        ExportFormat::Svg => {
+            export::svg::write_svg(&recording, &args.out, args.force)?;
+            println!("{}", args.out.display());
+        }
+        ExportFormat::Cast => {
+            gaccwb::safe_write::check_free(&args.out, "cast", args.force)?;
+            let mut out = Vec::new();
+            let opts = CastOptions {
+                width: args.size.0,
+                height: args.size.1,
+                speed: args.speed,
+                ..CastOptions::default()
+            };
+            let stats = write_cast(&recording.events, &mut out, &opts)?;
+            gaccwb::safe_write::write_file(&args.out, &out, "cast", args.force)?;
+            eprintln!(
+                "wrote {}: {} frames, {} control markers, {:.1} s",
+                args.out.display(),
+                stats.frames,
+                stats.markers,
+                stats.duration_s
+            );
+        }
+    }
+    Ok(())
+}
