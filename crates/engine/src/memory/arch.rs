@@ -243,6 +243,17 @@ impl Arch {
             + head
     }
 
+    /// `param_count` in floating point, safe for any sizes (for range checks before counting).
+    pub fn param_count_f64(&self) -> f64 {
+        let (v, h, l) = (self.vocab as f64, self.hidden as f64, self.layers as f64);
+        let (q, kv, f) = (
+            self.q_width() as f64,
+            self.kv_width() as f64,
+            self.intermediate as f64,
+        );
+        2.0 * v * h + self.positions_table as f64 * h + l * (h * (2.0 * q + 2.0 * kv) + 3.0 * h * f + 8.0 * h)
+    }
+
     /// Parameters the forward multiplies by (per token, 2 FLOPs each): every layer matrix and
     /// the head (tied or not); not the lookup tables or the norms and biases.
     pub fn matmul_params(&self) -> u64 {

@@ -11,6 +11,9 @@ use super::arch::{Arch, Mlp, Norm, Positions};
 /// The `model_type`s read.
 pub const SUPPORTED: [&str; 5] = ["gpt2", "llama", "mistral", "qwen2", "gpt_neox"];
 
+/// The largest size any field may give (sizes are multiplied together in 64 bits).
+const MAX_SIZE: u64 = 1 << 31;
+
 /// Why a `config.json` was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum HfConfigError {
@@ -130,8 +133,13 @@ impl Fields<'_> {
         match self.get(field) {
             Some(v) => v
                 .as_u64()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| self.bad(field, &format!("expected a positive integer, got {v}"))),
+                .filter(|&n| n > 0 && n <= MAX_SIZE)
+                .ok_or_else(|| {
+                    self.bad(
+                        field,
+                        &format!("expected a positive integer up to {MAX_SIZE}, got {v}"),
+                    )
+                }),
             None => default.ok_or_else(|| HfConfigError::Missing {
                 path: self.path.to_path_buf(),
                 field,
@@ -308,7 +316,7 @@ mod tests {
             "c.json: field `intermediate_size` is missing (model_type llama needs it)"
         );
         assert!(err(&llama.replace("\"hidden_size\": 64", "\"hidden_size\": -1")).starts_with(
-            "c.json: field `hidden_size`: expected a positive integer, got -1"
+            "c.json: field `hidden_size`: expected a positive integer up to 2147483648, got -1"
         ));
         assert!(err("[1]").contains("top level"));
         assert!(err("{").starts_with("c.json: not JSON"));

@@ -318,7 +318,7 @@ pub fn seconds(s: f64) -> String {
 
 fn lever_table(levers: &[LeverRow]) -> String {
     let mut rows = vec![[
-        "lever", "B", "K", "ZeRO", "offload", "device", "host", "", "step", "bound", "tokens/s",
+        "    lever", "B", "K", "ZeRO", "offload", "device", "host", "", "step", "bound", "tokens/s",
     ]
     .map(String::from)
     .to_vec()];

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use super::arch::{self, Arch};
+use super::arch::{self, Arch, Positions};
 use super::hf_config::{self, HfConfigError};
 use super::plan::Setup;
 use super::reference::{Attention, Recompute};
@@ -66,6 +66,8 @@ pub enum OptionsError {
     },
     #[error("--seq-len 0: at least one token")]
     SeqLen,
+    #[error("the model is too large to plan (about {0} bytes); check its sizes and --seq-len")]
+    TooLarge(String),
 }
 
 /// The architecture: `--config`, else `--shape`, else `fallback` (the preset's model); then
@@ -80,10 +82,30 @@ pub fn resolve_arch(o: &Options, fallback: Arch) -> Result<Arch, OptionsError> {
     a.tied |= o.tied;
     match o.seq_len {
         Some(0) => return Err(OptionsError::SeqLen),
-        Some(s) => a.seq_len = s,
+        Some(s) => {
+            a.seq_len = s;
+            if a.positions == Positions::Learned {
+                // A learned table has a row per position the model sees.
+                a.positions_table = s;
+            }
+        }
         None => {}
     }
     Ok(a)
+}
+
+/// Refuses shapes whose byte counts would not fit in 64 bits (a rough upper bound of every
+/// term, in floating point): `tokens` samples per step on a rank.
+pub fn check_size(a: &Arch, tokens: u64) -> Result<(), OptionsError> {
+    let (s, b) = (a.seq_len as f64, tokens as f64);
+    let per_layer = 8.0 * s * b * (a.hidden + a.intermediate + a.q_width()) as f64
+        + 8.0 * a.heads as f64 * s * s * b;
+    let bytes = a.layers as f64 * per_layer + 8.0 * s * b * a.vocab as f64 + 32.0 * a.param_count_f64();
+    if bytes < 2f64.powi(62) {
+        Ok(())
+    } else {
+        Err(OptionsError::TooLarge(format!("{bytes:.3e}")))
+    }
 }
 
 fn choice<T: std::str::FromStr>(
