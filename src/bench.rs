@@ -190,9 +190,15 @@ pub fn measure_host_rates(params: usize, n: usize, steps: usize) -> anyhow::Resu
     let device = Device::Cpu;
     let chunk = params.div_ceil(8);
     let filled = |value: f64| Tensor::full(value as f32, chunk, &device);
-    let w: Vec<Tensor> = (0..8).map(|_| filled(0.5)).collect::<candle_core::Result<_>>()?;
-    let m: Vec<Tensor> = (0..8).map(|_| filled(0.0)).collect::<candle_core::Result<_>>()?;
-    let v: Vec<Tensor> = (0..8).map(|_| filled(0.0)).collect::<candle_core::Result<_>>()?;
+    let w: Vec<Tensor> = (0..8)
+        .map(|_| filled(0.5))
+        .collect::<candle_core::Result<_>>()?;
+    let m: Vec<Tensor> = (0..8)
+        .map(|_| filled(0.0))
+        .collect::<candle_core::Result<_>>()?;
+    let v: Vec<Tensor> = (0..8)
+        .map(|_| filled(0.0))
+        .collect::<candle_core::Result<_>>()?;
     let g = filled(1e-3)?;
     let step = AdamWStep {
         beta1: 0.9,

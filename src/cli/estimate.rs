@@ -147,7 +147,10 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     let budget_gib = match (args.budget_gib, &args.gpu_model) {
         (Some(g), _) => g,
         (None, Some(name)) if name != "cpu" => {
-            opts::resolve_rates(&options).map_err(usage)?.gpu.memory_bytes as f64
+            opts::resolve_rates(&options)
+                .map_err(usage)?
+                .gpu
+                .memory_bytes as f64
                 / (1u64 << 30) as f64
         }
         _ => 8.0,
@@ -162,7 +165,8 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if args.stack == Stack::Engine && !engine_builds {
         anyhow::bail!(UsageError(format!(
             "--stack engine: this engine {}",
-            engine_unavailable(&arch).replace("only the reference stack answers", "use --stack reference")
+            engine_unavailable(&arch)
+                .replace("only the reference stack answers", "use --stack reference")
         )));
     }
     let engine = match (args.stack, engine_builds) {

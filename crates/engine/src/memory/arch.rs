@@ -85,7 +85,17 @@ const GPT: [(&str, u64, u64, u64, u64); 5] = [
 const LLAMA: [(&str, &str, u64, u64, u64, u64, u64, u64, u64); 3] = [
     ("llama3-8b", "llama", 128256, 4096, 32, 32, 8, 14336, 8192),
     ("llama3-70b", "llama", 128256, 8192, 80, 64, 8, 28672, 8192),
-    ("mistral-7b", "mistral", 32000, 4096, 32, 32, 8, 14336, 32768),
+    (
+        "mistral-7b",
+        "mistral",
+        32000,
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        32768,
+    ),
 ];
 
 /// Every name `--shape` accepts.
@@ -109,7 +119,12 @@ pub fn named(name: &str) -> Option<Arch> {
         return Some(Arch {
             tied: true,
             dropout: true,
-            family: if name.starts_with("gpt3") { "gpt3" } else { "gpt2" }.into(),
+            family: if name.starts_with("gpt3") {
+                "gpt3"
+            } else {
+                "gpt2"
+            }
+            .into(),
             ..Arch::engine(&m)
         });
     }
@@ -236,11 +251,7 @@ impl Arch {
             Positions::Rotary => 0,
         };
         let head = if self.tied { 0 } else { embedding };
-        embedding
-            + positions
-            + self.layers * self.layer_params()
-            + self.norm_params()
-            + head
+        embedding + positions + self.layers * self.layer_params() + self.norm_params() + head
     }
 
     /// `param_count` in floating point, safe for any sizes (for range checks before counting).
@@ -251,7 +262,9 @@ impl Arch {
             self.kv_width() as f64,
             self.intermediate as f64,
         );
-        2.0 * v * h + self.positions_table as f64 * h + l * (h * (2.0 * q + 2.0 * kv) + 3.0 * h * f + 8.0 * h)
+        2.0 * v * h
+            + self.positions_table as f64 * h
+            + l * (h * (2.0 * q + 2.0 * kv) + 3.0 * h * f + 8.0 * h)
     }
 
     /// Parameters the forward multiplies by (per token, 2 FLOPs each): every layer matrix and
@@ -321,7 +334,9 @@ mod tests {
             tied: false,
             ..gpt2.clone()
         };
-        let m = gpt2.engine_model().expect("GPT-2 is the engine's architecture");
+        let m = gpt2
+            .engine_model()
+            .expect("GPT-2 is the engine's architecture");
         assert_eq!(
             crate::memory::estimate::param_count(&m),
             untied.param_count()

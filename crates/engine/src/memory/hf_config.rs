@@ -315,9 +315,11 @@ mod tests {
             err(llama),
             "c.json: field `intermediate_size` is missing (model_type llama needs it)"
         );
-        assert!(err(&llama.replace("\"hidden_size\": 64", "\"hidden_size\": -1")).starts_with(
-            "c.json: field `hidden_size`: expected a positive integer up to 2147483648, got -1"
-        ));
+        assert!(
+            err(&llama.replace("\"hidden_size\": 64", "\"hidden_size\": -1")).starts_with(
+                "c.json: field `hidden_size`: expected a positive integer up to 2147483648, got -1"
+            )
+        );
         assert!(err("[1]").contains("top level"));
         assert!(err("{").starts_with("c.json: not JSON"));
     }
@@ -329,7 +331,10 @@ mod tests {
             "intermediate_size": 128}"#;
         let a = parse(Path::new("c.json"), text).unwrap();
         assert_eq!((a.kv_heads, a.head_dim, a.tied), (4, 16, false));
-        let grouped = text.replace("\"intermediate_size\"", "\"num_key_value_heads\": 3, \"intermediate_size\"");
+        let grouped = text.replace(
+            "\"intermediate_size\"",
+            "\"num_key_value_heads\": 3, \"intermediate_size\"",
+        );
         assert!(err(&grouped).contains("`num_key_value_heads`: 3 key/value heads"));
     }
 }

@@ -220,9 +220,17 @@ fn describe(a: &Arch, params: u64) -> String {
 }
 
 fn describe_setup(s: &Setup, r: &Rates) -> String {
+    let links = if r.gpu.host {
+        "no PCIe".to_string()
+    } else {
+        format!(
+            "PCIe {} GB/s, link {} GB/s",
+            r.gpu.pcie_gbps, r.gpu.link_gbps
+        )
+    };
     format!(
         "B={} K={} on each of {} rank(s), ZeRO-{}, offload {}, attention {}, recompute {}; {}: \
-         {} TFLOPS × MFU {}, PCIe {} GB/s, link {} GB/s; host AdamW {:.2} GB/s",
+         {} TFLOPS × MFU {}, {links}; host AdamW {:.3} GB/s",
         s.micro_batch,
         s.accum_steps,
         s.zero.ranks,
@@ -233,8 +241,6 @@ fn describe_setup(s: &Setup, r: &Rates) -> String {
         r.gpu.name,
         r.gpu.peak_tflops,
         r.mfu,
-        r.gpu.pcie_gbps,
-        r.gpu.link_gbps,
         r.cpu_adam_bytes_per_s / 1e9,
     )
 }
@@ -265,7 +271,11 @@ fn placement_table(o: &Outcome) -> String {
         ("gradients (fp32)", m.gradients32),
         ("optimizer (fp32 master, m, v)", m.optimizer),
     ] {
-        rows.push(vec![name.into(), human_bytes(p.device), human_bytes(p.host)]);
+        rows.push(vec![
+            name.into(),
+            human_bytes(p.device),
+            human_bytes(p.host),
+        ]);
     }
     rows.push(vec![
         "gathered module (ZeRO-3)".into(),
@@ -318,7 +328,17 @@ pub fn seconds(s: f64) -> String {
 
 fn lever_table(levers: &[LeverRow]) -> String {
     let mut rows = vec![[
-        "    lever", "B", "K", "ZeRO", "offload", "device", "host", "", "step", "bound", "tokens/s",
+        "    lever",
+        "B",
+        "K",
+        "ZeRO",
+        "offload",
+        "device",
+        "host",
+        "",
+        "step",
+        "bound",
+        "tokens/s",
     ]
     .map(String::from)
     .to_vec()];

@@ -15,14 +15,14 @@ use super::zero::{Offload, Zero, ZeroError};
 /// The default MFU: Llama 3's reported 38–43% bf16 MFU on 16k H100s, rounded down.
 pub const DEFAULT_MFU: f64 = 0.4;
 
-/// The host AdamW rate used when `--cpu-adam-gbps` is not given: the fused kernel measured by
-/// `gaccwb bench --adamw` on the 2-core development machine (docs/PLANNER.md). A large host
-/// runs it faster; measure yours.
-pub const DEFAULT_CPU_ADAM_GBPS: f64 = 2.0;
+/// The host AdamW rate used when `--cpu-adam-gbps` is not given: the median of three runs of
+/// `gaccwb bench --adamw` (optimized build, 2 threads) on the shared 2-core development machine
+/// (docs/PLANNER.md). A server runs it faster; measure yours.
+pub const DEFAULT_CPU_ADAM_GBPS: f64 = 1.071;
 
-/// The `cpu` device's f32 product rate when `--peak-tflops` is not given: `gaccwb bench --adamw`
-/// on the 2-core development machine (docs/PLANNER.md).
-pub const DEFAULT_CPU_TFLOPS: f64 = 0.1;
+/// The `cpu` device's f32 product rate when `--peak-tflops` is not given: the median of the
+/// same three runs (10.3 GFLOP/s).
+pub const DEFAULT_CPU_TFLOPS: f64 = 0.0103;
 
 /// What the command line gave.
 #[derive(Clone, Debug, Default)]
@@ -100,7 +100,8 @@ pub fn check_size(a: &Arch, tokens: u64) -> Result<(), OptionsError> {
     let (s, b) = (a.seq_len as f64, tokens as f64);
     let per_layer = 8.0 * s * b * (a.hidden + a.intermediate + a.q_width()) as f64
         + 8.0 * a.heads as f64 * s * s * b;
-    let bytes = a.layers as f64 * per_layer + 8.0 * s * b * a.vocab as f64 + 32.0 * a.param_count_f64();
+    let bytes =
+        a.layers as f64 * per_layer + 8.0 * s * b * a.vocab as f64 + 32.0 * a.param_count_f64();
     if bytes < 2f64.powi(62) {
         Ok(())
     } else {
@@ -200,8 +201,20 @@ mod tests {
         };
         let cases = [
             (Options { ranks: 0, ..opts() }, "--ranks 0"),
-            (Options { mfu: Some(0.0), ..opts() }, "--mfu 0"),
-            (Options { mfu: Some(1.01), ..opts() }, "--mfu 1.01"),
+            (
+                Options {
+                    mfu: Some(0.0),
+                    ..opts()
+                },
+                "--mfu 0",
+            ),
+            (
+                Options {
+                    mfu: Some(1.01),
+                    ..opts()
+                },
+                "--mfu 1.01",
+            ),
             (
                 Options {
                     gpu_model: Some("v100".into()),

@@ -295,23 +295,33 @@ mod tests {
         let p = 1_000_000;
         let opt = Offload::parse("optimizer").unwrap();
         let z2 = Zero::new(2, 4, opt).unwrap();
-        assert_eq!(pcie_bytes(p, &z2, 4, Recompute::None), (2 * p / 4, 4 * 2 * p / 4));
+        assert_eq!(
+            pcie_bytes(p, &z2, 4, Recompute::None),
+            (2 * p / 4, 4 * 2 * p / 4)
+        );
         let all = Offload::parse("optimizer,parameters").unwrap();
         let z3 = Zero::new(3, 1, all).unwrap();
-        assert_eq!(pcie_bytes(p, &z3, 4, Recompute::Full), (4 * 3 * 2 * p, 4 * 2 * p));
+        assert_eq!(
+            pcie_bytes(p, &z3, 4, Recompute::Full),
+            (4 * 3 * 2 * p, 4 * 2 * p)
+        );
     }
 
     #[test]
     fn ring_collectives_send_their_share() {
         let p = 800;
         let none = Offload::default();
-        let ring = |stage, k| network_bytes(p, &Zero::new(stage, 8, none).unwrap(), k, Recompute::None);
+        let ring =
+            |stage, k| network_bytes(p, &Zero::new(stage, 8, none).unwrap(), k, Recompute::None);
         // All-reduce of the 16-bit gradients: 2·(7/8)·1600 bytes.
         assert_eq!(ring(0, 4), 2800);
         assert_eq!(ring(1, 4), 2800);
         assert_eq!(ring(2, 4), 5 * 1400);
         assert_eq!(ring(3, 4), 4 * 3 * 1400);
-        assert_eq!(network_bytes(p, &Zero::new(3, 1, none).unwrap(), 4, Recompute::None), 0);
+        assert_eq!(
+            network_bytes(p, &Zero::new(3, 1, none).unwrap(), 4, Recompute::None),
+            0
+        );
     }
 
     #[test]

@@ -156,11 +156,7 @@ impl ModelStates {
 pub fn model_states(params: u64, largest: u64, z: &Zero) -> ModelStates {
     let w = z.ranks;
     let stage3 = z.stage == 3;
-    let weights16 = Placed::of(
-        W16 * params.div_ceil(z.split(3)),
-        w,
-        z.offload.parameters,
-    );
+    let weights16 = Placed::of(W16 * params.div_ceil(z.split(3)), w, z.offload.parameters);
     // Stage 3 keeps 16-bit gradients for the module in flight only (in `gathered`); below it
     // they are whole on the device unless streamed to the host as they are reduced.
     let gradients16 = if stage3 || z.offload.gradients {
@@ -168,11 +164,7 @@ pub fn model_states(params: u64, largest: u64, z: &Zero) -> ModelStates {
     } else {
         Placed::of(G16 * params, w, false)
     };
-    let gradients32 = Placed::of(
-        G32 * params.div_ceil(z.split(1)),
-        w,
-        z.offload.gradients,
-    );
+    let gradients32 = Placed::of(G32 * params.div_ceil(z.split(1)), w, z.offload.gradients);
     let optimizer = Placed::of(
         OPTIMIZER * params.div_ceil(z.split(1)),
         w,
@@ -226,7 +218,11 @@ mod tests {
         for (w, off, _, gpu) in ZERO2 {
             for stage in [1, 2] {
                 let z = Zero::new(stage, w, offload(off, false)).unwrap();
-                assert_eq!(model_states(P, LARGEST, &z).device(), gpu, "zero{stage} w={w}");
+                assert_eq!(
+                    model_states(P, LARGEST, &z).device(),
+                    gpu,
+                    "zero{stage} w={w}"
+                );
             }
         }
         for (w, opt, par, _, gpu) in ZERO3 {
@@ -257,7 +253,10 @@ mod tests {
     #[test]
     fn bad_settings_are_refused() {
         assert_eq!(Zero::new(0, 0, Offload::default()), Err(ZeroError::NoRanks));
-        assert_eq!(Zero::new(4, 1, Offload::default()), Err(ZeroError::Stage(4)));
+        assert_eq!(
+            Zero::new(4, 1, Offload::default()),
+            Err(ZeroError::Stage(4))
+        );
         assert_eq!(
             Zero::new(2, 1, offload(true, true)),
             Err(ZeroError::ParametersBelowStage3)
@@ -267,7 +266,10 @@ mod tests {
             "--offload disk: unknown target; targets: optimizer, gradients, parameters, none"
         );
         let o = Offload::parse("optimizer").unwrap();
-        assert!(o.gradients, "the CPU optimizer reads the gradients on the host");
+        assert!(
+            o.gradients,
+            "the CPU optimizer reads the gradients on the host"
+        );
     }
 
     #[test]
