@@ -53,13 +53,13 @@ pub struct Activations {
 /// Per-layer bytes kept for backward, 16-bit activations, micro-batch `b`.
 ///
 /// With s tokens, h the hidden width, q = heads·head_dim, k = kv_heads·head_dim, f the MLP's
-/// inner width and a the heads (the paper's terms in brackets, at q = k = h, f = 4h):
-/// - two norms' inputs: 2·2sbh [4sbh];
+/// inner width and a the heads (the paper's terms after `=`, at q = k = h, f = 4h):
+/// - two norms' inputs: 2·2sbh = 4sbh;
 /// - attention: the QKV input 2sbh, Q 2sbq and K 2sbk for QKᵀ, the softmax output 2as²b, with
 ///   dropout its mask as²b and output 2as²b, V 2sbk, the output projection's input 2sbq, with
-///   dropout its mask sbh [11sbh + 5as²b];
+///   dropout its mask sbh = 11sbh + 5as²b;
 /// - MLP, GELU: its input 2sbh, the GELU's input 2sbf and the second matrix's input 2sbf, with
-///   dropout its mask sbh [19sbh]; SwiGLU: its input 2sbh, the gate and up outputs, the SiLU
+///   dropout its mask sbh = 19sbh; SwiGLU: its input 2sbh, the gate and up outputs, the SiLU
 ///   output and the product, 4·2sbf.
 ///
 /// FlashAttention keeps no s² tensor but a log-sum-exp per head and row (fp32, 4asb); selective
