@@ -6,39 +6,44 @@
 //! 1. the time spent inside the ledger's hooks (graph walk for activations, gradient-store walk,
 //!    phase bookkeeping) as a share of the same steps' time, measured inside each step so load
 //!    on the machine cancels out;
-//! 2. windows with the ledger against windows without it (`NoProbe`), interleaved, medians;
+//! 2. windows with the ledger against windows without it (no observer), interleaved, medians;
 //! 3. the sampler's cost per second at 10 Hz (time per reading × 10).
 
 use std::time::{Duration, Instant};
 
-use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use gaccwb::memory::gpu::{AllocatorSource, GpuSource, SAMPLE_INTERVAL};
-use gaccwb::memory::{Ledger, NoProbe, WindowProbe};
-use gaccwb::telemetry::Phase;
-use gaccwb::train::{window_gradients_probed, Trainer};
+use gaccwb::memory::Ledger;
+use gaccwb::train::window::{BackwardEnd, ForwardEnd};
+use gaccwb::train::{window_gradients, window_gradients_observed, Trainer, WindowObserver};
 
-/// Times every hook of the ledger it wraps.
+/// Times every measurement point of the ledger it wraps.
 struct Timed<'a> {
     ledger: &'a mut Ledger,
     spent: Duration,
 }
 
-impl WindowProbe for Timed<'_> {
-    fn phase_start(&mut self, phase: Phase) {
+impl Timed<'_> {
+    fn time<T>(&mut self, f: impl FnOnce(&mut Ledger) -> T) -> T {
         let t = Instant::now();
-        self.ledger.phase_start(phase);
+        let out = f(self.ledger);
         self.spent += t.elapsed();
+        out
     }
-    fn forward_end(&mut self, loss: &Tensor, cw: &[Tensor], buffer: &[&Tensor]) {
-        let t = Instant::now();
-        self.ledger.forward_end(loss, cw, buffer);
-        self.spent += t.elapsed();
+}
+
+impl WindowObserver for Timed<'_> {
+    fn forward_start(&mut self) -> candle_core::Result<()> {
+        self.time(|l| l.forward_start())
     }
-    fn backward_end(&mut self, loss: &Tensor, cw: &[Tensor], store: &GradStore, b: &[&Tensor]) {
-        let t = Instant::now();
-        self.ledger.backward_end(loss, cw, store, b);
-        self.spent += t.elapsed();
+    fn forward_end(&mut self, at: &ForwardEnd) -> candle_core::Result<()> {
+        self.time(|l| l.forward_end(at))
+    }
+    fn backward_start(&mut self) -> candle_core::Result<()> {
+        self.time(|l| l.backward_start())
+    }
+    fn backward_end(&mut self, at: &BackwardEnd) -> candle_core::Result<()> {
+        self.time(|l| l.backward_end(at))
     }
 }
 
@@ -64,15 +69,7 @@ fn main() -> anyhow::Result<()> {
         let samples = t.next_window();
         // Without the ledger.
         let t0 = Instant::now();
-        let w = window_gradients_probed(
-            &t.model,
-            &samples,
-            &t.knobs,
-            1.0,
-            &t.device,
-            || true,
-            &mut NoProbe,
-        );
+        let w = window_gradients(&t.model, &samples, &t.knobs, 1.0, &t.device, || true);
         let plain = t0.elapsed();
         drop(w);
         // With it, timing the hooks and the boundary bookkeeping.
@@ -85,14 +82,14 @@ fn main() -> anyhow::Result<()> {
             ledger: &mut ledger,
             spent: Duration::ZERO,
         };
-        let w = window_gradients_probed(
+        let w = window_gradients_observed(
             &t.model,
             &samples,
             &t.knobs,
             1.0,
             &t.device,
             || true,
-            &mut timed,
+            &mut [&mut timed],
         );
         spent += timed.spent;
         let w = w.map_err(|_| anyhow::anyhow!("window failed"))?;

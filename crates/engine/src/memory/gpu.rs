@@ -384,22 +384,34 @@ pub fn start_sampler_with(
 ) -> SamplerHandle {
     let (stop, stopped) = channel::<()>();
     let started = Instant::now();
+    let mut reported: Vec<Option<String>> = vec![None; sources.len()];
+    let mut sample = move |sources: &mut Vec<Box<dyn GpuSource>>| {
+        let t_ms = started.elapsed().as_millis() as u64;
+        for (source, last_error) in sources.iter_mut().zip(&mut reported) {
+            if let Some(event) = reading(source.as_mut(), t_ms, last_error) {
+                if !sink.send(Event::Device(event)) {
+                    return false;
+                }
+            }
+        }
+        true
+    };
+    // The first reading is taken here, so even a run shorter than the thread's start-up on a
+    // loaded machine has one.
+    let alive = sample(&mut sources);
     let thread = std::thread::Builder::new()
         .name("gaccwb-sampler".into())
         .spawn(move || {
-            let mut reported: Vec<Option<String>> = vec![None; sources.len()];
+            if !alive {
+                return;
+            }
             loop {
-                let t_ms = started.elapsed().as_millis() as u64;
-                for (source, last_error) in sources.iter_mut().zip(&mut reported) {
-                    if let Some(event) = reading(source.as_mut(), t_ms, last_error) {
-                        if !sink.send(Event::Device(event)) {
-                            return;
-                        }
-                    }
-                }
                 match stopped.recv_timeout(interval) {
                     Err(RecvTimeoutError::Timeout) => {}
                     _ => return,
+                }
+                if !sample(&mut sources) {
+                    return;
                 }
             }
         });

@@ -1,9 +1,10 @@
 //! The per-category memory ledger: what each optimizer step holds, at the peak of each phase.
 //!
-//! The trainer calls the `WindowProbe` hooks inside a window (end of each forward and backward)
-//! and `begin_window` / `optimizer_*` / `finish_window` around it. For every phase the ledger keeps
-//! the micro-step whose measured peak was highest, with the categories taken at that phase's end,
-//! and turns them into `MemoryEvent`s once the step is done. docs/MEMORY.md defines the
+//! The trainer calls its measurement points inside a window (start and end of each forward and
+//! backward, through the window's observer list) and `begin_window` / `optimizer_*` /
+//! `finish_window` around it. For every phase the ledger keeps the micro-step whose measured peak
+//! was highest, with the categories taken at that phase's end, and turns them into
+//! `MemoryEvent`s once the step is done. docs/MEMORY.md defines the
 //! categories; `other` is the measured figure minus the sum of the rest.
 
 use candle_core::backprop::GradStore;
@@ -45,30 +46,6 @@ impl TotalMeter for AllocatorMeter {
     }
 }
 
-/// Hooks `window_gradients` calls inside a window.
-pub trait WindowProbe {
-    /// A phase (forward or backward of one micro-batch) begins.
-    fn phase_start(&mut self, _phase: Phase) {}
-    /// The forward of one micro-batch is done: `loss` roots the graph kept for backward.
-    fn forward_end(&mut self, _loss: &Tensor, _compute_weights: &[Tensor], _buffer: &[&Tensor]) {}
-    /// The backward is done and its gradient store not yet folded into `buffer`.
-    fn backward_end(
-        &mut self,
-        _loss: &Tensor,
-        _compute_weights: &[Tensor],
-        _store: &GradStore,
-        _buffer: &[&Tensor],
-    ) {
-    }
-    /// Activation checkpointing recomputed a graph of `bytes` inside this backward (called
-    /// before `backward_end`).
-    fn recomputed(&mut self, _bytes: u64) {}
-}
-
-/// Measures nothing (callers that only want gradients).
-pub struct NoProbe;
-impl WindowProbe for NoProbe {}
-
 /// Categories taken at the end of a phase, with the measured figures of that phase.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct Snapshot {
@@ -103,8 +80,6 @@ pub struct Ledger {
     /// Bytes of the last backward's gradient store (all ids, de-duplicated): the part of
     /// `gradients_transient` visible from outside Candle.
     pub last_store_bytes: u64,
-    /// The largest graph activation checkpointing rebuilt in the current backward.
-    recomputed: u64,
 }
 
 impl Ledger {
@@ -121,7 +96,6 @@ impl Ledger {
             micro: Categories::default(),
             window_activations: None,
             last_store_bytes: 0,
-            recomputed: 0,
         }
     }
 
@@ -272,20 +246,18 @@ impl Ledger {
     }
 }
 
-impl WindowProbe for Ledger {
-    fn recomputed(&mut self, bytes: u64) {
-        self.recomputed = bytes;
-    }
-
-    fn phase_start(&mut self, phase: Phase) {
+/// The measurement points inside a window (the trainer's window observer calls them).
+impl Ledger {
+    /// A phase (forward or backward of one micro-batch) begins.
+    pub fn start_phase(&mut self, phase: Phase) {
         self.meter.reset_peak();
         if phase == Phase::Backward {
             self.backward_start = self.meter.live();
-            self.recomputed = 0;
         }
     }
 
-    fn forward_end(&mut self, loss: &Tensor, compute_weights: &[Tensor], buffer: &[&Tensor]) {
+    /// The forward of one micro-batch is done: `loss` roots the graph kept for backward.
+    pub fn forward_done(&mut self, loss: &Tensor, compute_weights: &[Tensor], buffer: &[&Tensor]) {
         let peak = self.meter.peak();
         self.micro = self.forward_categories(loss, compute_weights, buffer);
         let snap = Snapshot {
@@ -296,27 +268,22 @@ impl WindowProbe for Ledger {
         Self::keep_highest(&mut self.forward, snap);
     }
 
+    /// The backward is done and its gradient store not yet folded into the buffer; activation
+    /// checkpointing rebuilt a graph of `recomputed` bytes inside it.
+    ///
     /// The graph and buffers are those of the forward; what backward adds is measured as its
     /// peak over the figure it started from (the store, the gradients in flight, and the
     /// upstream gradients Candle keeps referenced from f32 weight gradients until the store
     /// is dropped).
-    fn backward_end(
-        &mut self,
-        _loss: &Tensor,
-        _compute_weights: &[Tensor],
-        store: &GradStore,
-        _buffer: &[&Tensor],
-    ) {
+    pub fn backward_done(&mut self, store: &GradStore, recomputed: u64) {
         let peak = self.meter.peak();
         self.last_store_bytes = grad_store_bytes(store, &mut StorageSet::default());
         let added = peak.saturating_sub(self.backward_start);
         // A recomputed block's graph is activations held at the backward's peak, not gradients.
         let snap = Snapshot {
             categories: Categories {
-                activations: self.micro.activations + self.recomputed,
-                gradients_transient: added
-                    .saturating_sub(self.recomputed)
-                    .max(self.last_store_bytes),
+                activations: self.micro.activations + recomputed,
+                gradients_transient: added.saturating_sub(recomputed).max(self.last_store_bytes),
                 ..self.micro
             },
             total: self.meter.live(),

@@ -32,4 +32,4 @@ pub mod step_time;
 pub mod zero;
 
 pub use figure::{highest_figure, step_figures, StepFigure};
-pub use ledger::{Ledger, NoProbe, Persistent, TotalMeter, WindowProbe};
+pub use ledger::{Ledger, Persistent, TotalMeter};

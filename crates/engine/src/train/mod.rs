@@ -3,7 +3,7 @@
 //! One optimizer step, top to bottom (`Trainer::train_step`):
 //! 1. take the window's B·K samples (the data stream does not depend on how it is split);
 //! 2. for each micro-batch: forward, token-sum loss × weight × loss scale, backward, fold into
-//!    the accumulation buffer;
+//!    the accumulation buffer ([`window`]; memory, timing and the noise scale are its observers);
 //! 3. at the boundary: unscale once → non-finite check → global L2 norm → clip → AdamW step (or
 //!    skip on overflow) → loss-scaler update → clear the buffer;
 //! 4. apply controls that arrived, so they take effect for the next window only.
@@ -19,6 +19,7 @@ pub mod oom_guard;
 pub mod pool_governor;
 pub mod scaler;
 pub mod schedule;
+pub mod window;
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -28,269 +29,19 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::data::{Batch, Corpus, Sample, Split};
 use crate::device::device_name;
-use crate::memory::{Ledger, NoProbe, Persistent, WindowProbe};
+use crate::memory::{Ledger, Persistent};
 use crate::model::{Gpt, Param};
 use crate::scenario::{Scenario, TimelineEntry};
 use crate::telemetry::{
     BuildInfo, Control, ControlEvent, ControlMsg, EndEvent, EvalEvent, Event, Header, Level,
-    LogEvent, LossNorm, Origin, Phase, PhaseMs, StepEvent, ZeroGrad, FORMAT_VERSION,
+    LogEvent, Origin, PhaseMs, StepEvent, FORMAT_VERSION,
 };
 pub use crate::telemetry::{EventSink, Knobs};
 use adamw::{AdamW, Hyper};
 use scaler::LossScaler;
-
-/// The gradients of one window, before the boundary.
-pub struct WindowGrads {
-    /// One per parameter, multiplied by the loss scale.
-    pub grads: Vec<Tensor>,
-    /// The correct (`tokens`, zero-grad per window) gradients, also × scale; kept only while a
-    /// pitfall is switched on so its error can be measured.
-    pub reference: Option<Vec<Tensor>>,
-    /// Window loss under the configured normalisation, unscaled.
-    pub loss: f64,
-    pub tokens: u64,
-    pub forward_ms: f64,
-    pub backward_ms: f64,
-    /// Squared norms for the gradient noise scale (K ≥ 2 with `knobs.noise`).
-    pub noise: Option<noise::WindowNorms>,
-}
-
-impl WindowGrads {
-    /// Every tensor of the accumulation buffers.
-    pub fn buffer(&self) -> Vec<&Tensor> {
-        self.grads
-            .iter()
-            .chain(self.reference.iter().flatten())
-            .collect()
-    }
-}
-
-/// Why a window did not finish.
-pub enum Interrupt {
-    Stop,
-    Failed(candle_core::Error),
-}
-
-impl From<candle_core::Error> for Interrupt {
-    fn from(e: candle_core::Error) -> Self {
-        Interrupt::Failed(e)
-    }
-}
-
-/// Forward + backward over `samples` cut into micro-batches of `micro_batch`, folding gradients
-/// the way `knobs` says. `between` runs before every micro-batch and may interrupt the window.
-pub fn window_gradients(
-    model: &Gpt,
-    samples: &[Sample],
-    knobs: &Knobs,
-    scale: f64,
-    device: &Device,
-    between: impl FnMut() -> bool,
-) -> std::result::Result<WindowGrads, Interrupt> {
-    window_gradients_probed(model, samples, knobs, scale, device, between, &mut NoProbe)
-}
-
-/// `window_gradients`, reporting to `probe` at the start and end of every forward and backward
-/// (the memory ledger's measurement points).
-pub fn window_gradients_probed(
-    model: &Gpt,
-    samples: &[Sample],
-    knobs: &Knobs,
-    scale: f64,
-    device: &Device,
-    mut between: impl FnMut() -> bool,
-    probe: &mut dyn WindowProbe,
-) -> std::result::Result<WindowGrads, Interrupt> {
-    let micro: Vec<&[Sample]> = samples.chunks(knobs.micro_batch).collect();
-    let window_tokens: u64 = samples.iter().map(|s| s.len as u64).sum();
-    let mut acc = Accumulation::new(knobs, micro.len());
-    let (mut forward_ms, mut backward_ms) = (0.0, 0.0);
-    // Each micro-batch's detached token-sum loss and its weight: read back in one transfer at
-    // the end of the window, not one device-to-host sync per micro-batch.
-    let mut losses: Vec<(Tensor, f64)> = Vec::new();
-    for chunk in &micro {
-        if !between() {
-            return Err(Interrupt::Stop);
-        }
-        // Forward: the micro-batch's loss, weighted into the window's and scaled.
-        probe.phase_start(Phase::Forward);
-        let t = Instant::now();
-        let batch = Batch::new(chunk, device)?;
-        let weights = LossWeights::new(&batch, window_tokens, micro.len(), knobs.loss_norm);
-        let fwd = model.forward_checkpointed(
-            &batch.inputs,
-            knobs.dtype.candle(),
-            true,
-            knobs.checkpointing,
-        )?;
-        let nll = fwd.nll_sum(&batch.targets, &batch.mask)?;
-        let scaled = nll.affine(weights.applied * scale, 0.0)?;
-        losses.push((nll.detach(), weights.applied));
-        // CUDA runs asynchronously: the phase's time and the memory reading are only true
-        // once its kernels have finished (a no-op on the CPU).
-        device.synchronize()?;
-        forward_ms += t.elapsed().as_secs_f64() * 1e3;
-        probe.forward_end(&scaled, &fwd.compute_weights, &acc.buffer());
-
-        // Backward: the micro-batch's gradients, folded into the window's.
-        probe.phase_start(Phase::Backward);
-        let t = Instant::now();
-        let store = scaled.backward()?;
-        device.synchronize()?;
-        probe.recomputed(fwd.recomputed.recomputed_graph_bytes());
-        probe.backward_end(&scaled, &fwd.compute_weights, &store, &acc.buffer());
-        drop(scaled);
-        let recomputed = fwd.recomputed.clone();
-        drop(fwd);
-        let micro_grads = parameter_gradients(model, &recomputed, store)?;
-        acc.add(micro_grads, &weights, scale, &batch, chunk.len())?;
-        backward_ms += t.elapsed().as_secs_f64() * 1e3;
-    }
-    let loss = window_loss(&losses)?;
-    Ok(acc.finish(scale, loss, window_tokens, forward_ms, backward_ms)?)
-}
-
-/// A micro-batch's loss weight in the window's loss: the one applied (`loss_norm`), and the
-/// correct one (per counted token of the window).
-struct LossWeights {
-    applied: f64,
-    correct: f64,
-}
-
-impl LossWeights {
-    fn new(batch: &Batch, window_tokens: u64, k: usize, loss_norm: LossNorm) -> LossWeights {
-        let correct = 1.0 / window_tokens.max(1) as f64;
-        let applied = match loss_norm {
-            LossNorm::Tokens => correct,
-            LossNorm::MeanOfMeans => 1.0 / (batch.tokens.max(1) as f64 * k as f64),
-        };
-        LossWeights { applied, correct }
-    }
-}
-
-/// Each parameter's gradient from one backward, detached: a parameter's gradient is computed
-/// from activations and would otherwise keep this micro-batch's whole graph alive through the
-/// buffer, the optimizer moments and every later step.
-fn parameter_gradients(
-    model: &Gpt,
-    recomputed: &crate::model::ParamGrads,
-    store: candle_core::backprop::GradStore,
-) -> Result<Vec<Tensor>> {
-    model
-        .params
-        .iter()
-        .map(|p| {
-            recomputed.get(&store, &p.var).ok_or_else(|| {
-                candle_core::Error::Msg(format!("parameter {} received no gradient", p.name))
-            })
-        })
-        .collect()
-}
-
-/// The window's accumulation buffer, folded by the configured zero-grad rule; beside it, while
-/// a pitfall is on, the correct window gradient (the reference `grad_error` is measured
-/// against), and the squared norms of the noise scale.
-struct Accumulation {
-    grads: Option<Vec<Tensor>>,
-    zero_grad: ZeroGrad,
-    /// `Some` while a pitfall is on: the correct fold of correctly weighted gradients.
-    reference: Option<Option<Vec<Tensor>>>,
-    noise: Option<noise::WindowNorms>,
-}
-
-impl Accumulation {
-    fn new(knobs: &Knobs, k: usize) -> Accumulation {
-        let pitfall = knobs.loss_norm != LossNorm::Tokens || knobs.zero_grad != ZeroGrad::PerWindow;
-        Accumulation {
-            grads: None,
-            zero_grad: knobs.zero_grad,
-            reference: pitfall.then_some(None),
-            noise: (knobs.noise && k >= 2).then(noise::WindowNorms::default),
-        }
-    }
-
-    /// Every tensor of the buffers, for the memory ledger.
-    fn buffer(&self) -> Vec<&Tensor> {
-        let reference = self.reference.iter().flatten().flatten();
-        self.grads.iter().flatten().chain(reference).collect()
-    }
-
-    fn add(
-        &mut self,
-        micro: Vec<Tensor>,
-        weights: &LossWeights,
-        scale: f64,
-        batch: &Batch,
-        samples: usize,
-    ) -> Result<()> {
-        if let Some(n) = self.noise.as_mut() {
-            n.push(&micro, weights.applied * scale, batch.tokens, samples)?;
-        }
-        if let Some(reference) = self.reference.as_mut() {
-            let ratio = weights.correct / weights.applied;
-            let correct: Vec<Tensor> = micro
-                .iter()
-                .map(|g| g.affine(ratio, 0.0))
-                .collect::<Result<_>>()?;
-            *reference = Some(fold(reference.take(), correct, ZeroGrad::PerWindow)?);
-        }
-        self.grads = Some(fold(self.grads.take(), micro, self.zero_grad)?);
-        Ok(())
-    }
-
-    fn finish(
-        mut self,
-        scale: f64,
-        loss: f64,
-        tokens: u64,
-        forward_ms: f64,
-        backward_ms: f64,
-    ) -> Result<WindowGrads> {
-        let reference = self.reference.flatten();
-        if let (Some(n), Some(correct)) = (
-            self.noise.as_mut(),
-            reference.as_ref().or(self.grads.as_ref()),
-        ) {
-            n.finish(correct, scale)?;
-        }
-        Ok(WindowGrads {
-            noise: self.noise,
-            grads: self.grads.unwrap_or_default(),
-            reference,
-            loss,
-            tokens,
-            forward_ms,
-            backward_ms,
-        })
-    }
-}
-
-/// Σ weight × loss over the window's micro-batches, with one device-to-host transfer.
-fn window_loss(losses: &[(Tensor, f64)]) -> Result<f64> {
-    if losses.is_empty() {
-        return Ok(0.0);
-    }
-    let tensors: Vec<&Tensor> = losses.iter().map(|(t, _)| t).collect();
-    let values = Tensor::stack(&tensors, 0)?.to_vec1::<f32>()?;
-    Ok(values
-        .iter()
-        .zip(losses)
-        .map(|(v, (_, weight))| f64::from(*v) * weight)
-        .sum())
-}
-
-/// Add a micro-batch's gradients into the accumulation buffer (or replace it: the zero-grad
-/// pitfall).
-fn fold(
-    buffer: Option<Vec<Tensor>>,
-    micro: Vec<Tensor>,
-    zero_grad: ZeroGrad,
-) -> Result<Vec<Tensor>> {
-    match (buffer, zero_grad) {
-        (Some(acc), ZeroGrad::PerWindow) => acc.iter().zip(&micro).map(|(a, g)| a + g).collect(),
-        _ => Ok(micro),
-    }
-}
+pub use window::{
+    window_gradients, window_gradients_observed, Interrupt, WindowGrads, WindowObserver,
+};
 
 /// Global L2 norm over a set of tensors, in f64 on the host.
 pub fn global_norm(tensors: &[Tensor]) -> Result<f64> {
@@ -319,6 +70,40 @@ pub fn relative_error(a: &[Tensor], reference: &[Tensor]) -> Result<f64> {
 /// Work a caller adds after each optimizer step (saving a checkpoint); what it returns goes to
 /// the event log. The trainer does not know what it does, so the layers above it may add any.
 pub type AfterStep = Box<dyn FnMut(&Trainer) -> Option<Event> + Send>;
+
+/// What the step event takes from a finished window.
+struct WindowSummary {
+    loss: f64,
+    tokens: u64,
+    forward_ms: f64,
+    backward_ms: f64,
+}
+
+impl WindowSummary {
+    fn of(w: &WindowGrads) -> WindowSummary {
+        WindowSummary {
+            loss: w.loss,
+            tokens: w.tokens,
+            forward_ms: w.forward_ms,
+            backward_ms: w.backward_ms,
+        }
+    }
+}
+
+/// What the boundary did.
+struct Update {
+    grad_norm: f64,
+    grad_norm_clipped: f64,
+    lr: f64,
+    skipped: bool,
+    grad_error: Option<f64>,
+}
+
+/// The step's times, taken once the boundary's work has finished on the device.
+struct StepTiming {
+    optimizer_ms: f64,
+    step_ms: f64,
+}
 
 fn run_after_step(trainer: &mut Trainer, sink: &EventSink) {
     let Some(mut hook) = trainer.after_step.take() else {
@@ -366,6 +151,8 @@ pub struct Trainer {
     /// Other processes' load on this process's CPUs, read for the governor between windows
     /// (from the trainer's start, so the first reading covers building the model).
     pub cpu_load: crate::ops::cpu_load::OthersLoad,
+    /// Watch every window after the ledger (`observe_windows`; tests inject faults this way).
+    window_observers: Vec<Box<dyn WindowObserver + Send>>,
     base_batch: usize,
     started: Instant,
 }
@@ -417,6 +204,7 @@ impl Trainer {
             after_step: None,
             cli_controls: Vec::new(),
             guard,
+            window_observers: Vec::new(),
             started: Instant::now(),
         };
         oom_guard::plan_start(&mut trainer)?;
@@ -514,29 +302,52 @@ impl Trainer {
         samples
     }
 
-    /// One optimizer step. `between` runs before each micro-batch; returning false abandons the
-    /// window (the data cursor is rewound, nothing is applied).
+    /// One optimizer step: the window's gradients, then the update at the boundary. `between`
+    /// runs before each micro-batch; returning false abandons the window (the data cursor is
+    /// rewound, nothing is applied).
     pub fn train_step(
         &mut self,
-        between: impl FnMut() -> bool,
+        mut between: impl FnMut() -> bool,
     ) -> std::result::Result<StepEvent, Interrupt> {
         let _kernels = crate::ops::force_composite(self.composite);
-        let t0 = Instant::now();
+        let started = Instant::now();
         if self.device.is_cpu() {
             crate::ops::workspace::reserve(self.knobs.dtype);
         }
-        let cursor = self.cursor;
         let scale = self.loss_scale();
-        let mut between = between;
+        let mut window = self.window_with_retries(scale, &mut between)?;
+        let optimizer_started = Instant::now();
+        self.memory.optimizer_start(&window.buffer());
+        let norms = window.noise.take();
+        let summary = WindowSummary::of(&window);
+        let update = self.apply_window(window, scale)?;
+        self.device.synchronize()?;
+        let noise = self.noise.observe(norms.as_ref(), update.skipped);
+        self.memory
+            .finish_window(self.step, self.persistent_memory());
+        let timing = StepTiming {
+            optimizer_ms: optimizer_started.elapsed().as_secs_f64() * 1e3,
+            step_ms: started.elapsed().as_secs_f64() * 1e3,
+        };
+        Ok(self.step_event(summary, update, timing, scale, noise))
+    }
+
+    /// The window's gradients. A window that runs out of memory is retried from the same cursor
+    /// at a smaller micro-batch (`oom_guard`); its partial gradients are dropped with the failed
+    /// attempt.
+    fn window_with_retries(
+        &mut self,
+        scale: f64,
+        between: &mut impl FnMut() -> bool,
+    ) -> std::result::Result<WindowGrads, Interrupt> {
+        let cursor = self.cursor;
         let mut failures_at_one = 0;
-        // A window that runs out of memory is retried from the same cursor at a smaller
-        // micro-batch (`guard`); its partial gradients are dropped with the failed attempt.
-        let mut window = loop {
+        loop {
             let samples = self.next_window();
             let params = self.model.vars().map(|v| v.as_tensor().clone()).collect();
             self.memory.begin_window(params, self.persistent_memory());
-            match oom_guard::attempt(self, &samples, scale, &mut between) {
-                Ok(w) => break w,
+            match self.window_attempt(&samples, scale, &mut *between) {
+                Ok(w) => return Ok(w),
                 Err(e) => {
                     self.cursor = cursor;
                     match oom_guard::after_failure(self, e, &mut failures_at_one) {
@@ -545,19 +356,39 @@ impl Trainer {
                     }
                 }
             }
-        };
-        let t_opt = Instant::now();
-        self.memory.optimizer_start(&window.buffer());
-        let norms = window.noise.take();
-        let mut step = self.apply_window(window, scale, t0)?;
-        self.device.synchronize()?;
-        step.noise = self.noise.observe(norms.as_ref(), step.skipped);
-        self.memory
-            .finish_window(step.step, self.persistent_memory());
-        step.phase_ms.optimizer = t_opt.elapsed().as_secs_f64() * 1e3;
-        step.step_ms = t0.elapsed().as_secs_f64() * 1e3;
-        step.tokens_per_s = step.tokens as f64 / (step.step_ms / 1e3);
-        Ok(step)
+        }
+    }
+
+    /// One attempt at the window's gradients, watched by the ledger and the observers added
+    /// with [`Trainer::observe_windows`].
+    fn window_attempt(
+        &mut self,
+        samples: &[Sample],
+        scale: f64,
+        between: impl FnMut() -> bool,
+    ) -> std::result::Result<WindowGrads, Interrupt> {
+        let step = self.step + 1;
+        for o in &mut self.window_observers {
+            o.window_start(step)?;
+        }
+        let mut observers: Vec<&mut dyn WindowObserver> = vec![&mut self.memory];
+        for o in &mut self.window_observers {
+            observers.push(o.as_mut());
+        }
+        window_gradients_observed(
+            &self.model,
+            samples,
+            &self.knobs,
+            scale,
+            &self.device,
+            between,
+            &mut observers,
+        )
+    }
+
+    /// Watch every later window (called after the ledger, in the order added).
+    pub fn observe_windows(&mut self, observer: Box<dyn WindowObserver + Send>) {
+        self.window_observers.push(observer);
     }
 
     /// Whether the next window takes the fused CPU ops with more than one thread to share them.
@@ -569,7 +400,7 @@ impl Trainer {
     }
 
     /// The boundary: unscale → non-finite check → norm → clip → step or skip → scaler update.
-    fn apply_window(&mut self, w: WindowGrads, scale: f64, t0: Instant) -> Result<StepEvent> {
+    fn apply_window(&mut self, w: WindowGrads, scale: f64) -> Result<Update> {
         let mut grads = w.grads;
         // The pitfall's error is a ratio, the same before unscaling (one factor on both
         // buffers), so the reference is never unscaled and is freed before the step.
@@ -582,7 +413,6 @@ impl Trainer {
         }
         let grad_norm = global_norm(&grads)?;
         let finite = grad_norm.is_finite();
-        let grad_error = grad_error.filter(|_| finite);
         let lr = self.lr();
         let mut grad_norm_clipped = grad_norm;
         if finite {
@@ -602,34 +432,52 @@ impl Trainer {
             self.scaler.update(finite);
         }
         self.step += 1;
-        Ok(StepEvent {
-            step: self.step,
-            loss: w.loss,
+        Ok(Update {
             grad_norm,
             grad_norm_clipped,
             lr,
+            skipped: !finite,
+            grad_error: grad_error.filter(|_| finite),
+        })
+    }
+
+    /// The step's event, built once from what the window and the boundary returned.
+    fn step_event(
+        &self,
+        window: WindowSummary,
+        update: Update,
+        timing: StepTiming,
+        loss_scale: f64,
+        noise: Option<crate::telemetry::NoiseEvent>,
+    ) -> StepEvent {
+        StepEvent {
+            step: self.step,
+            loss: window.loss,
+            grad_norm: update.grad_norm,
+            grad_norm_clipped: update.grad_norm_clipped,
+            lr: update.lr,
             accum_steps: self.knobs.accum_steps,
             micro_batch: self.knobs.micro_batch,
-            tokens: w.tokens,
-            tokens_per_s: 0.0,
-            step_ms: t0.elapsed().as_secs_f64() * 1e3,
+            tokens: window.tokens,
+            tokens_per_s: window.tokens as f64 / (timing.step_ms / 1e3),
+            step_ms: timing.step_ms,
             cpu_threads: self
                 .runs_fused_cpu_in_parallel()
                 .then(crate::ops::pool::threads),
-            skipped: !finite,
-            loss_scale: scale,
+            skipped: update.skipped,
+            loss_scale,
             overflow_count: self.overflow_count,
             dtype: self.knobs.dtype,
             offload: self.knobs.offload,
             clip: self.knobs.clip,
             phase_ms: PhaseMs {
-                forward: w.forward_ms,
-                backward: w.backward_ms,
-                optimizer: 0.0,
+                forward: window.forward_ms,
+                backward: window.backward_ms,
+                optimizer: timing.optimizer_ms,
             },
-            grad_error,
-            noise: None,
-        })
+            grad_error: update.grad_error,
+            noise,
+        }
     }
 
     /// Apply a knob change now (the caller makes sure "now" is a window boundary).

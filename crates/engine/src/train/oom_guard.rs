@@ -14,9 +14,7 @@
 //!
 //! Every change is a `Control` with origin `guard`, logged with the figure that caused it.
 
-use candle_core::Device;
-
-use super::{Interrupt, Trainer, WindowGrads};
+use super::{Interrupt, Trainer};
 use crate::memory::estimate::{estimate, largest_micro_batch, Config};
 use crate::memory::planner::{human_bytes, Verdict};
 use crate::telemetry::{Control, ControlEvent, Event, Level, LogEvent, MemoryEvent, Origin, Phase};
@@ -32,19 +30,6 @@ pub struct Guard {
     queued: Vec<Control>,
     /// Events describing what the guard did inside the last window (applied retries).
     announcements: Vec<Event>,
-    /// Test hook: make a chosen micro-batch fail as an out-of-memory error would.
-    #[cfg(test)]
-    pub fault: Option<Fault>,
-}
-
-/// A test-only injected failure: before micro-batch `micro_batch` (1-based) of the window of
-/// optimizer step `step` (1-based), the window fails with an out-of-memory error, `times` times.
-#[cfg(test)]
-#[derive(Clone, Copy, Debug)]
-pub struct Fault {
-    pub step: u64,
-    pub micro_batch: usize,
-    pub times: u32,
 }
 
 impl Guard {
@@ -244,56 +229,6 @@ pub(super) fn after_failure(
     AfterFailure::Retry
 }
 
-/// One attempt at the window's gradients (with the test-only fault hook in tests).
-pub(super) fn attempt(
-    trainer: &mut Trainer,
-    samples: &[crate::data::Sample],
-    scale: f64,
-    mut between: impl FnMut() -> bool,
-) -> Result<WindowGrads, Interrupt> {
-    #[cfg(test)]
-    let (fault_at, mut calls, mut injected) = (armed_fault(trainer), 0usize, false);
-    let device: &Device = &trainer.device;
-    let result = super::window_gradients_probed(
-        &trainer.model,
-        samples,
-        &trainer.knobs,
-        scale,
-        device,
-        || {
-            #[cfg(test)]
-            {
-                calls += 1;
-                if fault_at == Some(calls) {
-                    injected = true;
-                    return false;
-                }
-            }
-            between()
-        },
-        &mut trainer.memory,
-    );
-    #[cfg(test)]
-    if injected {
-        return Err(Interrupt::Failed(candle_core::Error::Msg(
-            "CUDA_ERROR_OUT_OF_MEMORY: out of memory (injected by the test fault hook)".into(),
-        )));
-    }
-    result
-}
-
-/// The micro-batch (1-based) the test fault fires before in this window, if armed.
-#[cfg(test)]
-fn armed_fault(trainer: &mut Trainer) -> Option<usize> {
-    let step = trainer.step + 1;
-    let fault = trainer.guard.fault.as_mut()?;
-    if fault.step != step || fault.times == 0 {
-        return None;
-    }
-    fault.times -= 1;
-    Some(fault.micro_batch)
-}
-
 fn log(step: u64, level: Level, message: String) -> Event {
     Event::Log(LogEvent {
         step,
@@ -307,6 +242,7 @@ mod tests {
     use super::*;
     use crate::budget::MemoryBudget;
     use crate::scenario::{DataConfig, ModelConfig, Scenario, TrainConfig};
+    use candle_core::Device;
 
     fn scenario(micro_batch: usize, accum_steps: usize) -> Scenario {
         Scenario {
@@ -336,6 +272,51 @@ mod tests {
         Trainer::new(s, Device::Cpu).unwrap()
     }
 
+    /// Before micro-batch `micro_batch` (1-based) of the window of optimizer step `step`, the
+    /// window fails as an out-of-memory error would, `times` times.
+    #[derive(Clone, Copy, Debug)]
+    struct Fault {
+        step: u64,
+        micro_batch: usize,
+        times: u32,
+    }
+
+    /// Injects a [`Fault`] through the trainer's window observers.
+    struct InjectFault {
+        fault: Fault,
+        armed: bool,
+        micro_batches: usize,
+    }
+
+    impl crate::train::WindowObserver for InjectFault {
+        fn window_start(&mut self, step: u64) -> candle_core::Result<()> {
+            self.micro_batches = 0;
+            self.armed = self.fault.step == step && self.fault.times > 0;
+            if self.armed {
+                self.fault.times -= 1;
+            }
+            Ok(())
+        }
+
+        fn forward_start(&mut self) -> candle_core::Result<()> {
+            self.micro_batches += 1;
+            if self.armed && self.micro_batches == self.fault.micro_batch {
+                return Err(candle_core::Error::Msg(
+                    "CUDA_ERROR_OUT_OF_MEMORY: out of memory (injected by the test)".into(),
+                ));
+            }
+            Ok(())
+        }
+    }
+
+    fn inject(t: &mut Trainer, fault: Fault) {
+        t.observe_windows(Box::new(InjectFault {
+            fault,
+            armed: false,
+            micro_batches: 0,
+        }));
+    }
+
     fn weights(t: &Trainer) -> Vec<candle_core::Tensor> {
         t.model.vars().map(|v| v.as_tensor().clone()).collect()
     }
@@ -363,11 +344,14 @@ mod tests {
     #[test]
     fn a_fault_mid_window_retries_the_same_samples_at_half_the_micro_batch() {
         let mut faulted = trainer(scenario(4, 2));
-        faulted.guard.fault = Some(Fault {
-            step: 1,
-            micro_batch: 2,
-            times: 1,
-        });
+        inject(
+            &mut faulted,
+            Fault {
+                step: 1,
+                micro_batch: 2,
+                times: 1,
+            },
+        );
         let step = faulted.train_step(|| true).ok().unwrap();
         assert_eq!(
             (faulted.knobs.micro_batch, faulted.knobs.accum_steps),
@@ -412,19 +396,25 @@ mod tests {
         let mut s = scenario(1, 2);
         s.train.guard_retries = 2;
         let mut t = trainer(s);
-        t.guard.fault = Some(Fault {
-            step: 1,
-            micro_batch: 1,
-            times: 2,
-        });
+        inject(
+            &mut t,
+            Fault {
+                step: 1,
+                micro_batch: 1,
+                times: 2,
+            },
+        );
         // Two failures are retried, the third attempt succeeds.
         assert!(t.train_step(|| true).is_ok());
         assert_eq!(t.cursor, 2);
-        t.guard.fault = Some(Fault {
-            step: 2,
-            micro_batch: 2,
-            times: 3,
-        });
+        inject(
+            &mut t,
+            Fault {
+                step: 2,
+                micro_batch: 2,
+                times: 3,
+            },
+        );
         match t.train_step(|| true) {
             Err(Interrupt::Failed(e)) => {
                 assert!(e.to_string().contains("guard_retries"), "{e}")
