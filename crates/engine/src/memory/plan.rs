@@ -141,6 +141,9 @@ pub struct ReferencePlan {
     pub rates: Rates,
     pub budget: u64,
     pub configured: Outcome,
+    /// The largest micro-batch dividing B·K whose device bytes fit, with its K, everything else
+    /// as configured.
+    pub largest_fitting: Option<Outcome>,
     /// Each lever on top of the ones before, at the configured effective batch per rank.
     pub levers: Vec<LeverRow>,
 }
@@ -153,6 +156,7 @@ impl ReferencePlan {
             rates: rates.clone(),
             budget,
             configured: outcome(arch, setup, rates, budget),
+            largest_fitting: largest_fitting(arch, setup, rates, budget),
             levers: levers(setup)
                 .into_iter()
                 .map(|(name, s)| LeverRow {
@@ -184,6 +188,17 @@ impl ReferencePlan {
             human_bytes(self.configured.device),
             human_bytes(self.configured.host),
         );
+        let per_rank = self.configured.setup.micro_batch * self.configured.setup.accum_steps;
+        out += &match &self.largest_fitting {
+            Some(o) => format!(
+                "  largest micro-batch that fits at B·K = {per_rank}: B={} K={} ({} on the device, {} per step)\n",
+                o.setup.micro_batch,
+                o.setup.accum_steps,
+                human_bytes(o.device),
+                seconds(o.time.step_s)
+            ),
+            None => format!("  no micro-batch fits at B·K = {per_rank} as configured\n"),
+        };
         out += "  levers, each on top of the ones before:\n";
         out += &lever_table(&self.levers);
         out
@@ -364,6 +379,23 @@ fn lever_table(levers: &[LeverRow]) -> String {
     aligned(&rows, &right)
 }
 
+/// The largest micro-batch dividing the configured B·K that fits `budget`, K raised to keep B·K.
+fn largest_fitting(arch: &Arch, setup: &Setup, rates: &Rates, budget: u64) -> Option<Outcome> {
+    let per_rank = setup.micro_batch * setup.accum_steps;
+    (1..=per_rank)
+        .rev()
+        .filter(|b| per_rank.is_multiple_of(*b))
+        .map(|b| {
+            let s = Setup {
+                micro_batch: b,
+                accum_steps: per_rank / b,
+                ..setup.clone()
+            };
+            outcome(arch, &s, rates, budget)
+        })
+        .find(|o| o.fits)
+}
+
 /// The levers in order, each on top of the previous: FlashAttention, micro-batch 1 with K
 /// keeping B·K, full recomputation, ZeRO-3 (when there are ranks to partition over), optimizer
 /// offload, parameter offload (ZeRO-3). Levers already in force are skipped.
@@ -427,6 +459,26 @@ mod tests {
         assert_eq!(o.device, 20 * a.param_count() + o.activations.total);
         assert_eq!(o.host, 0);
         assert!(!o.fits);
+    }
+
+    #[test]
+    fn the_largest_fitting_micro_batch_keeps_b_times_k() {
+        let a = named("llama3-8b").unwrap();
+        let s = Setup {
+            attention: Attention::Flash,
+            ..setup(16, 2, 3, "optimizer")
+        };
+        // Room for the model states and between 4 and 5 samples' activations.
+        let states = outcome(&a, &s, &rates(), u64::MAX).model_states.device();
+        let one = activations(&a, 1, Attention::Flash, Recompute::None).total;
+        let budget = states + 4 * one + one / 2;
+        let plan = ReferencePlan::new(&a, &s, &rates(), budget);
+        let best = plan.largest_fitting.unwrap();
+        assert_eq!((best.setup.micro_batch, best.setup.accum_steps), (4, 8));
+        assert!(!plan.configured.fits && best.fits);
+        assert!(ReferencePlan::new(&a, &s, &rates(), states)
+            .largest_fitting
+            .is_none());
     }
 
     #[test]
