@@ -130,8 +130,8 @@ fn an_unavailable_source_says_why_once_and_recovers() {
 #[test]
 fn a_cpu_run_samples_the_allocator() {
     let (sink, mut rx) = sink();
-    let mut handle = start_sampler(sink, &Device::Cpu);
     let _ballast = vec![7u8; 8 << 20];
+    let mut handle = start_sampler(sink, &Device::Cpu);
     std::thread::sleep(Duration::from_millis(250));
     handle.stop();
     let events = device_events(&mut rx);

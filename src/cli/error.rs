@@ -34,6 +34,11 @@ impl ExitClass {
         if e.downcast_ref::<UsageError>().is_some() {
             return ExitClass::Usage;
         }
+        // An output that can never be written as named: a wrong argument, not a failed run.
+        use gaccwb::safe_write::WriteError;
+        if let Some(WriteError::NotRegular { .. } | WriteError::IsInput { .. }) = e.downcast_ref() {
+            return ExitClass::Usage;
+        }
         ExitClass::Failure
     }
 

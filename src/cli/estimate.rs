@@ -114,6 +114,15 @@ impl EstimateArgs {
             cpu_adam_gbps: self.cpu_adam_gbps,
         }
     }
+
+    /// The files estimate reads: the preset's, and the `config.json` when one is named.
+    pub(super) fn inputs(&self) -> gaccwb::safe_write::Inputs {
+        let mut inputs = super::inputs::preset(&self.preset);
+        if let Some(path) = &self.config {
+            inputs.add("the model config", path);
+        }
+        inputs
+    }
 }
 
 pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {

@@ -1,20 +1,23 @@
 //! The command line: one file per command, each holding its clap arguments and the function
 //! that carries it out. `run` is the default command: `gaccwb --headless` is `gaccwb run
-//! --headless`, with the same defaults (clap's, declared once on [`run::RunArgs`]).
+//! --headless`, parsed by the same clap arguments (and defaults) as `run` itself.
 
 mod bench;
 mod compare;
 mod error;
 mod estimate;
 mod export;
+mod inputs;
 mod presets;
 mod replay;
 mod run;
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
+use gaccwb::safe_write::{Inputs, WriteError};
 
 pub use error::{usage, ExitClass, UsageError};
 
@@ -25,14 +28,12 @@ pub use error::{usage, ExitClass, UsageError};
     name = "gaccwb",
     version,
     about,
-    args_conflicts_with_subcommands = true
+    after_help = "With no command, `run`: `gaccwb --headless` is `gaccwb run --headless`."
 )]
 struct Cli {
+    /// The command; `run` when none is named.
     #[command(subcommand)]
-    command: Option<Command>,
-    /// `run`'s arguments, for `gaccwb` with no command.
-    #[command(flatten)]
-    run: run::RunArgs,
+    command: Command,
     /// Append diagnostics (every event, key and decision, with timestamps) to FILE. Nothing is
     /// ever written to the screen's output.
     #[arg(long, global = true, value_name = "FILE")]
@@ -61,22 +62,21 @@ enum Command {
 
 /// Parse the command line, carry out the command, and turn its outcome into the exit code.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(with_default_command(std::env::args_os().collect()));
     if let Some(path) = &cli.log {
-        if let Err(e) = start_log(path) {
-            eprintln!("gaccwb: --log {}: {e}", path.display());
+        if let Err(e) = start_log(path, &cli.inputs()) {
+            eprintln!("gaccwb: --log: {e}");
             return ExitCode::from(2);
         }
     }
     let result = match cli.command {
-        None => run::run(cli.run),
-        Some(Command::Run(args)) => run::run(args),
-        Some(Command::Presets) => presets::list(),
-        Some(Command::Replay(args)) => replay::replay(args),
-        Some(Command::Estimate(args)) => estimate::estimate(args),
-        Some(Command::Export(args)) => export::export(args),
-        Some(Command::Bench(args)) => bench::bench(args),
-        Some(Command::Compare(args)) => compare::compare(args),
+        Command::Run(args) => run::run(args),
+        Command::Presets => presets::list(),
+        Command::Replay(args) => replay::replay(args),
+        Command::Estimate(args) => estimate::estimate(args),
+        Command::Export(args) => export::export(args),
+        Command::Bench(args) => bench::bench(args),
+        Command::Compare(args) => compare::compare(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -87,12 +87,45 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// Diagnostics to `path` (appended: an earlier log is never lost), debug level and above.
-fn start_log(path: &Path) -> std::io::Result<()> {
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)?;
+/// `args` with `run` inserted where the command belongs when none is named: after the program
+/// and the global `--log FILE`, unless what stands there is a command or asks for help.
+fn with_default_command(mut args: Vec<OsString>) -> Vec<OsString> {
+    let mut at = 1;
+    while let Some(arg) = args.get(at).and_then(|a| a.to_str()) {
+        match arg {
+            "--log" => at += 2,
+            _ if arg.starts_with("--log=") => at += 1,
+            _ => break,
+        }
+    }
+    let named = args.get(at).and_then(|a| a.to_str()).is_some_and(|a| {
+        matches!(a, "help" | "-h" | "--help" | "-V" | "--version")
+            || Cli::command().get_subcommands().any(|c| c.get_name() == a)
+    });
+    if !named && at <= args.len() {
+        args.insert(at, "run".into());
+    }
+    args
+}
+
+impl Cli {
+    /// The files the command reads, so that `--log` appends to none of them.
+    fn inputs(&self) -> Inputs {
+        match &self.command {
+            Command::Run(args) => args.inputs(),
+            Command::Replay(args) => args.inputs(),
+            Command::Estimate(args) => args.inputs(),
+            Command::Export(args) => args.inputs(),
+            Command::Compare(args) => args.inputs(),
+            Command::Presets | Command::Bench(_) => Inputs::default(),
+        }
+    }
+}
+
+/// Diagnostics appended to `path` (an earlier log is never lost), debug level and above: a
+/// regular file or a terminal, none of `inputs`, opened without blocking.
+fn start_log(path: &Path, inputs: &Inputs) -> Result<(), WriteError> {
+    let file = gaccwb::safe_write::open_append(path, "log", inputs)?;
     tracing_subscriber::fmt()
         .with_writer(std::sync::Mutex::new(file))
         .with_ansi(false)
@@ -100,4 +133,46 @@ fn start_log(path: &Path) -> std::io::Result<()> {
         .init();
     tracing::info!(version = env!("CARGO_PKG_VERSION"), "gaccwb started");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn command_of(args: &[&str]) -> String {
+        let args = std::iter::once("gaccwb").chain(args.iter().copied());
+        let cli = Cli::try_parse_from(with_default_command(args.map(OsString::from).collect()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        match cli.command {
+            Command::Run(_) => "run",
+            Command::Presets => "presets",
+            Command::Estimate(_) => "estimate",
+            _ => "other",
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn run_is_the_command_when_none_is_named_wherever_the_global_log_stands() {
+        assert_eq!(command_of(&[]), "run");
+        assert_eq!(command_of(&["--headless", "--steps", "3"]), "run");
+        assert_eq!(command_of(&["baseline", "--headless"]), "run");
+        assert_eq!(command_of(&["--log", "x.log", "--headless"]), "run");
+        assert_eq!(command_of(&["--log", "x.log", "presets"]), "presets");
+        assert_eq!(command_of(&["--log=x.log", "estimate"]), "estimate");
+        assert_eq!(command_of(&["presets", "--log", "x.log"]), "presets");
+    }
+
+    #[test]
+    fn the_default_run_has_the_defaults_of_the_named_one() {
+        let parse = |args: &[&str]| {
+            let argv = std::iter::once("gaccwb").chain(args.iter().copied());
+            match Cli::parse_from(with_default_command(argv.map(OsString::from).collect())).command
+            {
+                Command::Run(a) => format!("{a:?}"),
+                _ => unreachable!("a run"),
+            }
+        };
+        assert_eq!(parse(&[]), parse(&["run"]));
+    }
 }

@@ -25,6 +25,13 @@ pub struct ReplayArgs {
     keys: Option<PathBuf>,
 }
 
+impl ReplayArgs {
+    /// The files replay reads.
+    pub(super) fn inputs(&self) -> gaccwb::safe_write::Inputs {
+        super::inputs::recording(&self.file, self.keys.as_deref())
+    }
+}
+
 pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     if !(args.speed > 0.0 && args.speed.is_finite()) {
         anyhow::bail!(UsageError(format!(

@@ -1,11 +1,12 @@
 //! `gaccwb run` (the default command): train a preset on the screen or headless.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::Args;
 
 use gaccwb::device::DeviceChoice;
 use gaccwb::headless::{self, Progress, SignalHandling};
+use gaccwb::safe_write::{Inputs, Overwrite};
 use gaccwb::scenario::{DataSource, Scenario};
 use gaccwb::train::Trainer;
 use gaccwb::tui::{self, keymap::KeyMap, LiveOptions};
@@ -13,7 +14,7 @@ use gaccwb::{checkpoint, presets};
 
 use super::{usage, UsageError};
 
-#[derive(Args)]
+#[derive(Args, Debug)]
 pub struct RunArgs {
     /// Built-in preset name or path to a preset TOML file.
     #[arg(default_value = presets::DEFAULT)]
@@ -65,6 +66,36 @@ pub struct RunArgs {
     budget: Option<String>,
 }
 
+impl RunArgs {
+    /// Everything the run reads: no file it writes may be one of them.
+    pub(super) fn inputs(&self) -> Inputs {
+        let mut inputs = self.inputs_but_resumed(scenario_from(self).ok().as_ref());
+        if let Some(dir) = &self.resume {
+            checkpoint::add_inputs(dir, &mut inputs);
+        }
+        inputs
+    }
+
+    /// What the run reads but the checkpoint it resumes (which its own saves replace).
+    fn inputs_but_resumed(&self, scenario: Option<&Scenario>) -> Inputs {
+        let mut inputs = super::inputs::preset(&self.preset);
+        if let Some(s) = scenario {
+            super::inputs::add_scenario(s, &mut inputs);
+        }
+        if let Some(state) = self
+            .resume
+            .as_deref()
+            .and_then(|d| checkpoint::read_state(d).ok())
+        {
+            super::inputs::add_scenario(&state.scenario, &mut inputs);
+        }
+        if let Some(keys) = &self.keys {
+            inputs.add("the keymap", keys);
+        }
+        inputs
+    }
+}
+
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let scenario = scenario_from(&args)?;
     let keys = match args.headless {
@@ -75,8 +106,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         true => None,
     };
+    let overwrite = Overwrite::new(args.force, args.inputs());
     if let Some(record) = &args.record {
-        check_record_target(record, &args, &scenario)?;
+        // Checked here too (the recorder checks again, race-free) so the screen and headless
+        // both say it before anything starts, as a usage error.
+        gaccwb::safe_write::check(record, "recording", &overwrite).map_err(usage)?;
     }
     let device = args.device.open()?;
     let trainer = build_trainer(&args, scenario, device)?;
@@ -84,12 +118,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let options = LiveOptions {
             record: args.record,
             keys,
-            force: args.force,
+            overwrite,
         };
         return tui::run_live(trainer, options);
     }
     headless::refuse_screen_controls(&trainer).map_err(|e| usage(format!("{e:#}")))?;
-    let session = gaccwb::session::Session::start(trainer, args.record.as_deref(), args.force)
+    let session = gaccwb::session::Session::start(trainer, args.record.as_deref(), &overwrite)
         .map_err(|e| usage(format!("{e:#}")))?;
     let summary = headless::run_session(session, Progress::Bar, SignalHandling::Stop)?;
     println!("{}", summary.render());
@@ -131,34 +165,6 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     Ok(s)
 }
 
-/// `--record` must not name an existing file without `--force`, nor one of the run's own
-/// inputs (the preset, `--data`, a keymap) even with it: the run reads them.
-fn check_record_target(record: &Path, args: &RunArgs, scenario: &Scenario) -> anyhow::Result<()> {
-    let Ok(target) = record.canonicalize() else {
-        return Ok(()); // not there yet: nothing to lose
-    };
-    if !args.force {
-        // Checked here too (the recorder refuses it again, race-free) so the screen and
-        // headless both say it before anything starts, as a usage error.
-        anyhow::bail!(UsageError(gaccwb::safe_write::refusal(record, "recording")));
-    }
-    let inputs = [
-        Some(PathBuf::from(&args.preset)),
-        scenario.data.path.clone(),
-        args.keys.clone(),
-    ];
-    for input in inputs.into_iter().flatten() {
-        if input.canonicalize().is_ok_and(|p| p == target) {
-            anyhow::bail!(UsageError(format!(
-                "--record {} is an input of this run ({}); record to another file",
-                record.display(),
-                input.display()
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// A fresh trainer for `scenario`, or the one saved in `--resume DIR`; with the checkpoint policy.
 fn build_trainer(
     args: &RunArgs,
@@ -172,10 +178,14 @@ fn build_trainer(
                 .into()
         ));
     }
-    if args.checkpoint_every.is_some() {
-        checkpoint::claim_dir(&args.checkpoint_dir, args.resume.as_deref(), args.force)
-            .map_err(|e| usage(format!("{e:#}")))?;
-    }
+    // Held by the checkpoint hook, so for as long as the trainer lives.
+    let lock = match args.checkpoint_every {
+        Some(_) => Some(
+            checkpoint::claim_dir(&args.checkpoint_dir, args.resume.as_deref(), args.force)
+                .map_err(|e| usage(format!("{e:#}")))?,
+        ),
+        None => None,
+    };
     let mut trainer = match &args.resume {
         Some(dir) => checkpoint::resume(dir, device, |s| {
             if let Some(n) = args.steps {
@@ -190,12 +200,14 @@ fn build_trainer(
         .map(|c| gaccwb::scenario::parse_control_arg(c).map_err(UsageError))
         .collect::<Result<_, _>>()?;
     check_cli_controls(&trainer).map_err(UsageError)?;
-    trainer.after_step = args.checkpoint_every.map(|every| {
+    let inputs = args.inputs_but_resumed(Some(&trainer.scenario));
+    trainer.after_step = args.checkpoint_every.zip(lock).map(|(every, lock)| {
         checkpoint::Policy {
             every,
             dir: args.checkpoint_dir.clone(),
+            inputs,
         }
-        .after_step()
+        .after_step(lock)
     });
     Ok(trainer)
 }

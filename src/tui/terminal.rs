@@ -99,7 +99,7 @@ pub async fn termination() {
     }
 }
 
-/// `NO_COLOR` set to anything non-empty turns colour off (https://no-color.org).
+/// `NO_COLOR` set to anything non-empty turns colour off (<https://no-color.org>).
 pub fn color_enabled() -> bool {
     std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }

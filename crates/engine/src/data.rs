@@ -232,7 +232,7 @@ impl Markov {
 
     /// Token-weighted expected loss of the true distribution: the first two symbols of a document
     /// are uniform (ln A nats each), the rest cost the entropy rate. Lengths are uniform in
-    /// [min, max], so E[len] = (min + max) / 2.
+    /// \[min, max\], so E\[len\] = (min + max) / 2.
     pub fn entropy_floor(&self) -> f64 {
         let mean_len = (self.min_len + self.max_len) as f64 / 2.0;
         let h = Self::entropy_rate();

@@ -5,7 +5,7 @@
 //! (used/reserved/high-water, `cuda` builds only), or the counting allocator on CPU runs. The
 //! sampler thread reads its sources at `SAMPLE_INTERVAL` and sends the readings into the run's
 //! event stream. A source that cannot answer sends one event saying why
-//! ("NVML unavailable: <reason>") and stays quiet until the reason changes; nothing panics.
+//! ("NVML unavailable: `<reason>`") and stays quiet until the reason changes; nothing panics.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -33,7 +33,7 @@ pub trait GpuSource: Send {
     fn sample(&mut self) -> Result<DeviceEvent, String>;
 }
 
-/// "NVML unavailable: <reason>", the one wording the UI shows.
+/// "NVML unavailable: `<reason>`", the one wording the UI shows.
 pub fn nvml_unavailable(reason: impl std::fmt::Display) -> String {
     format!("NVML unavailable: {reason}")
 }
