@@ -699,7 +699,7 @@ impl Report {
             },
         );
         if let Some(why) = &self.not_trainable_here {
-            out += &format!("This shape cannot be trained here ({why}); the estimate is for the architecture.\n");
+            out += &format!("This shape cannot be trained here ({why}); the estimate is for this engine's stack (the reference stack is the usual one).\n");
         }
         out += "\n";
         let phases = self.estimate.phases();
