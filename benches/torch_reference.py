@@ -67,8 +67,9 @@ def init_params(cfg, seed):
     return [(n, p.requires_grad_(), decay) for n, p, decay in params]
 
 
-def forward(cfg, p, ids, mask):
-    """Logits [B*T, V]; `p` is the parameter list in Gpt::new order, `mask` the causal mask."""
+def forward(cfg, p, ids, mask, sdpa=False):
+    """Logits [B*T, V]; `p` is the parameter list in Gpt::new order, `mask` the causal mask.
+    With `sdpa` attention is `F.scaled_dot_product_attention` (causal; `mask` unused)."""
     b, t = ids.shape
     d, h = cfg.d_model, cfg.heads
     hd = d // h
@@ -79,15 +80,18 @@ def forward(cfg, p, ids, mask):
         g1, b1, wqkv, bqkv, wproj, bproj = (next(it) for _ in range(6))
         g2, b2, wfc, bfc, wout, bout = (next(it) for _ in range(6))
         a = F.layer_norm(x, (d,), g1, b1, 1e-5)
-        qkv = (a @ wqkv + bqkv).reshape(b, t, 3, h, hd).permute(2, 0, 3, 1, 4)
+        qkv = torch.addmm(bqkv, a, wqkv).reshape(b, t, 3, h, hd).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        att = torch.softmax(scores + mask, dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b * t, d)
-        x = x + (y @ wproj + bproj)
+        if sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+            y = torch.softmax(scores + mask, dim=-1) @ v
+        y = y.transpose(1, 2).reshape(b * t, d)
+        x = x + torch.addmm(bproj, y, wproj)
         m = F.layer_norm(x, (d,), g2, b2, 1e-5)
-        m = F.gelu(m @ wfc + bfc, approximate="tanh")
-        x = x + (m @ wout + bout)
+        m = F.gelu(torch.addmm(bfc, m, wfc), approximate="tanh")
+        x = x + torch.addmm(bout, m, wout)
     gf, bf, head = next(it), next(it), next(it)
     return F.layer_norm(x, (d,), gf, bf, 1e-5) @ head
 

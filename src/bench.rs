@@ -144,6 +144,96 @@ pub fn measure_case(
     measure(case_scenario(base, case), device, warmup, steps)
 }
 
+/// This host's rates for the planner (`gaccwb bench --adamw`): the fused AdamW kernel in bytes
+/// of optimizer state per second (16 per parameter: the f32 weight, gradient and two moments it
+/// walks) and the fused ops' f32 matrix product in FLOP/s.
+#[derive(Clone, Debug, Serialize)]
+pub struct HostRates {
+    pub threads: usize,
+    /// Parameters each AdamW step updated.
+    pub adamw_params: usize,
+    /// Wall time of each timed AdamW step, in seconds.
+    pub adamw_step_s: Vec<f64>,
+    /// 16 · parameters / the median step time.
+    pub adamw_bytes_per_s: f64,
+    /// The product's side (`n×n · n×n`).
+    pub matmul_n: usize,
+    pub matmul_s: Vec<f64>,
+    /// 2·n³ / the median product time.
+    pub matmul_flops_per_s: f64,
+}
+
+/// Median of unsorted times.
+fn median_of(times: &[f64]) -> f64 {
+    let mut sorted = times.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    median(&sorted)
+}
+
+/// `steps` timed calls of `f` after one untimed one.
+fn timed(steps: usize, mut f: impl FnMut() -> candle_core::Result<()>) -> anyhow::Result<Vec<f64>> {
+    f()?;
+    (0..steps)
+        .map(|_| {
+            let t0 = Instant::now();
+            f()?;
+            Ok(t0.elapsed().as_secs_f64())
+        })
+        .collect()
+}
+
+/// Measures the fused AdamW over `params` f32 parameters (in 8 tensors, so the pool can split
+/// them) and one `n×n` product, `steps` times each.
+pub fn measure_host_rates(params: usize, n: usize, steps: usize) -> anyhow::Result<HostRates> {
+    use crate::ops::fused::{adamw_update_all, project, AdamWJob, AdamWStep};
+    use candle_core::{DType, Tensor};
+    let device = Device::Cpu;
+    let chunk = params.div_ceil(8);
+    let filled = |value: f64| Tensor::full(value as f32, chunk, &device);
+    let w: Vec<Tensor> = (0..8)
+        .map(|_| filled(0.5))
+        .collect::<candle_core::Result<_>>()?;
+    let m: Vec<Tensor> = (0..8)
+        .map(|_| filled(0.0))
+        .collect::<candle_core::Result<_>>()?;
+    let v: Vec<Tensor> = (0..8)
+        .map(|_| filled(0.0))
+        .collect::<candle_core::Result<_>>()?;
+    let g = filled(1e-3)?;
+    let step = AdamWStep {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        step_size: 1e-4,
+        inv_bc2: 1.0,
+        decay: 1.0,
+    };
+    let adamw_step_s = timed(steps, || {
+        let jobs: Vec<AdamWJob> = (0..8)
+            .map(|i| AdamWJob {
+                w: &w[i],
+                m: &m[i],
+                v: &v[i],
+                g: g.clone(),
+                step,
+            })
+            .collect();
+        adamw_update_all(&jobs)
+    })?;
+    let a = Tensor::ones((n, n), DType::F32, &device)?;
+    let matmul_s = timed(steps, || project(&a, &a).map(drop))?;
+    let updated = 8 * chunk;
+    Ok(HostRates {
+        threads: threads(),
+        adamw_params: updated,
+        adamw_bytes_per_s: 16.0 * updated as f64 / median_of(&adamw_step_s),
+        adamw_step_s,
+        matmul_n: n,
+        matmul_flops_per_s: 2.0 * (n as f64).powi(3) / median_of(&matmul_s),
+        matmul_s,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,5 +266,15 @@ mod tests {
         assert_eq!(m.tokens_per_step, 3 * 2 * 8);
         assert_eq!(m.step_s.len(), 2);
         assert!(m.median_tokens_per_s() > 0.0);
+    }
+
+    #[test]
+    fn host_rates_count_what_they_timed() {
+        let r = measure_host_rates(1000, 16, 3).unwrap();
+        assert_eq!(r.adamw_params, 8 * 125);
+        assert_eq!((r.adamw_step_s.len(), r.matmul_s.len()), (3, 3));
+        let adamw = 16.0 * 1000.0 / median_of(&r.adamw_step_s);
+        assert_eq!(r.adamw_bytes_per_s, adamw);
+        assert_eq!(r.matmul_flops_per_s, 2.0 * 4096.0 / median_of(&r.matmul_s));
     }
 }

@@ -55,7 +55,7 @@ pub fn run(scenario: Scenario, device: Device, opts: HeadlessOptions) -> anyhow:
 /// `run` for a trainer built by the caller (e.g. resumed from a checkpoint).
 pub fn run_trainer(trainer: train::Trainer, opts: HeadlessOptions) -> anyhow::Result<Summary> {
     refuse_screen_controls(&trainer)?;
-    let session = Session::start(trainer, opts.record.as_deref(), false)?;
+    let session = Session::start(trainer, opts.record.as_deref(), &Default::default())?;
     let progress = match opts.quiet {
         true => Progress::Hidden,
         false => Progress::Bar,
@@ -155,8 +155,8 @@ pub fn run_session(
         }
     }
     bar.finish_and_clear();
-    if let Some(r) = recorder.as_mut() {
-        r.flush()?;
+    if let Some(r) = recorder.take() {
+        r.finish()?;
     }
     handle.stop();
     Ok(summary)

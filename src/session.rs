@@ -6,6 +6,7 @@ use std::path::Path;
 
 use crate::memory::gpu::SamplerHandle;
 use crate::record::Recorder;
+use crate::safe_write::Overwrite;
 use crate::train::{Trainer, TrainerHandle};
 
 pub struct Session {
@@ -18,10 +19,15 @@ pub struct Session {
 }
 
 impl Session {
-    /// Start `trainer`, recording to `record` when given (`force`: replace an existing file
-    /// once the new recording is complete; otherwise an existing file is refused).
-    pub fn start(trainer: Trainer, record: Option<&Path>, force: bool) -> anyhow::Result<Session> {
-        let recorder = record.map(|p| open_recorder(p, force)).transpose()?;
+    /// Start `trainer`, recording to `record` when given (with `rules.force`: replace an existing
+    /// regular file that is not an input, once the new recording is complete; otherwise an
+    /// existing file is refused).
+    pub fn start(
+        trainer: Trainer,
+        record: Option<&Path>,
+        rules: &Overwrite,
+    ) -> anyhow::Result<Session> {
+        let recorder = record.map(|p| open_recorder(p, rules)).transpose()?;
         let steps = trainer.scenario.train.steps;
         let device = trainer.device.clone();
         let (handle, sink) = crate::train::spawn_trainer(trainer)?;
@@ -35,10 +41,10 @@ impl Session {
     }
 }
 
-/// A new recording, or (`force`) one that replaces the file when it is complete.
-pub fn open_recorder(path: &Path, force: bool) -> anyhow::Result<Recorder> {
-    if force {
-        Recorder::create_replacing(path)
+/// A new recording, or (`rules.force`) one that replaces the file when it is complete.
+pub fn open_recorder(path: &Path, rules: &Overwrite) -> anyhow::Result<Recorder> {
+    if rules.force {
+        Recorder::create_replacing(path, rules)
     } else {
         Recorder::create(path)
     }

@@ -11,6 +11,7 @@ use gaccwb::ops;
 use gaccwb::scenario::Scenario;
 use gaccwb::train::adamw::{AdamW, Hyper};
 use gaccwb::train::Trainer;
+use gaccwb_engine::tensors::{activation_bytes, StorageSet};
 
 fn tiny() -> Scenario {
     let mut s = TINY.scenario();
@@ -67,23 +68,27 @@ fn training_on_the_composite_ops_follows_the_fused_run() {
 
 #[test]
 fn the_composite_path_is_what_runs_when_forced() {
-    // The fused and composite graphs differ in what they keep: the fused attention is one node.
-    let model = Gpt::new(&tiny().model, 1, &Device::Cpu).unwrap();
-    let ids = Tensor::zeros((2, 8), DType::U32, &Device::Cpu).unwrap();
-    let nodes = |composite: bool| {
+    // Both paths keep the same nodes; the lean ops (the composite path) also keep f32 row
+    // figures beside theirs: each layer norm's mean and reciprocal std, attention's log-sum-exp.
+    let s = tiny();
+    let model = Gpt::new(&s.model, 1, &Device::Cpu).unwrap();
+    let (b, t) = (2, 8);
+    let ids = Tensor::zeros((b, t), DType::U32, &Device::Cpu).unwrap();
+    let kept = |composite: bool| {
         let _kernels = ops::force_composite(composite);
         let logits = model
             .forward(&ids, DType::F32, true)
             .unwrap()
             .logits()
             .unwrap();
-        logits.sum_all().unwrap().sorted_nodes().len()
+        let mut seen = StorageSet::default();
+        seen.add_all(model.vars().map(|v| v.as_tensor()));
+        activation_bytes(&logits.sum_all().unwrap(), &mut seen)
     };
-    let (fused, composite) = (nodes(false), nodes(true));
-    assert!(
-        composite > fused,
-        "composite graph has {composite} nodes, fused {fused}"
-    );
+    let (fused, composite) = (kept(false), kept(true));
+    let (n, layers, heads) = (b * t, s.model.layers, s.model.heads);
+    let statistics = layers * (2 * 2 * n + heads * n) * 4 + 2 * n * 4;
+    assert_eq!(composite, fused + statistics as u64);
 }
 
 /// One vector of values per parameter.

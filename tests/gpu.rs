@@ -12,8 +12,9 @@ use common::{TestModel, TINY};
 use gaccwb::data::Split;
 use gaccwb::memory::gpu::sources_for;
 use gaccwb::model::Gpt;
+use gaccwb::ops;
 use gaccwb::scenario::Scenario;
-use gaccwb::telemetry::{Knobs, MemorySource};
+use gaccwb::telemetry::{Dtype, Knobs, MemorySource};
 use gaccwb::train::adamw::{AdamW, Hyper};
 use gaccwb::train::{relative_error, window_gradients, Trainer};
 
@@ -69,6 +70,34 @@ fn one_window_of_f32_gradients_matches_the_cpu() {
         );
     }
     println!("f32 window gradients, cuda:0 vs CPU fused: worst rel. error {worst:.2e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda --test gpu -- --include-ignored"]
+fn lean_ops_match_the_plain_composite_ops_on_the_gpu() {
+    let cuda = gpu("lean_ops_match_the_plain_composite_ops_on_the_gpu");
+    let s = tiny();
+    let cpu = Trainer::new(s.clone(), Device::Cpu).unwrap();
+    let samples: Vec<_> = (0..4).map(|i| cpu.corpus.sample(Split::Train, i)).collect();
+    let model = Gpt::new(&s.model, s.train.seed, &cuda).unwrap();
+    let grads = |dtype: Dtype, plain: bool| {
+        let mut knobs = Knobs::from_scenario(&s);
+        knobs.dtype = dtype;
+        let _plain = ops::force_plain(plain);
+        let w = window_gradients(&model, &samples, &knobs, 1.0, &cuda, || true);
+        let Ok(w) = w else { panic!("window failed") };
+        w.grads
+    };
+    let plain = grads(Dtype::F32, true);
+    // f32: the lean ops against the plain ones within 1e-5; bf16 and f16 against f32 within the
+    // precision tests' bounds (2%, 0.5%).
+    for (dtype, bound) in [(Dtype::F32, 1e-5), (Dtype::Bf16, 0.02), (Dtype::F16, 0.005)] {
+        let lean = grads(dtype, false);
+        for (p, (g, r)) in model.params.iter().zip(lean.iter().zip(&plain)) {
+            let e = rel(g, r);
+            assert!(e <= bound, "{dtype:?} {}: lean gradient {e:e} off", p.name);
+        }
+    }
 }
 
 #[test]

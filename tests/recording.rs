@@ -107,7 +107,7 @@ fn record_read_export_round_trip_reproduces_step_and_memory_series() {
     assert_eq!(controls, 2, "applied controls are recorded");
 
     let out = dir.path().join("csv");
-    let files = csv::write_csv(&recording, &out, false).unwrap();
+    let files = csv::write_csv(&recording, &out, &Default::default()).unwrap();
     assert_eq!(files.len(), 5);
 
     let (header, body) = rows(&std::fs::read_to_string(out.join("steps.csv")).unwrap());

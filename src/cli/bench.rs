@@ -25,7 +25,16 @@ pub struct BenchArgs {
     /// One JSON object per case on stdout instead of the table.
     #[arg(long)]
     json: bool,
+    /// Measure this host's rates for `gaccwb estimate` instead of training: the fused AdamW
+    /// (GB/s of optimizer state) and the f32 product (TFLOP/s).
+    #[arg(long)]
+    adamw: bool,
 }
+
+/// Parameters `--adamw` updates per step (16 bytes each of optimizer state: 256 MiB).
+const ADAMW_PARAMS: usize = 1 << 24;
+/// The side of the product `--adamw` times.
+const MATMUL_N: usize = 1024;
 
 fn parse_case(text: &str) -> Result<Case, String> {
     let parse = |s: &str| s.trim().parse::<usize>().ok().filter(|&n| n > 0);
@@ -53,6 +62,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     }
     if args.steps == 0 {
         anyhow::bail!(UsageError("--steps must be at least 1".into()));
+    }
+    if args.adamw {
+        return host_rates(&args);
     }
     let preset = presets::resolve(presets::DEFAULT).map_err(usage)?;
     let device = candle_core::Device::Cpu;
@@ -100,6 +112,35 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     gaccwb::out::println(&format!(
         "default preset `{}` (B={}, K={}, variable-length documents): {:.2} optimizer steps/s (median; target >= 2)",
         preset.name, default.micro_batch, default.accum_steps, default.median_steps_per_s()
+    ))?;
+    Ok(())
+}
+
+/// `--adamw`: the rates `gaccwb estimate` reads, with the flags that pass them on.
+fn host_rates(args: &BenchArgs) -> anyhow::Result<()> {
+    let r = bench::measure_host_rates(ADAMW_PARAMS, MATMUL_N, args.steps)?;
+    if args.json {
+        gaccwb::out::println(&serde_json::to_string(&r)?)?;
+        return Ok(());
+    }
+    gaccwb::out::println(&format!(
+        "fused AdamW (f32), {} parameters, {} thread(s): {:.3} GB/s of optimizer state \
+         (16 bytes per parameter; median of {} steps)",
+        r.adamw_params,
+        r.threads,
+        r.adamw_bytes_per_s / 1e9,
+        r.adamw_step_s.len()
+    ))?;
+    gaccwb::out::println(&format!(
+        "f32 product {n}x{n}x{n}: {:.1} GFLOP/s (median of {} products)",
+        r.matmul_flops_per_s / 1e9,
+        r.matmul_s.len(),
+        n = r.matmul_n
+    ))?;
+    gaccwb::out::println(&format!(
+        "for gaccwb estimate: --cpu-adam-gbps {:.3} (and on this host --gpu-model cpu --peak-tflops {:.4})",
+        r.adamw_bytes_per_s / 1e9,
+        r.matmul_flops_per_s / 1e12
     ))?;
     Ok(())
 }

@@ -49,7 +49,15 @@ fn device_name(s: &str) -> Result<String, String> {
     s.parse::<DeviceChoice>().map(|_| s.to_string())
 }
 
+impl CompareArgs {
+    /// The files compare reads: the preset and the data it names.
+    pub(super) fn inputs(&self) -> gaccwb::safe_write::Inputs {
+        super::inputs::preset(&self.preset)
+    }
+}
+
 pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
+    let rules = &gaccwb::safe_write::Overwrite::new(args.force, args.inputs());
     let base = presets::resolve(&args.preset).map_err(usage)?;
     let spec = base.compare.clone().unwrap_or_default();
     let grid = match args.grid.or(Some(spec.grid).filter(|g| !g.is_empty())) {
@@ -72,7 +80,7 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
     }
     for (path, what) in [(&args.csv, "table"), (&args.svg, "chart")] {
         if let Some(path) = path {
-            gaccwb::safe_write::check_free(path, what, args.force)?;
+            gaccwb::safe_write::check(path, what, rules)?;
         }
     }
     let temporary = tempfile::tempdir()?;
@@ -90,7 +98,7 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.record_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         for (i, c) in configs.iter().enumerate() {
-            gaccwb::safe_write::check_free(&runner.recording(i, c), "recording", args.force)?;
+            gaccwb::safe_write::check(&runner.recording(i, c), "recording", rules)?;
         }
     }
     compare::forward_signals()?;
@@ -129,14 +137,14 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
     }
     if let Some(path) = &args.csv {
         let csv = compare::csv(&rows)?;
-        gaccwb::safe_write::write_file(path, &csv, "table", args.force)?;
+        gaccwb::safe_write::write_file(path, &csv, "table", rules)?;
     }
     if let Some(path) = &args.svg {
         let title = format!(
             "{}: {steps} optimizer steps per configuration, same seed and samples",
             base.name
         );
-        gaccwb::export::compare_svg::write_compare_svg(&rows, &title, path, args.force)?;
+        gaccwb::export::compare_svg::write_compare_svg(&rows, &title, path, rules)?;
     }
     Ok(())
 }

@@ -46,7 +46,17 @@ impl ExitClass {
                 _ => ExitClass::Failure,
             });
         }
-        cause.downcast_ref::<UsageError>().map(|_| ExitClass::Usage)
+        if cause.downcast_ref::<UsageError>().is_some() {
+            return Some(ExitClass::Usage);
+        }
+        // An output that can never be written as named: a wrong argument, not a failed run.
+        use gaccwb::safe_write::WriteError;
+        match cause.downcast_ref() {
+            Some(WriteError::NotRegular { .. } | WriteError::IsInput { .. }) => {
+                Some(ExitClass::Usage)
+            }
+            _ => None,
+        }
     }
 
     pub fn exit_code(self) -> ExitCode {

@@ -6,9 +6,8 @@ use clap::Args;
 
 use gaccwb::export::cast::{write_cast, CastOptions};
 use gaccwb::record::read_recording;
+use gaccwb::safe_write::{Inputs, Overwrite};
 use gaccwb::{export, headless};
-
-use super::UsageError;
 
 #[derive(Args)]
 pub struct ExportArgs {
@@ -49,33 +48,31 @@ fn parse_size(s: &str) -> Result<(u16, u16), String> {
     Ok((w, h))
 }
 
+impl ExportArgs {
+    /// The files export reads: the recording, which no output may replace.
+    pub(super) fn inputs(&self) -> Inputs {
+        super::inputs::recording(&self.file, None)
+    }
+}
+
 pub fn export(args: ExportArgs) -> anyhow::Result<()> {
     let recording = read_recording(&args.file)?;
     for w in &recording.warnings {
         gaccwb::out::note(&format!("gaccwb: warning: {}", headless::strip(w)));
     }
-    let same_file = matches!(
-        (args.file.canonicalize(), args.out.canonicalize()),
-        (Ok(a), Ok(b)) if a == b
-    );
-    if same_file {
-        anyhow::bail!(UsageError(format!(
-            "-o {} is the recording being exported; write to another file",
-            args.out.display()
-        )));
-    }
+    let rules = &Overwrite::new(args.force, args.inputs());
     match args.format {
         ExportFormat::Csv => {
-            for path in export::csv::write_csv(&recording, &args.out, args.force)? {
+            for path in export::csv::write_csv(&recording, &args.out, rules)? {
                 gaccwb::out::println(&path.display().to_string())?;
             }
         }
         ExportFormat::Svg => {
-            export::svg::write_svg(&recording, &args.out, args.force)?;
+            export::svg::write_svg(&recording, &args.out, rules)?;
             gaccwb::out::println(&args.out.display().to_string())?;
         }
         ExportFormat::Cast => {
-            gaccwb::safe_write::check_free(&args.out, "cast", args.force)?;
+            gaccwb::safe_write::check(&args.out, "cast", rules)?;
             let mut out = Vec::new();
             let opts = CastOptions {
                 width: args.size.0,
@@ -84,7 +81,7 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
                 ..CastOptions::default()
             };
             let stats = write_cast(&recording.events, &mut out, &opts)?;
-            gaccwb::safe_write::write_file(&args.out, &out, "cast", args.force)?;
+            gaccwb::safe_write::write_file(&args.out, &out, "cast", rules)?;
             gaccwb::out::note(&format!(
                 "wrote {}: {} frames, {} control markers, {:.1} s",
                 args.out.display(),

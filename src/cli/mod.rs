@@ -7,6 +7,7 @@ mod compare;
 mod error;
 mod estimate;
 mod export;
+mod inputs;
 mod presets;
 mod replay;
 mod run;
@@ -16,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
+use gaccwb::safe_write::{Inputs, WriteError};
 
 pub use error::{usage, ExitClass, UsageError};
 
@@ -74,8 +76,8 @@ pub fn main() -> ExitCode {
             ));
             return ExitCode::from(2);
         }
-        if let Err(e) = start_log(path) {
-            gaccwb::out::note(&format!("gaccwb: --log {}: {e}", path.display()));
+        if let Err(e) = start_log(path, &cli.inputs()) {
+            gaccwb::out::note(&format!("gaccwb: --log: {e}"));
             return ExitCode::from(2);
         }
     }
@@ -142,12 +144,24 @@ fn with_default_command(mut args: Vec<OsString>) -> Vec<OsString> {
     args
 }
 
-/// Diagnostics to `path` (appended: an earlier log is never lost), debug level and above.
-fn start_log(path: &Path) -> std::io::Result<()> {
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)?;
+impl Cli {
+    /// The files the command reads, so that `--log` appends to none of them.
+    fn inputs(&self) -> Inputs {
+        match &self.command {
+            Command::Run(args) => args.inputs(),
+            Command::Replay(args) => args.inputs(),
+            Command::Estimate(args) => args.inputs(),
+            Command::Export(args) => args.inputs(),
+            Command::Compare(args) => args.inputs(),
+            Command::Presets | Command::Bench(_) => Inputs::default(),
+        }
+    }
+}
+
+/// Diagnostics appended to `path` (an earlier log is never lost), debug level and above: a
+/// regular file or a terminal, none of `inputs`, opened without blocking.
+fn start_log(path: &Path, inputs: &Inputs) -> Result<(), WriteError> {
+    let file = gaccwb::safe_write::open_append(path, "log", inputs)?;
     tracing_subscriber::fmt()
         .with_writer(std::sync::Mutex::new(file))
         .with_ansi(false)

@@ -25,6 +25,13 @@ pub struct ReplayArgs {
     keys: Option<PathBuf>,
 }
 
+impl ReplayArgs {
+    /// The files replay reads.
+    pub(super) fn inputs(&self) -> gaccwb::safe_write::Inputs {
+        super::inputs::recording(&self.file, self.keys.as_deref())
+    }
+}
+
 pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     if !args.headless {
         let keys = KeyMap::load(args.keys.as_deref()).map_err(usage)?;

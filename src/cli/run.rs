@@ -6,6 +6,7 @@ use clap::Args;
 
 use gaccwb::device::DeviceChoice;
 use gaccwb::headless::{self, Progress, SignalHandling};
+use gaccwb::safe_write::{Inputs, Overwrite};
 use gaccwb::scenario::{DataSource, Scenario};
 use gaccwb::train::Trainer;
 use gaccwb::tui::{self, keymap::KeyMap, LiveOptions};
@@ -74,6 +75,34 @@ impl RunArgs {
     fn preset(&self) -> &str {
         self.preset.as_deref().unwrap_or(presets::DEFAULT)
     }
+
+    /// Everything the run reads: no file it writes may be one of them.
+    pub(super) fn inputs(&self) -> Inputs {
+        let mut inputs = self.inputs_but_resumed(scenario_from(self).ok().as_ref());
+        if let Some(dir) = &self.resume {
+            checkpoint::add_inputs(dir, &mut inputs);
+        }
+        inputs
+    }
+
+    /// What the run reads but the checkpoint it resumes (which its own saves replace).
+    fn inputs_but_resumed(&self, scenario: Option<&Scenario>) -> Inputs {
+        let mut inputs = super::inputs::preset(self.preset());
+        if let Some(s) = scenario {
+            super::inputs::add_scenario(s, &mut inputs);
+        }
+        if let Some(state) = self
+            .resume
+            .as_deref()
+            .and_then(|d| checkpoint::read_state(d).ok())
+        {
+            super::inputs::add_scenario(&state.scenario, &mut inputs);
+        }
+        if let Some(keys) = &self.keys {
+            inputs.add("the keymap", keys);
+        }
+        inputs
+    }
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -89,8 +118,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         true => None,
     };
+    let overwrite = Overwrite::new(args.force, args.inputs());
     if let Some(record) = &args.record {
-        check_record_target(record, &args, &scenario)?;
+        // Checked here too (the recorder checks again, race-free) so the screen and headless
+        // both say it before anything starts, as a usage error.
+        gaccwb::safe_write::check(record, "recording", &overwrite).map_err(usage)?;
     }
     let device = args.device.open()?;
     let trainer = build_trainer(&args, scenario, device)?;
@@ -98,12 +130,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let options = LiveOptions {
             record: args.record,
             keys,
-            force: args.force,
+            overwrite,
         };
         return tui::run_live(trainer, options);
     }
     headless::refuse_screen_controls(&trainer).map_err(|e| usage(format!("{e:#}")))?;
-    let session = gaccwb::session::Session::start(trainer, args.record.as_deref(), args.force)
+    let session = gaccwb::session::Session::start(trainer, args.record.as_deref(), &overwrite)
         .map_err(|e| usage(format!("{e:#}")))?;
     let summary = headless::run_session(session, Progress::Bar, SignalHandling::Stop)?;
     let printed = gaccwb::out::println(&summary.render());
@@ -143,34 +175,6 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     Ok(s)
 }
 
-/// `--record` must not name an existing file without `--force`, nor one of the run's own
-/// inputs (the preset, `--data`, a keymap) even with it: the run reads them.
-fn check_record_target(record: &Path, args: &RunArgs, scenario: &Scenario) -> anyhow::Result<()> {
-    let Ok(target) = record.canonicalize() else {
-        return Ok(()); // not there yet: nothing to lose
-    };
-    if !args.force {
-        // Checked here too (the recorder refuses it again, race-free) so the screen and
-        // headless both say it before anything starts, as a usage error.
-        anyhow::bail!(UsageError(gaccwb::safe_write::refusal(record, "recording")));
-    }
-    let inputs = [
-        Some(PathBuf::from(args.preset())),
-        scenario.data.path.clone(),
-        args.keys.clone(),
-    ];
-    for input in inputs.into_iter().flatten() {
-        if input.canonicalize().is_ok_and(|p| p == target) {
-            anyhow::bail!(UsageError(format!(
-                "--record {} is an input of this run ({}); record to another file",
-                record.display(),
-                input.display()
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// A fresh trainer for `scenario`, or the one saved in `--resume DIR`; with the checkpoint policy.
 fn build_trainer(
     args: &RunArgs,
@@ -178,10 +182,14 @@ fn build_trainer(
     device: candle_core::Device,
 ) -> anyhow::Result<Trainer> {
     refuse_with_resume(args)?;
-    if args.checkpoint_every.is_some() {
-        checkpoint::claim_dir(&args.checkpoint_dir, args.resume.as_deref(), args.force)
-            .map_err(|e| usage(format!("{e:#}")))?;
-    }
+    // Held by the checkpoint hook, so for as long as the trainer lives.
+    let lock = match args.checkpoint_every {
+        Some(_) => Some(
+            checkpoint::claim_dir(&args.checkpoint_dir, args.resume.as_deref(), args.force)
+                .map_err(|e| usage(format!("{e:#}")))?,
+        ),
+        None => None,
+    };
     let mut trainer = match &args.resume {
         Some(dir) => checkpoint::resume(dir, device, |s| {
             if let Some(n) = args.steps {
@@ -199,12 +207,14 @@ fn build_trainer(
     if args.resume.is_some() {
         refuse_past_controls(&trainer)?;
     }
-    trainer.after_step = args.checkpoint_every.map(|every| {
+    let inputs = args.inputs_but_resumed(Some(&trainer.scenario));
+    trainer.after_step = args.checkpoint_every.zip(lock).map(|(every, lock)| {
         checkpoint::Policy {
             every,
             dir: args.checkpoint_dir.clone(),
+            inputs,
         }
-        .after_step()
+        .after_step(lock)
     });
     Ok(trainer)
 }

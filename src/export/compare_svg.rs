@@ -30,11 +30,21 @@ const PREDICTED: RGBColor = RGBColor(230, 0, 126);
 
 type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
 
-/// Draw the chart into `out`; an existing file is refused unless `force`.
-pub fn write_compare_svg(rows: &[Row], title: &str, out: &Path, force: bool) -> anyhow::Result<()> {
+/// Draw the chart into `out`; an existing file is refused unless `rules` allow it.
+pub fn write_compare_svg(
+    rows: &[Row],
+    title: &str,
+    out: &Path,
+    rules: &crate::safe_write::Overwrite,
+) -> anyhow::Result<()> {
     let svg = render_compare_svg(rows, title)
         .map_err(|e| anyhow::anyhow!("drawing the compare chart: {e}"))?;
-    crate::safe_write::write_file(out, svg.as_bytes(), "chart", force)
+    Ok(crate::safe_write::write_file(
+        out,
+        svg.as_bytes(),
+        "chart",
+        rules,
+    )?)
 }
 
 /// The chart as SVG text.

@@ -72,8 +72,12 @@ const CONTROL_COLUMNS: [&str; 4] = ["step", "origin", "kind", "label"];
 const EVAL_COLUMNS: [&str; 2] = ["step", "val_loss"];
 
 /// Write the five files into `dir` (created if missing); returns their paths. Existing files
-/// of those names are refused (before anything is written) unless `force`.
-pub fn write_csv(recording: &Recording, dir: &Path, force: bool) -> anyhow::Result<Vec<PathBuf>> {
+/// of those names are refused (before anything is written) unless `rules` allow it.
+pub fn write_csv(
+    recording: &Recording,
+    dir: &Path,
+    rules: &crate::safe_write::Overwrite,
+) -> anyhow::Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let events = &recording.events;
     let files = [
@@ -84,12 +88,12 @@ pub fn write_csv(recording: &Recording, dir: &Path, force: bool) -> anyhow::Resu
         ("evals.csv", evals_csv(events)?),
     ];
     for (name, _) in &files {
-        crate::safe_write::check_free(&dir.join(name), "CSV export", force)?;
+        crate::safe_write::check(&dir.join(name), "CSV export", rules)?;
     }
     let mut written = Vec::new();
     for (name, text) in files {
         let path = dir.join(name);
-        crate::safe_write::write_file(&path, text.as_bytes(), "CSV export", force)?;
+        crate::safe_write::write_file(&path, text.as_bytes(), "CSV export", rules)?;
         written.push(path);
     }
     Ok(written)

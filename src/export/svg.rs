@@ -56,11 +56,20 @@ pub struct Mark {
     pub label: String,
 }
 
-/// Draw the charts into `out`; an existing file is refused unless `force`.
-pub fn write_svg(recording: &Recording, out: &Path, force: bool) -> anyhow::Result<()> {
-    crate::safe_write::check_free(out, "chart", force)?;
+/// Draw the charts into `out`; an existing file is refused unless `rules` allow it.
+pub fn write_svg(
+    recording: &Recording,
+    out: &Path,
+    rules: &crate::safe_write::Overwrite,
+) -> anyhow::Result<()> {
+    crate::safe_write::check(out, "chart", rules)?;
     let svg = render_svg(recording).map_err(|e| anyhow::anyhow!("drawing the charts: {e}"))?;
-    crate::safe_write::write_file(out, svg.as_bytes(), "chart", force)
+    Ok(crate::safe_write::write_file(
+        out,
+        svg.as_bytes(),
+        "chart",
+        rules,
+    )?)
 }
 
 /// The charts as SVG text.

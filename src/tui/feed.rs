@@ -222,8 +222,8 @@ impl Live {
         while let Ok(e) = self.handle.events.try_recv() {
             self.take(app, &e)?;
         }
-        if let Some(r) = self.recorder.as_mut() {
-            r.flush()?;
+        if let Some(r) = self.recorder.take() {
+            r.finish()?;
         }
         match &app.run.ended {
             Some(reason) if reason.is_failure() => {

@@ -31,8 +31,9 @@ pub struct LiveOptions {
     /// Record from the first event to this file.
     pub record: Option<PathBuf>,
     pub keys: KeyMap,
-    /// Replace an existing `record` file (written beside it, renamed when complete).
-    pub force: bool,
+    /// What `record` may replace (with `--force`: a regular file that is not an input, written
+    /// beside it and renamed when complete).
+    pub overwrite: crate::safe_write::Overwrite,
 }
 
 /// The UI needs a terminal on stdout; say what to do instead when there is none.
@@ -49,7 +50,7 @@ pub fn require_terminal() -> anyhow::Result<()> {
 /// Run `trainer` with the workbench screen until the user quits.
 pub fn run_live(trainer: Trainer, opts: LiveOptions) -> anyhow::Result<()> {
     require_terminal()?;
-    let session = crate::session::Session::start(trainer, opts.record.as_deref(), opts.force)?;
+    let session = crate::session::Session::start(trainer, opts.record.as_deref(), &opts.overwrite)?;
     let live = Live::from_session(session, opts.record.as_deref());
     let mut app = App::default();
     app.view.color = terminal::color_enabled();

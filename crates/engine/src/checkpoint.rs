@@ -6,15 +6,18 @@
 //! `adam_v/NAME`, all f32). Both are written to a temporary file, synced and renamed into place,
 //! tensors first: `checkpoint.json` only ever names a complete tensor file, so a crash at any
 //! moment leaves the previous checkpoint or the new one, never a torn one.
+//!
+//! A run that saves holds an `flock` on its directory from start to end ([`claim_dir`]), so two
+//! runs never save into one directory.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::safe_write::{self, DirLock, Inputs, Overwrite};
 use crate::scenario::Scenario;
 use crate::telemetry::{Control, EndReason, Event, Level, LogEvent};
 use crate::train::scaler::LossScaler;
@@ -29,6 +32,9 @@ const STATE_FILE: &str = "checkpoint.json";
 pub struct Policy {
     pub every: u64,
     pub dir: PathBuf,
+    /// Files the run reads, never replaced by a save (the checkpoint being resumed is not one:
+    /// the run continues it).
+    pub inputs: Inputs,
 }
 
 /// The small JSON half of a checkpoint.
@@ -50,10 +56,12 @@ pub struct State {
 }
 
 impl Policy {
-    /// The trainer's after-step hook that saves by this policy.
-    pub fn after_step(self) -> Box<dyn AfterStep> {
+    /// The trainer's after-step hook that saves by this policy; it keeps `lock` (from
+    /// [`claim_dir`]) for as long as the trainer lives.
+    pub fn after_step(self, lock: DirLock) -> Box<dyn AfterStep> {
         Box::new(Saver {
             policy: self,
+            _lock: lock,
             tried: 0,
             saved: 0,
             first_error: None,
@@ -65,6 +73,8 @@ impl Policy {
 /// any save succeeded ends the run, and a run that tried and saved nothing fails.
 struct Saver {
     policy: Policy,
+    /// Held for the trainer's life: no other run saves into the directory meanwhile.
+    _lock: DirLock,
     tried: u64,
     saved: u64,
     first_error: Option<String>,
@@ -77,7 +87,7 @@ impl AfterStep for Saver {
             return None;
         }
         self.tried += 1;
-        let error = match save(trainer, &self.policy.dir) {
+        let error = match save_into(trainer, &self.policy.dir, &self.policy.inputs) {
             Ok(path) => {
                 self.saved += 1;
                 let message = format!(
@@ -139,13 +149,19 @@ fn log(sink: &EventSink, step: u64, level: Level, message: String) {
 
 /// Write the trainer's state into `dir` (created if missing); returns the state file's path.
 pub fn save(trainer: &Trainer, dir: &Path) -> anyhow::Result<PathBuf> {
+    save_into(trainer, dir, &Inputs::default())
+}
+
+/// `save`, never replacing one of `inputs`.
+fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let rules = Overwrite::new(true, inputs.clone());
     let tensors_name = format!("step-{:08}.safetensors", trainer.step);
     let tensor_path = dir.join(&tensors_name);
-    let tmp = dir.join(format!(".{tensors_name}.tmp"));
-    candle_core::safetensors::save(&tensor_map(trainer)?, &tmp)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    sync_and_rename(&tmp, &tensor_path)?;
+    let tensors = safetensors::serialize(tensor_map(trainer)?, None)
+        .with_context(|| format!("serialising the tensors for {}", tensor_path.display()))?;
+    safe_write::write_file(&tensor_path, &tensors, "checkpoint", &rules)?;
+    drop(tensors);
 
     let state = State {
         version: CHECKPOINT_VERSION,
@@ -162,10 +178,8 @@ pub fn save(trainer: &Trainer, dir: &Path) -> anyhow::Result<PathBuf> {
         tensors: tensors_name.clone(),
     };
     let state_path = dir.join(STATE_FILE);
-    let tmp = dir.join(format!(".{STATE_FILE}.tmp"));
-    std::fs::write(&tmp, serde_json::to_vec_pretty(&state)?)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    sync_and_rename(&tmp, &state_path)?;
+    let json = serde_json::to_vec_pretty(&state)?;
+    safe_write::write_file(&state_path, &json, "checkpoint", &rules)?;
     remove_stale_tensor_files(dir, &tensors_name);
     Ok(state_path)
 }
@@ -180,20 +194,6 @@ fn tensor_map(trainer: &Trainer) -> anyhow::Result<HashMap<String, Tensor>> {
     Ok(map)
 }
 
-/// fsync the file, rename it over `to`, then fsync the directory so the rename is durable.
-fn sync_and_rename(tmp: &Path, to: &Path) -> anyhow::Result<()> {
-    File::open(tmp)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("syncing {}", tmp.display()))?;
-    std::fs::rename(tmp, to)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), to.display()))?;
-    if let Some(dir) = to.parent() {
-        // Not every filesystem lets a directory be synced; the rename itself is already atomic.
-        let _ = File::open(dir).and_then(|d| d.sync_all());
-    }
-    Ok(())
-}
-
 /// Older tensor files are no longer referenced once the new state file is in place.
 fn remove_stale_tensor_files(dir: &Path, keep: &str) {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -201,18 +201,28 @@ fn remove_stale_tensor_files(dir: &Path, keep: &str) {
     };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with("step-") && name.ends_with(".safetensors") && name != keep {
+        let regular = entry.file_type().is_ok_and(|t| t.is_file());
+        if regular && name.starts_with("step-") && name.ends_with(".safetensors") && name != keep {
             let _ = std::fs::remove_file(entry.path());
         }
+    }
+}
+
+/// The files of the checkpoint in `dir` (state and tensors), added to a resuming run's inputs.
+pub fn add_inputs(dir: &Path, inputs: &mut Inputs) {
+    inputs.add("the checkpoint", &dir.join(STATE_FILE));
+    if let Ok(state) = read_state(dir) {
+        inputs.add("the checkpoint", &dir.join(state.tensors));
     }
 }
 
 /// The state file of the checkpoint in `dir`.
 pub fn read_state(dir: &Path) -> anyhow::Result<State> {
     let path = dir.join(STATE_FILE);
-    let text = std::fs::read_to_string(&path).with_context(|| {
-        format!(
-            "no checkpoint in {}: cannot read {}",
+    let limit = crate::limits::MAX_CHECKPOINT_STATE_BYTES;
+    let text = crate::limits::read_bounded_text(&path, limit, "checkpoint state").map_err(|e| {
+        anyhow::anyhow!(
+            "no checkpoint in {}: {}: {e}",
             dir.display(),
             path.display()
         )
@@ -292,19 +302,31 @@ fn check_state(state: &State) -> Result<(), String> {
     Ok(())
 }
 
-/// Before a run saves into `dir`: refuse a directory holding another run's checkpoints (saving
-/// would replace them and delete their tensor files) unless it is the one being resumed or the
-/// user said `--force`.
-pub fn claim_dir(dir: &Path, resumed_from: Option<&Path>, force: bool) -> anyhow::Result<()> {
+/// Before a run saves into `dir`: lock it (created if missing) for the run's life, refused while
+/// another run holds it (its pid named); and refuse a directory holding another run's
+/// checkpoints (saving would replace them and delete their tensor files) unless it is the one
+/// being resumed or the user said `--force`.
+pub fn claim_dir(dir: &Path, resumed_from: Option<&Path>, force: bool) -> anyhow::Result<DirLock> {
+    let lock = safe_write::lock_dir(dir).map_err(|e| match e {
+        safe_write::WriteError::Locked { holder, .. } => anyhow::anyhow!(
+            "--checkpoint-dir {}: another gaccwb run (pid {holder}) saves its checkpoints there, \
+             and two runs in one directory delete each other's; wait for it to end or choose \
+             another --checkpoint-dir",
+            dir.display()
+        ),
+        e => anyhow::anyhow!("--checkpoint-dir: {e}"),
+    })?;
+    // A save replaces the state file; say now, not at every save, when it is not a file.
+    safe_write::check(&dir.join(STATE_FILE), "checkpoint", &Overwrite::ours())?;
     if force || !holds_checkpoint(dir) {
-        return Ok(());
+        return Ok(lock);
     }
     let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
         _ => false,
     };
     if resumed_from.is_some_and(|r| same(r, dir)) {
-        return Ok(());
+        return Ok(lock);
     }
     let step = read_state(dir).map(|s| s.step.to_string());
     bail!(
@@ -348,6 +370,10 @@ pub fn resume(
 /// Load weights, optimizer state, scaler, knobs and counters into a freshly built trainer.
 pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> anyhow::Result<()> {
     let path = dir.join(&state.tensors);
+    // Candle maps the file: a FIFO or a device there would block or never end.
+    if !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
+        bail!("{}: missing, or not a regular file", path.display());
+    }
     let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("reading {}", path.display()))?;
     let mut take = |key: String, like: &Tensor| -> anyhow::Result<Tensor> {

@@ -246,6 +246,7 @@ fn text_source(data: &DataConfig) -> std::result::Result<(String, Vec<u8>), Data
     if data.source == DataSource::Docs {
         return Ok(("the built-in docs corpus".into(), DOCS_CORPUS.to_vec()));
     }
+    #[allow(clippy::expect_used)] // `Scenario::validate` refuses a file source with no path
     let path = data
         .path
         .as_deref()

@@ -6,6 +6,10 @@
 //! This crate knows nothing of the terminal: no ratatui, crossterm or clap. The `gaccwb` crate
 //! (the faces: TUI, headless, export, CLI) depends on it, never the other way round.
 
+// Outside tests a panic is a bug report, not error handling: each remaining invariant is allowed
+// where it stands, with why it holds.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 pub mod budget;
 pub mod checkpoint;
 pub mod control;

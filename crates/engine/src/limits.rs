@@ -12,6 +12,11 @@ pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 pub const MAX_RECORDING_BYTES: u64 = 1 << 30;
 /// Largest `--data` corpus read (it is held in memory whole).
 pub const MAX_DATA_BYTES: u64 = 1 << 30;
+/// Largest `data.tokenizer_file` or cached tokenizer read (GPT-2's `tokenizer.json` is 1.4 MB;
+/// the largest published ones are tens of MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+/// Largest `checkpoint.json` read (the scenario and the knobs; the tensors are a file of their own).
+pub const MAX_CHECKPOINT_STATE_BYTES: u64 = 64 << 20;
 
 /// Largest micro-batch, accumulation steps, sequence length and width accepted.
 pub const MAX_MICRO_BATCH: usize = 1 << 16;
@@ -29,17 +34,32 @@ pub const MAX_INTEGER: u64 = i64::MAX as u64;
 /// Read a whole file of at most `limit` bytes. A device, pipe or directory is refused (it may
 /// never end), and so is a file that turns out longer than `limit` while it is read.
 pub fn read_bounded(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read the {what}: {e}"))?;
-    if !meta.is_file() {
-        return Err(format!(
+    use std::os::unix::fs::OpenOptionsExt;
+    let not_regular = || {
+        format!(
             "the {what} is not a regular file (a device, pipe or directory could be endless); \
              copy it to a file first"
-        ));
+        )
+    };
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read the {what}: {e}"))?;
+    if !meta.is_file() {
+        return Err(not_regular());
+    }
+    // Non-blocking, and checked again once open: the path may have become a FIFO meanwhile.
+    let file = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| format!("cannot read the {what}: {e}"))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot read the {what}: {e}"))?;
+    if !meta.is_file() {
+        return Err(not_regular());
     }
     if meta.len() > limit {
         return Err(too_large(what, meta.len(), limit));
     }
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read the {what}: {e}"))?;
     let mut bytes = Vec::with_capacity(meta.len() as usize);
     file.take(limit + 1)
         .read_to_end(&mut bytes)

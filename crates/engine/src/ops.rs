@@ -3,9 +3,12 @@
 //! Candle's fused `LayerNorm`, `softmax_last_dim` and `sdpa` are forward-only (gradients silently
 //! stop there), so the model calls these instead. On CPU in f32 each is one fused Candle custom op
 //! whose backward is one more fused pass (`fused`); anywhere else (CUDA, bf16/f16 compute) the
-//! `composite` version built from differentiable Candle ops runs. Both compute the same function;
-//! tests hold value and gradient of each pair together. The memory estimator
-//! (`memory::estimate`) models both paths: keep it in step when a path changes what it keeps.
+//! `lean` version runs: Candle tensor ops that exist on every backend, with a backward of its own
+//! and only what that backward needs kept. `composite`, the plain differentiable Candle
+//! expressions, is the reference both are tested against (`force_plain` runs it in a model). All
+//! compute the same function; tests hold value and gradient of each pair together. The memory
+//! estimator (`memory::estimate`) models the fused and lean paths: keep it in step when a path
+//! changes what it keeps.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -16,6 +19,7 @@ pub mod composite;
 pub mod cpu_load;
 pub mod fused;
 pub mod half;
+pub mod lean;
 pub mod pool;
 pub mod vmath;
 pub mod workspace;
@@ -62,6 +66,35 @@ fn composite_forced() -> bool {
     COMPOSITE.with(Cell::get)
 }
 
+thread_local! {
+    static PLAIN: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Outside the fused ops' domain, run the plain composite expressions (`composite`, which keep
+/// every intermediate) instead of the lean ops on this thread until the guard drops: the
+/// reference the lean ops are tested against, in a whole model.
+pub fn force_plain(on: bool) -> PlainGuard {
+    PlainGuard {
+        previous: PLAIN.with(|c| c.replace(on)),
+    }
+}
+
+/// Restores the thread's previous choice between lean and plain composite ops when dropped.
+#[must_use = "the choice lasts only while the guard lives"]
+pub struct PlainGuard {
+    previous: bool,
+}
+
+impl Drop for PlainGuard {
+    fn drop(&mut self) {
+        PLAIN.with(|c| c.set(self.previous));
+    }
+}
+
+fn plain() -> bool {
+    PLAIN.with(Cell::get)
+}
+
 /// Run the composite ops on this thread (`true`) or let f32 CPU tensors take the fused ones,
 /// until the guard drops. Thread-local, so parallel tests do not see each other's choice.
 pub fn force_composite(on: bool) -> KernelsGuard {
@@ -86,8 +119,10 @@ impl Drop for KernelsGuard {
 pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     if fused_domain(&[x, gain, bias]) {
         fused::layer_norm(x, gain, bias, eps)
-    } else {
+    } else if plain() {
         composite::layer_norm(x, gain, bias, eps)
+    } else {
+        lean::layer_norm(x, gain, bias, eps)
     }
 }
 
@@ -111,8 +146,10 @@ pub fn broadcast_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     if fused_domain(&[x, w, b]) {
         fused::linear(x, w, b)
-    } else {
+    } else if plain() {
         composite::linear(x, w, b)
+    } else {
+        lean::linear(x, w, b)
     }
 }
 
@@ -125,12 +162,14 @@ pub fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `gelu(h)·w + b`: the MLP's output layer. The fused version does not keep `gelu(h)`.
+/// `gelu(h)·w + b`: the MLP's output layer. The fused and lean versions do not keep `gelu(h)`.
 pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     if fused_domain(&[h, w, b]) {
         fused::gelu_linear(h, w, b)
-    } else {
+    } else if plain() {
         composite::linear(&composite::gelu(h)?, w, b)
+    } else {
+        lean::gelu_linear(h, w, b)
     }
 }
 
@@ -139,8 +178,10 @@ pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 pub fn causal_attention(qkv: &Tensor, batch: usize, t: usize, heads: usize) -> Result<Tensor> {
     if fused_domain(&[qkv]) {
         fused::causal_attention(qkv, batch, t, heads)
-    } else {
+    } else if plain() {
         composite::causal_attention(qkv, batch, t, heads)
+    } else {
+        lean::causal_attention(qkv, batch, t, heads)
     }
 }
 
@@ -155,14 +196,16 @@ pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tenso
     }
 }
 
-/// `nll_sum(x·w, targets, mask)`: the LM head and the loss as one. The fused version (CPU f32)
-/// never holds the `[N, V]` logits at once (`fused::linear_nll_sum`); elsewhere the logits are
-/// made and passed to `nll_sum`.
+/// `nll_sum(x·w, targets, mask)`: the LM head and the loss as one. The fused (CPU f32) and lean
+/// versions never hold the `[N, V]` logits at once (`fused::linear_nll_sum`,
+/// `lean::linear_nll_sum`); the plain one makes them and passes them to `nll_sum`.
 pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
     if fused_domain(&[x, w, mask]) {
         fused::linear_nll_sum(x, w, targets, mask)
-    } else {
+    } else if plain() {
         nll_sum(&project(x, w)?, targets, mask)
+    } else {
+        lean::linear_nll_sum(x, w, targets, mask)
     }
 }
 
@@ -376,6 +419,102 @@ mod tests {
                 |t| composite::nll_sum(&t[0].matmul(&t[1])?, &targets, &mask),
                 &inputs,
             );
+        }
+    }
+
+    #[test]
+    fn lean_ops_match_the_plain_composite_ops() {
+        for (rows, d) in [(6, 16), (300, 32)] {
+            let inputs = [
+                random(&[rows, d], 2.0, 1)
+                    .broadcast_add(&random(&[rows, 1], 3.0, 2))
+                    .unwrap(),
+                random(&[d], 1.0, 3),
+                random(&[d], 1.0, 4),
+            ];
+            assert_equivalent(
+                "lean layer_norm",
+                |t| lean::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+                |t| composite::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+                &inputs,
+            );
+        }
+        for (n, i, o) in [(3, 5, 7), (70, 48, 40)] {
+            let inputs = [
+                random(&[n, i], 4.0, 21),
+                random(&[i, o], 0.5, 22),
+                random(&[o], 1.0, 23),
+            ];
+            assert_equivalent(
+                "lean linear",
+                |t| lean::linear(&t[0], &t[1], &t[2]),
+                |t| composite::linear(&t[0], &t[1], &t[2]),
+                &inputs,
+            );
+            assert_equivalent(
+                "lean gelu_linear",
+                |t| lean::gelu_linear(&t[0], &t[1], &t[2]),
+                |t| composite::linear(&composite::gelu(&t[0])?, &t[1], &t[2]),
+                &inputs,
+            );
+        }
+        // The last shape is two chunks of one sequence each (`sequences_per_chunk`).
+        for (b, t, h, d) in [(1, 1, 1, 4), (3, 9, 2, 12), (2, 40, 4, 32), (2, 600, 3, 12)] {
+            assert!(t < 600 || lean::sequences_per_chunk(t, h) == 1);
+            assert_equivalent(
+                "lean causal_attention",
+                |x| lean::causal_attention(&x[0], b, t, h),
+                |x| composite::causal_attention(&x[0], b, t, h),
+                &[random(&[b * t, 3 * d], 2.0, 31)],
+            );
+        }
+        // 200 rows at V = 33000 are four chunks of 64 rows, the last one 8.
+        for (n, d, v) in [(5, 8, 300), (200, 16, 33_000)] {
+            let (targets, mask) = labels(n, v, 8);
+            assert_equivalent(
+                "lean linear_nll_sum",
+                |t| lean::linear_nll_sum(&t[0], &t[1], &targets, &mask),
+                |t| composite::nll_sum(&t[0].matmul(&t[1])?, &targets, &mask),
+                &[random(&[n, d], 1.0, 51), random(&[d, v], 0.5, 52)],
+            );
+        }
+    }
+
+    #[test]
+    fn lean_ops_in_half_precision_stay_near_f32() {
+        let (b, t, h, d) = (2, 16, 2, 16);
+        let (targets, mask) = labels(b * t, 40, 3);
+        let block = |t_: &[Tensor], dtype: DType, plain: bool| -> Result<Tensor> {
+            let _plain = force_plain(plain);
+            let c = |x: &Tensor| x.to_dtype(dtype);
+            let x = layer_norm(&c(&t_[0])?, &c(&t_[1])?, &c(&t_[2])?, 1e-5)?;
+            let qkv = linear(&x, &c(&t_[3])?, &c(&t_[4])?)?;
+            let y = causal_attention(&qkv, b, t, h)?;
+            let y = gelu_linear(&y, &c(&t_[5])?, &c(&t_[6])?)?;
+            linear_nll_sum(&y, &c(&t_[7])?, &targets, &mask)?.to_dtype(DType::F32)
+        };
+        let inputs = [
+            random(&[b * t, d], 2.0, 1),
+            random(&[d], 1.0, 2),
+            random(&[d], 1.0, 3),
+            random(&[d, 3 * d], 0.5, 4),
+            random(&[3 * d], 0.5, 5),
+            random(&[d, d], 0.5, 6),
+            random(&[d], 0.5, 7),
+            random(&[d, 40], 0.5, 8),
+        ];
+        let (reference, ref_grads) = value_and_grads(|x| block(x, DType::F32, true), &inputs, 9);
+        for (dtype, bound) in [(DType::BF16, 2e-2), (DType::F16, 5e-3)] {
+            let (value, grads) = value_and_grads(|x| block(x, dtype, false), &inputs, 9);
+            let e = rel_err(&value, &reference);
+            assert!(e <= bound, "{dtype:?}: loss rel. error {e:e}");
+            for (i, (g, r)) in grads.iter().zip(&ref_grads).enumerate() {
+                let e = rel_err(g, r);
+                assert!(
+                    e <= bound,
+                    "{dtype:?}: gradient of input {i} rel. error {e:e}"
+                );
+            }
         }
     }
 

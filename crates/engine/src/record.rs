@@ -39,7 +39,7 @@ pub struct Recorder {
     /// are written right after it so the header is always line 1.
     before_header: Option<Vec<Event>>,
     /// With `create_replacing`: the temporary file written, renamed over `path` when done.
-    replacing: Option<PathBuf>,
+    replacing: Option<Box<crate::safe_write::Pending>>,
 }
 
 impl Recorder {
@@ -49,15 +49,22 @@ impl Recorder {
         Ok(Recorder::writing(path, file, None))
     }
 
-    /// Replace `path` (`--force`): the events go to a temporary file beside it that takes the
-    /// name when the recording is finished, so the old file stays whole until then.
-    pub fn create_replacing(path: &Path) -> anyhow::Result<Recorder> {
-        let tmp = crate::safe_write::temp_beside(path);
-        let file = crate::safe_write::create_new(&tmp, "recording")?;
-        Ok(Recorder::writing(path, file, Some(tmp)))
+    /// Replace `path` (`--force`, as `rules` allow): the events go to a temporary file beside it
+    /// that takes the name when the recording is finished, so the old file stays whole until then.
+    pub fn create_replacing(
+        path: &Path,
+        rules: &crate::safe_write::Overwrite,
+    ) -> anyhow::Result<Recorder> {
+        let mut pending = crate::safe_write::Pending::begin(path, "recording", rules)?;
+        let file = pending.file().try_clone()?;
+        Ok(Recorder::writing(path, file, Some(Box::new(pending))))
     }
 
-    fn writing(path: &Path, file: File, replacing: Option<PathBuf>) -> Recorder {
+    fn writing(
+        path: &Path,
+        file: File,
+        replacing: Option<Box<crate::safe_write::Pending>>,
+    ) -> Recorder {
         Recorder {
             path: path.to_path_buf(),
             out: BufWriter::new(file),
@@ -115,13 +122,23 @@ impl Recorder {
         self.last_flush = Instant::now();
         Ok(())
     }
+
+    /// The recording is complete: flushed, and (with `create_replacing`) renamed over its target,
+    /// which is checked again first. Dropping a recorder does the same, errors unreported.
+    pub fn finish(mut self) -> anyhow::Result<PathBuf> {
+        self.flush()?;
+        if let Some(pending) = self.replacing.take() {
+            pending.commit()?;
+        }
+        Ok(self.path.clone())
+    }
 }
 
 impl Drop for Recorder {
     fn drop(&mut self) {
         let _ = self.out.flush();
-        if let Some(tmp) = self.replacing.take() {
-            let _ = std::fs::rename(&tmp, &self.path);
+        if let Some(pending) = self.replacing.take() {
+            let _ = pending.commit();
         }
     }
 }

@@ -1,84 +1,611 @@
-//! Writing files without destroying what the user made: a file that exists is refused unless the
-//! caller was told to replace it, and a replacement is written beside it and renamed into place,
-//! so the old content stays whole until the new one is complete.
+//! The one way gaccwb writes files: recordings, exports, logs, compare's outputs, checkpoints and
+//! the tokenizer cache all go through here, so one set of rules holds for all of them.
+//!
+//! - Only regular files are written. A path naming a directory, a device, a FIFO or a socket is
+//!   refused with its kind named, `--force` or not: writing or renaming there could replace
+//!   `/dev/null`, hang on a pipe or lose a directory.
+//! - A file that exists is refused unless the caller was told to replace it (`--force`), and even
+//!   then one of the run's own inputs ([`Inputs`], compared by device and inode, so a symbolic or
+//!   hard link to the preset counts as the preset) is refused.
+//! - A replacement is written to a hidden temporary file beside the target and renamed into place
+//!   when complete ([`Pending`]), so the old content stays whole until then; the target is checked
+//!   again just before the rename. Without `--force` the rename itself refuses an existing target.
+//! - A directory a run writes into for its whole life (checkpoints) is held with an `flock`
+//!   ([`lock_dir`]); a second run is refused with the holder's pid.
 
-use std::fs::File;
-use std::io::Write;
+use std::fs::{File, Metadata};
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+/// Why a file was not written.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error(
+        "{} already exists; gaccwb does not overwrite files: choose another name for the {what}, \
+         or add --force to replace it", path.display()
+    )]
+    Exists { path: PathBuf, what: String },
+    #[error(
+        "{} is {kind}, not a regular file; gaccwb writes the {what} only to a regular file \
+         (never through a device, pipe or directory): choose a file name", path.display()
+    )]
+    NotRegular {
+        path: PathBuf,
+        what: String,
+        kind: &'static str,
+    },
+    #[error(
+        "{} is an input of this run ({input}); write the {what} to another file \
+         (--force never replaces a run's inputs)", path.display()
+    )]
+    IsInput {
+        path: PathBuf,
+        what: String,
+        input: String,
+    },
+    #[error("cannot {action} {}: {err}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        err: std::io::Error,
+    },
+    #[error(
+        "{} is in use by another gaccwb run (pid {holder}); wait for it to end or choose \
+         another directory", dir.display()
+    )]
+    Locked { dir: PathBuf, holder: String },
+}
 
-/// Create `path`, refusing to open an existing file (no truncation, no race with the check).
-pub fn create_new(path: &Path, what: &str) -> anyhow::Result<File> {
-    match File::options().write(true).create_new(true).open(path) {
-        Ok(f) => Ok(f),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => bail!(refusal(path, what)),
-        Err(e) => Err(e).with_context(|| format!("cannot create {what} {}", path.display())),
+fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> WriteError + 'a {
+    move |err| WriteError::Io {
+        action,
+        path: path.to_path_buf(),
+        err,
     }
 }
 
-/// The message for a file that is there already.
-pub fn refusal(path: &Path, what: &str) -> String {
-    format!(
-        "{} already exists; gaccwb does not overwrite files: choose another name for the {what}, \
-         or add --force to replace it",
-        path.display()
-    )
+/// A file's identity: the same file under any name, link or hard link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
 }
 
-/// Refuse an existing `path` unless `force`.
-pub fn check_free(path: &Path, what: &str, force: bool) -> anyhow::Result<()> {
-    if !force && path.symlink_metadata().is_ok() {
-        bail!(refusal(path, what));
+impl FileId {
+    fn of(meta: &Metadata) -> FileId {
+        FileId {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        }
+    }
+}
+
+/// The files a command reads (its preset, `--data`, `--keys`, the tokenizer file, the recording
+/// it exports, the checkpoint it resumes): no write may replace or append to one of them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Inputs {
+    files: Vec<(FileId, String)>,
+}
+
+impl Inputs {
+    /// Add `path`, described as `label` ("the preset") in messages; a path that is not there
+    /// is nothing to protect and is skipped.
+    pub fn add(&mut self, label: &str, path: &Path) {
+        if let Ok(meta) = std::fs::metadata(path) {
+            let described = format!("{label} {}", path.display());
+            self.files.push((FileId::of(&meta), described));
+        }
+    }
+
+    /// `add`, chained.
+    pub fn with(mut self, label: &str, path: &Path) -> Inputs {
+        self.add(label, path);
+        self
+    }
+
+    /// The input that `meta` (a followed stat) is, if any.
+    fn find(&self, meta: &Metadata) -> Option<&str> {
+        let id = FileId::of(meta);
+        self.files
+            .iter()
+            .find(|(f, _)| *f == id)
+            .map(|(_, label)| label.as_str())
+    }
+
+    /// The input `path` names (through links), if any.
+    pub fn holding(&self, path: &Path) -> Option<&str> {
+        std::fs::metadata(path).ok().and_then(|m| self.find(&m))
+    }
+}
+
+/// What a write may replace: nothing, or (`force`) a regular file that is none of `inputs`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Overwrite {
+    pub force: bool,
+    pub inputs: Inputs,
+}
+
+impl Overwrite {
+    pub fn new(force: bool, inputs: Inputs) -> Overwrite {
+        Overwrite { force, inputs }
+    }
+
+    /// Replace any regular file: for files only gaccwb writes (its cache, a locked checkpoint
+    /// directory).
+    pub fn ours() -> Overwrite {
+        Overwrite::new(true, Inputs::default())
+    }
+}
+
+/// The kind of a file that is not a regular file, for messages.
+fn kind_of(meta: &Metadata) -> &'static str {
+    let t = meta.file_type();
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else {
+        "a special file"
+    }
+}
+
+/// What is at `path`, followed through links: `None` when nothing is there.
+fn existing(path: &Path, what: &str) -> Result<Option<Metadata>, WriteError> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io("inspect", path)(e)),
+        Ok(m) if !m.file_type().is_symlink() => return Ok(Some(m)),
+        Ok(_) => {}
+    }
+    match std::fs::metadata(path) {
+        Ok(m) => Ok(Some(m)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(WriteError::NotRegular {
+            path: path.to_path_buf(),
+            what: what.to_string(),
+            kind: "a symbolic link to nothing",
+        }),
+        Err(e) => Err(io("inspect", path)(e)),
+    }
+}
+
+/// Whether `path` may be written as the `what` under `rules`: free, or (with `force`) a regular
+/// file that is none of the inputs. Called before work starts, and again before a rename.
+pub fn check(path: &Path, what: &str, rules: &Overwrite) -> Result<(), WriteError> {
+    let Some(meta) = existing(path, what)? else {
+        return Ok(());
+    };
+    if !meta.is_file() {
+        return Err(WriteError::NotRegular {
+            path: path.to_path_buf(),
+            what: what.to_string(),
+            kind: kind_of(&meta),
+        });
+    }
+    if let Some(input) = rules.inputs.find(&meta) {
+        return Err(WriteError::IsInput {
+            path: path.to_path_buf(),
+            what: what.to_string(),
+            input: input.to_string(),
+        });
+    }
+    if !rules.force {
+        return Err(WriteError::Exists {
+            path: path.to_path_buf(),
+            what: what.to_string(),
+        });
     }
     Ok(())
 }
 
-/// A hidden temporary name in the same directory (so a rename is atomic).
-pub fn temp_beside(path: &Path) -> PathBuf {
+/// Create `path` as a new regular file, refusing anything there already (no truncation, no race
+/// with the check, no link followed).
+pub fn create_new(path: &Path, what: &str) -> Result<File, WriteError> {
+    match File::options()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(f) => Ok(f),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            check(path, what, &Overwrite::default())?;
+            Err(WriteError::Exists {
+                path: path.to_path_buf(),
+                what: what.to_string(),
+            })
+        }
+        Err(e) => Err(io("create", path)(e)),
+    }
+}
+
+/// A file being written under a hidden temporary name beside its target; [`Pending::commit`]
+/// renames it into place, dropping it uncommitted removes it.
+pub struct Pending {
+    path: PathBuf,
+    tmp: PathBuf,
+    file: File,
+    what: String,
+    rules: Overwrite,
+    finished: bool,
+}
+
+impl Pending {
+    /// Start writing the `what` to `path`, refused now if `rules` would refuse it at the end.
+    pub fn begin(path: &Path, what: &str, rules: &Overwrite) -> Result<Pending, WriteError> {
+        check(path, what, rules)?;
+        let (tmp, file) = create_temp_beside(path, what)?;
+        Ok(Pending {
+            path: path.to_path_buf(),
+            tmp,
+            file,
+            what: what.to_string(),
+            rules: rules.clone(),
+            finished: false,
+        })
+    }
+
+    /// The file to write into.
+    pub fn file(&mut self) -> &mut File {
+        &mut self.file
+    }
+
+    /// The target the file takes the name of.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Sync the file and rename it over the target, checked again first (it may have become a
+    /// device, a directory or an input since `begin`). On failure the temporary file is removed.
+    pub fn commit(mut self) -> Result<(), WriteError> {
+        self.finished = true;
+        let done = self.try_commit();
+        if done.is_err() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+        done
+    }
+
+    fn try_commit(&self) -> Result<(), WriteError> {
+        self.file.sync_all().map_err(io("write", &self.tmp))?;
+        check(&self.path, &self.what, &self.rules)?;
+        if self.rules.force {
+            std::fs::rename(&self.tmp, &self.path).map_err(io("rename into", &self.path))?;
+        } else {
+            rename_noreplace(&self.tmp, &self.path, &self.what)?;
+        }
+        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            // Makes the rename durable; not every filesystem lets a directory be synced.
+            let _ = File::open(dir).and_then(|d| d.sync_all());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// A fresh hidden file `.NAME.PID.tmp` beside `path` (so a rename is atomic); another number is
+/// tried when a file of that name is left from an earlier process.
+fn create_temp_beside(path: &Path, what: &str) -> Result<(PathBuf, File), WriteError> {
+    const TRIES: u32 = 100;
+    let mut n = 0;
+    loop {
+        let tmp = temp_name(path, n);
+        match create_new(&tmp, what) {
+            Ok(f) => return Ok((tmp, f)),
+            Err(WriteError::Exists { .. } | WriteError::NotRegular { .. }) if n + 1 < TRIES => {
+                n += 1
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn temp_name(path: &Path, n: u32) -> PathBuf {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "out".into());
-    path.with_file_name(format!(".{name}.{}.tmp", std::process::id()))
+    let pid = std::process::id();
+    match n {
+        0 => path.with_file_name(format!(".{name}.{pid}.tmp")),
+        _ => path.with_file_name(format!(".{name}.{pid}-{n}.tmp")),
+    }
 }
 
-/// Write `bytes` to `path`: refused when it exists and `force` is false; otherwise through a
-/// temporary file renamed over it.
-pub fn write_file(path: &Path, bytes: &[u8], what: &str, force: bool) -> anyhow::Result<()> {
-    check_free(path, what, force)?;
-    let tmp = temp_beside(path);
-    let written = create_new(&tmp, what).and_then(|mut f| {
-        f.write_all(bytes)
-            .and_then(|_| f.sync_all())
-            .with_context(|| format!("writing {}", tmp.display()))
-    });
-    let renamed = written.and_then(|_| {
-        std::fs::rename(&tmp, path)
-            .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
-    });
-    if renamed.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+/// Rename `tmp` to `path` only if nothing is at `path` (a file made meanwhile is never replaced).
+fn rename_noreplace(tmp: &Path, path: &Path, what: &str) -> Result<(), WriteError> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).ok();
+    let (Some(from), Some(to)) = (c(tmp), c(path)) else {
+        return Err(io("rename into", path)(
+            std::io::ErrorKind::InvalidInput.into(),
+        ));
+    };
+    // SAFETY: both pointers are NUL-terminated strings that live across the call.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if rc == 0 {
+        return Ok(());
     }
-    renamed
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EEXIST) => {
+            check(path, what, &Overwrite::default())?;
+            Err(WriteError::Exists {
+                path: path.to_path_buf(),
+                what: what.to_string(),
+            })
+        }
+        // A filesystem without the flag: the check just made is the best left.
+        Some(libc::EINVAL | libc::ENOSYS) => {
+            std::fs::rename(tmp, path).map_err(io("rename into", path))
+        }
+        _ => Err(io("rename into", path)(err)),
+    }
+}
+
+/// Write `bytes` to `path` as the `what`, through a temporary file renamed into place.
+pub fn write_file(
+    path: &Path,
+    bytes: &[u8],
+    what: &str,
+    rules: &Overwrite,
+) -> Result<(), WriteError> {
+    let mut pending = Pending::begin(path, what, rules)?;
+    let tmp = pending.tmp.clone();
+    pending.file().write_all(bytes).map_err(io("write", &tmp))?;
+    pending.commit()
+}
+
+/// Open `path` to append to (a log): a regular file (created if missing) or a terminal, none of
+/// `inputs`. Opened non-blocking, so a FIFO with no reader is refused instead of waiting forever.
+pub fn open_append(path: &Path, what: &str, inputs: &Inputs) -> Result<File, WriteError> {
+    let not_regular = |kind| WriteError::NotRegular {
+        path: path.to_path_buf(),
+        what: what.to_string(),
+        kind,
+    };
+    // Refused without opening it: opening a FIFO or a device can block or act.
+    if let Some(meta) = existing(path, what)? {
+        if !meta.is_file() && !meta.file_type().is_char_device() {
+            return Err(not_regular(kind_of(&meta)));
+        }
+    }
+    let file = File::options()
+        .append(true)
+        .create(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENXIO) => not_regular("a FIFO (named pipe)"),
+            _ => io("open", path)(e),
+        })?;
+    // What was opened, not what the path named a moment before.
+    let meta = file.metadata().map_err(io("inspect", path))?;
+    if let Some(input) = inputs.find(&meta) {
+        return Err(WriteError::IsInput {
+            path: path.to_path_buf(),
+            what: what.to_string(),
+            input: input.to_string(),
+        });
+    }
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    if !meta.is_file() {
+        // SAFETY: `fd` is an open descriptor owned by `file` for the whole call.
+        if unsafe { libc::isatty(fd) } != 1 {
+            return Err(not_regular("a device that is not a terminal"));
+        }
+    }
+    // Blocking again for the writes: a terminal's buffer may fill, and waiting is right then.
+    // SAFETY: `fd` is open and owned by `file`; F_GETFL/F_SETFL change only its status flags.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+        }
+    }
+    Ok(file)
+}
+
+/// The name of the lock file in a locked directory (left there: removing it would race with the
+/// next run taking it).
+pub const LOCK_FILE: &str = ".gaccwb.lock";
+
+/// An exclusive `flock` on a directory, held while this value lives (the kernel drops it when the
+/// process ends, however it ends).
+#[derive(Debug)]
+pub struct DirLock {
+    _file: File,
+}
+
+/// Create `dir` if missing and lock it, or say which process holds it.
+pub fn lock_dir(dir: &Path) -> Result<DirLock, WriteError> {
+    std::fs::create_dir_all(dir).map_err(io("create the directory", dir))?;
+    let path = dir.join(LOCK_FILE);
+    if let Some(meta) = existing(&path, "lock file")? {
+        if !meta.is_file() {
+            return Err(WriteError::NotRegular {
+                path,
+                what: "lock file".into(),
+                kind: kind_of(&meta),
+            });
+        }
+    }
+    let mut file = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(io("open", &path))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = (&file).take(32).read_to_string(&mut holder);
+            let holder = match holder.trim() {
+                "" => "unknown".to_string(),
+                pid => pid.to_string(),
+            };
+            return Err(WriteError::Locked {
+                dir: dir.to_path_buf(),
+                holder,
+            });
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(io("lock", &path)(e)),
+    }
+    let pid = format!("{}\n", std::process::id());
+    file.set_len(0)
+        .and_then(|()| file.rewind())
+        .and_then(|()| file.write_all(pid.as_bytes()))
+        .map_err(io("write", &path))?;
+    Ok(DirLock { _file: file })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn listing(dir: &Path) -> Vec<String> {
+        let mut names: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
     #[test]
     fn an_existing_file_is_kept_unless_forced() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("out.svg");
         std::fs::write(&path, "mine").unwrap();
-        let e = write_file(&path, b"new", "chart", false).unwrap_err();
+        let e = write_file(&path, b"new", "chart", &Overwrite::default()).unwrap_err();
         assert!(e.to_string().contains("--force"), "{e}");
         assert!(create_new(&path, "recording").is_err());
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "mine");
-        write_file(&path, b"new", "chart", true).unwrap();
+        write_file(&path, b"new", "chart", &Overwrite::ours()).unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
-        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
-        assert_eq!(left.len(), 1, "no temporary file left behind");
+        assert_eq!(listing(dir.path()), ["out.svg"], "no temporary file left");
+    }
+
+    #[test]
+    fn directories_fifos_and_broken_links_are_refused_even_forced() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path that lives across the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+        let sub = dir.path().join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        let broken = dir.path().join("broken");
+        std::os::unix::fs::symlink(dir.path().join("nothing"), &broken).unwrap();
+        for (path, kind) in [
+            (&fifo, "FIFO"),
+            (&sub, "directory"),
+            (&broken, "symbolic link to nothing"),
+        ] {
+            let e = write_file(path, b"x", "table", &Overwrite::ours()).unwrap_err();
+            assert!(matches!(e, WriteError::NotRegular { .. }), "{e}");
+            assert!(e.to_string().contains(kind), "{e}");
+        }
+        assert!(std::fs::symlink_metadata(&fifo)
+            .unwrap()
+            .file_type()
+            .is_fifo());
+        assert_eq!(listing(dir.path()), ["broken", "fifo", "sub"]);
+    }
+
+    #[test]
+    fn an_input_is_refused_through_links_even_forced() {
+        let dir = tempfile::tempdir().unwrap();
+        let preset = dir.path().join("run.toml");
+        std::fs::write(&preset, "mine").unwrap();
+        let soft = dir.path().join("soft.toml");
+        std::os::unix::fs::symlink(&preset, &soft).unwrap();
+        let hard = dir.path().join("hard.toml");
+        std::fs::hard_link(&preset, &hard).unwrap();
+        let rules = Overwrite::new(true, Inputs::default().with("the preset", &preset));
+        for path in [&preset, &soft, &hard] {
+            let e = write_file(path, b"new", "table", &rules).unwrap_err();
+            assert!(e.to_string().contains("the preset"), "{e}");
+        }
+        assert_eq!(std::fs::read_to_string(&preset).unwrap(), "mine");
+    }
+
+    #[test]
+    fn a_target_that_changes_before_the_rename_is_not_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.csv");
+        let pending = Pending::begin(&path, "table", &Overwrite::default()).unwrap();
+        std::fs::write(&path, "made meanwhile").unwrap();
+        assert!(pending.commit().is_err());
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "made meanwhile");
+        let pending = Pending::begin(&path, "table", &Overwrite::ours()).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let e = pending.commit().unwrap_err();
+        assert!(e.to_string().contains("directory"), "{e}");
+        assert_eq!(listing(dir.path()), ["out.csv"], "no temporary file left");
+    }
+
+    #[test]
+    fn a_log_is_a_regular_file_or_a_terminal_and_never_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path that lives across the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+        let e = open_append(&fifo, "log", &Inputs::default()).unwrap_err();
+        assert!(e.to_string().contains("FIFO"), "{e}");
+        let e = open_append(Path::new("/dev/null"), "log", &Inputs::default()).unwrap_err();
+        assert!(e.to_string().contains("not a terminal"), "{e}");
+        let log = dir.path().join("run.log");
+        std::fs::write(&log, "earlier\n").unwrap();
+        let mut f = open_append(&log, "log", &Inputs::default()).unwrap();
+        f.write_all(b"later\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&log).unwrap(), "earlier\nlater\n");
+        let inputs = Inputs::default().with("the corpus", &log);
+        let e = open_append(&log, "log", &inputs).unwrap_err();
+        assert!(e.to_string().contains("the corpus"), "{e}");
+    }
+
+    #[test]
+    fn a_locked_directory_names_its_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let held = lock_dir(&ck).unwrap();
+        let e = lock_dir(&ck).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&format!("pid {}", std::process::id())),
+            "{e}"
+        );
+        drop(held);
+        lock_dir(&ck).unwrap();
     }
 }

@@ -1,10 +1,11 @@
 //! Bytes held by tensors, counted once per storage: views (reshape, transpose, narrow,
 //! broadcast) share their parent's storage and must not be counted twice.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::{LazyLock, Mutex, PoisonError};
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, Layout, Storage, Tensor};
+use candle_core::{CpuStorage, Layout, Storage, Tensor, TensorId};
 
 /// Storages already counted; a storage is identified by its address, stable while any tensor
 /// holds it.
@@ -83,9 +84,45 @@ pub fn grad_store_bytes(store: &GradStore, seen: &mut StorageSet) -> u64 {
 }
 
 /// Bytes of the tensors the graph behind `loss` keeps alive for backward, counting each storage
-/// once and skipping storages already in `seen` (parameters, compute weights).
+/// once and skipping storages already in `seen` (parameters, compute weights). Tensors an op
+/// keeps in its own fields (`keep_beside`) count with the op's output.
 pub fn activation_bytes(loss: &Tensor, seen: &mut StorageSet) -> u64 {
-    loss.sorted_nodes().into_iter().map(|t| seen.add(t)).sum()
+    let nodes = loss.sorted_nodes();
+    let beside = BESIDE.lock().unwrap_or_else(PoisonError::into_inner);
+    nodes
+        .into_iter()
+        .map(|t| seen.add(t) + beside.get(&t.id()).map_or(0, |kept| seen.add_all(kept)))
+        .sum()
+}
+
+/// Tensors custom ops keep for their backward outside the graph's nodes, by the id of the op's
+/// output. A graph walk sees only nodes; without this a layer norm's row statistics or
+/// attention's log-sum-exp would be held and never counted.
+static BESIDE: LazyLock<Mutex<HashMap<TensorId, Vec<Tensor>>>> = LazyLock::new(Default::default);
+
+/// Books `kept` with the graph node `node` until the handle drops. The op that keeps them holds
+/// the handle, so the books close when the graph that owns the op is dropped.
+pub fn keep_beside(node: &Tensor, kept: Vec<Tensor>) -> KeptBeside {
+    let id = node.id();
+    BESIDE
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(id, kept);
+    KeptBeside { id }
+}
+
+/// The booking `keep_beside` made; dropping it removes the booking (and its references).
+pub struct KeptBeside {
+    id: TensorId,
+}
+
+impl Drop for KeptBeside {
+    fn drop(&mut self) {
+        BESIDE
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.id);
+    }
 }
 
 #[cfg(test)]
@@ -118,6 +155,18 @@ mod tests {
         let mut seen = StorageSet::default();
         seen.add(w.as_tensor());
         assert_eq!(activation_bytes(&loss, &mut seen), 64 + 64 + 4);
+    }
+
+    #[test]
+    fn tensors_kept_beside_a_node_count_while_booked() {
+        let x = Var::ones((2, 8), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let y = x.as_tensor().sqr().unwrap();
+        let stats = Tensor::zeros(2, candle_core::DType::F32, &Device::Cpu).unwrap();
+        let booked = keep_beside(&y, vec![stats]);
+        // x (64 B) and y (64 B) are nodes; the statistics (8 B) are counted with y.
+        assert_eq!(activation_bytes(&y, &mut StorageSet::default()), 136);
+        drop(booked);
+        assert_eq!(activation_bytes(&y, &mut StorageSet::default()), 128);
     }
 
     #[test]

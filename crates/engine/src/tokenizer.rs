@@ -4,7 +4,12 @@
 //! for example). Both go through Hugging Face's `tokenizers` crate without its C regex engine.
 //!
 //! Cache: `$XDG_CACHE_HOME/gaccwb/tokenizers/` (else `~/.cache/...`, else the temp dir), one file
-//! per (text hash, vocabulary size, trainer version); never beside the user's file.
+//! per (text hash, vocabulary size, trainer version); never beside the user's file. A cache file
+//! is one JSON line saying what the tokenizer was trained on and with (the text's hash and
+//! length, the vocabulary asked for and obtained, the trainer version, the tokenizer's own hash),
+//! then the tokenizer's JSON. A file whose line does not match this text and these settings, or
+//! whose tokenizer is not what this trainer makes (another normalizer, ids that are not exactly
+//! 0..V-1), is retrained and replaced; a cache path that is not a regular file is refused.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -14,11 +19,14 @@ use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::Tokenizer;
 
+use crate::safe_write::{self, Overwrite};
 use crate::scenario::DataConfig;
 use crate::telemetry::TokenizerInfo;
 
 /// Bumped when training changes (options, crate version), so old cache entries are not reused.
 const TRAINER_VERSION: &str = "bpe1-tokenizers0.23";
+/// The first line's `format`: what says a file is one of these cache files.
+const CACHE_FORMAT: &str = "gaccwb-bpe-cache-1";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
@@ -26,6 +34,8 @@ pub enum TokenizerError {
     File { path: String, message: String },
     #[error("training a BPE tokenizer on {data}: {message}")]
     Train { data: String, message: String },
+    #[error("tokenizer cache {path}: {message}")]
+    Cache { path: String, message: String },
 }
 
 /// A loaded tokenizer with what the header records about it.
@@ -34,6 +44,9 @@ pub struct TextTokenizer {
     pub info: TokenizerInfo,
     /// A trained tokenizer came from the cache rather than from training.
     pub cache_hit: bool,
+    /// What went wrong with the cache, when something did (an invalid file retrained, a file
+    /// that could not be written).
+    pub cache_note: Option<String>,
     /// Time spent training or loading.
     pub elapsed: Duration,
 }
@@ -52,6 +65,7 @@ impl TextTokenizer {
     }
 
     /// The tokenizer's JSON (the cache file's content).
+    #[allow(clippy::expect_used)] // a tokenizer built or loaded by `tokenizers` serialises
     pub fn to_json(&self) -> String {
         self.inner
             .to_string(false)
@@ -65,8 +79,9 @@ impl TextTokenizer {
             path: path.display().to_string(),
             message,
         };
-        let json =
-            std::fs::read_to_string(path).map_err(|e| err(format!("cannot read it: {e}")))?;
+        let limit = crate::limits::MAX_TOKENIZER_BYTES;
+        let json = crate::limits::read_bounded_text(path, limit, "tokenizer file")
+            .map_err(|e| err(format!("cannot read it: {e}")))?;
         let inner = Tokenizer::from_bytes(json.as_bytes()).map_err(|e| {
             err(format!(
                 "not a Hugging Face tokenizer.json ({e}); give the tokenizer.json of a \
@@ -81,13 +96,15 @@ impl TextTokenizer {
             info: info("file", vocab, &json, path),
             inner,
             cache_hit: false,
+            cache_note: None,
             elapsed: started.elapsed(),
         })
     }
 
     /// The BPE of `vocab` tokens for `text` (named `data` in messages): from `cache_dir` when it
-    /// holds one for this text, else trained and written there. A cache that cannot be written
-    /// costs a retrain next time, not the run.
+    /// holds a valid one for this text and vocabulary, else trained and written there. A cache
+    /// that cannot be written costs a retrain next time, not the run; a cache path that is not a
+    /// regular file is refused.
     pub fn trained_for(
         text: &str,
         data: &str,
@@ -95,36 +112,190 @@ impl TextTokenizer {
         cache_dir: &Path,
     ) -> Result<TextTokenizer, TokenizerError> {
         let started = Instant::now();
-        let key = format!(
-            "{:016x}-v{vocab}-{TRAINER_VERSION}.json",
-            fnv1a64(text.as_bytes())
-        );
-        let path = cache_dir.join(key);
-        if let Ok(json) = std::fs::read_to_string(&path) {
-            if let Ok(inner) = Tokenizer::from_bytes(json.as_bytes()) {
+        let expected = CacheHeader::expected(text, vocab);
+        let path = cache_dir.join(format!(
+            "{}-v{vocab}-{TRAINER_VERSION}.json",
+            expected.corpus_hash
+        ));
+        let cache_err = |message: String| TokenizerError::Cache {
+            path: path.display().to_string(),
+            message,
+        };
+        let stale = match read_cache(&path, &expected) {
+            Ok(Some((inner, json))) => {
                 return Ok(TextTokenizer {
                     info: info("bpe", inner.get_vocab_size(true), &json, &path),
                     inner,
                     cache_hit: true,
+                    cache_note: None,
                     elapsed: started.elapsed(),
-                });
+                })
             }
-        }
+            Ok(None) => None,
+            Err(CacheProblem::Invalid(why)) => Some(format!("the cache file was invalid ({why})")),
+            Err(CacheProblem::Refused(message)) => return Err(cache_err(message)),
+        };
         let inner = train_bpe(text, vocab).map_err(|message| TokenizerError::Train {
             data: data.to_string(),
             message,
         })?;
+        #[allow(clippy::expect_used)] // a tokenizer `tokenizers` just trained serialises
         let json = inner
             .to_string(false)
             .expect("a trained tokenizer serialises");
-        write_cache(&path, &json);
+        let header = CacheHeader {
+            vocab: inner.get_vocab_size(true),
+            tokenizer_hash: hash_hex(json.as_bytes()),
+            ..expected
+        };
+        let unwritten = write_cache(&path, &header, &json)
+            .err()
+            .map(|e| format!("not cached: {e}"));
+        let notes: Vec<String> = stale.into_iter().chain(unwritten).collect();
         Ok(TextTokenizer {
             info: info("bpe", inner.get_vocab_size(true), &json, &path),
             inner,
             cache_hit: false,
+            cache_note: (!notes.is_empty()).then(|| notes.join("; ")),
             elapsed: started.elapsed(),
         })
     }
+}
+
+/// The first line of a cache file: what its tokenizer was trained on and with.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct CacheHeader {
+    format: String,
+    corpus_hash: String,
+    corpus_bytes: u64,
+    vocab_requested: usize,
+    /// The vocabulary obtained (a short text gives fewer tokens than asked for).
+    vocab: usize,
+    trainer: String,
+    /// FNV-1a of the tokenizer's JSON that follows.
+    tokenizer_hash: String,
+}
+
+impl CacheHeader {
+    /// The header a cache for `text` and `vocab` must have (its `vocab` and `tokenizer_hash`
+    /// are the trained tokenizer's, unknown here).
+    fn expected(text: &str, vocab: usize) -> CacheHeader {
+        CacheHeader {
+            format: CACHE_FORMAT.into(),
+            corpus_hash: hash_hex(text.as_bytes()),
+            corpus_bytes: text.len() as u64,
+            vocab_requested: vocab,
+            vocab: 0,
+            trainer: TRAINER_VERSION.into(),
+            tokenizer_hash: String::new(),
+        }
+    }
+
+    /// Why `self` (read from a file) does not belong to the cache `expected` describes.
+    fn mismatch(&self, expected: &CacheHeader) -> Option<String> {
+        let e = expected;
+        if self.format != e.format {
+            Some(format!("format {:?}, not {:?}", self.format, e.format))
+        } else if (&self.corpus_hash, self.corpus_bytes) != (&e.corpus_hash, e.corpus_bytes) {
+            Some("trained on another text".into())
+        } else if self.vocab_requested != e.vocab_requested {
+            let v = self.vocab_requested;
+            Some(format!("trained for {v} tokens, not {}", e.vocab_requested))
+        } else if self.trainer != e.trainer {
+            Some(format!("trained by {}, not {}", self.trainer, e.trainer))
+        } else if !(1..=e.vocab_requested).contains(&self.vocab) {
+            Some(format!("a vocabulary of {} tokens", self.vocab))
+        } else {
+            None
+        }
+    }
+}
+
+/// Why a cache file was not used.
+enum CacheProblem {
+    /// Not a valid cache for this text: retrained and replaced.
+    Invalid(String),
+    /// Not a regular file: neither read nor replaced.
+    Refused(String),
+}
+
+/// The tokenizer cached at `path` and its JSON, if a valid one for `expected` is there.
+fn read_cache(
+    path: &Path,
+    expected: &CacheHeader,
+) -> Result<Option<(Tokenizer, String)>, CacheProblem> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        _ => safe_write::check(path, "tokenizer cache", &Overwrite::ours()).map_err(|e| {
+            CacheProblem::Refused(format!("{e}; remove it to let gaccwb cache there"))
+        })?,
+    }
+    let limit = crate::limits::MAX_TOKENIZER_BYTES;
+    let text = crate::limits::read_bounded_text(path, limit, "tokenizer cache")
+        .map_err(CacheProblem::Invalid)?;
+    let invalid = |why: String| CacheProblem::Invalid(why);
+    let (first, json) = text
+        .split_once('\n')
+        .ok_or_else(|| invalid("not a gaccwb cache file: no header line".into()))?;
+    let header: CacheHeader = serde_json::from_str(first)
+        .map_err(|e| invalid(format!("not a gaccwb cache file: {e}")))?;
+    if let Some(why) = header.mismatch(expected) {
+        return Err(invalid(why));
+    }
+    if header.tokenizer_hash != hash_hex(json.as_bytes()) {
+        return Err(invalid("its tokenizer was changed after training".into()));
+    }
+    let inner = Tokenizer::from_bytes(json.as_bytes())
+        .map_err(|e| invalid(format!("not a tokenizer: {e}")))?;
+    check_trained_shape(&inner, header.vocab).map_err(invalid)?;
+    Ok(Some((inner, json.to_string())))
+}
+
+/// `inner` is what `train_bpe` makes: its pipeline (normalizer, pre-tokenizer, post-processor,
+/// decoder, no added tokens, no truncation or padding), and ids exactly 0..`vocab`-1 with every
+/// byte symbol among them.
+fn check_trained_shape(inner: &Tokenizer, vocab: usize) -> Result<(), String> {
+    let names = [
+        "normalizer",
+        "pre-tokenizer",
+        "post-processor",
+        "decoder",
+        "truncation",
+        "padding",
+    ];
+    let (found, wanted) = (pipeline_parts(inner), pipeline_parts(&pipeline()));
+    if let Some(i) = (0..names.len()).find(|&i| found[i] != wanted[i]) {
+        return Err(format!("another {} than this trainer's", names[i]));
+    }
+    if !inner.get_added_tokens_decoder().is_empty() {
+        return Err("added tokens this trainer does not make".into());
+    }
+    let tokens = inner.get_vocab(true);
+    let mut ids: Vec<u32> = tokens.values().copied().collect();
+    ids.sort_unstable();
+    if ids.len() != vocab || ids.iter().enumerate().any(|(i, &id)| id as usize != i) {
+        return Err(format!("its token ids are not exactly 0..{}", vocab - 1));
+    }
+    if let Some(missing) = ByteLevel::alphabet()
+        .into_iter()
+        .find(|c| !tokens.contains_key(&c.to_string()))
+    {
+        return Err(format!("the byte symbol {missing:?} is missing"));
+    }
+    Ok(())
+}
+
+/// A tokenizer's parts other than its vocabulary and merges, as JSON, to compare.
+fn pipeline_parts(t: &Tokenizer) -> [String; 6] {
+    let json = |r: serde_json::Result<String>| r.unwrap_or_else(|e| e.to_string());
+    [
+        json(serde_json::to_string(&t.get_normalizer())),
+        json(serde_json::to_string(&t.get_pre_tokenizer())),
+        json(serde_json::to_string(&t.get_post_processor())),
+        json(serde_json::to_string(&t.get_decoder())),
+        json(serde_json::to_string(&t.get_truncation())),
+        json(serde_json::to_string(&t.get_padding())),
+    ]
 }
 
 /// A text's token ids and what the header records about the tokenizer (dropped afterwards: the
@@ -169,9 +340,14 @@ pub fn tokenize(bytes: &[u8], name: &str, data: &DataConfig) -> Result<Tokenized
         (_, true) => "cache hit",
         _ => "trained",
     };
+    let note = tokenizer
+        .cache_note
+        .as_ref()
+        .map(|n| format!(" ({n})"))
+        .unwrap_or_default();
     Ok(Tokenized {
         provenance: format!(
-            "tokenizer: {how} {} ({} tokens, hash {}) in {:.0} ms; {} bytes -> {} tokens",
+            "tokenizer: {how} {}{note} ({} tokens, hash {}) in {:.0} ms; {} bytes -> {} tokens",
             tokenizer.info.path,
             tokenizer.info.vocab,
             tokenizer.info.hash,
@@ -188,29 +364,45 @@ fn info(kind: &str, vocab: usize, json: &str, path: &Path) -> TokenizerInfo {
     TokenizerInfo {
         kind: kind.to_string(),
         vocab,
-        hash: format!("{:016x}", fnv1a64(json.as_bytes())),
+        hash: hash_hex(json.as_bytes()),
         path: path.display().to_string(),
     }
 }
 
-/// Writes through a temporary name so a concurrent reader never sees half a file.
-fn write_cache(path: &Path, json: &str) {
-    let Some(dir) = path.parent() else { return };
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let written = std::fs::create_dir_all(dir)
-        .and_then(|()| std::fs::write(&tmp, json))
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+fn hash_hex(bytes: &[u8]) -> String {
+    format!("{:016x}", fnv1a64(bytes))
+}
+
+/// The header line, then the tokenizer, written through a temporary name (a concurrent reader
+/// never sees half a file) over a regular file only.
+fn write_cache(path: &Path, header: &CacheHeader, json: &str) -> Result<(), String> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     }
+    let line = serde_json::to_string(header).map_err(|e| format!("the cache header: {e}"))?;
+    let content = format!("{line}\n{json}");
+    safe_write::write_file(
+        path,
+        content.as_bytes(),
+        "tokenizer cache",
+        &Overwrite::ours(),
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// The untrained tokenizer `train_bpe` starts from: an empty BPE with GPT-2's byte-level
+/// pre-tokenizer and decoder (no prefix space).
+fn pipeline() -> Tokenizer {
+    let mut tokenizer = Tokenizer::new(BPE::default());
+    tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    tokenizer.with_decoder(Some(ByteLevel::new(false, true, true)));
+    tokenizer
 }
 
 /// A byte-level BPE (GPT-2's pre-tokenizer and decoder, no prefix space) of at most `vocab`
 /// tokens. The 256 byte symbols are always in it, so every text round-trips.
 pub fn train_bpe(text: &str, vocab: usize) -> Result<Tokenizer, String> {
-    let mut tokenizer = Tokenizer::new(BPE::default());
-    tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
-    tokenizer.with_decoder(Some(ByteLevel::new(false, true, true)));
+    let mut tokenizer = pipeline();
     let mut trainer: TrainerWrapper = BpeTrainer::builder()
         .vocab_size(vocab)
         .show_progress(false)
@@ -320,5 +512,126 @@ mod tests {
         assert_eq!(loaded.info.vocab, 512);
         let text = "gradient accumulation: B·K tokens";
         assert_eq!(loaded.encode(text).unwrap(), trained.encode(text).unwrap());
+    }
+
+    /// A slice of the corpus: enough for a 300-token BPE, quick to train.
+    fn text() -> &'static str {
+        let mut end = 20_000;
+        while !CORPUS.is_char_boundary(end) {
+            end -= 1;
+        }
+        &CORPUS[..end]
+    }
+
+    /// Edit the tokenizer in the cache file at `path`; with `rehash`, the header's hash is made
+    /// to match again (so only the checks of the tokenizer itself can find the change).
+    fn corrupt(path: &str, rehash: bool, edit: impl FnOnce(&mut serde_json::Value)) {
+        let file = std::fs::read_to_string(path).unwrap();
+        let (header, body) = match file.split_once('\n') {
+            Some((h, b)) if h.contains("gaccwb-bpe-cache") => (Some(h), b),
+            _ => (None, file.as_str()),
+        };
+        let mut tokenizer: serde_json::Value = serde_json::from_str(body).unwrap();
+        edit(&mut tokenizer);
+        let body = tokenizer.to_string();
+        let out = match header {
+            Some(h) => {
+                let mut h: serde_json::Value = serde_json::from_str(h).unwrap();
+                if rehash {
+                    h["tokenizer_hash"] = format!("{:016x}", fnv1a64(body.as_bytes())).into();
+                }
+                format!("{h}\n{body}")
+            }
+            None => body,
+        };
+        std::fs::write(path, out).unwrap();
+    }
+
+    /// After the cache at `dir` was damaged: the next run trains afresh, gets what training
+    /// gives, and leaves a valid cache for the run after.
+    fn retrained(dir: &Path, vocab: usize) {
+        let again = TextTokenizer::trained_for(text(), "corpus", vocab, dir).unwrap();
+        assert!(!again.cache_hit, "a damaged cache was used");
+        let fresh = train_bpe(text(), vocab).unwrap().to_string(false).unwrap();
+        assert_eq!(again.to_json(), fresh);
+        let next = TextTokenizer::trained_for(text(), "corpus", vocab, dir).unwrap();
+        assert!(next.cache_hit, "the retrained cache was not rewritten");
+        assert_eq!(next.to_json(), fresh);
+    }
+
+    #[test]
+    fn a_cache_of_another_text_is_retrained() {
+        let dir = tempfile::tempdir().unwrap();
+        let other = TextTokenizer::trained_for(&text()[..10_000], "a", 300, dir.path()).unwrap();
+        let mine = TextTokenizer::trained_for(text(), "corpus", 300, dir.path()).unwrap();
+        std::fs::copy(&other.info.path, &mine.info.path).unwrap();
+        retrained(dir.path(), 300);
+    }
+
+    #[test]
+    fn a_cache_of_another_vocabulary_size_is_retrained() {
+        let dir = tempfile::tempdir().unwrap();
+        let small = TextTokenizer::trained_for(text(), "corpus", 260, dir.path()).unwrap();
+        let mine = TextTokenizer::trained_for(text(), "corpus", 300, dir.path()).unwrap();
+        std::fs::copy(&small.info.path, &mine.info.path).unwrap();
+        retrained(dir.path(), 300);
+    }
+
+    #[test]
+    fn a_cache_with_swapped_ids_is_retrained() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = TextTokenizer::trained_for(text(), "corpus", 300, dir.path()).unwrap();
+        corrupt(&t.info.path, false, |j| {
+            let vocab = j["model"]["vocab"].as_object_mut().unwrap();
+            let (a, b) = (vocab["a"].clone(), vocab["b"].clone());
+            vocab.insert("a".into(), b);
+            vocab.insert("b".into(), a);
+        });
+        retrained(dir.path(), 300);
+    }
+
+    #[test]
+    fn a_cache_with_another_normalizer_is_retrained() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = TextTokenizer::trained_for(text(), "corpus", 300, dir.path()).unwrap();
+        corrupt(&t.info.path, true, |j| {
+            j["normalizer"] = serde_json::json!({ "type": "Lowercase" });
+        });
+        retrained(dir.path(), 300);
+    }
+
+    #[test]
+    fn a_cache_with_an_out_of_range_id_is_retrained() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = TextTokenizer::trained_for(text(), "corpus", 300, dir.path()).unwrap();
+        corrupt(&t.info.path, true, |j| {
+            j["model"]["vocab"]["zz"] = 50_000.into();
+        });
+        retrained(dir.path(), 300);
+    }
+
+    #[test]
+    fn a_cache_path_that_is_not_a_regular_file_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = TextTokenizer::trained_for(text(), "corpus", 300, dir.path()).unwrap();
+        std::fs::remove_file(&t.info.path).unwrap();
+        std::fs::create_dir(&t.info.path).unwrap();
+        let e = TextTokenizer::trained_for(text(), "corpus", 300, dir.path())
+            .err()
+            .expect("a directory in the cache's place is refused")
+            .to_string();
+        assert!(e.contains(&t.info.path) && e.contains("directory"), "{e}");
+    }
+
+    #[test]
+    fn a_tokenizer_file_that_never_ends_is_refused_by_name() {
+        let e = TextTokenizer::load_file(Path::new("/dev/zero"))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("/dev/zero") && e.contains("not a regular file"),
+            "{e}"
+        );
     }
 }

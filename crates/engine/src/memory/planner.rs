@@ -129,6 +129,7 @@ impl Verdict {
     pub fn new(cfg: &Config, effective: usize, budget: u64) -> Verdict {
         let configured_peak = estimate(cfg).peak();
         let levers = levers(cfg, effective, budget);
+        #[allow(clippy::expect_used)] // `levers` always offers K at micro-batch 1
         let best = levers
             .iter()
             .min_by_key(|l| l.peak)
@@ -228,7 +229,9 @@ pub fn aligned(rows: &[Vec<String>], right: &[bool]) -> String {
     out
 }
 
-/// Micro-batch 1 with K = the effective batch; then offload on; then 16-bit compute.
+/// Micro-batch 1 with K = the effective batch; then offload on; then 16-bit compute. A lever is
+/// offered only where it lowers the peak below the one before it (offload does nothing in one
+/// memory; 16-bit compute weights can cost more than they save).
 fn levers(cfg: &Config, effective: usize, budget: u64) -> Vec<Lever> {
     let mut steps = vec![("K at micro-batch 1".to_string(), cfg.dtype, cfg.offload)];
     if !cfg.offload {
@@ -258,7 +261,12 @@ fn levers(cfg: &Config, effective: usize, budget: u64) -> Vec<Lever> {
                 fits: peak <= budget,
             }
         })
-        .collect()
+        .fold(Vec::new(), |mut kept: Vec<Lever>, lever| {
+            if kept.last().is_none_or(|before| lever.peak < before.peak) {
+                kept.push(lever);
+            }
+            kept
+        })
 }
 
 fn lever_config(cfg: &Config, l: &Lever) -> Config {
@@ -275,6 +283,7 @@ fn lever_config(cfg: &Config, l: &Lever) -> Config {
 /// category in its peak phase.
 fn blocker(cfg: &Config, budget: u64) -> Blocker {
     let e = estimate(cfg);
+    #[allow(clippy::expect_used)] // an estimate has four phases
     let (_, peak_phase) = e
         .phases()
         .into_iter()
@@ -285,6 +294,7 @@ fn blocker(cfg: &Config, budget: u64) -> Blocker {
         ..peak_phase
     };
     // The weights first: when they alone exceed the budget no lever but a smaller model helps.
+    #[allow(clippy::expect_used)] // there are eight categories
     let (i, bytes) = if resident.parameters > budget {
         (0, resident.parameters)
     } else {
@@ -428,5 +438,35 @@ mod tests {
             v.levers[1].peak < v.levers[0].peak,
             "offload frees the moments on a GPU"
         );
+    }
+
+    #[test]
+    fn a_lever_that_raises_the_peak_is_not_offered() {
+        let model = named_shape("gpt3-175b").unwrap();
+        let knobs = crate::telemetry::Knobs::from_scenario(&crate::scenario::Scenario::default());
+        let mut cfg = Config::from_knobs(&model, &knobs, true);
+        cfg.micro_batch = 1;
+        let (with, alone) = (
+            estimate(&Config {
+                dtype: Dtype::Bf16,
+                offload: true,
+                ..cfg.clone()
+            }),
+            estimate(&Config {
+                offload: true,
+                ..cfg.clone()
+            }),
+        );
+        assert!(
+            with.peak() > alone.peak(),
+            "the case: bf16 costs more than it saves here"
+        );
+        let v = Verdict::new(&cfg, 4, 40 << 30);
+        assert!(
+            v.levers.iter().all(|l| l.dtype == Dtype::F32),
+            "{:?}",
+            v.levers
+        );
+        assert!(v.levers.windows(2).all(|w| w[1].peak < w[0].peak));
     }
 }

@@ -109,14 +109,7 @@ impl Recompute {
     where
         S: BackendStorage,
     {
-        let y = self.take_output()?;
-        let (storage, layout) = y.storage_and_layout();
-        if !layout.is_contiguous() || layout.start_offset() != 0 {
-            candle_core::bail!("recompute: the segment's output must be contiguous");
-        }
-        let s = pick(&storage)
-            .ok_or_else(|| candle_core::Error::Msg("recompute: output on another device".into()))?;
-        Ok((s.try_clone(layout)?, layout.shape().clone()))
+        crate::ops::lean::take_storage(&self.take_output()?, pick, "recompute")
     }
 }
 

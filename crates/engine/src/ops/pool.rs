@@ -140,6 +140,8 @@ struct Pool {
 
 impl Pool {
     /// A pool of `workers` threads besides its callers, alive for the rest of the process.
+    // A process that cannot start a thread at its first product cannot train; the panic says so.
+    #[allow(clippy::expect_used)]
     fn start(workers: usize) -> &'static Pool {
         let pool: &'static Pool = Box::leak(Box::new(Pool {
             slot: Mutex::new(Slot {

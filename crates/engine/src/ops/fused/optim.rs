@@ -38,11 +38,16 @@ pub fn adamw_update_all(jobs: &[AdamWJob]) -> Result<()> {
     super::for_each_unit(jobs.len(), |range| {
         for j in &jobs[range] {
             if let Err(e) = adamw_update(j.w, j.m, j.v, &j.g, j.step) {
-                first_error.lock().unwrap().get_or_insert(e);
+                // A poisoned lock still holds the first error: a panicking unit does not own it.
+                let mut first = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                first.get_or_insert(e);
             }
         }
     });
-    first_error.into_inner().unwrap().map_or(Ok(()), Err)
+    first_error
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .map_or(Ok(()), Err)
 }
 
 /// `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`, `w ← decay·w − step_size·m / (√(v·inv_bc2) + ε)`,

@@ -1,0 +1,103 @@
+//! The LM head and the token NLL as one op, `Σ mask·−log softmax(x·W)[target]`, that never
+//! holds the `[N, V]` logits: rows go through in chunks of `fused::head_chunk_rows(V)` (the
+//! fused CPU head's chunks), each chunk's logits made, reduced to its rows' losses and dropped.
+//! The backward makes each chunk's logits again and turns them into
+//! `dlogits = g·mask·(softmax − onehot)`: one chunk of logits exists at a time, forward or
+//! backward. Softmax and sums run in f32; the products in the compute dtype.
+
+use candle_core::{DType, Result, Tensor, D};
+
+use super::apply;
+use crate::ops::fused::head_chunk_rows;
+
+/// Sum over counted rows of `−log softmax(x·w)[target]` (f32 scalar): `x` `[N, D]`, `w`
+/// `[D, V]`, `targets` `[N]` u32, `mask` `[N]` f32. Gradients flow to `x` and `w`.
+pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let (n, d) = x.dims2()?;
+    let (wd, v) = w.dims2()?;
+    if n == 0 || wd != d || targets.dims1()? != n || mask.dims1()? != n {
+        candle_core::bail!(
+            "linear nll: x {:?}, w {:?}, targets {:?}, mask {:?}",
+            x.dims(),
+            w.dims(),
+            targets.dims(),
+            mask.dims()
+        );
+    }
+    let labels = Labels {
+        targets: targets.detach(),
+        mask: mask.detach().to_dtype(DType::F32)?,
+        rows: head_chunk_rows(v),
+        n,
+    };
+    let (xd, wd) = (x.detach(), w.detach());
+    let mut total = Tensor::zeros((), DType::F32, x.device())?;
+    for (start, len) in labels.chunks() {
+        let logits = xd
+            .narrow(0, start, len)?
+            .matmul(&wd)?
+            .to_dtype(DType::F32)?;
+        let lse = logits.log_sum_exp(D::Minus1)?;
+        let picked = logits
+            .gather(&labels.targets.narrow(0, start, len)?.unsqueeze(1)?, 1)?
+            .squeeze(1)?;
+        let rows = ((lse - picked)? * labels.mask.narrow(0, start, len)?)?;
+        total = (total + rows.sum_all()?)?;
+    }
+    apply(
+        "lean-linear-nll",
+        &[x, w],
+        total,
+        Vec::new(),
+        move |i, _, g| {
+            let (x, w) = (&i[0], &i[1]);
+            let vocab = Tensor::arange(0u32, v as u32, x.device())?.unsqueeze(0)?;
+            let mut dx = Vec::new();
+            let mut dw: Option<Tensor> = None;
+            for (start, len) in labels.chunks() {
+                let xc = x.narrow(0, start, len)?;
+                let logits = xc.matmul(w)?.to_dtype(DType::F32)?;
+                let softmax = candle_nn::ops::softmax_last_dim(&logits)?;
+                drop(logits);
+                let targets = labels.targets.narrow(0, start, len)?.unsqueeze(1)?;
+                let onehot = targets.broadcast_eq(&vocab)?.to_dtype(DType::F32)?;
+                let weight = labels
+                    .mask
+                    .narrow(0, start, len)?
+                    .broadcast_mul(g)?
+                    .unsqueeze(1)?;
+                let dlogits = (softmax - onehot)?
+                    .broadcast_mul(&weight)?
+                    .to_dtype(x.dtype())?;
+                dx.push(dlogits.matmul(&w.t()?)?);
+                let part = xc.t()?.matmul(&dlogits)?.to_dtype(DType::F32)?;
+                dw = Some(match dw {
+                    None => part,
+                    Some(sum) => (sum + part)?,
+                });
+            }
+            let dw = match dw {
+                Some(dw) => dw.to_dtype(w.dtype())?,
+                None => w.zeros_like()?,
+            };
+            Ok(vec![Some(Tensor::cat(&dx, 0)?), Some(dw)])
+        },
+    )
+}
+
+/// The batch's targets and mask, which ride in the op (no gradient), and the chunking.
+struct Labels {
+    targets: Tensor,
+    mask: Tensor,
+    rows: usize,
+    n: usize,
+}
+
+impl Labels {
+    /// `(first row, rows)` of each chunk, in order.
+    fn chunks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..self.n)
+            .step_by(self.rows)
+            .map(|s| (s, self.rows.min(self.n - s)))
+    }
+}
