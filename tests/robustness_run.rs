@@ -46,8 +46,18 @@ fn end_reason(path: &Path) -> EndReason {
 #[test]
 fn a_run_that_saves_no_checkpoint_fails() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("ck"), "a file, not a directory").unwrap();
-    let ck = ["--checkpoint-every", "2", "--checkpoint-dir", "ck"];
+    // Directories where the first two tensor files go: each save fails (a directory of another
+    // run's checkpoint, so --force).
+    for step in [2, 4] {
+        std::fs::create_dir_all(dir.path().join(format!("ck/step-{step:08}.safetensors"))).unwrap();
+    }
+    let ck = [
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+        "ck",
+        "--force",
+    ];
     // One save tried (step 2), and it failed: the run goes on to its end, then fails.
     let (code, stdout, stderr) = headless("3", &ck, dir.path());
     assert_eq!(code, 1, "{stdout}\n{stderr}");
