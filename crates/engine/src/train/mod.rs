@@ -21,6 +21,7 @@ pub mod scaler;
 pub mod schedule;
 pub mod window;
 
+use std::ops::ControlFlow;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
@@ -663,45 +664,25 @@ pub fn run_returning(
     let mut divergence = guard::Divergence::new(trainer.scenario.train.max_nonfinite_windows);
     send_all(&sink, trainer.guard.take_announcements());
     let reason = loop {
-        flow.drain(&mut controls);
-        apply_due(&mut trainer, &mut flow, &sink);
-        let total = trainer.scenario.train.steps;
-        if flow.stop {
-            break EndReason::Stopped;
+        match boundary(&mut trainer, &mut flow, &mut controls, &sink) {
+            ControlFlow::Break(end) => break end,
+            ControlFlow::Continue(Next::Wait) => continue,
+            ControlFlow::Continue(Next::Step) => flow.single_step = false,
         }
-        if total > 0 && trainer.step >= total {
-            break EndReason::Completed;
-        }
-        if flow.paused && !flow.single_step {
-            match controls.blocking_recv() {
-                Some(msg) => flow.pending.push(msg),
-                None => break EndReason::Stopped,
-            }
-            continue;
-        }
-        flow.single_step = false;
         let serial = choose_pool(&mut trainer, &sink);
-        let step = {
-            let _pool = crate::ops::pool::serial(serial);
-            trainer.train_step(|| {
-                flow.drain(&mut controls);
-                !flow.stop
-            })
+        let step = match window_step(&mut trainer, &mut flow, &mut controls, serial, &sink) {
+            ControlFlow::Continue(step) => step,
+            ControlFlow::Break(end) => break end,
         };
-        send_all(&sink, trainer.guard.take_announcements());
-        let step = match step {
-            Ok(step) => step,
-            Err(Interrupt::Stop) => break EndReason::Stopped,
-            Err(Interrupt::Failed(e)) => break EndReason::Error(e.to_string()),
-        };
-        if let Some(end) = after_window(
+        let after = after_window(
             &mut trainer,
             &mut flow,
             &mut divergence,
             serial,
             step,
             &sink,
-        ) {
+        );
+        if let ControlFlow::Break(end) = after {
             break end;
         }
     };
@@ -716,6 +697,67 @@ pub fn run_returning(
     trainer
 }
 
+/// What the run does after a boundary that did not end it.
+enum Next {
+    /// Train the next window.
+    Step,
+    /// Paused: a control arrived; visit the boundary again to apply it.
+    Wait,
+}
+
+/// At a window boundary: take the controls that arrived, apply what is due, and end the run when
+/// asked or done. A paused run waits here for the next control.
+fn boundary(
+    trainer: &mut Trainer,
+    flow: &mut Flow,
+    controls: &mut UnboundedReceiver<ControlMsg>,
+    sink: &EventSink,
+) -> ControlFlow<EndReason, Next> {
+    flow.drain(controls);
+    apply_due(trainer, flow, sink);
+    let total = trainer.scenario.train.steps;
+    if flow.stop {
+        return ControlFlow::Break(EndReason::Stopped);
+    }
+    if total > 0 && trainer.step >= total {
+        return ControlFlow::Break(EndReason::Completed);
+    }
+    if flow.paused && !flow.single_step {
+        return match controls.blocking_recv() {
+            Some(msg) => {
+                flow.pending.push(msg);
+                ControlFlow::Continue(Next::Wait)
+            }
+            None => ControlFlow::Break(EndReason::Stopped),
+        };
+    }
+    ControlFlow::Continue(Next::Step)
+}
+
+/// One optimizer step on the chosen side of the CPU pool; a stop between micro-batches or a
+/// failed window ends the run.
+fn window_step(
+    trainer: &mut Trainer,
+    flow: &mut Flow,
+    controls: &mut UnboundedReceiver<ControlMsg>,
+    serial: bool,
+    sink: &EventSink,
+) -> ControlFlow<EndReason, StepEvent> {
+    let step = {
+        let _pool = crate::ops::pool::serial(serial);
+        trainer.train_step(|| {
+            flow.drain(controls);
+            !flow.stop
+        })
+    };
+    send_all(sink, trainer.guard.take_announcements());
+    match step {
+        Ok(step) => ControlFlow::Continue(step),
+        Err(Interrupt::Stop) => ControlFlow::Break(EndReason::Stopped),
+        Err(Interrupt::Failed(e)) => ControlFlow::Break(EndReason::Error(e.to_string())),
+    }
+}
+
 /// Everything after a window's optimizer step: its events, the guard and the policy, the
 /// after-step hook, evaluation, and whether the run must end.
 fn after_window(
@@ -725,7 +767,7 @@ fn after_window(
     serial: bool,
     step: StepEvent,
     sink: &EventSink,
-) -> Option<EndReason> {
+) -> ControlFlow<EndReason> {
     let n = step.step;
     let positions = step.micro_batch * step.accum_steps * trainer.scenario.model.seq_len;
     if let Some(line) = trainer.pool.observe(serial, step.step_ms, positions as u64) {
@@ -738,20 +780,23 @@ fn after_window(
     let diverged = divergence.observe(&step);
     flow.pending.extend(trainer.policy_control(&step));
     if !sink.send(Event::Step(step)) {
-        return Some(EndReason::Stopped);
+        return ControlFlow::Break(EndReason::Stopped);
     }
     let memory = trainer.memory.take_events();
     let guard_log = oom_guard::after_step(trainer, &memory);
     send_all(sink, memory.into_iter().map(Event::Memory).chain(guard_log));
     let hook_end = run_after_step(trainer, sink);
     if let Some(end) = diverged.or(hook_end) {
-        return Some(end);
+        return ControlFlow::Break(end);
     }
     {
         let _pool = crate::ops::pool::serial(trainer.pool.serial());
         maybe_evaluate(trainer, n, sink);
     }
-    trainer.overflow_exhausted()
+    match trainer.overflow_exhausted() {
+        Some(end) => ControlFlow::Break(end),
+        None => ControlFlow::Continue(()),
+    }
 }
 
 /// The reason the run ends with, once the after-step hook had its say and a run that ends on a
