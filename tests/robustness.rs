@@ -5,7 +5,6 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use assert_cmd::Command;
 use gaccwb::record::read_recording;
 use gaccwb::telemetry::{Event, Level};
 
@@ -14,22 +13,11 @@ mod common;
 use common::TINY;
 
 fn gaccwb(args: &[&str], dir: &Path) -> (i32, String, String) {
-    let out = Command::cargo_bin("gaccwb")
-        .unwrap()
-        .current_dir(dir)
-        .args(args)
-        .timeout(Duration::from_secs(120))
-        .output()
-        .unwrap();
-    common::outcome(args, out)
+    common::gaccwb_in(dir, args, 120)
 }
 
 fn headless(extra: &[&str], dir: &Path) -> (i32, String, String) {
-    let model = TINY.args();
-    let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "2"];
-    args.extend(model.iter().map(String::as_str));
-    args.extend_from_slice(extra);
-    gaccwb(&args, dir)
+    common::headless_tiny(dir, "2", extra)
 }
 
 /// `run --headless` resuming the checkpoint in `ck` for 3 steps.

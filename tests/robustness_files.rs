@@ -9,30 +9,17 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use assert_cmd::Command;
-
 mod common;
 
 use common::TINY;
 
 fn gaccwb(args: &[&str], dir: &Path) -> (i32, String, String) {
-    let out = Command::cargo_bin("gaccwb")
-        .unwrap()
-        .current_dir(dir)
-        .args(args)
-        .timeout(Duration::from_secs(60))
-        .output()
-        .unwrap();
-    common::outcome(args, out)
+    common::gaccwb_in(dir, args, 60)
 }
 
 /// `run --headless` of the tiny model for 2 steps, with `extra` arguments.
 fn headless(extra: &[&str], dir: &Path) -> (i32, String, String) {
-    let model = TINY.args();
-    let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "2"];
-    args.extend(model.iter().map(String::as_str));
-    args.extend_from_slice(extra);
-    gaccwb(&args, dir)
+    common::headless_tiny(dir, "2", extra)
 }
 
 fn c_path(path: &Path) -> CString {

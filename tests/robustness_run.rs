@@ -6,7 +6,6 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use assert_cmd::Command;
 use gaccwb::record::{parse_recording, read_recording};
 use gaccwb::telemetry::{EndReason, Event};
 
@@ -15,24 +14,17 @@ mod common;
 use common::TINY;
 
 fn gaccwb(args: &[&str], dir: &Path) -> (i32, String, String) {
-    let out = Command::cargo_bin("gaccwb")
-        .unwrap()
-        .current_dir(dir)
-        .args(args)
-        .timeout(Duration::from_secs(120))
-        .output()
-        .unwrap();
-    common::outcome(args, out)
+    common::gaccwb_in(dir, args, 120)
 }
 
 /// `run --headless` of the tiny model on the CPU for `steps` steps, recorded to `r.jsonl`.
 fn headless(steps: &str, extra: &[&str], dir: &Path) -> (i32, String, String) {
-    let model = TINY.args();
-    let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", steps];
-    args.extend(model.iter().map(String::as_str));
-    args.extend_from_slice(&["--record", "r.jsonl"]);
-    args.extend_from_slice(extra);
-    gaccwb(&args, dir)
+    let args: Vec<&str> = ["--record", "r.jsonl"]
+        .iter()
+        .chain(extra)
+        .copied()
+        .collect();
+    common::headless_tiny(dir, steps, &args)
 }
 
 fn end_reason(path: &Path) -> EndReason {

@@ -74,6 +74,27 @@ impl TestModel {
     }
 }
 
+/// `gaccwb ARGS` run in `dir`, ended after `timeout_s` seconds: (exit code, stdout, stderr).
+pub fn gaccwb_in(dir: &std::path::Path, args: &[&str], timeout_s: u64) -> (i32, String, String) {
+    let out = assert_cmd::Command::cargo_bin("gaccwb")
+        .unwrap()
+        .current_dir(dir)
+        .args(args)
+        .timeout(std::time::Duration::from_secs(timeout_s))
+        .output()
+        .unwrap();
+    outcome(args, out)
+}
+
+/// `run --headless` of [`TINY`] on the CPU for `steps` steps in `dir`, with `extra` arguments.
+pub fn headless_tiny(dir: &std::path::Path, steps: &str, extra: &[&str]) -> (i32, String, String) {
+    let model = TINY.args();
+    let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", steps];
+    args.extend(model.iter().map(String::as_str));
+    args.extend_from_slice(extra);
+    gaccwb_in(dir, &args, 120)
+}
+
 /// A finished `gaccwb` run as (exit code, stdout, stderr); a panic is a test failure whatever
 /// the exit code.
 pub fn outcome(args: &[&str], out: std::process::Output) -> (i32, String, String) {
