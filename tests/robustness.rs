@@ -100,11 +100,9 @@ fn an_edited_checkpoint_with_huge_knobs_is_refused_on_resume() {
         dir.path(),
     );
     assert_eq!(code, 0, "{stderr}");
-    let state = dir.path().join("ck/checkpoint.json");
-    let text = std::fs::read_to_string(&state).unwrap();
-    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    json["knobs"]["accum_steps"] = serde_json::json!(2305843009213693952u64);
-    std::fs::write(&state, json.to_string()).unwrap();
+    common::edit_checkpoint(&dir.path().join("ck/checkpoint.json"), |json| {
+        json["knobs"]["accum_steps"] = serde_json::json!(2305843009213693952u64);
+    });
     let (code, _, stderr) = resume_ck(&[], dir.path());
     assert_eq!(code, 1, "{stderr}");
     assert!(

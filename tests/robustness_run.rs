@@ -119,11 +119,9 @@ fn a_checkpoint_with_more_adam_updates_than_steps_is_refused() {
     let ck = ["--checkpoint-every", "1", "--checkpoint-dir", "ck"];
     let (code, _, stderr) = headless("2", &ck, dir.path());
     assert_eq!(code, 0, "{stderr}");
-    let state = dir.path().join("ck/checkpoint.json");
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
-    json["adam_t"] = serde_json::json!(4611686018427387903u64);
-    std::fs::write(&state, json.to_string()).unwrap();
+    common::edit_checkpoint(&dir.path().join("ck/checkpoint.json"), |json| {
+        json["adam_t"] = serde_json::json!(4611686018427387903u64);
+    });
     let args = ["run", "--headless", "--resume", "ck", "--steps", "4"];
     let (code, stdout, stderr) = gaccwb(&args, dir.path());
     assert_eq!(code, 1, "{stdout}\n{stderr}");

@@ -95,6 +95,14 @@ pub fn headless_tiny(dir: &std::path::Path, steps: &str, extra: &[&str]) -> (i32
     gaccwb_in(dir, &args, 120)
 }
 
+/// Change a saved `checkpoint.json` in place, as a user's editor (or a bad disk) might.
+pub fn edit_checkpoint(path: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    edit(&mut json);
+    std::fs::write(path, json.to_string()).unwrap();
+}
+
 /// A finished `gaccwb` run as (exit code, stdout, stderr); a panic is a test failure whatever
 /// the exit code.
 pub fn outcome(args: &[&str], out: std::process::Output) -> (i32, String, String) {
