@@ -359,7 +359,12 @@ impl Trainer {
         let unified = self.memory.unified();
         let cfg =
             crate::memory::estimate::Config::from_knobs(&self.scenario.model, &self.knobs, unified);
-        crate::memory::estimate::estimate(&cfg)
+        crate::memory::estimate::per_rank(
+            crate::memory::estimate::estimate(&cfg),
+            self.group.ranks(),
+            self.zero_stage(),
+            self.scatters_micro_batches(),
+        )
     }
 
     /// Optimizer state on the device, and what offload holds in host memory.
