@@ -447,7 +447,14 @@ fn run_ranks_on_the_screen_shows_communication_and_quits_the_ranks() {
     let later = |s: &str| {
         s.lines()
             .next()
-            .and_then(|l| l.split("step ").nth(1)?.split('/').next()?.parse::<u64>().ok())
+            .and_then(|l| {
+                l.split("step ")
+                    .nth(1)?
+                    .split('/')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
             .is_some_and(|n| n > applied_at + 2)
     };
     tmux.wait_for("steps after the change", Duration::from_secs(60), later);

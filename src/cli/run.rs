@@ -118,7 +118,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // the process with a line saying so. The run takes over once it starts.
     gaccwb::signals::until_started()?;
     let scenario = scenario_from(&args)?;
-    if let Some(ranks) = args.ranks.filter(|&n| n > 1) {
+    let launched = gaccwb::dist::launch::read(|n| std::env::var(n).ok())?.is_some();
+    let ranks = args
+        .ranks
+        .or((!launched && scenario.train.ranks > 1).then_some(scenario.train.ranks as u64));
+    if let Some(ranks) = ranks.filter(|&n| n > 1) {
         return super::ranks::launch(super::ranks::Launch {
             ranks: ranks as usize,
             headless: args.headless,
