@@ -398,6 +398,7 @@ mod tests {
             pitfall: false,
             unified: false,
             scales_gradients: false,
+            offload_grads: crate::telemetry::OffloadGrads::Device,
             workspace: 0,
             checkpointing: crate::telemetry::Checkpointing::None,
         };
@@ -426,6 +427,7 @@ mod tests {
             pitfall: false,
             unified: false,
             scales_gradients: false,
+            offload_grads: crate::telemetry::OffloadGrads::Device,
             workspace: 0,
             checkpointing: crate::telemetry::Checkpointing::None,
         };

@@ -15,6 +15,7 @@ pub mod adaptive;
 pub mod guard;
 pub mod inplace;
 pub mod noise;
+pub mod offload;
 pub mod oom_guard;
 pub mod pool_governor;
 pub mod scaler;
@@ -88,6 +89,8 @@ struct WindowSummary {
     tokens: u64,
     forward_ms: f64,
     backward_ms: f64,
+    /// Gradient bytes the window sent to the host (offload with host accumulation).
+    transferred: u64,
 }
 
 impl WindowSummary {
@@ -95,6 +98,7 @@ impl WindowSummary {
         WindowSummary {
             loss: w.loss,
             tokens: w.tokens,
+            transferred: w.transferred,
             forward_ms: w.forward_ms,
             backward_ms: w.backward_ms,
         }
@@ -108,6 +112,8 @@ struct Update {
     lr: f64,
     skipped: bool,
     grad_error: Option<f64>,
+    /// Bytes the update moved between host and device (`AdamW::step`).
+    transferred: u64,
 }
 
 /// The step's times, taken once the boundary's work has finished on the device.
@@ -171,7 +177,7 @@ impl Trainer {
         scenario.validate().map_err(anyhow::Error::msg)?;
         guard::check_model_fits(&scenario, &device).map_err(anyhow::Error::msg)?;
         let corpus = Corpus::open_sizing(&mut scenario)?;
-        let model = Gpt::new(&scenario.model, scenario.train.seed, &device)
+        let mut model = Gpt::new(&scenario.model, scenario.train.seed, &device)
             .context("building the model")?;
         let t = &scenario.train;
         let hyper = Hyper {
@@ -181,7 +187,10 @@ impl Trainer {
             weight_decay: t.weight_decay,
         };
         let mut opt = AdamW::new(&model.params, hyper)?;
-        opt.set_offload(t.offload, &model.params)?;
+        opt.place(
+            offload::Placement::of(&Knobs::from_scenario(&scenario)),
+            &mut model,
+        )?;
         let memory = Ledger::new(crate::memory::gpu::meter_for(&device));
         let composite = crate::ops::kernels_from_env().map_err(anyhow::Error::msg)?;
         let pool_choice = pool_governor::choice_from_env().map_err(anyhow::Error::msg)?;
@@ -258,13 +267,27 @@ impl Trainer {
             Persistent {
                 optimizer_state: 0,
                 offloaded: moments + self.opt.master_bytes(),
+                gradients_on_host: self.opt.grads_on_host,
             }
         } else {
             Persistent {
                 optimizer_state: moments,
                 offloaded: 0,
+                gradients_on_host: false,
             }
         }
+    }
+
+    /// The f32 master weights, in parameter order (on the host while offloaded in half
+    /// precision, else the model's weights).
+    pub fn master_weights(&self) -> Vec<Tensor> {
+        self.opt.master_weights(&self.model.params)
+    }
+
+    /// Put the weights and the optimizer state where `knobs` say (`offload`).
+    pub fn place_state(&mut self, knobs: &Knobs) -> Result<()> {
+        self.opt
+            .place(offload::Placement::of(knobs), &mut self.model)
     }
 
     /// The loss scale in force: only f16 scales.
@@ -427,6 +450,7 @@ impl Trainer {
         let finite = grad_norm.is_finite();
         let lr = self.lr();
         let mut grad_norm_clipped = grad_norm;
+        let mut transferred = 0;
         if finite {
             match self.knobs.clip {
                 Some(max) if grad_norm > max => {
@@ -435,7 +459,7 @@ impl Trainer {
                 }
                 _ => {}
             }
-            self.opt.step(&self.model.params, &grads, lr)?;
+            transferred = self.opt.step(&self.model.params, &grads, lr)?;
             self.lr_step += 1;
         } else {
             self.overflow_count += 1;
@@ -450,6 +474,7 @@ impl Trainer {
             lr,
             skipped: !finite,
             grad_error: grad_error.filter(|_| finite),
+            transferred,
         })
     }
 
@@ -481,6 +506,7 @@ impl Trainer {
             overflow_count: self.overflow_count,
             dtype: self.knobs.dtype,
             offload: self.knobs.offload,
+            host_device_bytes: window.transferred + update.transferred,
             clip: self.knobs.clip,
             phase_ms: PhaseMs {
                 forward: window.forward_ms,
@@ -498,7 +524,11 @@ impl Trainer {
         crate::scenario::check_needs(c, self.knobs.noise).map_err(anyhow::Error::msg)?;
         guard::check_knob_change(self, c).map_err(anyhow::Error::msg)?;
         match *c {
-            Control::SetOffload { value } => self.opt.set_offload(value, &self.model.params)?,
+            Control::SetOffload { .. } | Control::SetDtype { .. } => {
+                let mut next = self.knobs.clone();
+                next.apply(c);
+                self.place_state(&next)?;
+            }
             Control::SetLossScale { value } => self.scaler.force(value),
             _ => {}
         }

@@ -11,6 +11,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Result, Tensor};
 
 use super::noise;
+use super::offload::{self, Placement, Traffic};
 use crate::data::{Batch, Sample};
 use crate::memory::Ledger;
 use crate::model::Gpt;
@@ -30,6 +31,8 @@ pub struct WindowGrads {
     pub backward_ms: f64,
     /// Squared norms for the gradient noise scale (K ≥ 2 with `knobs.noise`).
     pub noise: Option<noise::WindowNorms>,
+    /// Gradient bytes sent to the host as the micro-batches finished (`offload::land`).
+    pub transferred: u64,
 }
 
 impl WindowGrads {
@@ -156,6 +159,8 @@ pub fn window_gradients_observed(
     let window_tokens: u64 = samples.iter().map(|s| s.len as u64).sum();
     let mut watch = Watchers::new(knobs, micro.len(), device, observers);
     let mut buffer: Option<Vec<Tensor>> = None;
+    let placement = Placement::of(knobs);
+    let mut traffic = Traffic::default();
     // Each micro-batch's detached token-sum loss and its weight: read back in one transfer at
     // the end of the window, not one device-to-host sync per micro-batch.
     let mut losses: Vec<(Tensor, f64)> = Vec::new();
@@ -190,6 +195,7 @@ pub fn window_gradients_observed(
         let recomputed = fwd.recomputed.clone();
         drop(fwd);
         let grads = parameter_gradients(model, &recomputed, store)?;
+        let grads = offload::land(grads, &placement, &mut traffic)?;
         let micro_grads = MicroGradients {
             grads: &grads,
             weights,
@@ -202,7 +208,9 @@ pub fn window_gradients_observed(
         watch.each(|o| o.micro_batch_end())?;
     }
     let loss = window_loss(&losses)?;
-    Ok(watch.finish(buffer.unwrap_or_default(), scale, loss, window_tokens)?)
+    let mut grads = watch.finish(buffer.unwrap_or_default(), scale, loss, window_tokens)?;
+    grads.transferred = traffic.bytes;
+    Ok(grads)
 }
 
 /// The window's observers in their fixed order: the phase clock first (it waits for the
@@ -283,6 +291,7 @@ impl<'a, 'b> Watchers<'a, 'b> {
             forward_ms: self.clock.forward_ms,
             backward_ms: self.clock.backward_ms,
             noise,
+            transferred: 0,
         })
     }
 }
