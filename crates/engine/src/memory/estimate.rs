@@ -902,6 +902,34 @@ mod tests {
         assert_eq!(a.step.optimizer_state, b.step.optimizer_state);
     }
 
+    /// DeepSpeed's ZeRO-Offload leaves 2 bytes per parameter of model states on the device in
+    /// 16-bit precision; gradients accumulating on the device add their f32 buffer.
+    #[test]
+    fn offload_in_half_precision_leaves_the_compute_weights_on_a_gpu() {
+        let cfg = Config {
+            dtype: Dtype::Bf16,
+            offload: true,
+            unified: false,
+            ..tiny(4, 2)
+        };
+        let p = param_count(&cfg.model);
+        let host = Config {
+            offload_grads: OffloadGrads::Host,
+            ..cfg.clone()
+        };
+        assert_eq!(model_states(&host), ModelStates { device: 2 * p, host: 16 * p });
+        assert_eq!(model_states(&cfg), ModelStates { device: 6 * p, host: 12 * p });
+        let e = estimate(&host);
+        assert_eq!((e.step.parameters, e.step.compute_weights), (0, 2 * p));
+        assert_eq!(e.optimizer.gradients, 0);
+        // On the CPU the same books, all in the one memory.
+        let cpu = model_states(&Config {
+            unified: true,
+            ..host
+        });
+        assert_eq!(cpu, ModelStates { device: 2 * p, host: 16 * p });
+    }
+
     #[test]
     fn offload_moves_moments_and_the_largest_fitting_batch_is_monotone() {
         let on = estimate(&Config {
