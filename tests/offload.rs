@@ -101,7 +101,10 @@ fn toggling_offload_in_bf16_moves_the_weights_and_changes_no_arithmetic() {
         })
         .unwrap();
     assert_eq!(toggled.model.params[0].var.dtype(), DType::F16);
-    assert!(masters(&plain) == masters(&toggled), "master weights differ");
+    assert!(
+        masters(&plain) == masters(&toggled),
+        "master weights differ"
+    );
 }
 
 #[test]
@@ -168,7 +171,10 @@ fn the_ledger_books_each_byte_where_it_lives() {
             "{phase:?}"
         );
         assert!(h.offloaded >= 12 * p, "{phase:?} {h:?}");
-        assert!(buffer_may_be(phase, p, h.offloaded - 12 * p), "{phase:?} {h:?}");
+        assert!(
+            buffer_may_be(phase, p, h.offloaded - 12 * p),
+            "{phase:?} {h:?}"
+        );
         // Without offload: f32 weights and moments on the device.
         let (_, o) = ledger(scenario("bf16", None), phase);
         assert_eq!(

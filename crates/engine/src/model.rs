@@ -2,7 +2,9 @@
 //! attention, 4× GELU MLP), a final norm and an untied LM head.
 //!
 //! Weights are f32 `Var`s (the master copy). A forward in bf16/f16 casts each weight once into a
-//! low-precision "compute weight"; gradients flow back through the cast to the f32 Vars. Linear
+//! low-precision "compute weight"; gradients flow back through the cast to the f32 Vars. Under
+//! offload in bf16/f16 the `Var`s are the compute-dtype weights themselves and the f32 master copy
+//! lives with the optimizer in host memory (`train::offload`; `Gpt::with_vars` swaps them). Linear
 //! weights are stored `[in, out]` so a layer is `x.matmul(w) + b`.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -246,7 +248,10 @@ impl Gpt {
     /// optimizer's placement swaps the device's weights for copies of another dtype this way).
     pub fn with_vars(&self, vars: Vec<Var>) -> Result<Gpt> {
         let same_shapes = vars.len() == self.params.len()
-            && vars.iter().zip(&self.params).all(|(v, p)| v.shape() == p.var.shape());
+            && vars
+                .iter()
+                .zip(&self.params)
+                .all(|(v, p)| v.shape() == p.var.shape());
         if !same_shapes {
             return Err(candle_core::Error::Msg(
                 "replacement weights do not match the model's parameters".into(),

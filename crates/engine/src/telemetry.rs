@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc::UnboundedSender;
 
 pub use crate::control::{
-    AccumPolicy, Checkpointing, Control, ControlMsg, Dtype, Knobs, LossNorm, LrRule,
-    OffloadGrads, Origin, ZeroGrad,
+    AccumPolicy, Checkpointing, Control, ControlMsg, Dtype, Knobs, LossNorm, LrRule, OffloadGrads,
+    Origin, ZeroGrad,
 };
 pub use crate::end::EndReason;
 use crate::scenario::Scenario;

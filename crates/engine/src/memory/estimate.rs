@@ -917,8 +917,20 @@ mod tests {
             offload_grads: OffloadGrads::Host,
             ..cfg.clone()
         };
-        assert_eq!(model_states(&host), ModelStates { device: 2 * p, host: 16 * p });
-        assert_eq!(model_states(&cfg), ModelStates { device: 6 * p, host: 12 * p });
+        assert_eq!(
+            model_states(&host),
+            ModelStates {
+                device: 2 * p,
+                host: 16 * p
+            }
+        );
+        assert_eq!(
+            model_states(&cfg),
+            ModelStates {
+                device: 6 * p,
+                host: 12 * p
+            }
+        );
         let e = estimate(&host);
         assert_eq!((e.step.parameters, e.step.compute_weights), (0, 2 * p));
         assert_eq!(e.optimizer.gradients, 0);
@@ -927,7 +939,13 @@ mod tests {
             unified: true,
             ..host
         });
-        assert_eq!(cpu, ModelStates { device: 2 * p, host: 16 * p });
+        assert_eq!(
+            cpu,
+            ModelStates {
+                device: 2 * p,
+                host: 16 * p
+            }
+        );
     }
 
     #[test]

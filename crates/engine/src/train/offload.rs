@@ -80,7 +80,11 @@ impl Traffic {
 /// offload (the f32 weights' gradients, on the device), cast on the device when the buffer is
 /// there, copied in the weights' dtype and cast on the host when it is there. A half-precision
 /// gradient cast to f32 is exact, so every placement accumulates the same values.
-pub fn land(grads: Vec<Tensor>, placement: &Placement, traffic: &mut Traffic) -> Result<Vec<Tensor>> {
+pub fn land(
+    grads: Vec<Tensor>,
+    placement: &Placement,
+    traffic: &mut Traffic,
+) -> Result<Vec<Tensor>> {
     if !placement.offload {
         return Ok(grads);
     }
