@@ -14,8 +14,9 @@
 //! probabilities and the GELU are recomputed in the backward, as in their "selective
 //! recomputation". The head and loss keep no logits on either path.
 //!
-//! Transient gradients: the store one backward returns, one f32 gradient per parameter (no
-//! constant is a graph input, and both paths return gradients computed from detached tensors,
+//! Transient gradients: the store one backward returns, one f32 gradient per parameter (in the
+//! compute dtype under offload in half precision, whose weights are that dtype; no constant is a
+//! graph input, and both paths return gradients computed from detached tensors,
 //! which reference nothing). The measured figure is the backward's peak over its start, so the
 //! estimate takes the largest of three peaks: block 0's MLP (the store so far plus what is in
 //! flight there, `in_flight_bytes`, less what only exists after it, `after_peak_bytes`), the loss
@@ -368,7 +369,8 @@ pub fn head_bytes(cfg: &Config) -> u64 {
     loss_head_activation_bytes() + head_peak_bytes(cfg)
 }
 
-/// Bytes of the gradient store one backward returns: one f32 gradient per parameter. Neither
+/// Bytes of the gradient store one backward returns: one gradient per parameter, f32 (compute
+/// dtype under offload in half precision). Neither
 /// path gives constants a gradient (the causal mask and the loss mask are not graph inputs), and
 /// both return gradients computed from detached tensors, which reference nothing.
 pub fn grad_store_bytes(cfg: &Config) -> u64 {
