@@ -383,3 +383,64 @@ fn ranks_run_headless() {
     assert_ne!(code, 0, "{text}");
     assert!(text.contains("add --headless"), "{text}");
 }
+
+/// `run --ranks 2 --headless` is mpirun of the same command line: two ranks, rank 0 recording.
+#[test]
+fn run_ranks_headless_starts_the_ranks_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = run_args(3, &["--record", "ranks.jsonl"]);
+    args.extend(["--ranks".into(), "2".into()]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = assert_cmd::Command::cargo_bin("gaccwb")
+        .unwrap()
+        .current_dir(dir.path())
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("RAYON_NUM_THREADS", "1")
+        .args(&refs)
+        .timeout(Duration::from_secs(240))
+        .output()
+        .unwrap();
+    let (code, out, err) = common::outcome(&refs, out);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("2 ranks (sync per window)"), "{out}");
+    let all = events(&dir.path().join("ranks.jsonl"));
+    assert_eq!(all[0]["ranks"], 2);
+    assert_eq!(steps(&dir.path().join("ranks.jsonl")).len(), 3);
+}
+
+/// `run --ranks 2` on the screen follows rank 0: the Communication pane, W in the Controls pane,
+/// and quitting ends the ranks.
+#[test]
+fn run_ranks_on_the_screen_shows_communication_and_quits_the_ranks() {
+    common::tmux::require_tmux();
+    let dir = tempfile::tempdir().unwrap();
+    let tmux = common::tmux::Tmux::start("ranks");
+    let record = dir.path().join("screen.jsonl");
+    let mut args = run_args(100_000, &["--set", "train.accum_steps=2"]);
+    args.retain(|a| a != "--headless");
+    let command = format!(
+        "cd {}; OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 RAYON_NUM_THREADS=1 \
+         {} {} --ranks 2 --record {}; echo EXIT=$?",
+        dir.path().display(),
+        env!("CARGO_BIN_EXE_gaccwb"),
+        args.join(" "),
+        record.display()
+    );
+    tmux.send(&[&command, "Enter"]);
+    let s = tmux.wait_for("communication", Duration::from_secs(120), |s| {
+        s.contains("Comm · 2 ranks · sync per window") && s.contains("sent/rank")
+    });
+    assert!(s.contains("W 2") && s.contains("FOLLOWING"), "{s}");
+    tmux.send(&["q"]);
+    let exit = |s: &str| {
+        s.lines()
+            .find_map(|l| l.trim().strip_prefix("EXIT=").map(str::to_string))
+    };
+    let s = tmux.wait_for("the end", Duration::from_secs(60), |s| exit(s).is_some());
+    assert_eq!(exit(&s).as_deref(), Some("0"), "{s}");
+    // The ranks stopped together: rank 0's recording ends with its end event.
+    let all = events(&record);
+    assert_eq!(all.last().unwrap()["type"], "end", "{:?}", all.last());
+    tmux.assert_shell_usable();
+}
