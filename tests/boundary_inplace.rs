@@ -82,7 +82,11 @@ fn the_estimator_names_the_copies_only_where_the_boundary_makes_them() {
     );
     let gpu = estimate(&Config::from_scenario(&s, false));
     assert_eq!(gpu.optimizer.gradients_transient, largest);
-    assert_eq!(gpu.optimizer.offloaded, gpu.step.offloaded + largest);
+    // The gradient copied to the host, and the updated weight's f16 cast on its way back.
+    assert_eq!(
+        gpu.optimizer.offloaded,
+        gpu.step.offloaded + largest + largest / 2
+    );
     s.set("train.dtype=f32").unwrap();
     s.train.clip = None;
     let unscaled = estimate(&Config::from_scenario(&s, false));

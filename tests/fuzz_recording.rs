@@ -42,6 +42,7 @@ fn valid_recording() -> Vec<u8> {
             overflow_count: 0,
             dtype: Dtype::F16,
             offload: false,
+            host_device_bytes: 0,
             clip: Some(1.0),
             phase_ms: PhaseMs::default(),
             grad_error: (step % 2 == 0).then_some(0.7),

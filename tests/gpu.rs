@@ -7,7 +7,7 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use common::{TestModel, TINY};
 use gaccwb::data::Split;
 use gaccwb::memory::gpu::sources_for;
@@ -212,6 +212,60 @@ fn offload_preset_keeps_host_state_and_trains_on_the_gpu() {
             "{}: device weights and host master differ by {e:e}",
             p.name
         );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda --test gpu -- --include-ignored"]
+fn half_precision_offload_keeps_only_bf16_weights_on_the_gpu() {
+    let cuda = gpu("half_precision_offload_keeps_only_bf16_weights_on_the_gpu");
+    for grads in ["device", "host"] {
+        let mut s = tiny();
+        s.set("train.dtype=bf16").unwrap();
+        s.set("train.offload=true").unwrap();
+        s.set(&format!("train.offload_grads={grads}")).unwrap();
+        let mut on_gpu = Trainer::new(s.clone(), cuda.clone()).unwrap();
+        let mut on_cpu = Trainer::new(s, Device::Cpu).unwrap();
+        for _ in 0..3 {
+            let (Ok(a), Ok(b)) = (on_gpu.train_step(|| true), on_cpu.train_step(|| true)) else {
+                panic!("{grads}: a step failed");
+            };
+            assert!(a.loss.is_finite(), "{grads}");
+            assert_eq!(
+                a.host_device_bytes, b.host_device_bytes,
+                "{grads}: bytes counted"
+            );
+        }
+        assert!(on_gpu.opt.m.iter().all(|m| m.device().is_cpu()), "{grads}");
+        let (gpu_master, cpu_master) = (on_gpu.master_weights(), on_cpu.master_weights());
+        for ((p, g), c) in on_gpu.model.params.iter().zip(&gpu_master).zip(&cpu_master) {
+            assert!(
+                !p.var.device().is_cpu(),
+                "{grads} {}: device weights",
+                p.name
+            );
+            assert_eq!(p.var.dtype(), DType::BF16, "{grads} {}", p.name);
+            assert!(
+                g.device().is_cpu() && g.dtype() == DType::F32,
+                "{grads} {}",
+                p.name
+            );
+            // The device's weights are the host master's cast, exactly.
+            let cast = g
+                .to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let device = p.var.to_dtype(DType::F32).unwrap();
+            assert_eq!(rel(&device, &cast), 0.0, "{grads} {}", p.name);
+            // Three steps of bf16 kernels on two devices: close, not equal.
+            let e = rel(g, c);
+            assert!(
+                e <= 1e-2,
+                "{grads} {}: master differs from the CPU's by {e:e}",
+                p.name
+            );
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! Every byte named, across the grid: dtype × offload × pitfall × clip × (B, K) × shape, each
+//! Every byte named, across the grid: dtype × offload (off, gradients on the device, on the host) × pitfall × clip × (B, K) × shape, each
 //! phase and category of the measured ledger against the analytic estimate. For every phase the
 //! gap of each category is at most 5% of that phase's measured figure (its peak; the live total
 //! for the step's end), `other` included (its gap is what no category and no prediction explains).
@@ -36,7 +36,8 @@ const SHAPES: [TestModel; 2] = [
 struct Point {
     model: TestModel,
     dtype: &'static str,
-    offload: bool,
+    /// Offload on, with the gradients accumulating "device" or "host" (`train.offload_grads`).
+    offload: Option<&'static str>,
     pitfall: bool,
     clip: bool,
     micro_batch: usize,
@@ -54,7 +55,10 @@ impl Point {
             self.dtype,
             self.micro_batch,
             self.accum_steps,
-            if self.offload { " offload" } else { "" },
+            match self.offload {
+                Some(grads) => format!(" offload grads-{grads}"),
+                None => String::new(),
+            },
             if self.pitfall { " mean-of-means" } else { "" },
             if self.clip { " clip" } else { "" },
         )
@@ -67,7 +71,11 @@ impl Point {
         s.set(&format!("train.accum_steps={}", self.accum_steps))
             .unwrap();
         s.set(&format!("train.dtype={}", self.dtype)).unwrap();
-        s.set(&format!("train.offload={}", self.offload)).unwrap();
+        s.set(&format!("train.offload={}", self.offload.is_some()))
+            .unwrap();
+        if let Some(grads) = self.offload {
+            s.set(&format!("train.offload_grads={grads}")).unwrap();
+        }
         if self.pitfall {
             s.set("train.loss_norm=mean-of-means").unwrap();
         }
@@ -81,7 +89,7 @@ fn grid() -> Vec<Point> {
     let mut points = Vec::new();
     for model in SHAPES {
         for dtype in ["f32", "bf16", "f16"] {
-            for offload in [false, true] {
+            for offload in [None, Some("device"), Some("host")] {
                 for pitfall in [false, true] {
                     for clip in [false, true] {
                         for (micro_batch, accum_steps) in [(4, 1), (2, 3)] {

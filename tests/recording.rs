@@ -422,6 +422,18 @@ fn an_estimate_recorded_as_a_memory_event_reads_back_as_an_estimate() {
     );
 }
 
+/// `host_device_bytes` arrived after recordings existed: one made before it reads back with 0.
+#[test]
+fn a_recording_from_before_host_device_bytes_reads_back_with_zero() {
+    let asset = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/accumulate-to-fit.jsonl");
+    let bytes = std::fs::read(&asset).unwrap();
+    assert!(!String::from_utf8_lossy(&bytes).contains("host_device_bytes"));
+    let r = parse(&bytes).unwrap();
+    let steps = step_events(&r.events);
+    assert!(!steps.is_empty());
+    assert!(steps.iter().all(|s| s.host_device_bytes == 0));
+}
+
 /// A recording read while it grows, in pieces cut mid-line, gives the events a whole read gives;
 /// a line still being written waits for its newline.
 #[test]

@@ -22,7 +22,7 @@ use crate::telemetry::{
     Categories, Dtype, EstimateEvent, Event, MemoryEvent, MemorySource, Origin, Phase, StepEvent,
 };
 
-pub const STEP_COLUMNS: [&str; 29] = [
+pub const STEP_COLUMNS: [&str; 30] = [
     "step",
     "loss",
     "grad_norm",
@@ -39,6 +39,7 @@ pub const STEP_COLUMNS: [&str; 29] = [
     "overflow_count",
     "dtype",
     "offload",
+    "host_device_bytes",
     "clip",
     "forward_ms",
     "backward_ms",
@@ -117,6 +118,7 @@ struct StepRow {
     overflow_count: u64,
     dtype: Dtype,
     offload: bool,
+    host_device_bytes: u64,
     clip: Option<f64>,
     forward_ms: f64,
     backward_ms: f64,
@@ -152,6 +154,7 @@ impl From<&StepEvent> for StepRow {
             overflow_count: s.overflow_count,
             dtype: s.dtype,
             offload: s.offload,
+            host_device_bytes: s.host_device_bytes,
             clip: s.clip,
             forward_ms: s.phase_ms.forward,
             backward_ms: s.phase_ms.backward,

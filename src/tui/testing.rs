@@ -50,6 +50,7 @@ pub fn step(step: u64, loss: f64) -> StepEvent {
         overflow_count: 0,
         dtype: Dtype::F32,
         offload: false,
+        host_device_bytes: 0,
         clip: Some(1.0),
         phase_ms: PhaseMs {
             forward: 20.0,

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::safe_write::{self, DirLock, Inputs, Overwrite};
 use crate::scenario::Scenario;
-use crate::telemetry::{Control, EndReason, Event, Level, LogEvent};
+use crate::telemetry::{Control, Dtype, EndReason, Event, Level, LogEvent};
 use crate::train::scaler::LossScaler;
 use crate::train::{AfterStep, EventSink, Knobs, Trainer};
 
@@ -186,8 +186,9 @@ fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<P
 
 fn tensor_map(trainer: &Trainer) -> anyhow::Result<HashMap<String, Tensor>> {
     let mut map = HashMap::new();
+    let master = trainer.master_weights();
     for (i, p) in trainer.model.params.iter().enumerate() {
-        map.insert(format!("param/{}", p.name), p.var.as_tensor().clone());
+        map.insert(format!("param/{}", p.name), master[i].clone());
         map.insert(format!("adam_m/{}", p.name), trainer.opt.m[i].clone());
         map.insert(format!("adam_v/{}", p.name), trainer.opt.v[i].clone());
     }
@@ -390,22 +391,24 @@ pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> anyhow::Resu
         }
         Ok(t)
     };
-    for p in &trainer.model.params {
-        let w = take(format!("param/{}", p.name), p.var.as_tensor())?;
-        p.var.set(&w.to_device(p.var.device())?)?;
-    }
-    // Offload follows the checkpoint's knobs; host master copies are retaken from the loaded
-    // weights (going through "off" drops any copies taken from the fresh initialisation).
-    let params = &trainer.model.params;
-    trainer.opt.set_offload(false, params)?;
-    trainer.opt.set_offload(state.knobs.offload, params)?;
-    let state_device = trainer.opt.state_device(&trainer.model.params);
+    // Load into the plain placement (f32 weights and state on the device, no host copies),
+    // then place as the checkpoint's knobs say: host copies are taken from the loaded weights.
+    let plain = Knobs {
+        offload: false,
+        dtype: Dtype::F32,
+        ..state.knobs.clone()
+    };
+    trainer.place_state(&plain)?;
+    let device = trainer.device.clone();
     for (i, p) in trainer.model.params.iter().enumerate() {
+        let w = take(format!("param/{}", p.name), p.var.as_tensor())?;
+        p.var.set(&w.to_device(&device)?)?;
         let m = take(format!("adam_m/{}", p.name), p.var.as_tensor())?;
         let v = take(format!("adam_v/{}", p.name), p.var.as_tensor())?;
-        trainer.opt.m[i] = m.to_device(&state_device)?;
-        trainer.opt.v[i] = v.to_device(&state_device)?;
+        trainer.opt.m[i] = m.to_device(&device)?;
+        trainer.opt.v[i] = v.to_device(&device)?;
     }
+    trainer.place_state(&state.knobs)?;
     trainer.opt.t = state.adam_t;
     trainer.scaler = LossScaler {
         scale: state.loss_scale,

@@ -174,6 +174,27 @@ pub enum ZeroGrad {
     PerMicroBatch,
 }
 
+/// Where a window's gradients accumulate while offload is on (`train.offload_grads`).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::IntoStaticStr,
+)]
+#[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case")]
+pub enum OffloadGrads {
+    /// In one f32 buffer on the device, copied to the host once per window.
+    #[default]
+    Device,
+    /// In host memory: each micro-batch's gradients cross as soon as its backward is done, and
+    /// the device holds no buffer (DeepSpeed's ZeRO-Offload).
+    Host,
+}
+
+impl OffloadGrads {
+    pub fn name(self) -> &'static str {
+        self.into()
+    }
+}
+
 /// A change to the run, reported back as an `Event::Control` when it takes effect. Knob changes
 /// wait for the next window boundary. Two things act sooner: `Stop`, seen between micro-batches,
 /// ends the run without finishing the window, and the out-of-memory guard's retry halves the
@@ -331,6 +352,9 @@ pub struct Knobs {
     pub lr_rule: LrRule,
     pub dtype: Dtype,
     pub offload: bool,
+    /// Where gradients accumulate while offload is on (`train.offload_grads`; set at the start).
+    #[serde(default)]
+    pub offload_grads: OffloadGrads,
     pub loss_norm: LossNorm,
     pub zero_grad: ZeroGrad,
     #[serde(default)]
@@ -435,6 +459,7 @@ mod tests {
             lr_rule: LrRule::None,
             dtype: Dtype::F32,
             offload: false,
+            offload_grads: OffloadGrads::Device,
             loss_norm: LossNorm::Tokens,
             zero_grad: ZeroGrad::PerWindow,
             checkpointing: Checkpointing::None,

@@ -2,7 +2,9 @@
 //! attention, 4× GELU MLP), a final norm and an untied LM head.
 //!
 //! Weights are f32 `Var`s (the master copy). A forward in bf16/f16 casts each weight once into a
-//! low-precision "compute weight"; gradients flow back through the cast to the f32 Vars. Linear
+//! low-precision "compute weight"; gradients flow back through the cast to the f32 Vars. Under
+//! offload in bf16/f16 the `Var`s are the compute-dtype weights themselves and the f32 master copy
+//! lives with the optimizer in host memory (`train::offload`; `Gpt::with_vars` swaps them). Linear
 //! weights are stored `[in, out]` so a layer is `x.matmul(w) + b`.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -231,11 +233,43 @@ impl Mlp {
 impl Gpt {
     /// A freshly initialised model; identical on every device for the same seed.
     pub fn new(cfg: &ModelConfig, seed: u64, device: &Device) -> Result<Gpt> {
-        let mut init = Init {
-            rng: ChaCha8Rng::seed_from_u64(seed),
-            device,
-            params: Vec::new(),
-        };
+        Gpt::build(
+            cfg,
+            Init {
+                rng: ChaCha8Rng::seed_from_u64(seed),
+                device,
+                params: Vec::new(),
+                adopt: None,
+            },
+        )
+    }
+
+    /// The same model over other weights, one `Var` per parameter in creation order (the
+    /// optimizer's placement swaps the device's weights for copies of another dtype this way).
+    pub fn with_vars(&self, vars: Vec<Var>) -> Result<Gpt> {
+        let same_shapes = vars.len() == self.params.len()
+            && vars
+                .iter()
+                .zip(&self.params)
+                .all(|(v, p)| v.shape() == p.var.shape());
+        if !same_shapes {
+            return Err(candle_core::Error::Msg(
+                "replacement weights do not match the model's parameters".into(),
+            ));
+        }
+        let device = self.params[0].var.device().clone();
+        Gpt::build(
+            &self.cfg,
+            Init {
+                rng: ChaCha8Rng::seed_from_u64(0),
+                device: &device,
+                params: Vec::new(),
+                adopt: Some(vars.into_iter()),
+            },
+        )
+    }
+
+    fn build(cfg: &ModelConfig, mut init: Init) -> Result<Gpt> {
         let (v, d, t) = (cfg.vocab, cfg.d_model, cfg.seq_len);
         let proj_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();
         let embeddings = Embeddings {
@@ -347,29 +381,40 @@ struct Init<'a> {
     rng: ChaCha8Rng,
     device: &'a Device,
     params: Vec<Param>,
+    /// Existing weights to take in creation order instead of initialising new ones.
+    adopt: Option<std::vec::IntoIter<Var>>,
 }
 
 impl Init<'_> {
     fn normal(&mut self, name: &str, shape: &[usize], std: f64) -> Result<Var> {
-        let n: usize = shape.iter().product();
-        let values: Vec<f32> = (0..n)
-            .map(|_| (gaussian(&mut self.rng) * std) as f32)
-            .collect();
-        self.push(name, Tensor::from_vec(values, shape, self.device)?, true)
+        self.push(name, true, |rng, device| {
+            let n: usize = shape.iter().product();
+            let values: Vec<f32> = (0..n).map(|_| (gaussian(rng) * std) as f32).collect();
+            Tensor::from_vec(values, shape, device)
+        })
     }
 
     fn constant(&mut self, name: &str, shape: &[usize], value: f32) -> Result<Var> {
-        let n: usize = shape.iter().product();
-        self.push(
-            name,
-            Tensor::from_vec(vec![value; n], shape, self.device)?,
-            false,
-        )
+        self.push(name, false, |_, device| {
+            let n: usize = shape.iter().product();
+            Tensor::from_vec(vec![value; n], shape, device)
+        })
     }
 
-    /// Record a new parameter (creation order is checkpoint order) and hand back its `Var`.
-    fn push(&mut self, name: &str, t: Tensor, decay: bool) -> Result<Var> {
-        let var = Var::from_tensor(&t)?;
+    /// Record a new parameter (creation order is checkpoint order) and hand back its `Var`:
+    /// the next adopted one, or a new one made by `make`.
+    fn push(
+        &mut self,
+        name: &str,
+        decay: bool,
+        make: impl FnOnce(&mut ChaCha8Rng, &Device) -> Result<Tensor>,
+    ) -> Result<Var> {
+        let var = match self.adopt.as_mut() {
+            Some(vars) => vars.next().ok_or_else(|| {
+                candle_core::Error::Msg(format!("no replacement weight for {name}"))
+            })?,
+            None => Var::from_tensor(&make(&mut self.rng, self.device)?)?,
+        };
         self.params.push(Param {
             name: name.to_string(),
             var: var.clone(),

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::control::{AccumPolicy, Checkpointing, Control, Dtype, LossNorm, LrRule, ZeroGrad};
+use crate::control::{
+    AccumPolicy, Checkpointing, Control, Dtype, LossNorm, LrRule, OffloadGrads, ZeroGrad,
+};
 
 mod bounds;
 mod knobs;
@@ -160,6 +162,9 @@ pub struct TrainConfig {
     pub eps: f64,
     pub dtype: Dtype,
     pub offload: bool,
+    /// Where a window's gradients accumulate while offload is on: "device" (one f32 buffer
+    /// there, one transfer per window) or "host" (none there, one transfer per micro-batch).
+    pub offload_grads: OffloadGrads,
     /// Initial fp16 loss scale.
     pub loss_scale: f64,
     /// Clean steps before the loss scale doubles.
@@ -229,6 +234,7 @@ impl Default for TrainConfig {
             eps: 1e-8,
             dtype: Dtype::F32,
             offload: false,
+            offload_grads: OffloadGrads::Device,
             loss_scale: 65536.0,
             scale_growth_interval: 2000,
             eval_every: 25,
@@ -718,6 +724,7 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
         "eps",
         "dtype",
         "offload",
+        "offload_grads",
         "loss_scale",
         "scale_growth_interval",
         "eval_every",

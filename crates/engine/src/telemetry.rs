@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc::UnboundedSender;
 
 pub use crate::control::{
-    AccumPolicy, Checkpointing, Control, ControlMsg, Dtype, Knobs, LossNorm, LrRule, Origin,
-    ZeroGrad,
+    AccumPolicy, Checkpointing, Control, ControlMsg, Dtype, Knobs, LossNorm, LrRule, OffloadGrads,
+    Origin, ZeroGrad,
 };
 pub use crate::end::EndReason;
 use crate::scenario::Scenario;
@@ -143,6 +143,12 @@ pub struct StepEvent {
     pub overflow_count: u64,
     pub dtype: Dtype,
     pub offload: bool,
+    /// Model-state bytes that crossed between host and device in this step while offload is
+    /// on: gradients to the host (once per window, or once per micro-batch when they accumulate
+    /// there) and the updated weights back. Counted by the same rule on the CPU, where host and
+    /// device are one memory and nothing moves. Absent (0) in recordings made before it existed.
+    #[serde(default)]
+    pub host_device_bytes: u64,
     pub clip: Option<f64>,
     pub phase_ms: PhaseMs,
     /// With a pitfall switched on (mean-of-means, zero-grad per micro-batch): relative L2 error of

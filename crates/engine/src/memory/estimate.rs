@@ -14,8 +14,9 @@
 //! probabilities and the GELU are recomputed in the backward, as in their "selective
 //! recomputation". The head and loss keep no logits on either path.
 //!
-//! Transient gradients: the store one backward returns, one f32 gradient per parameter (no
-//! constant is a graph input, and both paths return gradients computed from detached tensors,
+//! Transient gradients: the store one backward returns, one f32 gradient per parameter (in the
+//! compute dtype under offload in half precision, whose weights are that dtype; no constant is a
+//! graph input, and both paths return gradients computed from detached tensors,
 //! which reference nothing). The measured figure is the backward's peak over its start, so the
 //! estimate takes the largest of three peaks: block 0's MLP (the store so far plus what is in
 //! flight there, `in_flight_bytes`, less what only exists after it, `after_peak_bytes`), the loss
@@ -26,7 +27,8 @@ use serde::Serialize;
 
 use crate::scenario::{ModelConfig, Scenario};
 use crate::telemetry::{
-    Categories, Checkpointing, Control, Dtype, EstimateEvent, Knobs, LossNorm, Phase, ZeroGrad,
+    Categories, Checkpointing, Control, Dtype, EstimateEvent, Knobs, LossNorm, OffloadGrads, Phase,
+    ZeroGrad,
 };
 
 use super::planner::{aligned, human_bytes, Verdict};
@@ -41,6 +43,8 @@ pub struct Config {
     pub accum_steps: usize,
     pub dtype: Dtype,
     pub offload: bool,
+    /// Where the window's gradients accumulate while offloaded (`train.offload_grads`).
+    pub offload_grads: OffloadGrads,
     /// A pitfall is on (mean-of-means or zero-grad per micro-batch): a reference buffer is kept.
     pub pitfall: bool,
     /// Host and device are one memory (CPU): offload keeps no separate master copy.
@@ -62,6 +66,7 @@ impl Config {
             accum_steps: k.accum_steps,
             dtype: k.dtype,
             offload: k.offload,
+            offload_grads: k.offload_grads,
             pitfall: k.loss_norm != LossNorm::Tokens || k.zero_grad != ZeroGrad::PerWindow,
             unified,
             scales_gradients: k.dtype.needs_loss_scaling() || k.clip.is_some(),
@@ -76,6 +81,27 @@ impl Config {
 
     pub fn from_scenario(s: &Scenario, unified: bool) -> Config {
         Config::from_knobs(&s.model, &Knobs::from_scenario(s), unified)
+    }
+
+    /// Offload in half precision (`train::offload`): the device's weights are compute-dtype
+    /// copies, the f32 master weights live in host memory, and backward's gradients come in
+    /// the compute dtype.
+    pub fn half_weights(&self) -> bool {
+        self.offload && self.dtype != Dtype::F32
+    }
+
+    /// The window's gradient buffer lives in host memory.
+    pub fn grads_on_host(&self) -> bool {
+        self.offload && self.offload_grads == OffloadGrads::Host
+    }
+
+    /// Bytes of one parameter's gradient as backward returns it.
+    fn grad_elem_bytes(&self) -> u64 {
+        if self.half_weights() {
+            self.dtype.size_in_bytes() as u64
+        } else {
+            F32
+        }
     }
 }
 
@@ -306,7 +332,7 @@ fn checkpointed_block_peak_bytes(cfg: &Config, blocks: u64) -> u64 {
     }
     let attention = 7 * n * d * c + (3 * attention_chunk(&s) + 2 * (s.scores / s.t)) * F32;
     let mlp = 13 * n * d * c;
-    let casts = if s.cast {
+    let casts = if s.cast && !cfg.half_weights() {
         blocks * block_params(&cfg.model) * c
     } else {
         0
@@ -343,11 +369,12 @@ pub fn head_bytes(cfg: &Config) -> u64 {
     loss_head_activation_bytes() + head_peak_bytes(cfg)
 }
 
-/// Bytes of the gradient store one backward returns: one f32 gradient per parameter. Neither
+/// Bytes of the gradient store one backward returns: one gradient per parameter, f32 (compute
+/// dtype under offload in half precision). Neither
 /// path gives constants a gradient (the causal mask and the loss mask are not graph inputs), and
 /// both return gradients computed from detached tensors, which reference nothing.
 pub fn grad_store_bytes(cfg: &Config) -> u64 {
-    param_count(&cfg.model) * F32
+    param_count(&cfg.model) * cfg.grad_elem_bytes()
 }
 
 /// Bytes in flight at the backward's block-0 peak, when the store is largest.
@@ -384,7 +411,7 @@ pub fn after_peak_bytes(cfg: &Config) -> u64 {
     if fused(cfg) {
         return (12 * d * d + 13 * d + embeddings) * F32;
     }
-    (8 * d * d + 12 * d + embeddings) * F32
+    (8 * d * d + 12 * d + embeddings) * cfg.grad_elem_bytes()
 }
 
 /// Bytes in flight at the top of the backward, in the head and loss's backward. Lean
@@ -491,24 +518,36 @@ fn largest_param_bytes(m: &ModelConfig) -> u64 {
     (v * d).max(4 * d * d) * F32
 }
 
-/// Bytes the optimizer phase copies beyond the buffer. On the CPU the boundary unscales and
-/// clips in place and AdamW updates in place: nothing. Elsewhere Candle has no in-place multiply,
+/// Bytes the optimizer phase copies beyond the buffer. On the CPU (and on the host, where
+/// offload may keep the buffer) the boundary unscales and clips in place and AdamW updates in
+/// place: nothing. Elsewhere Candle has no in-place multiply,
 /// so unscaling and clipping replace one gradient at a time by its scaled copy (the largest
 /// parameter's f32 gradient at once, `train::inplace::scale_in_place`).
 pub fn boundary_copy_bytes(cfg: &Config) -> u64 {
-    if cfg.unified || !cfg.scales_gradients {
+    if cfg.unified || !cfg.scales_gradients || cfg.grads_on_host() {
         return 0;
     }
     largest_param_bytes(&cfg.model)
 }
 
 /// Host bytes the optimizer phase adds while offloaded from a separate device: each gradient
-/// is copied to the host for the host-side update, one parameter at a time.
+/// is copied to the host for the host-side update, one parameter at a time (none when they
+/// accumulate there already).
 pub fn offload_copy_bytes(cfg: &Config) -> u64 {
-    if cfg.unified || !cfg.offload {
+    if cfg.unified || !cfg.offload || cfg.grads_on_host() {
         return 0;
     }
     largest_param_bytes(&cfg.model)
+}
+
+/// Bytes of the copy back of one updated weight in half precision under offload: the host
+/// master weight cast to the compute dtype, one parameter at a time (`AdamW::copy_back`); on a
+/// GPU the same bytes again on the device while they land.
+pub fn weight_copy_bytes(cfg: &Config) -> u64 {
+    if !cfg.half_weights() {
+        return 0;
+    }
+    largest_param_bytes(&cfg.model) / F32 * cfg.dtype.size_in_bytes() as u64
 }
 
 /// Parameters whose compute-dtype copy lives through the micro-step: all of them, or with
@@ -536,7 +575,7 @@ fn block_params(m: &ModelConfig) -> u64 {
 /// The compute-dtype copies the backward's recompute makes of one segment's weights.
 fn recompute_casts(cfg: &Config) -> u64 {
     match checkpointed(cfg) {
-        Some(seg) if cfg.dtype != Dtype::F32 => {
+        Some(seg) if cfg.dtype != Dtype::F32 && !cfg.half_weights() => {
             seg.largest * block_params(&cfg.model) * cfg.dtype.size_in_bytes() as u64
         }
         _ => 0,
@@ -545,16 +584,29 @@ fn recompute_casts(cfg: &Config) -> u64 {
 
 pub fn estimate(cfg: &Config) -> Estimate {
     let p = param_count(&cfg.model) * F32;
+    let c = cfg.dtype.size_in_bytes() as u64;
     let buffers = if cfg.pitfall { 2 } else { 1 };
     let moments = 2 * p;
-    let master = if cfg.offload && !cfg.unified { p } else { 0 };
+    // Host master weights: under offload from a separate device, and in half precision under
+    // offload on any device (the device keeps compute-dtype weights only).
+    let master = if cfg.offload && (!cfg.unified || cfg.half_weights()) {
+        p
+    } else {
+        0
+    };
     let (optimizer_state, offloaded) = if cfg.offload {
         (0, moments + master)
     } else {
         (moments, 0)
     };
+    let (parameters, resident_compute) = if cfg.half_weights() {
+        (0, p / F32 * c)
+    } else {
+        (p, 0)
+    };
     let persistent = Categories {
-        parameters: p,
+        parameters,
+        compute_weights: resident_compute,
         optimizer_state,
         offloaded,
         other: cfg.workspace,
@@ -562,37 +614,83 @@ pub fn estimate(cfg: &Config) -> Estimate {
     };
     // The accumulation buffer exists inside a window from its second micro-batch on.
     let in_window_buffer = if cfg.accum_steps > 1 { buffers * p } else { 0 };
-    let compute_weights = if cfg.dtype == Dtype::F32 {
-        0
+    let compute_weights = if cfg.dtype == Dtype::F32 || cfg.half_weights() {
+        resident_compute
     } else {
-        kept_cast_params(cfg) * cfg.dtype.size_in_bytes() as u64
+        kept_cast_params(cfg) * c
     };
-    let forward = Categories {
-        compute_weights,
-        gradients: in_window_buffer,
-        activations: activation_bytes(cfg),
-        other: cfg.workspace
-            + head_forward_transient_bytes(cfg).max(checkpointed_forward_excess_bytes(cfg)),
-        ..persistent
-    };
+    let forward = buffer_at(
+        cfg,
+        Categories {
+            compute_weights,
+            activations: activation_bytes(cfg),
+            other: cfg.workspace
+                + head_forward_transient_bytes(cfg).max(checkpointed_forward_excess_bytes(cfg)),
+            ..persistent
+        },
+        in_window_buffer,
+    );
     let backward = Categories {
         gradients_transient: transient_bytes(cfg) + recompute_casts(cfg),
         activations: forward.activations + recomputed_bytes(cfg),
         other: persistent.other,
         ..forward
     };
-    let optimizer = Categories {
-        gradients: buffers * p,
-        gradients_transient: boundary_copy_bytes(cfg),
-        offloaded: persistent.offloaded + offload_copy_bytes(cfg),
-        ..persistent
-    };
+    let copy_back = weight_copy_bytes(cfg);
+    let optimizer = buffer_at(
+        cfg,
+        Categories {
+            gradients_transient: boundary_copy_bytes(cfg),
+            offloaded: persistent.offloaded
+                + offload_copy_bytes(cfg)
+                + if cfg.unified { 0 } else { copy_back },
+            other: persistent.other + copy_back,
+            ..persistent
+        },
+        buffers * p,
+    );
     Estimate {
         forward,
         backward,
         optimizer,
         step: persistent,
         unified: cfg.unified,
+    }
+}
+
+/// `c` with the window's gradient buffer of `bytes` where it lives: `gradients` on the device,
+/// `offloaded` in host memory.
+fn buffer_at(cfg: &Config, c: Categories, bytes: u64) -> Categories {
+    if cfg.grads_on_host() {
+        Categories {
+            offloaded: c.offloaded + bytes,
+            ..c
+        }
+    } else {
+        Categories {
+            gradients: c.gradients + bytes,
+            ..c
+        }
+    }
+}
+
+/// Model states (weights, the gradient buffer at the optimizer step, optimizer state) in bytes,
+/// on the device and in host memory (DeepSpeed's `estimate_zero2_model_states_mem_needs` counts
+/// the same states).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ModelStates {
+    pub device: u64,
+    pub host: u64,
+}
+
+pub fn model_states(cfg: &Config) -> ModelStates {
+    let e = estimate(cfg);
+    let buffer = if cfg.pitfall { 2 } else { 1 } * param_count(&cfg.model) * F32;
+    let on_host = if cfg.grads_on_host() { buffer } else { 0 };
+    let s = &e.step;
+    ModelStates {
+        device: s.parameters + s.compute_weights + s.optimizer_state + buffer - on_host,
+        host: s.offloaded + on_host,
     }
 }
 
@@ -701,6 +799,20 @@ impl Report {
         }
     }
 
+    /// Model states per parameter, device and host, beside DeepSpeed's way of counting them.
+    fn model_states_line(&self) -> String {
+        let m = model_states(&self.config);
+        let per = |b: u64| b as f64 / self.params.max(1) as f64;
+        format!(
+            "model states (weights, gradient buffer, optimizer state): {} on the device ({:.2} \
+             bytes/parameter), {} in host memory ({:.2} bytes/parameter)\n\n",
+            human_bytes(m.device),
+            per(m.device),
+            human_bytes(m.host),
+            per(m.host),
+        )
+    }
+
     pub fn render(&self) -> String {
         let c = &self.config;
         let m = &c.model;
@@ -718,7 +830,11 @@ impl Report {
             c.micro_batch,
             c.accum_steps,
             c.dtype.name(),
-            if c.offload { "on" } else { "off" },
+            match (c.offload, c.offload_grads) {
+                (false, _) => "off",
+                (true, OffloadGrads::Device) => "on (gradients accumulate on the device)",
+                (true, OffloadGrads::Host) => "on (gradients accumulate in host memory)",
+            },
             if c.unified {
                 "CPU: host and device are one memory"
             } else {
@@ -747,9 +863,10 @@ impl Report {
         rows.push(total);
         out += &aligned(&rows, &[false, true, true, true, true]);
         out += &format!(
-            "peak {} (allocator workspace and CUDA context not included)\n\n",
+            "peak {} (allocator workspace and CUDA context not included)\n",
             human_bytes(self.peak)
         );
+        out += &self.model_states_line();
         out += &format!("At effective batch {}:\n", self.effective_batch);
         let mut rows = vec![["B", "K", "activations", "grad transient", "peak"]
             .map(String::from)
@@ -787,6 +904,7 @@ mod tests {
             accum_steps: k,
             dtype: Dtype::F32,
             offload: false,
+            offload_grads: OffloadGrads::Device,
             pitfall: false,
             unified: true,
             scales_gradients: false,
@@ -811,6 +929,52 @@ mod tests {
         );
         assert_eq!(a.optimizer.gradients, b.optimizer.gradients);
         assert_eq!(a.step.optimizer_state, b.step.optimizer_state);
+    }
+
+    /// DeepSpeed's ZeRO-Offload leaves 2 bytes per parameter of model states on the device in
+    /// 16-bit precision; gradients accumulating on the device add their f32 buffer.
+    #[test]
+    fn offload_in_half_precision_leaves_the_compute_weights_on_a_gpu() {
+        let cfg = Config {
+            dtype: Dtype::Bf16,
+            offload: true,
+            unified: false,
+            ..tiny(4, 2)
+        };
+        let p = param_count(&cfg.model);
+        let host = Config {
+            offload_grads: OffloadGrads::Host,
+            ..cfg.clone()
+        };
+        assert_eq!(
+            model_states(&host),
+            ModelStates {
+                device: 2 * p,
+                host: 16 * p
+            }
+        );
+        assert_eq!(
+            model_states(&cfg),
+            ModelStates {
+                device: 6 * p,
+                host: 12 * p
+            }
+        );
+        let e = estimate(&host);
+        assert_eq!((e.step.parameters, e.step.compute_weights), (0, 2 * p));
+        assert_eq!(e.optimizer.gradients, 0);
+        // On the CPU the same books, all in the one memory.
+        let cpu = model_states(&Config {
+            unified: true,
+            ..host
+        });
+        assert_eq!(
+            cpu,
+            ModelStates {
+                device: 2 * p,
+                host: 16 * p
+            }
+        );
     }
 
     #[test]

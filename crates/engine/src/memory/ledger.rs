@@ -59,11 +59,18 @@ struct Snapshot {
 pub struct Persistent {
     pub optimizer_state: u64,
     pub offloaded: u64,
+    /// The accumulation buffer is in host memory (offload with `train.offload_grads = "host"`):
+    /// its bytes are booked as `offloaded`, not `gradients`.
+    pub gradients_on_host: bool,
 }
 
 pub struct Ledger {
     meter: Box<dyn TotalMeter>,
+    /// The model's f32 weights (`parameters`).
     params: Vec<Tensor>,
+    /// The model's weights kept in half precision (offload in bf16/f16: the device holds only
+    /// these): `compute_weights` for the whole step, not a forward's casts.
+    resident_compute: Vec<Tensor>,
     persistent: Persistent,
     /// The highest-peak snapshot of each phase in the current window.
     forward: Option<Snapshot>,
@@ -87,6 +94,7 @@ impl Ledger {
         Ledger {
             meter,
             params: Vec::new(),
+            resident_compute: Vec::new(),
             persistent: Persistent::default(),
             forward: None,
             backward: None,
@@ -109,7 +117,11 @@ impl Ledger {
 
     /// A window for optimizer step `step` (1-based) starts with these parameters and state.
     pub fn begin_window(&mut self, params: Vec<Tensor>, persistent: Persistent) {
-        self.params = params;
+        let (f32_weights, half) = params
+            .into_iter()
+            .partition(|t| t.dtype() == candle_core::DType::F32);
+        self.params = f32_weights;
+        self.resident_compute = half;
         self.persistent = persistent;
         self.window_activations = None;
         self.forward = None;
@@ -120,11 +132,15 @@ impl Ledger {
     /// The optimizer phase starts; `buffer` is the accumulated gradient about to be applied.
     pub fn optimizer_start(&mut self, buffer: &[&Tensor]) {
         let mut seen = self.seen_params();
-        let categories = Categories {
-            parameters: self.param_bytes(),
-            gradients: seen.add_all(buffer.iter().copied()),
-            ..self.persistent_categories()
-        };
+        let buffer = seen.add_all(buffer.iter().copied());
+        let categories = self.with_buffer(
+            Categories {
+                parameters: self.param_bytes(),
+                compute_weights: self.resident_compute_bytes(),
+                ..self.persistent_categories()
+            },
+            buffer,
+        );
         self.optimizer = Some(Snapshot {
             categories,
             total: self.meter.live(),
@@ -143,6 +159,7 @@ impl Ledger {
         let after = Snapshot {
             categories: Categories {
                 parameters: self.param_bytes(),
+                compute_weights: self.resident_compute_bytes(),
                 ..self.persistent_categories()
             },
             total: self.meter.live(),
@@ -217,11 +234,32 @@ impl Ledger {
     fn seen_params(&self) -> StorageSet {
         let mut seen = StorageSet::default();
         seen.add_all(&self.params);
+        seen.add_all(&self.resident_compute);
         seen
     }
 
     fn param_bytes(&self) -> u64 {
         StorageSet::default().add_all(&self.params)
+    }
+
+    fn resident_compute_bytes(&self) -> u64 {
+        StorageSet::default().add_all(&self.resident_compute)
+    }
+
+    /// `c` with the accumulation buffer's `bytes` booked where the buffer is: `gradients` on the
+    /// device, `offloaded` in host memory.
+    fn with_buffer(&self, c: Categories, bytes: u64) -> Categories {
+        if self.persistent.gradients_on_host {
+            Categories {
+                offloaded: c.offloaded + bytes,
+                ..c
+            }
+        } else {
+            Categories {
+                gradients: c.gradients + bytes,
+                ..c
+            }
+        }
     }
 
     /// Categories alive at the end of a forward: parameters, compute weights, the accumulation
@@ -234,18 +272,18 @@ impl Ledger {
     ) -> Categories {
         let mut seen = StorageSet::default();
         let parameters = seen.add_all(&self.params);
-        let compute_weights = seen.add_all(compute_weights);
-        let gradients = seen.add_all(buffer.iter().copied());
+        let compute_weights = seen.add_all(&self.resident_compute) + seen.add_all(compute_weights);
+        let buffer = seen.add_all(buffer.iter().copied());
         let activations = *self
             .window_activations
             .get_or_insert_with(|| activation_bytes(loss, &mut seen));
-        Categories {
+        let categories = Categories {
             parameters,
             compute_weights,
-            gradients,
             activations,
             ..self.persistent_categories()
-        }
+        };
+        self.with_buffer(categories, buffer)
     }
 
     fn keep_highest(slot: &mut Option<Snapshot>, snap: Snapshot) {

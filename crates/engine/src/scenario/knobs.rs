@@ -15,6 +15,7 @@ impl Knobs {
             lr_rule: t.lr_rule,
             dtype: t.dtype,
             offload: t.offload,
+            offload_grads: t.offload_grads,
             loss_norm: t.loss_norm,
             zero_grad: t.zero_grad,
             checkpointing: t.checkpointing,
@@ -34,6 +35,7 @@ impl Knobs {
             lr_rule,
             dtype,
             offload,
+            offload_grads,
             loss_norm,
             zero_grad,
             checkpointing,
@@ -47,6 +49,7 @@ impl Knobs {
         t.lr_rule = lr_rule;
         t.dtype = dtype;
         t.offload = offload;
+        t.offload_grads = offload_grads;
         t.loss_norm = loss_norm;
         t.zero_grad = zero_grad;
         t.checkpointing = checkpointing;

@@ -1,9 +1,11 @@
 //! AdamW with decoupled weight decay, written out so its moments can be measured, moved to host
-//! memory (offload) and checkpointed. All state and update math is f32.
+//! memory (offload) and checkpointed. All state and update math is f32. Where the weights and
+//! the state live is `place`'s business (`train::offload`).
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor, Var};
 
-use crate::model::Param;
+use super::offload::{Placement, Traffic};
+use crate::model::{Gpt, Param};
 use crate::ops::{
     self,
     fused::{AdamWJob, AdamWStep},
@@ -24,10 +26,14 @@ pub struct AdamW {
     pub v: Vec<Tensor>,
     /// Applied steps (for bias correction).
     pub t: u64,
-    /// Host copies of the f32 master weights while offloaded from a separate device; `None` when
-    /// the state lives with the weights (no offload, or a CPU run where host and device coincide).
+    /// The f32 master weights in host memory, where the update writes, when the device's weights
+    /// are not them: offload in half precision (the device keeps compute-dtype copies; on the
+    /// CPU too), or offload from a separate device. `None` when the state lives with the f32
+    /// weights (no offload, or f32 on the CPU where host and device coincide).
     pub master: Option<Vec<Tensor>>,
     pub offloaded: bool,
+    /// The gradients a step receives are already in host memory (`train.offload_grads = "host"`).
+    pub grads_on_host: bool,
 }
 
 impl AdamW {
@@ -45,6 +51,7 @@ impl AdamW {
             t: 0,
             master: None,
             offloaded: false,
+            grads_on_host: false,
         })
     }
 
@@ -75,38 +82,54 @@ impl AdamW {
             .sum()
     }
 
-    /// Move the state to host memory (`true`) or back to the weights' device, keeping its values.
-    pub fn set_offload(&mut self, on: bool, params: &[Param]) -> Result<()> {
-        if on == self.offloaded {
-            return Ok(());
+    /// The f32 master weights, wherever they are: the host copies, or else the weights.
+    pub fn master_weights(&self, params: &[Param]) -> Vec<Tensor> {
+        match &self.master {
+            Some(master) => master.clone(),
+            None => params.iter().map(|p| p.var.as_tensor().clone()).collect(),
         }
-        self.offloaded = on;
-        let target = self.state_device(params);
-        let move_all = |ts: &mut Vec<Tensor>| -> Result<()> {
-            for t in ts.iter_mut() {
-                *t = t.to_device(&target)?;
-            }
-            Ok(())
-        };
-        move_all(&mut self.m)?;
-        move_all(&mut self.v)?;
-        let separate = !target.same_device(params[0].var.device());
-        self.master = if on && separate {
-            Some(
-                params
+    }
+
+    /// Put the state, the master weights and the device's weights where `placement` says,
+    /// keeping every value: the moments in host memory while offloaded; in half precision under
+    /// offload the device's weights become compute-dtype copies of the f32 master weights, which
+    /// move to the host (the model is rebuilt over the new `Var`s), and back again after.
+    pub fn place(&mut self, placement: Placement, model: &mut Gpt) -> Result<()> {
+        let device = model.params[0].var.device().clone();
+        let master = self.master_weights(&model.params);
+        self.offloaded = placement.offload;
+        self.grads_on_host = placement.grads_on_host;
+        let state_device = self.state_device(&model.params);
+        for t in self.m.iter_mut().chain(self.v.iter_mut()) {
+            *t = t.to_device(&state_device)?;
+        }
+        let weights = placement.device_weights();
+        if model.params[0].var.dtype() != weights {
+            let vars = master
+                .iter()
+                .map(|w| Var::from_tensor(&w.to_dtype(weights)?.to_device(&device)?))
+                .collect::<Result<Vec<_>>>()?;
+            *model = model.with_vars(vars)?;
+        }
+        let separate = !device.same_device(&Device::Cpu);
+        let keep_master = placement.half_weights() || (placement.offload && separate);
+        self.master = match keep_master {
+            true => Some(
+                master
                     .iter()
-                    .map(|p| p.var.as_tensor().to_device(&target))
+                    .map(|w| w.to_device(&Device::Cpu))
                     .collect::<Result<_>>()?,
-            )
-        } else {
-            None
+            ),
+            false => None,
         };
         Ok(())
     }
 
     /// One update with learning rate `lr` from the (unscaled, clipped) gradients. CPU f32 state
-    /// is updated in place by one fused kernel; elsewhere by Candle ops (same maths).
-    pub fn step(&mut self, params: &[Param], grads: &[Tensor], lr: f64) -> Result<()> {
+    /// is updated in place by one fused kernel; elsewhere by Candle ops (same maths). With host
+    /// master weights the device's weights are then overwritten by their casts. Returns the bytes
+    /// that crossed between host and device while offloaded (`train::offload`).
+    pub fn step(&mut self, params: &[Param], grads: &[Tensor], lr: f64) -> Result<u64> {
         let Hyper {
             beta1,
             beta2,
@@ -119,16 +142,24 @@ impl AdamW {
         let bc1 = 1.0 - beta1.powi(t);
         let bc2 = 1.0 - beta2.powi(t);
         let state_device = self.state_device(params);
+        let mut traffic = Traffic::default();
         let mut fused = Vec::new();
         for (i, p) in params.iter().enumerate() {
-            let g = grads[i].to_device(&state_device)?;
+            let g = if self.offloaded && !self.grads_on_host {
+                traffic.to_device(&grads[i], &state_device)?
+            } else {
+                grads[i].to_device(&state_device)?
+            };
             let decay = if p.decay {
                 1.0 - lr * weight_decay
             } else {
                 1.0
             };
-            let w = p.var.as_tensor();
-            if self.master.is_none() && ops::fused_domain(&[w, &self.m[i], &self.v[i], &g]) {
+            let w = match &self.master {
+                Some(master) => master[i].clone(),
+                None => p.var.as_tensor().clone(),
+            };
+            if ops::fused_domain(&[&w, &self.m[i], &self.v[i], &g]) {
                 let step = AdamWStep {
                     beta1: beta1 as f32,
                     beta2: beta2 as f32,
@@ -140,30 +171,49 @@ impl AdamW {
                 fused.push((i, g, step));
                 continue;
             }
-            let w = match &self.master {
-                Some(master) => master[i].clone(),
-                None => p.var.as_tensor().clone(),
-            };
             self.m[i] = (self.m[i].affine(beta1, 0.0)? + g.affine(1.0 - beta1, 0.0)?)?;
             self.v[i] = (self.v[i].affine(beta2, 0.0)? + g.sqr()?.affine(1.0 - beta2, 0.0)?)?;
             let denom = (self.v[i].affine(1.0 / bc2, 0.0)?.sqrt()? + eps)?;
             let update = self.m[i].affine(lr / bc1, 0.0)?.div(&denom)?;
             let updated = (w.affine(decay, 0.0)? - update)?;
-            p.var.set(&updated.to_device(p.var.device())?)?;
-            if let Some(master) = &mut self.master {
-                master[i] = updated;
+            match &mut self.master {
+                Some(master) => master[i] = updated,
+                None => p.var.set(&updated.to_device(p.var.device())?)?,
             }
         }
+        let masters = self.master_weights(params);
         let jobs: Vec<AdamWJob> = fused
             .into_iter()
             .map(|(i, g, step)| AdamWJob {
-                w: params[i].var.as_tensor(),
+                w: &masters[i],
                 m: &self.m[i],
                 v: &self.v[i],
                 g,
                 step,
             })
             .collect();
-        ops::fused::adamw_update_all(&jobs)
+        ops::fused::adamw_update_all(&jobs)?;
+        drop(jobs);
+        self.copy_back(params, &mut traffic)?;
+        Ok(traffic.bytes)
+    }
+
+    /// While offloaded, the updated weights cross back to the device: cast from the host master
+    /// weights to the device's dtype, one parameter at a time. Without host master weights (f32
+    /// on the CPU) the update wrote the weights where they are; their bytes count all the same.
+    fn copy_back(&self, params: &[Param], traffic: &mut Traffic) -> Result<()> {
+        if !self.offloaded {
+            return Ok(());
+        }
+        for (i, p) in params.iter().enumerate() {
+            match &self.master {
+                Some(master) => {
+                    let cast = master[i].to_dtype(p.var.dtype())?;
+                    p.var.set(&traffic.to_device(&cast, p.var.device())?)?;
+                }
+                None => traffic.bytes += super::offload::tensor_bytes(p.var.as_tensor()),
+            }
+        }
+        Ok(())
     }
 }

@@ -108,6 +108,7 @@ mod tests {
             overflow_count: 0,
             dtype: Default::default(),
             offload: false,
+            host_device_bytes: 0,
             clip: None,
             phase_ms: Default::default(),
             grad_error: None,

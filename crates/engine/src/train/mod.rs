@@ -15,6 +15,7 @@ pub mod adaptive;
 pub mod guard;
 pub mod inplace;
 pub mod noise;
+pub mod offload;
 pub mod oom_guard;
 pub mod pool_governor;
 pub mod scaler;
@@ -90,6 +91,8 @@ struct WindowSummary {
     tokens: u64,
     forward_ms: f64,
     backward_ms: f64,
+    /// Gradient bytes the window sent to the host (offload with host accumulation).
+    transferred: u64,
 }
 
 impl WindowSummary {
@@ -97,6 +100,7 @@ impl WindowSummary {
         WindowSummary {
             loss: w.loss,
             tokens,
+            transferred: w.transferred,
             forward_ms: w.forward_ms,
             backward_ms: w.backward_ms,
         }
@@ -110,6 +114,8 @@ struct Update {
     lr: f64,
     skipped: bool,
     grad_error: Option<f64>,
+    /// Bytes the update moved between host and device (`AdamW::step`).
+    transferred: u64,
 }
 
 /// The step's times, taken once the boundary's work has finished on the device.
@@ -178,7 +184,7 @@ impl Trainer {
         scenario.validate().map_err(anyhow::Error::msg)?;
         guard::check_model_fits(&scenario, &device).map_err(anyhow::Error::msg)?;
         let corpus = Corpus::open_sizing(&mut scenario)?;
-        let model = Gpt::new(&scenario.model, scenario.train.seed, &device)
+        let mut model = Gpt::new(&scenario.model, scenario.train.seed, &device)
             .context("building the model")?;
         let t = &scenario.train;
         let hyper = Hyper {
@@ -188,7 +194,10 @@ impl Trainer {
             weight_decay: t.weight_decay,
         };
         let mut opt = AdamW::new(&model.params, hyper)?;
-        opt.set_offload(t.offload, &model.params)?;
+        opt.place(
+            offload::Placement::of(&Knobs::from_scenario(&scenario)),
+            &mut model,
+        )?;
         let memory = Ledger::new(crate::memory::gpu::meter_for(&device));
         let composite = crate::ops::kernels_from_env().map_err(anyhow::Error::msg)?;
         let pool_choice = pool_governor::choice_from_env().map_err(anyhow::Error::msg)?;
@@ -393,13 +402,27 @@ impl Trainer {
             Persistent {
                 optimizer_state: 0,
                 offloaded: moments + self.opt.master_bytes(),
+                gradients_on_host: self.opt.grads_on_host,
             }
         } else {
             Persistent {
                 optimizer_state: moments,
                 offloaded: 0,
+                gradients_on_host: false,
             }
         }
+    }
+
+    /// The f32 master weights, in parameter order (on the host while offloaded in half
+    /// precision, else the model's weights).
+    pub fn master_weights(&self) -> Vec<Tensor> {
+        self.opt.master_weights(&self.model.params)
+    }
+
+    /// Put the weights and the optimizer state where `knobs` say (`offload`).
+    pub fn place_state(&mut self, knobs: &Knobs) -> Result<()> {
+        self.opt
+            .place(offload::Placement::of(knobs), &mut self.model)
     }
 
     /// The loss scale in force: only f16 scales.
@@ -626,6 +649,7 @@ impl Trainer {
         let finite = grad_norm.is_finite();
         let lr = self.lr();
         let mut grad_norm_clipped = grad_norm;
+        let mut transferred = 0;
         if finite {
             match self.knobs.clip {
                 Some(max) if grad_norm > max => {
@@ -634,7 +658,7 @@ impl Trainer {
                 }
                 _ => {}
             }
-            self.optimizer_step(&grads, lr)?;
+            transferred = self.optimizer_step(&grads, lr)?;
             self.lr_step += 1;
         } else {
             self.overflow_count += 1;
@@ -649,6 +673,7 @@ impl Trainer {
             lr,
             skipped: !finite,
             grad_error: grad_error.filter(|_| finite),
+            transferred,
         })
     }
 
@@ -665,7 +690,8 @@ impl Trainer {
     }
 
     /// AdamW on every parameter, or under ZeRO on this rank's pieces, then the all-gather.
-    fn optimizer_step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+    /// Returns the bytes that crossed between host and device (offload, `AdamW::step`).
+    fn optimizer_step(&mut self, grads: &[Tensor], lr: f64) -> Result<u64> {
         let Some(shard) = &self.zero else {
             return self.opt.step(&self.model.params, grads, lr);
         };
@@ -680,7 +706,9 @@ impl Trainer {
             &pieces,
             lr,
             &mut self.group,
-        )
+        )?;
+        // ZeRO runs without offload: no model state crosses between host and device.
+        Ok(0)
     }
 
     /// The step's event, built once from what the window and the boundary returned.
@@ -712,6 +740,7 @@ impl Trainer {
             overflow_count: self.overflow_count,
             dtype: self.knobs.dtype,
             offload: self.knobs.offload,
+            host_device_bytes: window.transferred + update.transferred,
             clip: self.knobs.clip,
             phase_ms: PhaseMs {
                 forward: window.forward_ms,
@@ -731,7 +760,11 @@ impl Trainer {
         crate::scenario::check_needs(c, self.knobs.noise).map_err(anyhow::Error::msg)?;
         guard::check_knob_change(self, c).map_err(anyhow::Error::msg)?;
         match *c {
-            Control::SetOffload { value } => self.opt.set_offload(value, &self.model.params)?,
+            Control::SetOffload { .. } | Control::SetDtype { .. } => {
+                let mut next = self.knobs.clone();
+                next.apply(c);
+                self.place_state(&next)?;
+            }
             Control::SetLossScale { value } => self.scaler.force(value),
             _ => {}
         }

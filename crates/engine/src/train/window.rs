@@ -11,6 +11,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Result, Tensor};
 
 use super::noise;
+use super::offload::{self, Placement, Traffic};
 use crate::data::{Batch, Sample};
 use crate::dist::{Group, RankLossNorm, SyncEvery};
 use crate::memory::Ledger;
@@ -31,6 +32,8 @@ pub struct WindowGrads {
     pub backward_ms: f64,
     /// Squared norms for the gradient noise scale (K ≥ 2 with `knobs.noise`).
     pub noise: Option<noise::WindowNorms>,
+    /// Gradient bytes sent to the host as the micro-batches finished (`offload::land`).
+    pub transferred: u64,
 }
 
 impl WindowGrads {
@@ -227,6 +230,8 @@ pub fn rank_window_gradients(
     let micro: Vec<&[Sample]> = samples.chunks(knobs.micro_batch).collect();
     let mut watch = Watchers::new(knobs, share, micro.len(), device, observers);
     let mut buffer: Option<Vec<Tensor>> = None;
+    let placement = Placement::of(knobs);
+    let mut traffic = Traffic::default();
     // Each micro-batch's detached token-sum loss and its weight: read back in one transfer at
     // the end of the window, not one device-to-host sync per micro-batch.
     let mut losses: Vec<(Tensor, f64)> = Vec::new();
@@ -260,7 +265,8 @@ pub fn rank_window_gradients(
         drop(loss);
         let recomputed = fwd.recomputed.clone();
         drop(fwd);
-        let mut grads = parameter_gradients(model, &recomputed, store)?;
+        let grads = parameter_gradients(model, &recomputed, store)?;
+        let mut grads = offload::land(grads, &placement, &mut traffic)?;
         let micro_grads = MicroGradients {
             grads: &grads,
             weights,
@@ -274,7 +280,9 @@ pub fn rank_window_gradients(
         watch.each(|o| o.micro_batch_end())?;
     }
     let loss = window_loss(&losses)?;
-    Ok(watch.finish(buffer.unwrap_or_default(), scale, loss, share.rank_tokens)?)
+    let mut grads = watch.finish(buffer.unwrap_or_default(), scale, loss, share.rank_tokens)?;
+    grads.transferred = traffic.bytes;
+    Ok(grads)
 }
 
 /// The window's observers in their fixed order: the phase clock first (it waits for the
@@ -358,6 +366,7 @@ impl<'a, 'b> Watchers<'a, 'b> {
             forward_ms: self.clock.forward_ms,
             backward_ms: self.clock.backward_ms,
             noise,
+            transferred: 0,
         })
     }
 }
