@@ -588,7 +588,7 @@ mod tests {
                 "layer_norm",
                 dtype,
                 bound,
-                |t| layer_norm(&t[0], &t[1], &t[2], 1e-5),
+                |t| fused::layer_norm(&t[0], &t[1], &t[2], 1e-5),
                 |t| composite::layer_norm(&t[0], &t[1], &t[2], 1e-5),
                 &[rows.clone(), gain, bias],
             );
@@ -597,7 +597,7 @@ mod tests {
                 "linear",
                 dtype,
                 bound,
-                |t| linear(&t[0], &t[1], &t[2]),
+                |t| fused::linear(&t[0], &t[1], &t[2]),
                 |t| composite::linear(&t[0], &t[1], &t[2]),
                 &[rows.clone(), w.clone(), bias.clone()],
             );
@@ -605,7 +605,7 @@ mod tests {
                 "gelu_linear",
                 dtype,
                 bound,
-                |t| gelu_linear(&t[0], &t[1], &t[2]),
+                |t| fused::gelu_linear(&t[0], &t[1], &t[2]),
                 |t| composite::linear(&composite::gelu(&t[0])?, &t[1], &t[2]),
                 &[rows.clone(), w.clone(), bias],
             );
@@ -613,7 +613,7 @@ mod tests {
                 "project",
                 dtype,
                 bound,
-                |t| project(&t[0], &t[1]),
+                |t| fused::project(&t[0], &t[1]),
                 |t| t[0].matmul(&t[1]),
                 &[rows.clone(), w],
             );
@@ -621,7 +621,7 @@ mod tests {
                 "causal_attention",
                 dtype,
                 bound,
-                |x| causal_attention(&x[0], b, t, h),
+                |x| fused::causal_attention(&x[0], b, t, h),
                 |x| composite::causal_attention(&x[0], b, t, h),
                 &[random(&[b * t, 3 * d], 2.0, 7)],
             );
@@ -630,7 +630,7 @@ mod tests {
                 "linear_nll_sum",
                 dtype,
                 bound,
-                |t| linear_nll_sum(&t[0], &t[1], &targets, &mask),
+                |t| fused::linear_nll_sum(&t[0], &t[1], &targets, &mask),
                 |t| composite::nll_sum(&t[0].matmul(&t[1])?, &targets, &mask),
                 &[rows.clone(), head],
             );
@@ -638,7 +638,7 @@ mod tests {
                 "nll_sum",
                 dtype,
                 bound,
-                |t| nll_sum(&t[0], &targets, &mask),
+                |t| fused::nll_sum(&t[0], &targets, &mask),
                 |t| composite::nll_sum(&t[0], &targets, &mask),
                 &[random(&[b * t, v], 5.0, 9)],
             );
@@ -681,7 +681,7 @@ mod tests {
         };
         let (x, w) = (var((rows, d), 1.0), var((d, d), 0.0));
         let b = Var::from_tensor(&Tensor::zeros(d, DType::BF16, &dev).unwrap()).unwrap();
-        let y = linear(x.as_tensor(), w.as_tensor(), b.as_tensor()).unwrap();
+        let y = fused::linear(x.as_tensor(), w.as_tensor(), b.as_tensor()).unwrap();
         let loss = (y.to_dtype(DType::F32).unwrap() * &grad).unwrap().sum_all();
         let g = loss.unwrap().backward().unwrap();
         within(g.get(b.as_tensor()).unwrap(), "linear bias");
@@ -692,7 +692,7 @@ mod tests {
             Var::from_tensor(&Tensor::ones(d, DType::BF16, &dev).unwrap()).unwrap(),
             Var::from_tensor(&Tensor::zeros(d, DType::BF16, &dev).unwrap()).unwrap(),
         );
-        let y = layer_norm(x.as_tensor(), gain.as_tensor(), beta.as_tensor(), 1e-5).unwrap();
+        let y = fused::layer_norm(x.as_tensor(), gain.as_tensor(), beta.as_tensor(), 1e-5).unwrap();
         let loss = (y.to_dtype(DType::F32).unwrap() * &grad).unwrap().sum_all();
         let g = loss.unwrap().backward().unwrap();
         within(g.get(beta.as_tensor()).unwrap(), "layer norm bias");
