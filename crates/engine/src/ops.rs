@@ -115,7 +115,7 @@ fn plain() -> bool {
     PLAIN.with(Cell::get)
 }
 
-/// Run the composite ops on this thread (`true`) or let f32 CPU tensors take the fused ones,
+/// Run the composite ops on this thread (`true`) or let CPU tensors take the fused ones,
 /// until the guard drops. Thread-local, so parallel tests do not see each other's choice.
 pub fn force_composite(on: bool) -> KernelsGuard {
     KernelsGuard {

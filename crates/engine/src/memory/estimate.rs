@@ -361,7 +361,7 @@ pub fn grad_store_bytes(cfg: &Config) -> u64 {
 
 /// Bytes in flight at the backward's block-0 peak, when the store is largest.
 ///
-/// Lean ops (CUDA, bf16/f16): the peak falls in block 0's GELU-linear backward
+/// Lean ops (CUDA): the peak falls in block 0's GELU-linear backward
 /// (`ops::lean::gelu_linear`), while it rebuilds the GELU's slope in f32: four f32 tensors of the
 /// hidden layer's size at once (4 × 4·N·d·4; the gradient's f32 copy is made after), and in the
 /// compute dtype the hidden layer's gradient (4·N·d), the output's gradient and the residual
@@ -408,7 +408,7 @@ pub fn after_peak_bytes(cfg: &Config) -> u64 {
 /// (`ops::lean::linear_nll_sum`): inside one chunk of `r = min(chunk_rows(V), N)` rows, the
 /// softmax, the one-hot targets and their difference (3·r·V·4), beside the f32 sum of dW over
 /// the chunks before it (d·V·4, when there are several) and the rows of dx made so far (N·d·c). The
-/// fused head (CPU f32): see `fused_head_peak_bytes`.
+/// fused head (CPU): see `fused_head_peak_bytes`.
 pub fn head_peak_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     if fused(cfg) {

@@ -1,4 +1,4 @@
-//! Fused CPU f32 kernels as Candle custom ops: each forward is one pass over its input, each
+//! Fused CPU kernels (f32 arithmetic; f32, bf16 or f16 storage) as Candle custom ops: each forward is one pass over its input, each
 //! backward one more (Candle's composite versions cost a dozen element-wise ops and as many
 //! temporaries). Work is split over Candle's own CPU thread pool, never along a sum: element-wise
 //! work by rows, reductions into per-unit partial sums whose units depend on the shape alone,
