@@ -190,6 +190,18 @@ pub struct TrainConfig {
     pub accum_max: usize,
     /// Windows a new K must be asked for (and at least held) before the policy changes it.
     pub accum_patience: u64,
+    /// Data parallel: when the ranks sum their gradients, "window" or "micro-batch".
+    pub sync: crate::dist::SyncEvery,
+    /// Data parallel: "tokens" (per token of the whole window) or "mean-of-means" (a pitfall).
+    pub rank_loss_norm: crate::dist::RankLossNorm,
+    /// Data parallel: seconds a rank waits in a collective before it ends the run.
+    pub comm_timeout: f64,
+    /// Data parallel: ZeRO stage. 1 shards the AdamW moments over the ranks, 2 also the summed
+    /// gradient; 0 keeps everything on every rank.
+    pub zero: u8,
+    /// ZeRO-2: "buffer" (a whole local buffer, one reduce-scatter per window) or
+    /// "reduce-scatter" (one per micro-batch, 1/W of the buffer).
+    pub zero2_accumulate: crate::dist::Zero2Accumulate,
 }
 
 impl Default for TrainConfig {
@@ -228,6 +240,11 @@ impl Default for TrainConfig {
             accum_min: 2,
             accum_max: 64,
             accum_patience: 10,
+            sync: crate::dist::SyncEvery::Window,
+            rank_loss_norm: crate::dist::RankLossNorm::Tokens,
+            comm_timeout: 60.0,
+            zero: 0,
+            zero2_accumulate: crate::dist::Zero2Accumulate::Buffer,
         }
     }
 }
@@ -455,6 +472,7 @@ impl Scenario {
             ));
         }
         check_noise(t)?;
+        check_comm_timeout(t)?;
         for (i, e) in self.timeline.iter().enumerate() {
             validate_control(&e.control).map_err(|m| {
                 Problem::new(
@@ -474,6 +492,30 @@ impl Scenario {
             self.train.micro_batch * self.train.accum_steps
         }
     }
+}
+
+/// Data parallel's timeout (a collective must be given some time) and ZeRO stage.
+fn check_comm_timeout(t: &TrainConfig) -> Result<(), Problem> {
+    if t.zero > 2 {
+        return Err(Problem::new(
+            "train.zero",
+            format!(
+                "train.zero ({}) must be 0, 1 or 2 (stage 3 is in `gaccwb estimate --zero 3`, \
+                 not in training)",
+                t.zero
+            ),
+        ));
+    }
+    if t.comm_timeout.is_finite() && t.comm_timeout > 0.0 {
+        return Ok(());
+    }
+    Err(Problem::new(
+        "train.comm_timeout",
+        format!(
+            "train.comm_timeout ({}) must be a positive number of seconds, e.g. 60",
+            t.comm_timeout
+        ),
+    ))
 }
 
 /// The noise scale's and the adaptive policy's keys.
@@ -676,6 +718,11 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
         "accum_min",
         "accum_max",
         "accum_patience",
+        "sync",
+        "rank_loss_norm",
+        "comm_timeout",
+        "zero",
+        "zero2_accumulate",
     ];
     match section {
         "model" => MODEL.to_vec(),

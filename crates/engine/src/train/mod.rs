@@ -20,6 +20,7 @@ pub mod pool_governor;
 pub mod scaler;
 pub mod schedule;
 pub mod window;
+pub mod zero;
 
 use std::ops::ControlFlow;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -41,7 +42,8 @@ pub use crate::telemetry::{EventSink, Knobs};
 use adamw::{AdamW, Hyper};
 use scaler::LossScaler;
 pub use window::{
-    window_gradients, window_gradients_observed, Interrupt, WindowGrads, WindowObserver,
+    rank_window_gradients, window_gradients, window_gradients_observed, Interrupt, Share,
+    WindowGrads, WindowObserver,
 };
 
 /// Global L2 norm over a set of tensors, in f64 on the host.
@@ -82,7 +84,7 @@ pub trait AfterStep: Send {
     }
 }
 
-/// What the step event takes from a finished window.
+/// What the step event takes from a finished window (every rank's, under data parallel).
 struct WindowSummary {
     loss: f64,
     tokens: u64,
@@ -91,10 +93,10 @@ struct WindowSummary {
 }
 
 impl WindowSummary {
-    fn of(w: &WindowGrads) -> WindowSummary {
+    fn of(w: &WindowGrads, tokens: u64) -> WindowSummary {
         WindowSummary {
             loss: w.loss,
-            tokens: w.tokens,
+            tokens,
             forward_ms: w.forward_ms,
             backward_ms: w.backward_ms,
         }
@@ -161,6 +163,11 @@ pub struct Trainer {
     pub cpu_load: crate::ops::cpu_load::OthersLoad,
     /// Watch every window after the ledger (`observe_windows`; tests inject faults this way).
     window_observers: Vec<Box<dyn WindowObserver + Send>>,
+    /// The data-parallel ranks this trainer is one of (alone by default; [`Trainer::join`]).
+    group: crate::dist::Group,
+    /// Under ZeRO (`train.zero` ≥ 1): this rank's block of the parameters, whose moments `opt`
+    /// holds.
+    zero: Option<zero::Shard>,
     base_batch: usize,
     started: Instant,
 }
@@ -213,6 +220,8 @@ impl Trainer {
             cli_controls: Vec::new(),
             guard,
             window_observers: Vec::new(),
+            group: crate::dist::Group::solo(),
+            zero: None,
             started: Instant::now(),
         };
         oom_guard::plan_start(&mut trainer)?;
@@ -221,6 +230,107 @@ impl Trainer {
 
     pub fn params(&self) -> &[Param] {
         &self.model.params
+    }
+
+    /// Train as one rank of `group` (data parallel): every rank must join a trainer built from
+    /// the same scenario, before the first step.
+    pub fn join(&mut self, group: crate::dist::Group) -> anyhow::Result<()> {
+        if group.is_parallel() && self.knobs.accum_policy != crate::telemetry::AccumPolicy::Fixed {
+            anyhow::bail!(
+                "train.accum_policy = {:?} with {} ranks: the noise-scale policy is measured per \
+                 rank and the ranks must agree on K; use accum_policy = \"fixed\"",
+                self.knobs.accum_policy,
+                group.ranks()
+            );
+        }
+        self.base_batch = self.scenario.base_batch() * group.ranks();
+        self.group = group;
+        if self.scenario.train.zero > 0 {
+            self.shard_optimizer()?;
+        }
+        Ok(())
+    }
+
+    /// ZeRO: keep the AdamW moments of this rank's block only.
+    fn shard_optimizer(&mut self) -> anyhow::Result<()> {
+        let t = &self.scenario.train;
+        let refuse = |why: &str| anyhow::anyhow!("train.zero = {}: {why}", t.zero);
+        if !self.device.is_cpu() || self.knobs.offload || self.step > 0 {
+            return Err(refuse(
+                "ZeRO runs on the CPU, without offload, from a run's first step",
+            ));
+        }
+        if t.zero == 2 && self.pitfall_on() {
+            return Err(refuse(
+                "stage 2 shards the gradient, but a pitfall's error needs the whole reference \
+                 gradient; measure pitfalls at train.zero = 0 or 1",
+            ));
+        }
+        if t.zero == 2
+            && t.zero2_accumulate == crate::dist::Zero2Accumulate::ReduceScatter
+            && self.knobs.noise
+        {
+            return Err(refuse(
+                "with zero2_accumulate = \"reduce-scatter\" no rank holds its whole window \
+                 gradient, which the noise scale measures; set train.noise = false",
+            ));
+        }
+        let shard = zero::Shard::of(&self.model.params, &self.group);
+        self.opt = zero::sharded_adamw(self.opt.hyper, &shard, &self.device)?;
+        self.zero = Some(shard);
+        Ok(())
+    }
+
+    /// Under ZeRO: offload is refused (the moments are sharded instead), and under stage 2 a
+    /// pitfall (its reference gradient is whole).
+    fn check_under_zero(&self, c: &Control) -> anyhow::Result<()> {
+        let stage = self.zero_stage();
+        let refused = match c {
+            Control::SetOffload { value: true } => stage > 0,
+            Control::SetLossNorm { value } => {
+                stage == 2 && *value != crate::telemetry::LossNorm::Tokens
+            }
+            Control::SetZeroGrad { value } => {
+                stage == 2 && *value != crate::telemetry::ZeroGrad::PerWindow
+            }
+            _ => false,
+        };
+        if refused {
+            anyhow::bail!("not under train.zero = {stage}: {}", c.describe());
+        }
+        Ok(())
+    }
+
+    /// Whether a pitfall (loss normalisation, zero-grad, cross-rank mean) is switched on.
+    fn pitfall_on(&self) -> bool {
+        self.knobs.loss_norm != crate::telemetry::LossNorm::Tokens
+            || self.knobs.zero_grad != crate::telemetry::ZeroGrad::PerWindow
+            || self.scenario.train.rank_loss_norm != crate::dist::RankLossNorm::Tokens
+    }
+
+    /// The ZeRO stage in force (0 without sharding).
+    fn zero_stage(&self) -> u8 {
+        if self.zero.is_some() {
+            self.scenario.train.zero
+        } else {
+            0
+        }
+    }
+
+    /// Whether ZeRO-2 reduce-scatters every micro-batch's gradients.
+    fn scatters_micro_batches(&self) -> bool {
+        self.zero_stage() == 2
+            && self.scenario.train.zero2_accumulate == crate::dist::Zero2Accumulate::ReduceScatter
+    }
+
+    /// This process's rank and the number of ranks.
+    pub fn rank(&self) -> (usize, usize) {
+        (self.group.rank(), self.group.ranks())
+    }
+
+    /// Samples in a window, every rank's together: W·K·B.
+    pub fn global_batch(&self) -> usize {
+        self.knobs.effective_batch() * self.group.ranks()
     }
 
     /// The recording's first line. Its scenario carries the knobs in force, which for a run
@@ -240,6 +350,7 @@ impl Trainer {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
+            ranks: self.group.is_parallel().then(|| self.group.ranks()),
         }
     }
 
@@ -301,16 +412,19 @@ impl Trainer {
             * self
                 .knobs
                 .lr_rule
-                .factor(self.knobs.effective_batch(), self.base_batch)
+                .factor(self.global_batch(), self.base_batch)
     }
 
-    /// The next window's samples; advances the data cursor.
+    /// This rank's samples of the next window; advances the data cursor past every rank's.
+    /// Rank r trains samples `[r·K·B, (r+1)·K·B)` of the window's W·K·B, so W ranks at K see
+    /// the samples one process at W·K sees.
     pub fn next_window(&mut self) -> Vec<Sample> {
         let n = self.knobs.effective_batch() as u64;
-        let samples = (self.cursor..self.cursor + n)
+        let start = self.cursor + self.group.rank() as u64 * n;
+        let samples = (start..start + n)
             .map(|i| self.corpus.sample(Split::Train, i))
             .collect();
-        self.cursor += n;
+        self.cursor += self.global_batch() as u64;
         samples
     }
 
@@ -327,11 +441,12 @@ impl Trainer {
             crate::ops::workspace::reserve();
         }
         let scale = self.loss_scale();
-        let mut window = self.window_with_retries(scale, &mut between)?;
+        let (mut window, window_tokens) = self.window_with_retries(scale, &mut between)?;
+        self.sum_over_ranks(&mut window)?;
         let optimizer_started = Instant::now();
         self.memory.optimizer_start(&window.buffer());
         let norms = window.noise.take();
-        let summary = WindowSummary::of(&window);
+        let summary = WindowSummary::of(&window, window_tokens);
         let update = self.apply_window(window, scale)?;
         self.device.synchronize()?;
         let noise = self.noise.observe(norms.as_ref(), update.skipped);
@@ -341,17 +456,63 @@ impl Trainer {
             optimizer_ms: optimizer_started.elapsed().as_secs_f64() * 1e3,
             step_ms: started.elapsed().as_secs_f64() * 1e3,
         };
-        Ok(self.step_event(summary, update, timing, scale, noise))
+        let comm = self.group.is_parallel().then(|| {
+            let sync = self.scenario.train.sync;
+            self.group.finish_window(sync, self.memory.last_step_peak())
+        });
+        Ok(self.step_event(summary, update, timing, scale, noise, comm))
     }
 
-    /// The window's gradients. A window that runs out of memory is retried from the same cursor
-    /// at a smaller micro-batch (`oom_guard`); its partial gradients are dropped with the failed
-    /// attempt.
+    /// Under data parallel, the window's sums over the ranks: the gradients (unless every
+    /// micro-batch's already were), the pitfall's reference, and the loss. Every rank then
+    /// holds the same buffer and takes the same step.
+    fn sum_over_ranks(&mut self, window: &mut WindowGrads) -> Result<()> {
+        match (&self.zero, self.zero_stage()) {
+            // Each micro-batch's gradients were reduce-scattered already.
+            (Some(_), 2) if self.scatters_micro_batches() => {}
+            (Some(shard), 2) => {
+                window.grads =
+                    shard.reduce_scatter(&window.grads, &mut self.group, &self.device)?;
+            }
+            _ => {}
+        }
+        if !self.group.is_parallel() {
+            return Ok(());
+        }
+        let dist = |e: crate::dist::DistError| candle_core::Error::Msg(e.to_string());
+        if self.zero_stage() < 2 && self.scenario.train.sync == crate::dist::SyncEvery::Window {
+            self.group
+                .sum_tensors(&mut window.grads, true)
+                .map_err(dist)?;
+        }
+        if let Some(reference) = window.reference.as_mut() {
+            self.group.sum_tensors(reference, false).map_err(dist)?;
+        }
+        let mut loss = [window.loss];
+        self.group.sum_scalars(&mut loss);
+        window.loss = loss[0];
+        Ok(())
+    }
+
+    /// A fingerprint of the knobs in force: ranks compare them at every boundary.
+    fn knobs_fingerprint(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        serde_json::to_string(&self.knobs)
+            .unwrap_or_default()
+            .hash(&mut h);
+        h.finish()
+    }
+
+    /// The window's gradients, and its counted tokens (every rank's). A window that runs out of
+    /// memory is retried from the same cursor at a smaller micro-batch (`oom_guard`); its partial
+    /// gradients are dropped with the failed attempt. Under data parallel a failure ends the
+    /// run: one rank cannot retry alone while the others wait in a collective.
     fn window_with_retries(
         &mut self,
         scale: f64,
         between: &mut impl FnMut() -> bool,
-    ) -> std::result::Result<WindowGrads, Interrupt> {
+    ) -> std::result::Result<(WindowGrads, u64), Interrupt> {
         let cursor = self.cursor;
         let mut failures_at_one = 0;
         loop {
@@ -360,6 +521,7 @@ impl Trainer {
             self.memory.begin_window(params, self.persistent_memory());
             match self.window_attempt(&samples, scale, &mut *between) {
                 Ok(w) => return Ok(w),
+                Err(e) if self.group.is_parallel() => return Err(e),
                 Err(e) => {
                     self.cursor = cursor;
                     match oom_guard::after_failure(self, e, &mut failures_at_one) {
@@ -378,16 +540,27 @@ impl Trainer {
         samples: &[Sample],
         scale: f64,
         between: impl FnMut() -> bool,
-    ) -> std::result::Result<WindowGrads, Interrupt> {
+    ) -> std::result::Result<(WindowGrads, u64), Interrupt> {
         let step = self.step + 1;
         for o in &mut self.window_observers {
             o.window_start(step)?;
         }
+        let rank_tokens = Share::tokens_of(samples);
+        let window_tokens = self.group.sum_tokens(rank_tokens);
+        let scatter = self.zero.as_ref().filter(|_| self.scatters_micro_batches());
+        let mut share = Share {
+            window_tokens,
+            rank_tokens,
+            rank_loss_norm: self.scenario.train.rank_loss_norm,
+            sync: self.scenario.train.sync,
+            scatter,
+            group: &mut self.group,
+        };
         let mut observers: Vec<&mut dyn WindowObserver> = vec![&mut self.memory];
         for o in &mut self.window_observers {
             observers.push(o.as_mut());
         }
-        window_gradients_observed(
+        let window = rank_window_gradients(
             &self.model,
             samples,
             &self.knobs,
@@ -395,7 +568,9 @@ impl Trainer {
             &self.device,
             between,
             &mut observers,
-        )
+            &mut share,
+        )?;
+        Ok((window, window_tokens))
     }
 
     /// Watch every later window (called after the ledger, in the order added).
@@ -420,7 +595,7 @@ impl Trainer {
         if scale != 1.0 {
             inplace::scale_in_place(&mut grads, 1.0 / scale)?;
         }
-        let grad_norm = global_norm(&grads)?;
+        let grad_norm = self.grad_norm(&grads)?;
         let finite = grad_norm.is_finite();
         let lr = self.lr();
         let mut grad_norm_clipped = grad_norm;
@@ -428,11 +603,11 @@ impl Trainer {
             match self.knobs.clip {
                 Some(max) if grad_norm > max => {
                     inplace::scale_in_place(&mut grads, max / grad_norm)?;
-                    grad_norm_clipped = global_norm(&grads)?;
+                    grad_norm_clipped = self.grad_norm(&grads)?;
                 }
                 _ => {}
             }
-            self.opt.step(&self.model.params, &grads, lr)?;
+            self.optimizer_step(&grads, lr)?;
             self.lr_step += 1;
         } else {
             self.overflow_count += 1;
@@ -450,6 +625,37 @@ impl Trainer {
         })
     }
 
+    /// The global L2 norm of the window's gradient: under ZeRO-2 each rank holds its pieces, so
+    /// their squares are summed over the ranks.
+    fn grad_norm(&mut self, grads: &[Tensor]) -> Result<f64> {
+        let norm = global_norm(grads)?;
+        if self.zero_stage() != 2 || !self.group.is_parallel() {
+            return Ok(norm);
+        }
+        let mut squares = [norm * norm];
+        self.group.sum_scalars(&mut squares);
+        Ok(squares[0].sqrt())
+    }
+
+    /// AdamW on every parameter, or under ZeRO on this rank's pieces, then the all-gather.
+    fn optimizer_step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+        let Some(shard) = &self.zero else {
+            return self.opt.step(&self.model.params, grads, lr);
+        };
+        let pieces = match self.scenario.train.zero {
+            2 => grads.to_vec(),
+            _ => shard.pieces_of(grads)?,
+        };
+        zero::step(
+            &mut self.opt,
+            shard,
+            &self.model.params,
+            &pieces,
+            lr,
+            &mut self.group,
+        )
+    }
+
     /// The step's event, built once from what the window and the boundary returned.
     fn step_event(
         &self,
@@ -458,6 +664,7 @@ impl Trainer {
         timing: StepTiming,
         loss_scale: f64,
         noise: Option<crate::telemetry::NoiseEvent>,
+        comm: Option<crate::dist::CommEvent>,
     ) -> StepEvent {
         StepEvent {
             step: self.step,
@@ -486,11 +693,13 @@ impl Trainer {
             },
             grad_error: update.grad_error,
             noise,
+            comm,
         }
     }
 
     /// Apply a knob change now (the caller makes sure "now" is a window boundary).
     pub fn apply_control(&mut self, c: &Control) -> anyhow::Result<()> {
+        self.check_under_zero(c)?;
         crate::scenario::validate_control(c).map_err(anyhow::Error::msg)?;
         crate::scenario::check_needs(c, self.knobs.noise).map_err(anyhow::Error::msg)?;
         guard::check_knob_change(self, c).map_err(anyhow::Error::msg)?;
@@ -712,6 +921,13 @@ fn boundary(
 ) -> ControlFlow<EndReason, Next> {
     flow.drain(controls);
     apply_due(trainer, flow, sink);
+    if trainer.group.is_parallel() {
+        let fingerprint = trainer.knobs_fingerprint();
+        match trainer.group.agree(trainer.step, flow.stop, fingerprint) {
+            Ok(stop) => flow.stop = stop,
+            Err(e) => return ControlFlow::Break(EndReason::Error(e.to_string())),
+        }
+    }
     let total = trainer.scenario.train.steps;
     if flow.stop {
         return ControlFlow::Break(EndReason::Stopped);
@@ -740,11 +956,14 @@ fn window_step(
     serial: bool,
     sink: &EventSink,
 ) -> ControlFlow<EndReason, StepEvent> {
+    // Ranks stop together, at a boundary (`boundary` agrees on it): one rank leaving a window
+    // would leave the others waiting in its collectives.
+    let alone = !trainer.group.is_parallel();
     let step = {
         let _pool = crate::ops::pool::serial(serial);
         trainer.train_step(|| {
             flow.drain(controls);
-            !flow.stop
+            !(flow.stop && alone)
         })
     };
     send_all(sink, trainer.guard.take_announcements());
@@ -777,7 +996,10 @@ fn after_window(
     let diverged = divergence.observe(&step);
     flow.pending.extend(trainer.policy_control(&step));
     if !sink.send(Event::Step(step)) {
-        return ControlFlow::Break(EndReason::Stopped);
+        if !trainer.group.is_parallel() {
+            return ControlFlow::Break(EndReason::Stopped);
+        }
+        flow.stop = true;
     }
     let memory = trainer.memory.take_events();
     let guard_log = oom_guard::after_step(trainer, &memory);
