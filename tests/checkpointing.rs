@@ -77,7 +77,10 @@ fn half_precision_gradients_agree_on_the_fused_and_the_composite_path() {
             let recomputed = grads(&t, dtype, Checkpointing::Blocks);
             let err = max_relative_error(&recomputed, &plain);
             println!("{dtype:?}, composite {composite}: max relative error {err:e}");
-            assert!(err <= 1e-5, "{dtype:?}, composite {composite}: {err:e} > 1e-5");
+            assert!(
+                err <= 1e-5,
+                "{dtype:?}, composite {composite}: {err:e} > 1e-5"
+            );
         }
     }
 }
