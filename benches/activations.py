@@ -10,9 +10,12 @@ parameters and (under autocast) their half-precision casts left out, as gaccwb b
 `parameters` and `compute_weights`. PyTorch runs eager attention (the probabilities kept) and
 `F.scaled_dot_product_attention` (SDPA), in f32 and under bf16 autocast.
 
-Per layer: the difference between 4 and 2 layers, halved (both sides). gaccwb's f32 row is the
-fused CPU path; its `f32 composite` row (`GACCWB_KERNELS=composite`) is the lean path in f32,
-what a CUDA f32 step runs; bf16 always runs the lean path.
+Per layer: the difference between 4 and 2 layers, halved (both sides). gaccwb's f32 and bf16 rows
+are the fused CPU path (f32 arithmetic on bf16 storage); its `composite` rows
+(`GACCWB_KERNELS=composite`) are the lean path, what a CUDA step runs.
+
+Last, the bf16/f32 tokens/s ratio of gaccwb's default shape (d128 T128 B8, V 256) at one thread and
+at two: `gaccwb bench --dtype f32,bf16 --case 8,1`, the two dtypes' steps interleaved in one process.
 
 Usage: PYTHONPATH=DIR_WITH_TORCH benches/activations.py [--gaccwb target/release/gaccwb]
 """
@@ -115,7 +118,8 @@ def main():
             for label, dtype, composite, bf16 in [
                 ("f32 (fused)", "f32", False, False),
                 ("f32 composite", "f32", True, False),
-                ("bf16", "bf16", False, True),
+                ("bf16 (fused)", "bf16", False, True),
+                ("bf16 composite", "bf16", True, True),
             ]:
                 g = per_layer(lambda n: gaccwb_activations(args.gaccwb, d, t, b, n, dtype, composite))
                 e = per_layer(lambda n: torch_saved(d, t, b, n, bf16, sdpa=False))
@@ -129,6 +133,19 @@ def main():
     print("|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|")
     for r in rows[1:]:
         print("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |")
+    for threads in (1, 2):
+        f32, bf16 = tokens_per_s(args.gaccwb, threads)
+        print(f"bf16/f32 tokens/s at d128 T128 B8, {threads} thread(s): {bf16 / f32:.3f} "
+              f"({bf16:,.0f} vs {f32:,.0f}; medians of interleaved steps)")
+
+
+def tokens_per_s(binary, threads, steps=20):
+    """Median tokens/s of f32 and bf16 at the default shape, their steps interleaved."""
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    cmd = [binary, "bench", "--dtype", "f32,bf16", "--case", "8,1", "--steps", str(steps), "--json"]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    rates = {row["dtype"]: row["tokens_per_s"] for row in map(json.loads, out.splitlines())}
+    return rates["f32"], rates["bf16"]
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ use candle_core::Device;
 use serde::Serialize;
 
 use crate::scenario::{DataSource, Scenario};
+use crate::telemetry::Dtype;
 use crate::train::Trainer;
 
 /// One shape to measure.
@@ -41,6 +42,8 @@ pub const DEFAULT_CASES: [Case; 3] = [
 pub struct Measurement {
     pub micro_batch: usize,
     pub accum_steps: usize,
+    /// The compute dtype the steps ran in.
+    pub dtype: Dtype,
     pub threads: usize,
     /// Positions per optimizer step (B·K·seq_len).
     pub tokens_per_step: u64,
@@ -107,30 +110,53 @@ pub fn measure(
     warmup: usize,
     steps: usize,
 ) -> anyhow::Result<Measurement> {
-    let mut trainer = Trainer::new(scenario, device.clone())?;
-    let mut step_s = Vec::with_capacity(steps);
-    let mut tokens_per_step = 0;
+    let mut m = measure_interleaved(vec![scenario], device, warmup, steps)?;
+    Ok(m.remove(0))
+}
+
+/// `measure` for several scenarios at once, one step of each in turn: every scenario sees the
+/// same machine over the same seconds, so a load that comes and goes (a shared host) falls on
+/// all of them alike, and their ratios hold where absolute rates do not.
+pub fn measure_interleaved(
+    scenarios: Vec<Scenario>,
+    device: &Device,
+    warmup: usize,
+    steps: usize,
+) -> anyhow::Result<Vec<Measurement>> {
+    let mut trainers = scenarios
+        .into_iter()
+        .map(|s| Trainer::new(s, device.clone()))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut step_s = vec![Vec::with_capacity(steps); trainers.len()];
+    let mut tokens_per_step = vec![0; trainers.len()];
     for i in 0..warmup + steps {
-        let t0 = Instant::now();
-        let step = match trainer.train_step(|| true) {
-            Ok(step) => step,
-            Err(crate::train::Interrupt::Failed(e)) => return Err(e.into()),
-            Err(crate::train::Interrupt::Stop) => anyhow::bail!("benchmark step interrupted"),
-        };
-        let elapsed = t0.elapsed().as_secs_f64();
-        if i >= warmup {
-            step_s.push(elapsed);
-            tokens_per_step = step.tokens;
+        for (j, trainer) in trainers.iter_mut().enumerate() {
+            let t0 = Instant::now();
+            let step = match trainer.train_step(|| true) {
+                Ok(step) => step,
+                Err(crate::train::Interrupt::Failed(e)) => return Err(e.into()),
+                Err(crate::train::Interrupt::Stop) => anyhow::bail!("benchmark step interrupted"),
+            };
+            let elapsed = t0.elapsed().as_secs_f64();
+            if i >= warmup {
+                step_s[j].push(elapsed);
+                tokens_per_step[j] = step.tokens;
+            }
         }
     }
-    let knobs = &trainer.knobs;
-    Ok(Measurement {
-        micro_batch: knobs.micro_batch,
-        accum_steps: knobs.accum_steps,
-        threads: threads(),
-        tokens_per_step,
-        step_s,
-    })
+    Ok(trainers
+        .iter()
+        .zip(step_s)
+        .zip(tokens_per_step)
+        .map(|((trainer, step_s), tokens_per_step)| Measurement {
+            micro_batch: trainer.knobs.micro_batch,
+            accum_steps: trainer.knobs.accum_steps,
+            dtype: trainer.knobs.dtype,
+            threads: threads(),
+            tokens_per_step,
+            step_s,
+        })
+        .collect())
 }
 
 /// Tokens/s of one case on fixed-length samples.
@@ -266,6 +292,29 @@ mod tests {
         assert_eq!(m.tokens_per_step, 3 * 2 * 8);
         assert_eq!(m.step_s.len(), 2);
         assert!(m.median_tokens_per_s() > 0.0);
+    }
+
+    #[test]
+    fn interleaved_scenarios_are_measured_each_in_its_own_dtype() {
+        let mut base = Scenario {
+            model: ModelConfig {
+                vocab: 32,
+                d_model: 16,
+                layers: 1,
+                heads: 2,
+                seq_len: 8,
+            },
+            ..Default::default()
+        };
+        base.train.micro_batch = 2;
+        let mut half = base.clone();
+        half.train.dtype = Dtype::Bf16;
+        let m = measure_interleaved(vec![base, half], &Device::Cpu, 1, 3).unwrap();
+        assert_eq!(
+            m.iter().map(|m| m.dtype).collect::<Vec<_>>(),
+            [Dtype::F32, Dtype::Bf16]
+        );
+        assert!(m.iter().all(|m| m.step_s.len() == 3));
     }
 
     #[test]

@@ -5,6 +5,7 @@ mod common;
 use candle_core::{Device, Tensor};
 use common::{TestModel, TINY};
 use gaccwb::data::{Sample, Split};
+use gaccwb::ops;
 use gaccwb::telemetry::{Checkpointing, Dtype};
 use gaccwb::train::{relative_error, window_gradients, Knobs, Trainer};
 
@@ -67,14 +68,20 @@ fn fused_path_gradients_are_bit_identical() {
 }
 
 #[test]
-fn composite_path_gradients_agree() {
+fn half_precision_gradients_agree_on_the_fused_and_the_composite_path() {
     let t = trainer();
-    for dtype in [Dtype::Bf16, Dtype::F16] {
-        let plain = grads(&t, dtype, Checkpointing::None);
-        let recomputed = grads(&t, dtype, Checkpointing::Blocks);
-        let err = max_relative_error(&recomputed, &plain);
-        println!("{dtype:?}: max relative error {err:e}");
-        assert!(err <= 1e-5, "{dtype:?}: max relative error {err:e} > 1e-5");
+    for composite in [false, true] {
+        let _kernels = ops::force_composite(composite);
+        for dtype in [Dtype::Bf16, Dtype::F16] {
+            let plain = grads(&t, dtype, Checkpointing::None);
+            let recomputed = grads(&t, dtype, Checkpointing::Blocks);
+            let err = max_relative_error(&recomputed, &plain);
+            println!("{dtype:?}, composite {composite}: max relative error {err:e}");
+            assert!(
+                err <= 1e-5,
+                "{dtype:?}, composite {composite}: {err:e} > 1e-5"
+            );
+        }
     }
 }
 

@@ -142,10 +142,10 @@ fn third_step(s: Scenario) -> Vec<MemoryEvent> {
 }
 
 /// Every category of every phase with checkpointing on, on the fused CPU path (f32) and the
-/// composite path (bf16), as `memory_sweep.rs` checks it without: the gap of each category is
+/// same ops on bf16 storage, as `memory_sweep.rs` checks it without: the gap of each category is
 /// at most 5% of the phase's measured peak (the live total for the step's end).
 fn every_category_is_predicted_within_five_percent_with_checkpointing() {
-    // The largest gap of each category, per path: [fused f32, composite bf16].
+    // The largest gap of each category, per path: [fused f32, fused bf16].
     let mut worst = vec![vec![(0.0, String::new()); Categories::NAMES.len()]; 2];
     let mut failures = Vec::new();
     for (shape, model) in SHAPES.iter().enumerate() {
@@ -208,7 +208,7 @@ fn every_category_is_predicted_within_five_percent_with_checkpointing() {
             }
         }
     }
-    for (path, worst) in ["fused f32", "composite bf16"].iter().zip(&worst) {
+    for (path, worst) in ["fused f32", "fused bf16"].iter().zip(&worst) {
         for (category, (_, what)) in Categories::NAMES.iter().zip(worst) {
             if !what.is_empty() {
                 println!("worst {path} {category}: {what}");

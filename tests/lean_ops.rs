@@ -1,6 +1,7 @@
-//! The lean ops (`ops::lean`, what every CUDA and half-precision step runs) in a whole model:
-//! their gradients against the plain composite expressions they replace, and what their graph
-//! keeps against what the estimator books.
+//! The lean ops (`ops::lean`, what every CUDA step runs, and the CPU under
+//! `GACCWB_KERNELS=composite`) in a whole model: their gradients against the plain composite
+//! expressions they replace, and what their graph keeps against what the estimator books; and
+//! what the fused CPU ops keep in half precision.
 
 mod common;
 
@@ -127,6 +128,8 @@ fn training_graph(s: &Scenario, dtype: DType) -> (Tensor, StorageSet) {
 #[test]
 fn the_lean_graph_keeps_no_score_tensor_and_exactly_what_the_estimator_books() {
     let t = SHORT.seq_len;
+    // On the CPU half precision takes the fused ops unless the composite ones are forced.
+    let _composite = ops::force_composite(true);
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for b in [1, 3] {
             let mut s = scenario(b);
@@ -140,11 +143,35 @@ fn the_lean_graph_keeps_no_score_tensor_and_exactly_what_the_estimator_books() {
                 .collect();
             assert!(squares.is_empty(), "{dtype:?}: T×T nodes kept: {squares:?}");
             let kept = graph_bytes(&loss, &mut seen);
-            let booked = activation_bytes(&Config::from_scenario(&s, true));
+            // A device apart from the host: the lean ops' booking.
+            let booked = activation_bytes(&Config::from_scenario(&s, false));
             assert_eq!(
                 kept, booked,
                 "{dtype:?} B={b}: graph keeps {kept}, estimate {booked}"
             );
         }
+    }
+}
+
+#[test]
+fn the_fused_half_graph_keeps_half_of_f32s_activations_and_what_the_estimator_books() {
+    let mut s = scenario(3);
+    let (f32_loss, mut seen) = training_graph(&s, DType::F32);
+    let f32_kept = graph_bytes(&f32_loss, &mut seen);
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        s.train.dtype = dtype;
+        let (loss, mut seen) = training_graph(&s, dtype.candle());
+        let kept = graph_bytes(&loss, &mut seen);
+        let booked = activation_bytes(&Config::from_scenario(&s, true));
+        assert_eq!(
+            kept, booked,
+            "{dtype:?}: graph keeps {kept}, estimate {booked}"
+        );
+        // Every kept tensor in 2 bytes instead of 4, but the loss's two f32 scalars.
+        assert_eq!(
+            2 * (kept - 8),
+            f32_kept - 8,
+            "{dtype:?}: {kept} vs f32 {f32_kept}"
+        );
     }
 }

@@ -4,6 +4,8 @@ use clap::Args;
 
 use gaccwb::bench::{self, Case, DEFAULT_CASES};
 use gaccwb::presets;
+use gaccwb::telemetry::Dtype;
+use strum::VariantArray;
 
 use super::{usage, UsageError};
 
@@ -19,6 +21,10 @@ pub struct BenchArgs {
     /// Timed optimizer steps per case.
     #[arg(long, default_value_t = 10)]
     steps: usize,
+    /// Compute dtypes, comma-separated (f32, bf16, f16): with several, each case runs in every
+    /// one, a step of each in turn, and a ratio against the first is printed.
+    #[arg(long = "dtype", value_name = "LIST", default_value = "f32", value_parser = parse_dtypes)]
+    dtypes: DtypeList,
     /// Untimed optimizer steps before timing.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
@@ -39,6 +45,25 @@ pub struct BenchArgs {
 const ADAMW_PARAMS: usize = 1 << 24;
 /// The side of the product `--adamw` times.
 const MATMUL_N: usize = 1024;
+
+/// The `--dtype` list, in the order given.
+#[derive(Clone, Debug)]
+struct DtypeList(Vec<Dtype>);
+
+fn parse_dtypes(text: &str) -> Result<DtypeList, String> {
+    let one = |name: &str| {
+        Dtype::VARIANTS
+            .iter()
+            .copied()
+            .find(|d| d.name() == name.trim())
+            .ok_or_else(|| format!("`{}`: expected f32, bf16 or f16", name.trim()))
+    };
+    let list = text.split(',').map(one).collect::<Result<Vec<_>, _>>()?;
+    if (1..list.len()).any(|i| list[..i].contains(&list[i])) {
+        return Err(format!("`{text}`: a dtype is listed twice"));
+    }
+    Ok(DtypeList(list))
+}
 
 fn parse_case(text: &str) -> Result<Case, String> {
     let parse = |s: &str| s.trim().parse::<usize>().ok().filter(|&n| n > 0);
@@ -83,22 +108,45 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         args.cases.clone()
     };
     let m = &preset.model;
+    let dtypes = &args.dtypes.0;
+    let names: Vec<&str> = dtypes.iter().map(|d| d.name()).collect();
     if !args.json {
         gaccwb::out::println(&format!(
-            "gaccwb bench: model vocab {} d_model {} layers {} heads {} seq_len {}, f32, CPU, {} thread(s), \
-             {} timed steps after {} warm-up",
-            m.vocab, m.d_model, m.layers, m.heads, m.seq_len, bench::threads(), args.steps, args.warmup
+            "gaccwb bench: model vocab {} d_model {} layers {} heads {} seq_len {}, {}, CPU, {} thread(s), \
+             {} timed steps after {} warm-up{}",
+            m.vocab, m.d_model, m.layers, m.heads, m.seq_len, names.join(" and "), bench::threads(),
+            args.steps, args.warmup,
+            if dtypes.len() > 1 { " (the dtypes' steps interleaved)" } else { "" }
         ))?;
         gaccwb::out::println(&format!(
-            "{:>4} {:>3} {:>12} {:>12} {:>12} {:>12}",
-            "B", "K", "tokens/step", "tok/s min", "tok/s med", "tok/s max"
+            "{:>4} {:>3} {:>5} {:>12} {:>12} {:>12} {:>12}",
+            "B", "K", "dtype", "tokens/step", "tok/s min", "tok/s med", "tok/s max"
         ))?;
     }
+    let in_dtypes = |s: &gaccwb::scenario::Scenario| {
+        dtypes
+            .iter()
+            .map(|&d| {
+                let mut s = s.clone();
+                s.train.dtype = d;
+                s
+            })
+            .collect::<Vec<_>>()
+    };
     let mut results = Vec::new();
     for case in cases {
-        let r = bench::measure_case(&preset, case, &device, args.warmup, args.steps)?;
-        print_case(&r, args.json)?;
-        results.push(r);
+        let scenarios = in_dtypes(&bench::case_scenario(&preset, case));
+        let rs = bench::measure_interleaved(scenarios, &device, args.warmup, args.steps)?;
+        for r in &rs {
+            print_case(r, args.json)?;
+        }
+        if !args.json {
+            print_ratios(
+                &rs,
+                &format!("B={},K={}", case.micro_batch, case.accum_steps),
+            )?;
+        }
+        results.extend(rs);
     }
     if !whole_suite || args.json {
         return Ok(());
@@ -106,21 +154,45 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let median_at = |micro_batch, accum_steps| {
         results
             .iter()
-            .find(|r| r.micro_batch == micro_batch && r.accum_steps == accum_steps)
+            .find(|r| {
+                r.micro_batch == micro_batch && r.accum_steps == accum_steps && r.dtype == dtypes[0]
+            })
             .map(|r| r.median_tokens_per_s())
     };
     if let (Some(k1), Some(k4)) = (median_at(8, 1), median_at(8, 4)) {
         gaccwb::out::println(&format!(
-            "K=4 vs K=1 at B=8: {:.3}x tokens/s (accumulation costs {:.1}%; budget 2%)",
+            "K=4 vs K=1 at B=8 ({}): {:.3}x tokens/s (accumulation costs {:.1}%; budget 2%)",
+            dtypes[0].name(),
             k4 / k1,
             (1.0 - k4 / k1) * 100.0
         ))?;
     }
-    let default = bench::measure(preset.clone(), &device, args.warmup, args.steps)?;
-    gaccwb::out::println(&format!(
-        "default preset `{}` (B={}, K={}, variable-length documents): {:.2} optimizer steps/s (median; target >= 2)",
-        preset.name, default.micro_batch, default.accum_steps, default.median_steps_per_s()
-    ))?;
+    let defaults =
+        bench::measure_interleaved(in_dtypes(&preset), &device, args.warmup, args.steps)?;
+    for default in &defaults {
+        gaccwb::out::println(&format!(
+            "default preset `{}` (B={}, K={}, variable-length documents, {}): {:.2} optimizer steps/s (median; target >= 2)",
+            preset.name, default.micro_batch, default.accum_steps, default.dtype.name(),
+            default.median_steps_per_s()
+        ))?;
+    }
+    print_ratios(&defaults, &format!("default preset `{}`", preset.name))?;
+    Ok(())
+}
+
+/// Each later dtype's median tokens/s against the first's, from interleaved measurements.
+fn print_ratios(rs: &[bench::Measurement], what: &str) -> Result<(), gaccwb::out::OutputError> {
+    let Some((first, rest)) = rs.split_first() else {
+        return Ok(());
+    };
+    for r in rest {
+        gaccwb::out::println(&format!(
+            "{} vs {} at {what}: {:.3}x tokens/s (medians, steps interleaved)",
+            r.dtype.name(),
+            first.dtype.name(),
+            r.median_tokens_per_s() / first.median_tokens_per_s()
+        ))?;
+    }
     Ok(())
 }
 
@@ -160,6 +232,7 @@ fn print_case(r: &bench::Measurement, json: bool) -> Result<(), gaccwb::out::Out
             "impl": "candle",
             "micro_batch": r.micro_batch,
             "accum_steps": r.accum_steps,
+            "dtype": r.dtype.name(),
             "threads": r.threads,
             "tokens_per_step": r.tokens_per_step,
             "tokens_per_s": r.median_tokens_per_s(),
@@ -169,9 +242,10 @@ fn print_case(r: &bench::Measurement, json: bool) -> Result<(), gaccwb::out::Out
     }
     let sorted = r.tokens_per_s_sorted();
     gaccwb::out::println(&format!(
-        "{:>4} {:>3} {:>12} {:>12.0} {:>12.0} {:>12.0}",
+        "{:>4} {:>3} {:>5} {:>12} {:>12.0} {:>12.0} {:>12.0}",
         r.micro_batch,
         r.accum_steps,
+        r.dtype.name(),
         r.tokens_per_step,
         sorted[0],
         r.median_tokens_per_s(),

@@ -1,9 +1,9 @@
 //! The model's numerical building blocks, each with a backward pass.
 //!
 //! Candle's fused `LayerNorm`, `softmax_last_dim` and `sdpa` are forward-only (gradients silently
-//! stop there), so the model calls these instead. On CPU in f32 each is one fused Candle custom op
-//! whose backward is one more fused pass (`fused`); anywhere else (CUDA, bf16/f16 compute) the
-//! `lean` version runs: Candle tensor ops that exist on every backend, with a backward of its own
+//! stop there), so the model calls these instead. On CPU each is one fused Candle custom op
+//! whose backward is one more fused pass (`fused`; f32 arithmetic on f32, bf16 or f16 storage);
+//! anywhere else (CUDA, or the CPU under `GACCWB_KERNELS=composite`) the `lean` version runs: Candle tensor ops that exist on every backend, with a backward of its own
 //! and only what that backward needs kept. `composite`, the plain differentiable Candle
 //! expressions, is the reference both are tested against (`force_plain` runs it in a model). All
 //! compute the same function; tests hold value and gradient of each pair together. The memory
@@ -24,13 +24,33 @@ pub mod pool;
 pub mod vmath;
 pub mod workspace;
 
-/// True when every tensor is an f32 CPU tensor (the fused ops' domain) and this thread has not
-/// asked for the composite ops.
+/// True when every tensor is an f32 CPU tensor (the domain of the fused f32-only kernels:
+/// AdamW, norms, scaling) and this thread has not asked for the composite ops.
 pub fn fused_domain(tensors: &[&Tensor]) -> bool {
     !composite_forced()
         && tensors
             .iter()
             .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+}
+
+/// True when the model's fused ops take these tensors: all on the CPU, all stored in one of
+/// f32, bf16 and f16 (the ops compute in f32 whatever the storage), and this thread has not
+/// asked for the composite ops.
+pub fn fused_model_domain(tensors: &[&Tensor]) -> bool {
+    let Some(first) = tensors.first() else {
+        return false;
+    };
+    let dtype = first.dtype();
+    !composite_forced()
+        && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+        && tensors
+            .iter()
+            .all(|t| t.device().is_cpu() && t.dtype() == dtype)
+}
+
+/// `fused_model_domain` for the loss ops: float inputs of one dtype and an f32 CPU mask.
+fn fused_loss_domain(inputs: &[&Tensor], mask: &Tensor) -> bool {
+    fused_model_domain(inputs) && fused_domain(&[mask])
 }
 
 /// The environment variable that sets the kernels: `composite` runs the composite ops (the
@@ -95,7 +115,7 @@ fn plain() -> bool {
     PLAIN.with(Cell::get)
 }
 
-/// Run the composite ops on this thread (`true`) or let f32 CPU tensors take the fused ones,
+/// Run the composite ops on this thread (`true`) or let CPU tensors take the fused ones,
 /// until the guard drops. Thread-local, so parallel tests do not see each other's choice.
 pub fn force_composite(on: bool) -> KernelsGuard {
     KernelsGuard {
@@ -117,7 +137,7 @@ impl Drop for KernelsGuard {
 
 /// Layer norm over the last dimension, computed in f32 whatever the input dtype.
 pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    if fused_domain(&[x, gain, bias]) {
+    if fused_model_domain(&[x, gain, bias]) {
         fused::layer_norm(x, gain, bias, eps)
     } else if plain() {
         composite::layer_norm(x, gain, bias, eps)
@@ -144,7 +164,7 @@ pub fn broadcast_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `x·w + b` for `x` `[N, I]`, `w` `[I, O]`, `b` `[O]`.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if fused_domain(&[x, w, b]) {
+    if fused_model_domain(&[x, w, b]) {
         fused::linear(x, w, b)
     } else if plain() {
         composite::linear(x, w, b)
@@ -155,7 +175,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `x·w` for `x` `[N, I]`, `w` `[I, O]`: a layer without bias (the LM head).
 pub fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if fused_domain(&[x, w]) {
+    if fused_model_domain(&[x, w]) {
         fused::project(x, w)
     } else {
         x.matmul(w)
@@ -164,7 +184,7 @@ pub fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// `gelu(h)·w + b`: the MLP's output layer. The fused and lean versions do not keep `gelu(h)`.
 pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if fused_domain(&[h, w, b]) {
+    if fused_model_domain(&[h, w, b]) {
         fused::gelu_linear(h, w, b)
     } else if plain() {
         composite::linear(&composite::gelu(h)?, w, b)
@@ -176,7 +196,7 @@ pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// Causal multi-head self-attention: `qkv` `[B·T, 3·D]` (queries, keys, values side by side,
 /// heads within each) to `[B·T, D]`, scores scaled by 1/√(D/heads).
 pub fn causal_attention(qkv: &Tensor, batch: usize, t: usize, heads: usize) -> Result<Tensor> {
-    if fused_domain(&[qkv]) {
+    if fused_model_domain(&[qkv]) {
         fused::causal_attention(qkv, batch, t, heads)
     } else if plain() {
         composite::causal_attention(qkv, batch, t, heads)
@@ -189,18 +209,18 @@ pub fn causal_attention(qkv: &Tensor, batch: usize, t: usize, heads: usize) -> R
 /// `logits`: `[N, V]` (any float dtype; the softmax runs in f32), `targets`: `[N]` u32,
 /// `mask`: `[N]` f32 with 1 for counted positions and 0 for padding.
 pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    if fused_domain(&[logits, mask]) {
+    if fused_loss_domain(&[logits], mask) {
         fused::nll_sum(logits, targets, mask)
     } else {
         composite::nll_sum(logits, targets, mask)
     }
 }
 
-/// `nll_sum(x·w, targets, mask)`: the LM head and the loss as one. The fused (CPU f32) and lean
+/// `nll_sum(x·w, targets, mask)`: the LM head and the loss as one. The fused (CPU) and lean
 /// versions never hold the `[N, V]` logits at once (`fused::linear_nll_sum`,
 /// `lean::linear_nll_sum`); the plain one makes them and passes them to `nll_sum`.
 pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    if fused_domain(&[x, w, mask]) {
+    if fused_loss_domain(&[x, w], mask) {
         fused::linear_nll_sum(x, w, targets, mask)
     } else if plain() {
         nll_sum(&project(x, w)?, targets, mask)
@@ -486,6 +506,8 @@ mod tests {
         let (targets, mask) = labels(b * t, 40, 3);
         let block = |t_: &[Tensor], dtype: DType, plain: bool| -> Result<Tensor> {
             let _plain = force_plain(plain);
+            // On the CPU half precision takes the fused ops unless the composite ones are forced.
+            let _composite = force_composite(dtype != DType::F32);
             let c = |x: &Tensor| x.to_dtype(dtype);
             let x = layer_norm(&c(&t_[0])?, &c(&t_[1])?, &c(&t_[2])?, 1e-5)?;
             let qkv = linear(&x, &c(&t_[3])?, &c(&t_[4])?)?;
@@ -516,6 +538,164 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// One op in half precision against the composite op in f32, both on the same values (the
+    /// inputs rounded to `dtype` first): value and every input's gradient within `bound`.
+    fn assert_half_matches_f32(
+        name: &str,
+        dtype: DType,
+        bound: f64,
+        half: impl Fn(&[Tensor]) -> Result<Tensor>,
+        composite: impl Fn(&[Tensor]) -> Result<Tensor>,
+        inputs: &[Tensor],
+    ) {
+        let rounded: Vec<Tensor> = inputs
+            .iter()
+            .map(|t| t.to_dtype(dtype)?.to_dtype(DType::F32))
+            .collect::<Result<_>>()
+            .unwrap();
+        let in_half = |t: &[Tensor]| {
+            let t: Vec<Tensor> = t.iter().map(|x| x.to_dtype(dtype)).collect::<Result<_>>()?;
+            half(&t)?.to_dtype(DType::F32)
+        };
+        let (vh, gh) = value_and_grads(in_half, &rounded, 99);
+        let (vc, gc) = value_and_grads(composite, &rounded, 99);
+        let e = rel_err(&vh, &vc);
+        assert!(e <= bound, "{name} {dtype:?}: value rel. error {e:e}");
+        for (i, (a, b)) in gh.iter().zip(&gc).enumerate() {
+            let e = rel_err(a, b);
+            assert!(
+                e <= bound,
+                "{name} {dtype:?}: gradient of input {i} rel. error {e:e}"
+            );
+        }
+    }
+
+    #[test]
+    fn fused_ops_in_half_precision_compute_in_f32_and_round_once() {
+        // The fused ops on bf16/f16 storage differ from the f32 composite ops on the same values
+        // only by rounding their results (and the incoming gradient) once: well under the
+        // composite ops' own error in the half type, which rounds every intermediate.
+        let (b, t, h, d, v) = (2, 24, 2, 16, 40);
+        let (targets, mask) = labels(b * t, v, 3);
+        for (dtype, bound) in [(DType::BF16, 6e-3), (DType::F16, 1e-3)] {
+            let rows = random(&[b * t, d], 2.0, 1)
+                .broadcast_add(&random(&[b * t, 1], 3.0, 2))
+                .unwrap();
+            let (gain, bias) = (random(&[d], 1.0, 3), random(&[d], 1.0, 4));
+            assert_half_matches_f32(
+                "layer_norm",
+                dtype,
+                bound,
+                |t| fused::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+                |t| composite::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+                &[rows.clone(), gain, bias],
+            );
+            let (w, bias) = (random(&[d, 3 * d], 0.5, 5), random(&[3 * d], 0.5, 6));
+            assert_half_matches_f32(
+                "linear",
+                dtype,
+                bound,
+                |t| fused::linear(&t[0], &t[1], &t[2]),
+                |t| composite::linear(&t[0], &t[1], &t[2]),
+                &[rows.clone(), w.clone(), bias.clone()],
+            );
+            assert_half_matches_f32(
+                "gelu_linear",
+                dtype,
+                bound,
+                |t| fused::gelu_linear(&t[0], &t[1], &t[2]),
+                |t| composite::linear(&composite::gelu(&t[0])?, &t[1], &t[2]),
+                &[rows.clone(), w.clone(), bias],
+            );
+            assert_half_matches_f32(
+                "project",
+                dtype,
+                bound,
+                |t| fused::project(&t[0], &t[1]),
+                |t| t[0].matmul(&t[1]),
+                &[rows.clone(), w],
+            );
+            assert_half_matches_f32(
+                "causal_attention",
+                dtype,
+                bound,
+                |x| fused::causal_attention(&x[0], b, t, h),
+                |x| composite::causal_attention(&x[0], b, t, h),
+                &[random(&[b * t, 3 * d], 2.0, 7)],
+            );
+            let head = random(&[d, v], 0.5, 8);
+            assert_half_matches_f32(
+                "linear_nll_sum",
+                dtype,
+                bound,
+                |t| fused::linear_nll_sum(&t[0], &t[1], &targets, &mask),
+                |t| composite::nll_sum(&t[0].matmul(&t[1])?, &targets, &mask),
+                &[rows.clone(), head],
+            );
+            assert_half_matches_f32(
+                "nll_sum",
+                dtype,
+                bound,
+                |t| fused::nll_sum(&t[0], &targets, &mask),
+                |t| composite::nll_sum(&t[0], &targets, &mask),
+                &[random(&[b * t, v], 5.0, 9)],
+            );
+        }
+    }
+
+    #[test]
+    fn half_precision_takes_the_fused_ops_on_the_cpu() {
+        let x = random(&[6, 8], 1.0, 1).to_dtype(DType::BF16).unwrap();
+        let (w, b) = (
+            random(&[8, 8], 1.0, 2).to_dtype(DType::BF16).unwrap(),
+            random(&[8], 1.0, 3).to_dtype(DType::BF16).unwrap(),
+        );
+        assert!(fused_model_domain(&[&x, &w, &b]));
+        assert!(!fused_model_domain(&[&x, &w.to_dtype(DType::F32).unwrap()]));
+        let _composite = force_composite(true);
+        assert!(!fused_model_domain(&[&x, &w, &b]));
+    }
+
+    #[test]
+    fn fused_half_gradients_are_summed_in_f32_and_rounded_once() {
+        // 4096 rows into one bias, gain or weight gradient: summed in bf16 that loses several
+        // percent (`ops::half`'s test); summed in f32 and rounded once it stays within bf16's
+        // rounding (2⁻⁹ relative).
+        let (rows, d) = (4096usize, 8usize);
+        let dev = Device::Cpu;
+        // 1 + k/128: exact in bf16, so only the reduction can err.
+        let grad: Vec<f32> = (0..rows * d)
+            .map(|i| 1.0 + (i % 7) as f32 / 128.0)
+            .collect();
+        let grad = Tensor::from_vec(grad, (rows, d), &dev).unwrap();
+        let exact = grad.sum(0).unwrap();
+        let within = |g: &Tensor, what: &str| {
+            let e = rel_err(&g.to_dtype(DType::F32).unwrap(), &exact);
+            assert!(e < 2f64.powi(-9), "{what}: {e:e} off the exact sum");
+        };
+        let var = |shape: (usize, usize), value: f32| {
+            let t = Tensor::full(value, shape, &dev).unwrap();
+            Var::from_tensor(&t.to_dtype(DType::BF16).unwrap()).unwrap()
+        };
+        let (x, w) = (var((rows, d), 1.0), var((d, d), 0.0));
+        let b = Var::from_tensor(&Tensor::zeros(d, DType::BF16, &dev).unwrap()).unwrap();
+        let y = fused::linear(x.as_tensor(), w.as_tensor(), b.as_tensor()).unwrap();
+        let loss = (y.to_dtype(DType::F32).unwrap() * &grad).unwrap().sum_all();
+        let g = loss.unwrap().backward().unwrap();
+        within(g.get(b.as_tensor()).unwrap(), "linear bias");
+        // x is all ones, so every row of dW is the same column sums.
+        let dw = g.get(w.as_tensor()).unwrap();
+        within(&dw.get(3).unwrap(), "linear weight row");
+        let (gain, beta) = (
+            Var::from_tensor(&Tensor::ones(d, DType::BF16, &dev).unwrap()).unwrap(),
+            Var::from_tensor(&Tensor::zeros(d, DType::BF16, &dev).unwrap()).unwrap(),
+        );
+        let y = fused::layer_norm(x.as_tensor(), gain.as_tensor(), beta.as_tensor(), 1e-5).unwrap();
+        let loss = (y.to_dtype(DType::F32).unwrap() * &grad).unwrap().sum_all();
+        let g = loss.unwrap().backward().unwrap();
+        within(g.get(beta.as_tensor()).unwrap(), "layer norm bias");
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! holds its inputs), so activations are every new storage the forward's graph holds; views
 //! (reshape, permute, transpose, narrow, broadcast) add none. With N = B·T tokens, d model
 //! width, H heads, V vocab and c the compute dtype's bytes, one block keeps 14·N·d·c on both
-//! paths, the fused CPU ops (f32) and the lean ops (`ops::lean`: CUDA, bf16/f16), which add f32
+//! paths, the fused CPU ops (any storage dtype) and the lean ops (`ops::lean`: CUDA), which add f32
 //! row figures (each norm's mean and reciprocal std, attention's log-sum-exp: 4·N·4 + B·H·T·4)
 //! and no T² term. In the transformer form of Korthikanti et al. 2022, "Reducing Activation
 //! Recomputation in Large Transformer Models", s·b·h·(α + β·a·s/h) per layer, that is α = 14·c
@@ -20,8 +20,8 @@
 //! which reference nothing). The measured figure is the backward's peak over its start, so the
 //! estimate takes the largest of three peaks: block 0's MLP (the store so far plus what is in
 //! flight there, `in_flight_bytes`, less what only exists after it, `after_peak_bytes`), the loss
-//! head at the very start (`head_peak_bytes`) and, in f32, the token embedding's gradient at the
-//! very end (`embedding_peak_bytes`).
+//! head at the very start (`head_peak_bytes`) and the token embedding's gradient at the very
+//! end (`embedding_peak_bytes`).
 
 use serde::Serialize;
 
@@ -71,7 +71,7 @@ impl Config {
             unified,
             scales_gradients: k.dtype.needs_loss_scaling() || k.clip.is_some(),
             workspace: if unified {
-                crate::ops::workspace::bytes(k.dtype)
+                crate::ops::workspace::bytes()
             } else {
                 0
             },
@@ -220,9 +220,10 @@ pub fn param_count(m: &ModelConfig) -> u64 {
     v * d + t * d + l * block + 2 * d + d * v
 }
 
-/// `crate::ops` runs its fused CPU kernels (f32 on the host); elsewhere the composite ops.
+/// `crate::ops` runs its fused CPU kernels on the host (f32 arithmetic, any storage dtype);
+/// elsewhere the lean ops.
 fn fused(cfg: &Config) -> bool {
-    cfg.unified && cfg.dtype == Dtype::F32
+    cfg.unified
 }
 
 /// Bytes one `ops::layer_norm` keeps (input dtype = compute dtype): its output; the lean op
@@ -312,8 +313,10 @@ pub fn checkpointed_forward_excess_bytes(cfg: &Config) -> u64 {
 /// What one block holds at its forward's peak without a graph, its input not counted, as the
 /// `blocks`-th block of its segment.
 ///
-/// Fused ops (CPU f32): inside the GELU-linear, ln1's output, the residual, ln2's output, the
-/// hidden layer, its GELU and the product (12·N·d) and `gemm`'s packed weight on each thread.
+/// Fused ops (CPU): inside the GELU-linear, ln1's output, the residual, ln2's output, the
+/// hidden layer, its GELU and the product (12·N·d) and `gemm`'s packed weight on each thread;
+/// with half storage the first seven N·d in c bytes, the GELU and product in f32 beside the
+/// op's f32 copies of h and W (9·N·d + 4·d²), plus the segment's weight casts.
 ///
 /// Lean ops: the larger of attention's softmax (ln1's output, qkv, the q/k/v copies: 7·N·d,
 /// and three f32 score tensors of one chunk of sequences with two per-row reductions) and the
@@ -324,19 +327,25 @@ pub fn checkpointed_forward_excess_bytes(cfg: &Config) -> u64 {
 fn checkpointed_block_peak_bytes(cfg: &Config, blocks: u64) -> u64 {
     let s = Shape::new(cfg);
     let (n, d, c) = (s.n, s.d, s.c);
-    if fused(cfg) {
-        let (per_thread, units) =
-            crate::ops::fused::rhs_packing(n as usize, 4 * d as usize, d as usize);
-        let threads = crate::ops::pool::cpu_threads().min(units) as u64;
-        return 12 * n * d * F32 + threads * per_thread;
-    }
-    let attention = 7 * n * d * c + (3 * attention_chunk(&s) + 2 * (s.scores / s.t)) * F32;
-    let mlp = 13 * n * d * c;
     let casts = if s.cast && !cfg.half_weights() {
         blocks * block_params(&cfg.model) * c
     } else {
         0
     };
+    if fused(cfg) {
+        let (per_thread, units) =
+            crate::ops::fused::rhs_packing(n as usize, 4 * d as usize, d as usize);
+        let threads = crate::ops::pool::cpu_threads().min(units) as u64;
+        let packing = threads * per_thread;
+        if !s.cast {
+            return 12 * n * d * F32 + packing;
+        }
+        // Half storage: the block's tensors in c bytes, the op's f32 copies of h and W, the
+        // GELU and the product in f32.
+        return 7 * n * d * c + (9 * n * d + 4 * d * d) * F32 + packing + casts;
+    }
+    let attention = 7 * n * d * c + (3 * attention_chunk(&s) + 2 * (s.scores / s.t)) * F32;
+    let mlp = 13 * n * d * c;
     attention.max(mlp) + casts
 }
 
@@ -379,24 +388,32 @@ pub fn grad_store_bytes(cfg: &Config) -> u64 {
 
 /// Bytes in flight at the backward's block-0 peak, when the store is largest.
 ///
-/// Lean ops (CUDA, bf16/f16): the peak falls in block 0's GELU-linear backward
+/// Lean ops (CUDA): the peak falls in block 0's GELU-linear backward
 /// (`ops::lean::gelu_linear`), while it rebuilds the GELU's slope in f32: four f32 tensors of the
 /// hidden layer's size at once (4 × 4·N·d·4; the gradient's f32 copy is made after), and in the
 /// compute dtype the hidden layer's gradient (4·N·d), the output's gradient and the residual
 /// stream's pending one (2·N·d).
 ///
-/// Fused ops (CPU f32): the peak falls inside block 0's GELU-linear backward, which holds its
+/// Fused ops (CPU): the peak falls inside block 0's GELU-linear backward, which holds its
 /// packed result (dh, 4·N·d, and dW, db: 4·d² + d) and its recomputed GELU and slope (2 × 4·N·d),
-/// beside the output's gradient and the residual stream's pending one (2·N·d): 14·N·d + 4·d² + d,
-/// and, while its dx product (`dy·Wᵀ`) runs, `gemm`'s copy of Wᵀ packed on each thread
-/// (`ops::fused::rhs_packing`; timing decides how many overlap, so every thread is counted).
+/// all f32, beside the output's gradient and the residual stream's pending one (2·N·d·c):
+/// 14·N·d + 4·d² + d in f32, and, while its dx product (`dy·Wᵀ`) runs, `gemm`'s copy of Wᵀ
+/// packed on each thread (`ops::fused::rhs_packing`; timing decides how many overlap, so every
+/// thread is counted). With half storage the op also holds f32 copies of its inputs h (4·N·d),
+/// W (4·d²) and the incoming gradient (N·d).
 pub fn in_flight_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     if fused(cfg) {
         let (d, n) = (s.d as usize, s.n as usize);
         let (per_thread, blocks) = crate::ops::fused::rhs_packing(n, d, 4 * d);
         let threads = crate::ops::pool::cpu_threads().min(blocks) as u64;
-        return (14 * s.n * s.d + 4 * s.d * s.d + s.d) * F32 + threads * per_thread;
+        let (nd, dd) = (s.n * s.d, s.d * s.d);
+        // Packed result, GELU and slope (f32), then the output's and the residual's gradients.
+        let f32_work = (4 * nd + 4 * dd + s.d) + 8 * nd;
+        let graph = 2 * nd * s.c;
+        // Half storage: the op's f32 copies of h, W and the incoming gradient.
+        let widened = if s.cast { 4 * nd + 4 * dd + nd } else { 0 };
+        return (f32_work + widened) * F32 + graph + threads * per_thread;
     }
     (4 * 4 * F32 + 6 * s.c) * s.n * s.d
 }
@@ -418,7 +435,7 @@ pub fn after_peak_bytes(cfg: &Config) -> u64 {
 /// (`ops::lean::linear_nll_sum`): inside one chunk of `r = min(chunk_rows(V), N)` rows, the
 /// softmax, the one-hot targets and their difference (3·r·V·4), beside the f32 sum of dW over
 /// the chunks before it (d·V·4, when there are several) and the rows of dx made so far (N·d·c). The
-/// fused head (CPU f32): see `fused_head_peak_bytes`.
+/// fused head (CPU): see `fused_head_peak_bytes`.
 pub fn head_peak_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     if fused(cfg) {
@@ -434,9 +451,20 @@ pub fn head_peak_bytes(cfg: &Config) -> u64 {
 /// into their gradient (`chunk_rows(V)` rows of V, or N when fewer). After it, when the store
 /// adds its results (a zero tensor, then the sum, per input): beside the packed buffer, x's zero
 /// tensor and sum (3·N·d + d·V), then x's sum with W's zero tensor and sum (2·N·d + 3·d·V).
+///
+/// With half storage the inside also holds f32 copies of x and W (N·d + d·V), the packed result
+/// is rounded into a half copy while the f32 one lives (N·d + d·V of each), and the store adds
+/// half gradients (c bytes each).
 fn fused_head_peak_bytes(s: &Shape) -> u64 {
     let (n, d, v) = (s.n, s.d, s.v);
-    let inside = n * d + d * v + fused_head_chunk(s);
+    let packed = n * d + d * v;
+    if s.cast {
+        let inside = (2 * packed + fused_head_chunk(s)) * F32;
+        let rounding = packed * (F32 + s.c);
+        let adding = (2 * n * d + 3 * d * v).max(3 * n * d + d * v) * s.c;
+        return inside.max(rounding).max(adding);
+    }
+    let inside = packed + fused_head_chunk(s);
     let adding_dx = 3 * n * d + d * v;
     let adding_dw = 2 * n * d + 3 * d * v;
     inside.max(adding_dx).max(adding_dw) * F32
@@ -445,15 +473,26 @@ fn fused_head_peak_bytes(s: &Shape) -> u64 {
 /// What the end of the forward holds only while it runs, beyond the activations it leaves: no
 /// category holds it, so the forward's measured peak shows it in `other`.
 ///
-/// Fused head and loss (CPU f32): one chunk of logits and each row's loss (the backward reuses
-/// its chunk inside `head_peak_bytes`). Lean ops: the larger of the final norm's f32 work (the
+/// Fused head and loss (CPU): one chunk of logits and each row's loss (the backward reuses
+/// its chunk inside `head_peak_bytes`); with half storage the f32 copies the ops make of their
+/// inputs, the largest in the last block's GELU-linear. Lean ops: the larger of the final norm's f32 work (the
 /// input's f32 copy when cast, the normalised rows, ×gain and +bias: 3 or 4 × N·d·4, the result
 /// and its copy into the graph: 2·N·d·c) and one chunk of the head's logits with the shifted and
 /// exponentiated copies the log-sum-exp makes (3 × chunk · 4).
 fn head_forward_transient_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     if fused(cfg) {
-        return (fused_head_chunk(&s) + s.n) * F32;
+        let head = (fused_head_chunk(&s) + s.n) * F32;
+        if !s.cast {
+            return head;
+        }
+        // Half storage: the head's f32 copies of x and W; and the last block's GELU-linear,
+        // which holds f32 copies of h and W, the GELU and its f32 result (9·N·d + 4·d² + d)
+        // before that block's output, its residual and the final norm (3·N·d·c) exist.
+        let (nd, dd) = (s.n * s.d, s.d * s.d);
+        let head = head + (nd + s.d * s.v) * F32;
+        let mlp = ((9 * nd + 4 * dd + s.d) * F32).saturating_sub(3 * nd * s.c);
+        return head.max(mlp);
     }
     let f32_copies = if s.cast { 4 } else { 3 };
     let final_norm = (f32_copies * F32 + 2 * s.c) * s.n * s.d;
@@ -472,22 +511,32 @@ fn fused_head_chunk(s: &Shape) -> u64 {
     (crate::ops::fused::head_chunk_rows(s.v as usize) as u64).min(s.n) * s.v
 }
 
-/// Bytes at the backward's very end in f32, in the token embedding's gradient: every other
-/// gradient is in the store (and retained), and Candle's `index_select` backward holds the
-/// table's zero tensor and the `index_add` result (2·V·d) beside the tokens' gradient (N·d).
-/// Large once V·d is (a subword vocabulary); 0 in half precision, whose embedding backward
-/// (`ops::half::embedding`) is counted elsewhere.
+/// Bytes at the backward's very end, in the token embedding's gradient: every other gradient is
+/// in the store (and retained). In f32 Candle's `index_select` backward holds the table's zero
+/// tensor and the `index_add` result (2·V·d) beside the tokens' gradient (N·d). In half
+/// precision the largest moment comes after `ops::half::embedding` (whose f32 sum is rounded to
+/// the table's dtype): the cast's backward adds the table's half gradient (V·d·c, still held)
+/// into the f32 weight's store, its f32 copy, the zero tensor and the sum all live at once
+/// (3·V·d·4), the weight's own f32 gradient not yet in the store. Large once V·d is (a subword
+/// vocabulary). The half-precision moment is counted where it was measured, on the fused CPU
+/// path (`tests/memory_ledger.rs`, V = 8192); the lean path's estimate leaves it out.
 pub fn embedding_peak_bytes(cfg: &Config) -> u64 {
-    if cfg.dtype != Dtype::F32 {
+    let s = Shape::new(cfg);
+    let (vd, nd) = (s.v * s.d, s.n * s.d);
+    if !s.cast {
+        return grad_store_bytes(cfg) + (vd + nd) * F32;
+    }
+    if !fused(cfg) {
         return 0;
     }
-    let s = Shape::new(cfg);
-    grad_store_bytes(cfg) + (s.v * s.d + s.n * s.d) * F32
+    let casting = vd * s.c + 3 * vd * F32 - vd * F32;
+    let summing = vd * F32 + nd * (F32 + s.c);
+    grad_store_bytes(cfg) + casting.max(summing)
 }
 
 /// What backward holds at its peak on top of what it started from: the largest of the
-/// candidate peaks, the loss head (first), block 0's MLP (last, with everything retained) and,
-/// in f32, the token embedding's gradient at the very end.
+/// candidate peaks, the loss head (first), block 0's MLP (last, with everything retained) and
+/// the token embedding's gradient at the very end.
 pub fn transient_bytes(cfg: &Config) -> u64 {
     let block0 = (grad_store_bytes(cfg) + in_flight_bytes(cfg) + recompute_in_flight_bytes(cfg))
         .saturating_sub(after_peak_bytes(cfg));

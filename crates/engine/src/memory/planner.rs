@@ -452,6 +452,41 @@ mod tests {
     }
 
     #[test]
+    fn bf16_is_offered_on_the_cpu_where_its_halved_activations_outweigh_its_casts() {
+        // Long sequences on the CPU: at micro-batch 1 the activations still dominate, and the
+        // fused ops keep them in 2 bytes (offload moves nothing in one memory, so it is skipped).
+        let cfg = Config {
+            model: ModelConfig {
+                vocab: 256,
+                d_model: 128,
+                layers: 4,
+                heads: 4,
+                seq_len: 1024,
+            },
+            micro_batch: 8,
+            accum_steps: 1,
+            dtype: Dtype::F32,
+            offload: false,
+            offload_grads: Default::default(),
+            pitfall: false,
+            unified: true,
+            scales_gradients: false,
+            workspace: 0,
+            checkpointing: crate::telemetry::Checkpointing::None,
+        };
+        let v = Verdict::new(&cfg, 8, u64::MAX);
+        let names: Vec<&str> = v.levers.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, ["K at micro-batch 1", "+ bf16"], "{:?}", v.levers);
+        let (f32_peak, bf16_peak) = (v.levers[0].peak, v.levers[1].peak);
+        assert!(bf16_peak < f32_peak, "bf16 {bf16_peak} vs f32 {f32_peak}");
+        // Because the CPU keeps every activation in 2 bytes: half of f32's (the loss's two f32
+        // scalars aside), with no f32 row statistics beside them.
+        let activations = |l: &Lever| estimate(&lever_config(&cfg, l)).backward.activations;
+        let (a32, a16) = (activations(&v.levers[0]), activations(&v.levers[1]));
+        assert_eq!(2 * (a16 - 8), a32 - 8, "bf16 {a16} vs f32 {a32}");
+    }
+
+    #[test]
     fn a_lever_that_raises_the_peak_is_not_offered() {
         let model = named_shape("gpt3-175b").unwrap();
         let knobs = crate::telemetry::Knobs::from_scenario(&crate::scenario::Scenario::default());

@@ -485,7 +485,7 @@ impl Trainer {
         let _kernels = crate::ops::force_composite(self.composite);
         let started = Instant::now();
         if self.device.is_cpu() {
-            crate::ops::workspace::reserve(self.knobs.dtype);
+            crate::ops::workspace::reserve();
         }
         let scale = self.loss_scale();
         let (mut window, window_tokens) = self.window_with_retries(scale, &mut between)?;
@@ -627,10 +627,7 @@ impl Trainer {
 
     /// Whether the next window takes the fused CPU ops with more than one thread to share them.
     pub fn runs_fused_cpu_in_parallel(&self) -> bool {
-        self.device.is_cpu()
-            && self.knobs.dtype == crate::telemetry::Dtype::F32
-            && !self.composite
-            && crate::ops::pool::cpu_threads() > 1
+        self.device.is_cpu() && !self.composite && crate::ops::pool::cpu_threads() > 1
     }
 
     /// The boundary: unscale → non-finite check → norm → clip → step or skip → scaler update.

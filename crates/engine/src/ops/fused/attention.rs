@@ -6,7 +6,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{f32_slice, filled, for_each_unit, Mat, MatMut};
+use super::{filled, for_each_unit, storage, Mat, MatMut};
 use crate::ops::vmath;
 
 /// Causal self-attention over `qkv` of `batch` sequences of `t` tokens with `heads` heads.
@@ -84,7 +84,8 @@ impl CustomOp1 for Attention {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let qkv = f32_slice(s, l, self.name())?;
+        let qkv = storage::input(s, l, self.name())?;
+        let qkv = &qkv[..];
         let (n, d, t) = (self.batch * self.t, self.d, self.t);
         // Every (sequence, head) writes its T×hd block of y: all of it.
         let y = filled(n * d, |out| {
@@ -102,7 +103,7 @@ impl CustomOp1 for Attention {
                 }
             })
         });
-        Ok((CpuStorage::F32(y), Shape::from((n, d))))
+        Ok((storage::stored(y, s)?, Shape::from((n, d))))
     }
 
     fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -126,8 +127,11 @@ impl CustomOp2 for AttentionBackward {
         gs: &CpuStorage,
         gl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let qkv = f32_slice(qs, ql, self.name())?;
-        let dy = f32_slice(gs, gl, self.name())?;
+        let (qkv, dy) = (
+            storage::input(qs, ql, self.name())?,
+            storage::input(gs, gl, self.name())?,
+        );
+        let (qkv, dy) = (&qkv[..], &dy[..]);
         let a = &self.0;
         let (n, d, t, hd) = (a.batch * a.t, a.d, a.t, a.head_dim());
         let scale = a.scale();
@@ -172,6 +176,6 @@ impl CustomOp2 for AttentionBackward {
                 }
             })
         });
-        Ok((CpuStorage::F32(dqkv), Shape::from((n, 3 * d))))
+        Ok((storage::stored(dqkv, qs)?, Shape::from((n, 3 * d))))
     }
 }

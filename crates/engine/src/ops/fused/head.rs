@@ -13,7 +13,9 @@ use std::ops::Range;
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
-use super::{f32_slice, filled, for_units, log_sum_exp, matmul, u32_slice, Mat, MatMut, Shared};
+use super::{
+    f32_slice, filled, for_units, log_sum_exp, matmul, storage, u32_slice, Mat, MatMut, Shared,
+};
 use crate::ops::vmath;
 
 /// Logits one chunk holds: 2M floats (8 MiB), 256 rows at V = 8192. Measured on `text-bpe`
@@ -140,8 +142,9 @@ impl CustomOp2 for LinearNll {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(xs, xl, self.name())?;
-        let w = f32_slice(ws, wl, self.name())?;
+        let x = storage::input(xs, xl, self.name())?;
+        let w = storage::input(ws, wl, self.name())?;
+        let (x, w) = (&x[..], &w[..]);
         let dims = Dims::of(xl, wl);
         let losses = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
             Ok(row_losses(x, w, dims, targets, mask))
@@ -230,8 +233,11 @@ impl CustomOp2 for LinearNllBackward {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(xs, xl, self.name())?;
-        let w = f32_slice(ws, wl, self.name())?;
+        let (xw, ww) = (
+            storage::input(xs, xl, self.name())?,
+            storage::input(ws, wl, self.name())?,
+        );
+        let (x, w) = (&xw[..], &ww[..]);
         let dims = Dims::of(xl, wl);
         let Dims { n, d, v } = dims;
         let packed = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
@@ -264,8 +270,9 @@ impl CustomOp2 for LinearNllBackward {
                 }
             }))
         })?;
+        drop((xw, ww));
         let len = packed.len();
-        Ok((CpuStorage::F32(packed), Shape::from(len)))
+        Ok((storage::stored(packed, xs)?, Shape::from(len)))
     }
 }
 

@@ -5,7 +5,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{column_sums, f32_slice, filled, for_ranges, for_units, matmul, Mat, MatMut};
+use super::{column_sums, filled, for_ranges, for_units, matmul, storage, Mat, MatMut};
 use crate::ops::vmath;
 
 /// `x·w + b` for `x` `[N, I]`, `w` `[I, O]`, `b` `[O]`.
@@ -162,11 +162,12 @@ impl CustomOp2 for Linear {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(xs, xl, CustomOp2::name(self))?;
-        let w = f32_slice(ws, wl, CustomOp2::name(self))?;
+        let x = storage::input(xs, xl, CustomOp2::name(self))?;
+        let w = storage::input(ws, wl, CustomOp2::name(self))?;
         let (n, o) = (xl.dims()[0], wl.dims()[1]);
-        let y = self.forward(x, w, None, o);
-        Ok((CpuStorage::F32(y), Shape::from((n, o))))
+        let y = self.forward(&x, &w, None, o);
+        drop((x, w));
+        Ok((storage::stored(y, xs)?, Shape::from((n, o))))
     }
 
     fn bwd(
@@ -199,12 +200,13 @@ impl CustomOp3 for Linear {
         bs: &CpuStorage,
         bl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(xs, xl, CustomOp3::name(self))?;
-        let w = f32_slice(ws, wl, CustomOp3::name(self))?;
-        let b = f32_slice(bs, bl, CustomOp3::name(self))?;
+        let x = storage::input(xs, xl, CustomOp3::name(self))?;
+        let w = storage::input(ws, wl, CustomOp3::name(self))?;
+        let b = storage::input(bs, bl, CustomOp3::name(self))?;
         let (n, o) = (xl.dims()[0], b.len());
-        let y = self.forward(x, w, Some(b), o);
-        Ok((CpuStorage::F32(y), Shape::from((n, o))))
+        let y = self.forward(&x, &w, Some(&b), o);
+        drop((x, w, b));
+        Ok((storage::stored(y, xs)?, Shape::from((n, o))))
     }
 
     fn bwd(
@@ -238,10 +240,21 @@ impl CustomOp3 for LinearBackward {
         gs: &CpuStorage,
         gl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(xs, xl, self.name())?;
-        let w = f32_slice(ws, wl, self.name())?;
-        let dy = f32_slice(gs, gl, self.name())?;
-        let (n, i) = (xl.dims()[0], xl.dims()[1]);
+        let packed = {
+            let x = storage::input(xs, xl, self.name())?;
+            let w = storage::input(ws, wl, self.name())?;
+            let dy = storage::input(gs, gl, self.name())?;
+            self.packed(&x, &w, &dy, xl.dims()[1])
+        };
+        let len = packed.len();
+        Ok((storage::stored(packed, xs)?, Shape::from(len)))
+    }
+}
+
+impl LinearBackward {
+    /// `[dx; dw; db]` in f32 from the f32 values of `x` (`[N, i]`), `w` and `dy`.
+    fn packed(&self, x: &[f32], w: &[f32], dy: &[f32], i: usize) -> Vec<f32> {
+        let n = x.len() / i;
         let o = w.len() / i;
         let bias = if self.0.bias { o } else { 0 };
         let (input, slope) = if self.0.gelu_input {
@@ -252,7 +265,7 @@ impl CustomOp3 for LinearBackward {
         };
         let input = if slope.is_some() { &input[..] } else { x };
         // dx and dw are written by the products, db by its zeroing and sum.
-        let packed = filled(n * i + i * o + bias, |out| {
+        filled(n * i + i * o + bias, |out| {
             // SAFETY: `out` packs dx (n×i) then dw (i×o) first, so the two destinations are
             // disjoint and inside it; dy, w and input are other buffers.
             unsafe {
@@ -289,9 +302,7 @@ impl CustomOp3 for LinearBackward {
                     dst.iter_mut().zip(&slope[r]).for_each(|(d, s)| *d *= s);
                 });
             }
-        });
-        let len = packed.len();
-        Ok((CpuStorage::F32(packed), Shape::from(len)))
+        })
     }
 }
 

@@ -1,10 +1,12 @@
-//! Fused CPU f32 kernels as Candle custom ops: each forward is one pass over its input, each
+//! Fused CPU kernels (f32 arithmetic; f32, bf16 or f16 storage) as Candle custom ops: each forward is one pass over its input, each
 //! backward one more (Candle's composite versions cost a dozen element-wise ops and as many
 //! temporaries). Work is split over Candle's own CPU thread pool, never along a sum: element-wise
 //! work by rows, reductions into per-unit partial sums whose units depend on the shape alone,
 //! products by rows of the result. So results do not depend on the thread count (tested).
 //!
-//! Callers (`crate::ops`) route only f32 CPU tensors here; anything else is an error.
+//! Callers (`crate::ops`) route CPU tensors stored in f32, bf16 or f16 here (all of one op's
+//! float inputs in one dtype; the loss mask f32); the arithmetic is f32 whatever the storage
+//! (`storage`).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -17,6 +19,7 @@ mod attention;
 mod head;
 mod linear;
 mod optim;
+mod storage;
 
 pub use attention::causal_attention;
 pub use head::{chunk_rows as head_chunk_rows, linear_nll_sum};
@@ -315,9 +318,10 @@ impl CustomOp3 for LayerNorm {
         bs: &CpuStorage,
         bl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(xs, xl, self.name())?;
-        let g = f32_slice(gs, gl, self.name())?;
-        let b = f32_slice(bs, bl, self.name())?;
+        let x = storage::input(xs, xl, self.name())?;
+        let g = storage::input(gs, gl, self.name())?;
+        let b = storage::input(bs, bl, self.name())?;
+        let (g, b) = (&g[..], &b[..]);
         let (n, d) = last_dim(xl.shape())?;
         if g.len() != d || b.len() != d {
             candle_core::bail!("layer norm: gain/bias of {} for rows of {d}", g.len());
@@ -341,7 +345,8 @@ impl CustomOp3 for LayerNorm {
                 )
             })
         });
-        Ok((CpuStorage::F32(y), xl.shape().clone()))
+        drop(x);
+        Ok((storage::stored(y, xs)?, xl.shape().clone()))
     }
 
     fn bwd(
@@ -385,9 +390,10 @@ impl CustomOp3 for LayerNormBackward {
         dys: &CpuStorage,
         dyl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(xs, xl, self.name())?;
-        let g = f32_slice(gs, gl, self.name())?;
-        let dy = f32_slice(dys, dyl, self.name())?;
+        let x = storage::input(xs, xl, self.name())?;
+        let g = storage::input(gs, gl, self.name())?;
+        let dy = storage::input(dys, dyl, self.name())?;
+        let (x, g, dy) = (&x[..], &g[..], &dy[..]);
         let (n, d) = last_dim(xl.shape())?;
         let units = n.div_ceil(unit_rows(d));
         // Per-unit partial sums of dgain and dbias, added in unit order (deterministic).
@@ -440,7 +446,7 @@ impl CustomOp3 for LayerNormBackward {
                 db[i] += unit[d + i];
             }
         }
-        Ok((CpuStorage::F32(out), Shape::from((n + 2, d))))
+        Ok((storage::stored(out, xs)?, Shape::from((n + 2, d))))
     }
 }
 
@@ -530,7 +536,8 @@ impl CustomOp3 for NllSum {
         ms: &CpuStorage,
         ml: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let logits = f32_slice(ls, ll, self.name())?;
+        let logits = storage::input(ls, ll, self.name())?;
+        let logits = &logits[..];
         let targets = u32_slice(ts, tl, self.name())?;
         let mask = f32_slice(ms, ml, self.name())?;
         let (n, v) = last_dim(ll.shape())?;
@@ -605,7 +612,8 @@ impl CustomOp3 for NllBackward {
         ms: &CpuStorage,
         ml: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let logits = f32_slice(ls, ll, self.name())?;
+        let logits = storage::input(ls, ll, self.name())?;
+        let logits = &logits[..];
         let targets = u32_slice(ts, tl, self.name())?;
         let mask = f32_slice(ms, ml, self.name())?;
         let (n, v) = last_dim(ll.shape())?;
@@ -630,6 +638,6 @@ impl CustomOp3 for NllBackward {
                 )
             })
         });
-        Ok((CpuStorage::F32(d), ll.shape().clone()))
+        Ok((storage::stored(d, ls)?, ll.shape().clone()))
     }
 }

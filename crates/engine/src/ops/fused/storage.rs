@@ -1,0 +1,167 @@
+//! The fused ops' storage dtypes: f32, bf16 and f16, with f32 arithmetic always. An op reads a
+//! half-precision input by widening it into an f32 buffer of its own (freed when the op
+//! returns), runs the f32 kernel, and rounds its result once to the storage dtype. Gradients
+//! come out of the same kernels, so a weight's or a bias's gradient is summed over every row in
+//! f32 and rounded once, never accumulated in the half type.
+
+use std::borrow::Cow;
+use std::mem::MaybeUninit;
+use std::ops::Range;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Layout, Result};
+use half::bf16;
+use half::slice::HalfFloatSliceExt;
+
+use crate::ops::vmath;
+
+/// The values a contiguous layout covers, as f32: borrowed when stored in f32, widened into a
+/// new buffer when stored in bf16 or f16.
+pub(super) fn input<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<Cow<'a, [f32]>> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("{op}: input must be contiguous")
+    };
+    Ok(match s {
+        CpuStorage::F32(v) => Cow::Borrowed(&v[a..b]),
+        CpuStorage::BF16(v) => Cow::Owned(par_convert(&v[a..b], |src, dst| {
+            vmath::widest(
+                #[inline(always)]
+                || {
+                    for (d, s) in dst.iter_mut().zip(src) {
+                        d.write(f32::from_bits(u32::from(s.to_bits()) << 16));
+                    }
+                },
+            )
+        })),
+        CpuStorage::F16(v) => Cow::Owned(par_convert(&v[a..b], |src, dst| {
+            // SAFETY: f32 has no invalid bit pattern; every value is written before it is read.
+            let dst = unsafe { assume_written(dst) };
+            src.convert_to_f32_slice(dst)
+        })),
+        other => candle_core::bail!(
+            "{op}: expects f32, bf16 or f16 storage, got {:?}",
+            other.dtype()
+        ),
+    })
+}
+
+/// `values` stored in the dtype of `like` (the op's input), each rounded once (to nearest,
+/// ties to even).
+pub(super) fn stored(values: Vec<f32>, like: &CpuStorage) -> Result<CpuStorage> {
+    in_dtype(values, like.dtype())
+}
+
+fn in_dtype(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(values),
+        DType::BF16 => CpuStorage::BF16(par_convert(&values, |src, dst| {
+            vmath::widest(
+                #[inline(always)]
+                || {
+                    for (d, &s) in dst.iter_mut().zip(src) {
+                        d.write(bf16::from_bits(bf16_bits(s)));
+                    }
+                },
+            )
+        })),
+        DType::F16 => CpuStorage::F16(par_convert(&values, |src, dst| {
+            // SAFETY: f16 has no invalid bit pattern; every value is written before it is read.
+            let dst = unsafe { assume_written(dst) };
+            dst.convert_from_f32_slice(src)
+        })),
+        other => candle_core::bail!("fused ops store f32, bf16 or f16, not {other:?}"),
+    })
+}
+
+/// The bf16 nearest to `x` (ties to even; a NaN stays a quiet NaN), branch-free so that a loop
+/// of it vectorises (`half`'s `bf16::from_f32` branches). The same bits as `bf16::from_f32`.
+#[inline(always)]
+fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16;
+    let nan = (bits >> 16) | 0x0040;
+    (if x.is_nan() { nan } else { rounded }) as u16
+}
+
+/// `dst` as initialised values, for converters that only write.
+/// SAFETY: the caller writes every element before anything reads it, and `T` has no invalid
+/// bit pattern.
+unsafe fn assume_written<T>(dst: &mut [MaybeUninit<T>]) -> &mut [T] {
+    std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<T>(), dst.len())
+}
+
+/// A pointer whose disjoint ranges are written from several threads.
+struct Out<T>(*mut T);
+// SAFETY: written only through disjoint ranges (`slice`), one thread each, while the buffer lives.
+unsafe impl<T: Send> Send for Out<T> {}
+// SAFETY: as for `Send`.
+unsafe impl<T: Send> Sync for Out<T> {}
+
+impl<T> Out<T> {
+    /// Elements `r` of the buffer, not initialised yet.
+    /// SAFETY: `r` lies inside the buffer's capacity and no other thread touches it meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, r: &Range<usize>) -> &mut [MaybeUninit<T>] {
+        std::slice::from_raw_parts_mut(self.0.add(r.start).cast::<MaybeUninit<T>>(), r.len())
+    }
+}
+
+/// `src` converted element-wise by `convert(src range, dst range)`, which writes every element
+/// of its `dst` range; ranges in parallel. No zeroing pass.
+fn par_convert<S: Sync, D: Send>(
+    src: &[S],
+    convert: impl Fn(&[S], &mut [MaybeUninit<D>]) + Sync,
+) -> Vec<D> {
+    let mut out = Vec::<D>::with_capacity(src.len());
+    let dst = Out(out.as_mut_ptr());
+    super::for_ranges(src.len(), |r| {
+        // SAFETY: `for_ranges` hands out disjoint ranges of `0..src.len()`, `out`'s capacity.
+        convert(&src[r.clone()], unsafe { dst.slice(&r) })
+    });
+    // SAFETY: the ranges cover `0..src.len()` and `convert` wrote each element of its range.
+    unsafe { out.set_len(src.len()) };
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::f16;
+
+    #[test]
+    fn widening_is_exact_and_narrowing_rounds_to_nearest() {
+        let values = vec![1.0f32, 1.0 + 1.0 / 256.0, -3.5e-3, 65504.0, 1.0e-8];
+        for dtype in [DType::BF16, DType::F16] {
+            let s = in_dtype(values.clone(), dtype).unwrap();
+            let back = input(&s, &Layout::contiguous(values.len()), "test").unwrap();
+            for (&v, &b) in values.iter().zip(back.iter()) {
+                let want = match dtype {
+                    DType::BF16 => bf16::from_f32(v).to_f32(),
+                    _ => f16::from_f32(v).to_f32(),
+                };
+                assert_eq!(b, want, "{dtype:?} {v}");
+            }
+        }
+        // Ties, infinities, NaN and subnormals round as `half` rounds them.
+        for x in [
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MAX,
+            1.0e-40,
+            -0.0,
+        ] {
+            assert_eq!(bf16_bits(x), bf16::from_f32(x).to_bits(), "{x}");
+        }
+        // One large enough to take several parallel ranges.
+        let many: Vec<f32> = (0..5000).map(|i| i as f32 * 0.37).collect();
+        let s = in_dtype(many.clone(), DType::BF16).unwrap();
+        let back = input(&s, &Layout::contiguous(many.len()), "test").unwrap();
+        assert!(many
+            .iter()
+            .zip(back.iter())
+            .all(|(&v, &b)| b == bf16::from_f32(v).to_f32()));
+    }
+}
