@@ -329,20 +329,22 @@ impl Assignment {
             key: text.to_string(),
             message: "expected section.key=value, e.g. train.accum_steps=4".into(),
         })?;
-        let key = key.trim().to_string();
+        Assignment::new(key.trim(), raw)
+    }
+
+    /// `key` set to `raw`, read as TOML (bare strings accepted).
+    pub fn new(key: &str, raw: &str) -> Result<Assignment, ScenarioError> {
         let value = parse_value(raw.trim()).map_err(|e| ScenarioError::Set {
-            key: key.clone(),
+            key: key.to_string(),
             message: e.to_string(),
         })?;
+        let key = key.to_string();
         Ok(Assignment { key, value })
     }
 
-    /// A knob's `train.KEY = value`.
-    pub fn knob(knob: &Knob, value: toml::Value) -> Assignment {
-        Assignment {
-            key: format!("train.{}", knob.key),
-            value,
-        }
+    /// A knob's `train.KEY = raw`.
+    pub fn knob(knob: &Knob, raw: &str) -> Result<Assignment, ScenarioError> {
+        Assignment::new(&format!("train.{}", knob.key), raw)
     }
 }
 
@@ -743,7 +745,9 @@ pub fn parse_control_arg(arg: &str) -> Result<TimelineEntry, ControlArgError> {
         .and_then(|t| t.get("value").cloned())
         .is_some();
     if given && !takes_value {
-        return Err(fail(format!("`{kind}` takes no value; write {step}:{kind}")));
+        return Err(fail(format!(
+            "`{kind}` takes no value; write {step}:{kind}"
+        )));
     }
     validate_control(&control).map_err(|m| fail(m.to_string()))?;
     Ok(TimelineEntry { step, control })

@@ -478,7 +478,11 @@ mod tests {
         let fields = serde_json::to_value(knobs()).unwrap();
         let kinds = <Control as strum::VariantNames>::VARIANTS;
         for knob in &KNOBS {
-            assert!(fields.get(knob.key).is_some(), "{}: no Knobs field", knob.key);
+            assert!(
+                fields.get(knob.key).is_some(),
+                "{}: no Knobs field",
+                knob.key
+            );
             assert!(kinds.contains(&knob.kind), "{}: no control", knob.kind);
             for a in knob.actions {
                 let sent = (a.turn)(&knobs(), &knobs());
@@ -488,13 +492,38 @@ mod tests {
         }
         let not_knobs = ["set_loss_scale", "pause", "resume", "single_step", "stop"];
         for kind in kinds.iter().filter(|k| !not_knobs.contains(k)) {
-            assert!(Knob::by_kind(kind).is_some(), "control {kind} has no knob row");
+            assert!(
+                Knob::by_kind(kind).is_some(),
+                "control {kind} has no knob row"
+            );
         }
-        let mut names: Vec<&str> = KNOBS.iter().flat_map(|k| k.actions).map(|a| a.name).collect();
+        let mut names: Vec<&str> = KNOBS
+            .iter()
+            .flat_map(|k| k.actions)
+            .map(|a| a.name)
+            .collect();
         let total = names.len();
         names.sort();
         names.dedup();
         assert_eq!(names.len(), total, "an action name is used twice");
+    }
+
+    /// docs/FORMAT.md documents every knob: its control kind and its preset key.
+    #[test]
+    fn the_format_doc_names_every_knob() {
+        let format = include_str!("../../../../docs/FORMAT.md");
+        for knob in &KNOBS {
+            let kind = format!("`{}`", knob.kind);
+            assert!(
+                format.contains(&kind),
+                "docs/FORMAT.md: no control kind {kind}"
+            );
+            let key = format!("| `{}` |", knob.key);
+            assert!(
+                format.contains(&key),
+                "docs/FORMAT.md: no [train] row {key}"
+            );
+        }
     }
 
     #[test]
@@ -503,7 +532,19 @@ mod tests {
         let shown: Vec<String> = KNOBS.iter().map(|n| n.show(&k)).collect();
         assert_eq!(
             shown,
-            ["2", "8", "1", "3.00e-3", "none", "f32", "off", "none", "fixed", "tokens", "per-window"]
+            [
+                "2",
+                "8",
+                "1",
+                "3.00e-3",
+                "none",
+                "f32",
+                "off",
+                "none",
+                "fixed",
+                "tokens",
+                "per-window"
+            ]
         );
         let accum = Knob::by_key("accum_steps").unwrap();
         assert_eq!(accum.check(Some(&0.into())), Err(OutOfBounds::BelowOne(0)));

@@ -56,7 +56,10 @@ fn check_timeline_windows(s: &Scenario) -> Result<(), Invalid> {
     let (b, k) = (s.train.micro_batch, s.train.accum_steps);
     check_schedule(b, k, s.train.noise, s.model.seq_len, &s.timeline).map_err(|e| {
         let step = s.timeline[e.index].step;
-        Invalid::new("timeline", format!("timeline[{}] (step {step}): {}", e.index, e.error))
+        Invalid::new(
+            "timeline",
+            format!("timeline[{}] (step {step}): {}", e.index, e.error),
+        )
     })
 }
 

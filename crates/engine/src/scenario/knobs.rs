@@ -52,16 +52,26 @@ mod tests {
         s.train.clip = None;
         s.train.checkpointing = Checkpointing::Every(2);
         let mut k = Knobs::from_scenario(&s);
-        assert_eq!((k.accum_steps, k.clip, k.checkpointing), (4, None, Checkpointing::Every(2)));
+        assert_eq!(
+            (k.accum_steps, k.clip, k.checkpointing),
+            (4, None, Checkpointing::Every(2))
+        );
         k.dtype = Dtype::Bf16;
         k.clip = Some(0.5);
         let mut t = TrainConfig::default();
         k.write_into(&mut t);
-        assert_eq!((t.dtype, t.clip, t.accum_steps), (Dtype::Bf16, Some(0.5), 4));
+        assert_eq!(
+            (t.dtype, t.clip, t.accum_steps),
+            (Dtype::Bf16, Some(0.5), 4)
+        );
         let config = as_object(&t);
         let knobs = as_object(&k);
         for knob in &KNOBS {
-            assert!(config.contains_key(knob.key), "{}: no [train] key", knob.key);
+            assert!(
+                config.contains_key(knob.key),
+                "{}: no [train] key",
+                knob.key
+            );
             assert_eq!(config.get(knob.key), knobs.get(knob.key), "{}", knob.key);
         }
     }
