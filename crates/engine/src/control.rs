@@ -400,6 +400,25 @@ impl AccumPolicy {
     }
 }
 
+/// Knobs for the tests of this layer (which cannot read a scenario's defaults): K 2, B 8.
+#[cfg(test)]
+pub(crate) fn test_knobs() -> Knobs {
+    Knobs {
+        accum_steps: 2,
+        micro_batch: 8,
+        clip: Some(1.0),
+        lr: 3e-3,
+        lr_rule: LrRule::None,
+        dtype: Dtype::F32,
+        offload: false,
+        loss_norm: LossNorm::Tokens,
+        zero_grad: ZeroGrad::PerWindow,
+        checkpointing: Checkpointing::None,
+        accum_policy: AccumPolicy::Fixed,
+        noise: true,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -407,18 +426,8 @@ mod tests {
     #[test]
     fn a_change_names_the_knob_and_both_values() {
         let knobs = Knobs {
-            accum_steps: 1,
             micro_batch: 32,
-            clip: Some(1.0),
-            lr: 3e-3,
-            lr_rule: LrRule::None,
-            dtype: Dtype::F32,
-            offload: false,
-            loss_norm: LossNorm::Tokens,
-            zero_grad: ZeroGrad::PerWindow,
-            checkpointing: Checkpointing::None,
-            accum_policy: AccumPolicy::Fixed,
-            noise: true,
+            ..test_knobs()
         };
         let change = Control::SetMicroBatch { value: 4 }.describe_change(&knobs);
         assert_eq!(change, "B 32→4");

@@ -454,20 +454,7 @@ mod tests {
     use super::*;
 
     fn knobs() -> Knobs {
-        Knobs {
-            accum_steps: 2,
-            micro_batch: 8,
-            clip: Some(1.0),
-            lr: 3e-3,
-            lr_rule: LrRule::None,
-            dtype: Dtype::F32,
-            offload: false,
-            loss_norm: LossNorm::Tokens,
-            zero_grad: ZeroGrad::PerWindow,
-            checkpointing: Checkpointing::None,
-            accum_policy: AccumPolicy::Fixed,
-            noise: true,
-        }
+        crate::control::test_knobs()
     }
 
     /// Each knob names a `Knobs` field and a control kind that exist, every knob-setting
