@@ -396,14 +396,15 @@ mod tests {
         KeyEvent::new(code, modifiers)
     }
 
-    /// README's "Default keys" table, read as action name → its keys.
-    fn readme_keys() -> BTreeMap<String, Vec<String>> {
+    /// README's "Default keys" table, read as action name → its keys, and the names in the
+    /// table's order.
+    fn readme_keys() -> (BTreeMap<String, Vec<String>>, Vec<String>) {
         let readme = include_str!("../../README.md");
         let table = readme
             .split("### Default keys")
             .nth(1)
             .expect("README has a Default keys section");
-        let mut keys = BTreeMap::new();
+        let (mut keys, mut order) = (BTreeMap::new(), Vec::new());
         let rows = table.lines().skip_while(|l| !l.starts_with('|'));
         // The header and its rule, then the rows.
         for row in rows.skip(2).take_while(|l| l.starts_with('|')) {
@@ -417,14 +418,16 @@ mod tests {
                     .map(|k| k.trim_matches('`').to_string())
                     .collect();
                 listed.sort();
+                order.push(name.trim_matches('`').to_string());
                 keys.insert(name.trim_matches('`').to_string(), listed);
             }
         }
-        keys
+        (keys, order)
     }
 
     /// The key table in README is the defaults: every action with exactly its default keys
-    /// (the knobs' from the knob table), so a knob whose keys are not documented fails here.
+    /// (the knobs' from the knob table), in the help overlay's order, so a knob whose keys are
+    /// not documented fails here.
     #[test]
     fn the_readme_key_table_is_the_defaults() {
         let mut defaults: BTreeMap<String, Vec<String>> = BTreeMap::new();
@@ -436,7 +439,10 @@ mod tests {
                 .push(label);
         }
         defaults.values_mut().for_each(|keys| keys.sort());
-        assert_eq!(readme_keys(), defaults);
+        let (documented, order) = readme_keys();
+        assert_eq!(documented, defaults);
+        let help_order: Vec<&str> = Action::all().map(Action::name).collect();
+        assert_eq!(order, help_order, "README lists the keys in the help overlay's order");
         let unbound: Vec<&str> = Action::all()
             .map(Action::name)
             .filter(|n| !defaults.contains_key(*n))
