@@ -442,7 +442,10 @@ mod tests {
         let (documented, order) = readme_keys();
         assert_eq!(documented, defaults);
         let help_order: Vec<&str> = Action::all().map(Action::name).collect();
-        assert_eq!(order, help_order, "README lists the keys in the help overlay's order");
+        assert_eq!(
+            order, help_order,
+            "README lists the keys in the help overlay's order"
+        );
         let unbound: Vec<&str> = Action::all()
             .map(Action::name)
             .filter(|n| !defaults.contains_key(*n))
