@@ -66,6 +66,8 @@ pub struct ReplayStatus {
     pub speed: f64,
     pub paused: bool,
     pub last_step: u64,
+    /// Following a recording that is still being written (`replay --follow`).
+    pub following: bool,
 }
 
 /// What the run has told the screen: the data store, rebuilt from events alone (a replay seek
@@ -676,6 +678,7 @@ mod tests {
             speed: 1.0,
             paused: false,
             last_step: 0,
+            following: false,
         });
         assert!(app.apply(Action::Knob("accum_up")).is_empty());
         assert!(app.run.pending.is_empty());

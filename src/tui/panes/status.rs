@@ -58,25 +58,24 @@ fn knob_line(app: &App, line: u8, extra: Vec<Span<'static>>, theme: Theme) -> Li
 pub fn lines(app: &App, theme: Theme) -> Vec<Line<'static>> {
     let k = &app.run.knobs;
     let lr_now = app.last().map(|s| s.lr).unwrap_or(k.lr);
+    // Data parallel: W ranks each train K·B samples of the window.
+    let ranks = app.run.header.as_ref().and_then(|h| h.ranks).unwrap_or(1);
+    let mut batch = Vec::new();
+    if ranks > 1 {
+        batch.extend(knob("W", ranks.to_string(), None, theme));
+    }
+    batch.extend(knob(
+        "eff",
+        (k.effective_batch() * ranks).to_string(),
+        None,
+        theme,
+    ));
+    let lr = knob("lr", format!("{lr_now:.2e}"), None, theme);
+    let dev = knob("dev", app.device_name().to_string(), None, theme);
     let mut out = vec![
-        knob_line(
-            app,
-            0,
-            knob("eff", k.effective_batch().to_string(), None, theme),
-            theme,
-        ),
-        knob_line(
-            app,
-            1,
-            knob("lr", format!("{lr_now:.2e}"), None, theme),
-            theme,
-        ),
-        knob_line(
-            app,
-            2,
-            knob("dev", app.device_name().to_string(), None, theme),
-            theme,
-        ),
+        knob_line(app, 0, batch, theme),
+        knob_line(app, 1, lr, theme),
+        knob_line(app, 2, dev, theme),
     ];
     out.push(super::noise::status_line(app, theme));
 
