@@ -289,9 +289,9 @@ impl Invalid {
 /// positive, a window too large, or a policy that needs a measurement the run has off.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum ControlError {
-    #[error("{name} {bound}")]
+    #[error("{what} {bound}")]
     Bounds {
-        name: &'static str,
+        what: &'static str,
         bound: OutOfBounds,
     },
     #[error("loss scale must be positive")]
@@ -710,7 +710,7 @@ pub fn validate_control(c: &Control) -> Result<(), ControlError> {
         return knob
             .check(c.value().as_ref())
             .map_err(|bound| ControlError::Bounds {
-                name: knob.name,
+                what: knob.what,
                 bound,
             });
     }

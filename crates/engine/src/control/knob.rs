@@ -22,6 +22,8 @@ pub struct Knob {
     pub label: &'static str,
     /// Its name in the event log and `controls.csv` (`micro-batch=4`).
     pub name: &'static str,
+    /// What it is, in words, for error messages (`accumulation steps must be at least 1`).
+    pub what: &'static str,
     /// The control that sets it: `kind` in timelines, `--control` and recordings.
     pub kind: &'static str,
     /// Its values and their bounds.
@@ -82,6 +84,7 @@ pub static KNOBS: [Knob; 11] = [
         key: "accum_steps",
         label: "K",
         name: "K",
+        what: "accumulation steps",
         kind: "set_accum_steps",
         values: Values::Count {
             max: MAX_ACCUM_STEPS,
@@ -116,6 +119,7 @@ pub static KNOBS: [Knob; 11] = [
         key: "micro_batch",
         label: "B",
         name: "micro-batch",
+        what: "micro-batch",
         kind: "set_micro_batch",
         values: Values::Count {
             max: MAX_MICRO_BATCH,
@@ -150,6 +154,7 @@ pub static KNOBS: [Knob; 11] = [
         key: "clip",
         label: "clip",
         name: "clip",
+        what: "clip",
         kind: "set_clip",
         values: Values::PositiveOrOff,
         csv: Some("clip"),
@@ -190,6 +195,7 @@ pub static KNOBS: [Knob; 11] = [
         key: "lr",
         label: "lr",
         name: "lr",
+        what: "lr",
         kind: "set_lr",
         values: Values::Rate,
         // The column is the scheduled LR of the step, not this base LR.
@@ -204,6 +210,7 @@ pub static KNOBS: [Knob; 11] = [
         key: "lr_rule",
         label: "lr rule",
         name: "lr rule",
+        what: "LR rule",
         kind: "set_lr_rule",
         values: Values::Names(<LrRule as strum::VariantNames>::VARIANTS),
         csv: None,
@@ -223,6 +230,7 @@ pub static KNOBS: [Knob; 11] = [
         key: "dtype",
         label: "dtype",
         name: "dtype",
+        what: "precision",
         kind: "set_dtype",
         values: Values::Names(<Dtype as strum::VariantNames>::VARIANTS),
         csv: Some("dtype"),
@@ -242,6 +250,7 @@ pub static KNOBS: [Knob; 11] = [
         key: "offload",
         label: "offload",
         name: "offload",
+        what: "offload",
         kind: "set_offload",
         values: Values::OnOff,
         csv: Some("offload"),
@@ -262,6 +271,7 @@ pub static KNOBS: [Knob; 11] = [
         key: "checkpointing",
         label: "checkpointing",
         name: "checkpointing",
+        what: "activation checkpointing",
         kind: "set_checkpointing",
         values: Values::Names(Checkpointing::NAMES),
         csv: None,
@@ -287,6 +297,7 @@ pub static KNOBS: [Knob; 11] = [
         key: "accum_policy",
         label: "K policy",
         name: "K policy",
+        what: "K policy",
         kind: "set_accum_policy",
         values: Values::Names(<AccumPolicy as strum::VariantNames>::VARIANTS),
         csv: None,
@@ -307,6 +318,7 @@ pub static KNOBS: [Knob; 11] = [
         key: "loss_norm",
         label: "loss norm",
         name: "loss norm",
+        what: "loss normalisation",
         kind: "set_loss_norm",
         values: Values::Names(<LossNorm as strum::VariantNames>::VARIANTS),
         csv: None,
@@ -319,6 +331,7 @@ pub static KNOBS: [Knob; 11] = [
         key: "zero_grad",
         label: "zero-grad",
         name: "zero-grad",
+        what: "zero-grad",
         kind: "set_zero_grad",
         values: Values::Names(<ZeroGrad as strum::VariantNames>::VARIANTS),
         csv: None,
