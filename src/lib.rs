@@ -17,4 +17,5 @@ pub mod headless;
 pub mod out;
 pub mod session;
 pub mod signals;
+pub mod steer;
 pub mod tui;

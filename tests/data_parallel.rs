@@ -412,6 +412,7 @@ fn run_ranks_headless_starts_the_ranks_itself() {
 }
 
 /// `run --ranks 2` on the screen follows rank 0: the Communication pane, W in the Controls pane,
+/// a knob key applied on every rank (a rank left behind would fail the next boundary's check),
 /// and quitting ends the ranks.
 #[test]
 fn run_ranks_on_the_screen_shows_communication_and_quits_the_ranks() {
@@ -434,6 +435,29 @@ fn run_ranks_on_the_screen_shows_communication_and_quits_the_ranks() {
         s.contains("Comm · 2 ranks · sync per window") && s.contains("sent/rank")
     });
     assert!(s.contains("W 2") && s.contains("FOLLOWING"), "{s}");
+    tmux.send(&["+"]);
+    let s = tmux.wait_for("K=4 applied", Duration::from_secs(60), |s| {
+        s.contains("K 4  B 8  W 2  eff 64") && s.contains("K=4 applied (key)")
+    });
+    let applied_at = s
+        .lines()
+        .find(|l| l.contains("K=4 applied (key)"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .expect("the step it was applied at");
+    let later = |s: &str| {
+        s.lines()
+            .next()
+            .and_then(|l| {
+                l.split("step ")
+                    .nth(1)?
+                    .split('/')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .is_some_and(|n| n > applied_at + 2)
+    };
+    tmux.wait_for("steps after the change", Duration::from_secs(60), later);
     tmux.send(&["q"]);
     let exit = |s: &str| {
         s.lines()

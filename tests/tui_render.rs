@@ -220,6 +220,7 @@ fn help_in_a_replay_lists_seek_and_speed_not_knobs() {
         paused: true,
         last_step: 40,
         following: false,
+        steerable: false,
     });
     app.apply(Action::Help);
     let s = screen(&app, 120, 40);

@@ -16,8 +16,9 @@ struct RanksRow {
     ranks: usize,
     threads: usize,
     positions_per_s: f64,
-    sent_per_rank: f64,
-    comm_share: f64,
+    /// Mean bytes each rank sent per step and share of the step in collectives; `None` for one
+    /// rank, which does not communicate.
+    comm: Option<(f64, f64)>,
 }
 
 /// Measure 1 rank and `ranks` ranks, `warmup` untimed then `steps` timed steps each.
@@ -45,14 +46,21 @@ pub fn bench_ranks(
     for w in [1, ranks] {
         let row = measure(w, (threads / w).max(1), warmup, steps, scratch.path())?;
         let base = *one.get_or_insert(row.positions_per_s);
+        let (sent, share) = match row.comm {
+            Some((sent, share)) => (
+                format!("{:.2}", sent / f64::from(1 << 20)),
+                format!("{:.0}%", share * 100.0),
+            ),
+            None => ("-".into(), "-".into()),
+        };
         gaccwb::out::println(&format!(
-            "{:>5} {:>12} {:>13.0} {:>9.2} {:>16.2} {:>10.0}%",
+            "{:>5} {:>12} {:>13.0} {:>9.2} {:>16} {:>11}",
             row.ranks,
             row.threads,
             row.positions_per_s,
             row.positions_per_s / base,
-            row.sent_per_rank / f64::from(1 << 20),
-            row.comm_share * 100.0
+            sent,
+            share
         ))?;
     }
     Ok(())
@@ -101,14 +109,18 @@ fn measure(
         .filter_map(|s| s.comm.as_ref().map(|c| (c, s.step_ms)))
         .map(|(c, ms)| (c.sent_bytes() as f64 / c.ranks as f64, c.comm_ms() / ms))
         .collect();
-    let mean =
-        |f: fn(&(f64, f64)) -> f64| comms.iter().map(f).sum::<f64>() / comms.len().max(1) as f64;
+    let n = comms.len() as f64;
+    let comm = (!comms.is_empty()).then(|| {
+        (
+            comms.iter().map(|c| c.0).sum::<f64>() / n,
+            comms.iter().map(|c| c.1).sum::<f64>() / n,
+        )
+    });
     Ok(RanksRow {
         ranks,
         threads,
         positions_per_s: gaccwb::bench::median(&rates),
-        sent_per_rank: mean(|c| c.0),
-        comm_share: mean(|c| c.1),
+        comm,
     })
 }
 

@@ -3,7 +3,8 @@
 //! The ranks are this same program, started by `mpirun -n N … run --headless`, rank 0 recording
 //! the run. Headless, the launcher's output is the run's. On the screen, the workbench follows
 //! rank 0's recording as it grows (`replay --follow`); the launcher's own output goes to a log
-//! file, shown if the job fails. Quitting the screen ends the ranks (SIGTERM to the launcher:
+//! file, shown if the job fails. Knob keys go to a controls file rank 0 reads and shares with
+//! every rank at the next boundary. Quitting the screen ends the ranks (SIGTERM to the launcher:
 //! each rank stops at the next boundary, all together).
 
 use std::ffi::OsString;
@@ -63,13 +64,16 @@ pub fn launch(l: Launch) -> anyhow::Result<()> {
     let Some(keys) = keys else {
         return exit_as(command.status());
     };
+    // The screen's knob keys, for rank 0 to share with every rank at the next boundary.
+    let steer = gaccwb::steer::ControlWriter::create(&scratch.path().join("controls.jsonl"))?;
+    command.arg("--controls-from").arg(steer.path());
     let log = scratch.path().join("mpirun.log");
     let log_file = std::fs::File::create(&log)?;
     command
         .stdout(Stdio::from(log_file.try_clone()?))
         .stderr(Stdio::from(log_file));
     let child = command.spawn().map_err(not_found)?;
-    on_screen(child, &record, &log, &keys)
+    on_screen(child, &record, &log, &keys, steer)
 }
 
 /// `mpirun -n N THIS-PROGRAM ARGS…`: this command line without `--ranks`, headless, with
@@ -135,7 +139,13 @@ pub struct RanksFailed(pub i32);
 
 /// Follow rank 0's recording on the screen; on quit, end the ranks. A job that fails shows the
 /// launcher's log.
-fn on_screen(mut child: Child, record: &Path, log: &Path, keys: &KeyMap) -> anyhow::Result<()> {
+fn on_screen(
+    mut child: Child,
+    record: &Path,
+    log: &Path,
+    keys: &KeyMap,
+    steer: gaccwb::steer::ControlWriter,
+) -> anyhow::Result<()> {
     let started = Instant::now();
     while !record.exists() {
         if let Some(status) = child.try_wait()? {
@@ -149,7 +159,7 @@ fn on_screen(mut child: Child, record: &Path, log: &Path, keys: &KeyMap) -> anyh
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let shown = tui::run_follow(record, keys);
+    let shown = tui::run_follow(record, keys, Some(steer));
     let ended_by_us = child.try_wait()?.is_none();
     if ended_by_us {
         terminate(&child);

@@ -42,7 +42,7 @@ pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         let keys = KeyMap::load(args.keys.as_deref()).map_err(usage)?;
         tui::require_terminal().map_err(usage)?;
         if args.follow {
-            return tui::run_follow(&args.file, &keys);
+            return tui::run_follow(&args.file, &keys, None);
         }
         return tui::run_replay(&args.file, args.speed, &keys);
     }

@@ -63,6 +63,10 @@ pub struct RunArgs {
     /// of the device such as "80%". The guard trades micro-batch for K to stay under it.
     #[arg(long, value_name = "SIZE")]
     budget: Option<String>,
+    /// Read controls appended to FILE while the run goes on (one JSON object per line, e.g.
+    /// {"kind": "set_accum_steps", "value": 8}), applied at the next boundary as keys are.
+    #[arg(long, value_name = "FILE")]
+    controls_from: Option<PathBuf>,
     /// Data parallel on this host: start N ranks through mpirun (a build with `--features
     /// mpi`); each window takes N·K·B samples. The screen follows rank 0.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
@@ -114,7 +118,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // the process with a line saying so. The run takes over once it starts.
     gaccwb::signals::until_started()?;
     let scenario = scenario_from(&args)?;
-    if let Some(ranks) = args.ranks.filter(|&n| n > 1) {
+    let launched = gaccwb::dist::launch::read(|n| std::env::var(n).ok())?.is_some();
+    let ranks = args
+        .ranks
+        .or((!launched && scenario.train.ranks > 1).then_some(scenario.train.ranks as u64));
+    if let Some(ranks) = ranks.filter(|&n| n > 1) {
         return super::ranks::launch(super::ranks::Launch {
             ranks: ranks as usize,
             headless: args.headless,
@@ -142,6 +150,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let device = args.device.open()?;
     let trainer = build_trainer(&args, scenario, device, group)?;
+    if keys.is_some() && args.controls_from.is_some() {
+        return Err(
+            usage("--controls-from steers a headless run; on the screen, use the keys").into(),
+        );
+    }
     if let Some(keys) = keys {
         let options = LiveOptions {
             record,
@@ -153,6 +166,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     headless::refuse_screen_controls(&trainer).map_err(|e| usage(format!("{e:#}")))?;
     let session = gaccwb::session::Session::start(trainer, record.as_deref(), &overwrite)
         .map_err(|e| usage(format!("{e:#}")))?;
+    if let Some(path) = args.controls_from.as_deref().filter(|_| lead) {
+        let trainer = session.handle.controls.clone();
+        gaccwb::steer::follow(path, trainer)
+            .map_err(|e| usage(format!("--controls-from {}: {e}", path.display())))?;
+    }
     let progress = if lead {
         Progress::Bar
     } else {

@@ -68,6 +68,8 @@ pub struct ReplayStatus {
     pub last_step: u64,
     /// Following a recording that is still being written (`replay --follow`).
     pub following: bool,
+    /// Knob keys reach the run (`run --ranks N`: through rank 0's controls file).
+    pub steerable: bool,
 }
 
 /// What the run has told the screen: the data store, rebuilt from events alone (a replay seek
@@ -395,7 +397,7 @@ impl App {
             },
             knob => self.knob_controls(knob),
         };
-        if self.view.replay.is_some() {
+        if self.view.replay.as_ref().is_some_and(|r| !r.steerable) {
             // A replay is read-only: the file already says what happened.
             return Vec::new();
         }
@@ -679,6 +681,7 @@ mod tests {
             paused: false,
             last_step: 0,
             following: false,
+            steerable: false,
         });
         assert!(app.apply(Action::Knob("accum_up")).is_empty());
         assert!(app.run.pending.is_empty());

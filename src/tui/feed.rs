@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use anyhow::Context;
 use tokio::time::Instant;
 
 use crate::memory::gpu::SamplerHandle;
@@ -48,7 +49,14 @@ impl Feed {
             }
             Feed::Replay(replay) => {
                 if !replay.transport(app, action) {
-                    app.apply(action);
+                    let controls = app.apply(action);
+                    if let Some(steer) = replay.steer.as_mut() {
+                        for c in &controls {
+                            steer.send(c).with_context(|| {
+                                format!("writing a control to {}", steer.path().display())
+                            })?;
+                        }
+                    }
                 }
                 replay.publish(app);
             }
@@ -310,6 +318,8 @@ pub struct Replay {
     next_at: Instant,
     /// A recording still being written: read for new events until its end event.
     tail: Option<crate::record::Tail>,
+    /// Where knob keys go while following a run that reads them (`run --ranks N`).
+    steer: Option<crate::steer::ControlWriter>,
 }
 
 impl Replay {
@@ -321,6 +331,7 @@ impl Replay {
             paused: false,
             next_at: Instant::now(),
             tail: None,
+            steer: None,
         };
         r.publish(app);
         r
@@ -335,12 +346,25 @@ impl Replay {
         r
     }
 
+    /// [`Replay::follow`], with knob keys written to `steer` for the run to read.
+    pub fn steer(
+        tail: crate::record::Tail,
+        steer: crate::steer::ControlWriter,
+        app: &mut App,
+    ) -> Replay {
+        let mut r = Replay::follow(tail, app);
+        r.steer = Some(steer);
+        r.publish(app);
+        r
+    }
+
     fn publish(&self, app: &mut App) {
         app.view.replay = Some(ReplayStatus {
             speed: self.speed,
             paused: self.paused,
             last_step: self.last_recorded_step(),
             following: self.tail.is_some(),
+            steerable: self.steer.is_some(),
         });
         app.view.dirty = true;
     }

@@ -77,14 +77,22 @@ pub fn run_replay(path: &Path, speed: f64, keys: &KeyMap) -> anyhow::Result<()> 
     on_screen(&mut app, keys, &mut feed)
 }
 
-/// Show a recording that is still being written (a headless run's, a rank's) as it grows.
-pub fn run_follow(path: &Path, keys: &KeyMap) -> anyhow::Result<()> {
+/// Show a recording that is still being written (a headless run's, a rank's) as it grows; with
+/// `steer`, knob keys are written there for the run to read (`run --controls-from`).
+pub fn run_follow(
+    path: &Path,
+    keys: &KeyMap,
+    steer: Option<crate::steer::ControlWriter>,
+) -> anyhow::Result<()> {
     require_terminal()?;
     let tail = crate::record::Tail::open(path)?;
     let mut app = App::default();
     app.view.color = terminal::color_enabled();
-    let mut feed = Feed::Replay(Replay::follow(tail, &mut app));
-    on_screen(&mut app, keys, &mut feed)
+    let replay = match steer {
+        Some(steer) => Replay::steer(tail, steer, &mut app),
+        None => Replay::follow(tail, &mut app),
+    };
+    on_screen(&mut app, keys, &mut Feed::Replay(replay))
 }
 
 /// Enter the terminal, run the loop, and restore the terminal whatever happened.

@@ -118,6 +118,8 @@ pub trait Transport: Send {
     /// The element-wise sum over the ranks of `values` (W equal blocks), of which this rank
     /// receives block `rank`.
     fn reduce_scatter_f32(&mut self, values: &[f32]) -> Vec<f32>;
+    /// Rank 0's `bytes` on every rank (the others' are replaced).
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>);
 }
 
 /// One process alone: every collective is the identity.
@@ -143,6 +145,7 @@ impl Transport for Solo {
     fn reduce_scatter_f32(&mut self, values: &[f32]) -> Vec<f32> {
         values.to_vec()
     }
+    fn broadcast_bytes(&mut self, _: &mut Vec<u8>) {}
 }
 
 /// Bytes one rank sends (and receives) in a ring all-reduce of `bytes` over `ranks`: the
@@ -330,6 +333,34 @@ impl Group {
         let whole = 4 * (block.len() * self.ranks()) as u64;
         self.count_moved(ring_half_bytes(whole, self.ranks()));
         self.collective("gathering the updated weights", |t| t.gather_f32(block))
+    }
+
+    /// At a boundary: rank 0's controls (the screen's keys reach rank 0 only) on every rank, so
+    /// every rank applies the same changes at the same boundary. Not counted: workbench traffic.
+    pub fn share_controls(
+        &mut self,
+        controls: Vec<crate::control::ControlMsg>,
+    ) -> Result<Vec<crate::control::ControlMsg>, DistError> {
+        if !self.is_parallel() {
+            return Ok(controls);
+        }
+        let pairs: Vec<(crate::control::Control, crate::control::Origin)> = controls
+            .into_iter()
+            .map(|m| (m.control, m.origin))
+            .collect();
+        let mut bytes = match self.rank() {
+            0 => serde_json::to_vec(&pairs).map_err(|e| DistError::Launch(e.to_string()))?,
+            _ => Vec::new(),
+        };
+        self.collective("sharing rank 0's controls", |t| {
+            t.broadcast_bytes(&mut bytes)
+        });
+        let pairs: Vec<(crate::control::Control, crate::control::Origin)> =
+            serde_json::from_slice(&bytes).map_err(|e| DistError::Launch(e.to_string()))?;
+        Ok(pairs
+            .into_iter()
+            .map(|(control, origin)| crate::control::ControlMsg { control, origin })
+            .collect())
     }
 
     /// At a boundary: whether any rank asks to stop, and a check that every rank runs the same

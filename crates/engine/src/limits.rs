@@ -24,6 +24,8 @@ pub const MAX_ACCUM_STEPS: usize = 1 << 16;
 pub const MAX_SEQ_LEN: usize = 1 << 16;
 pub const MAX_D_MODEL: usize = 1 << 17;
 pub const MAX_LAYERS: usize = 1 << 12;
+/// Data-parallel ranks `train.ranks` may ask `gaccwb run` to start on one host.
+pub const MAX_RANKS: usize = 1 << 10;
 /// Largest effective batch `gaccwb estimate` tabulates (it tries every divisor).
 pub const MAX_EFFECTIVE_BATCH: usize = 1 << 20;
 /// Largest number of tokens one window (B·K·seq_len) may hold.

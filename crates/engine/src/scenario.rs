@@ -194,6 +194,9 @@ pub struct TrainConfig {
     pub accum_max: usize,
     /// Windows a new K must be asked for (and at least held) before the policy changes it.
     pub accum_patience: u64,
+    /// Data parallel: ranks `gaccwb run` starts through mpirun when not given `--ranks` and not
+    /// itself started by a launcher (1: one process).
+    pub ranks: usize,
     /// Data parallel: when the ranks sum their gradients, "window" or "micro-batch".
     pub sync: crate::dist::SyncEvery,
     /// Data parallel: "tokens" (per token of the whole window) or "mean-of-means" (a pitfall).
@@ -244,6 +247,7 @@ impl Default for TrainConfig {
             accum_min: 2,
             accum_max: 64,
             accum_patience: 10,
+            ranks: 1,
             sync: crate::dist::SyncEvery::Window,
             rank_loss_norm: crate::dist::RankLossNorm::Tokens,
             comm_timeout: 60.0,
@@ -577,6 +581,16 @@ impl Scenario {
 
 /// Data parallel's timeout (a collective must be given some time) and ZeRO stage.
 fn check_comm_timeout(t: &TrainConfig) -> Result<(), Invalid> {
+    if t.ranks == 0 || t.ranks > crate::limits::MAX_RANKS {
+        return Err(Invalid::new(
+            "train.ranks",
+            format!(
+                "train.ranks ({}) must be from 1 to {}",
+                t.ranks,
+                crate::limits::MAX_RANKS
+            ),
+        ));
+    }
     if t.zero > 2 {
         return Err(Invalid::new(
             "train.zero",

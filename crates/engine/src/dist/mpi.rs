@@ -2,7 +2,7 @@
 
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
-use mpi::traits::{Communicator, CommunicatorCollectives};
+use mpi::traits::{Communicator, CommunicatorCollectives, Root};
 
 use super::{DistError, Transport};
 
@@ -76,6 +76,15 @@ impl Transport for Mpi {
         let mut all = vec![0f32; values.len() * self.ranks];
         self.universe.world().all_gather_into(values, &mut all[..]);
         all
+    }
+
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>) {
+        let world = self.universe.world();
+        let root = world.process_at_rank(0);
+        let mut len = bytes.len() as u64;
+        root.broadcast_into(&mut len);
+        bytes.resize(len as usize, 0);
+        root.broadcast_into(&mut bytes[..]);
     }
 
     fn reduce_scatter_f32(&mut self, values: &[f32]) -> Vec<f32> {

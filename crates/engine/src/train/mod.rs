@@ -947,6 +947,9 @@ fn boundary(
     sink: &EventSink,
 ) -> ControlFlow<EndReason, Next> {
     flow.drain(controls);
+    if let Err(e) = share_pending(trainer, flow, sink) {
+        return ControlFlow::Break(EndReason::Error(e.to_string()));
+    }
     apply_due(trainer, flow, sink);
     if trainer.group.is_parallel() {
         let fingerprint = trainer.knobs_fingerprint();
@@ -1083,6 +1086,38 @@ impl Flow {
             }
         }
     }
+}
+
+/// Under data parallel, rank 0's waiting controls become every rank's (keys reach rank 0
+/// only). Pausing is not shared: a paused rank would wait for a key the others never get.
+fn share_pending(
+    trainer: &mut Trainer,
+    flow: &mut Flow,
+    sink: &EventSink,
+) -> std::result::Result<(), crate::dist::DistError> {
+    if !trainer.group.is_parallel() {
+        return Ok(());
+    }
+    let (pausing, shared): (Vec<ControlMsg>, Vec<ControlMsg>) = std::mem::take(&mut flow.pending)
+        .into_iter()
+        .partition(|m| {
+            matches!(
+                m.control,
+                Control::Pause | Control::Resume | Control::SingleStep
+            )
+        });
+    for m in pausing {
+        sink.send(Event::Log(LogEvent {
+            step: trainer.step,
+            level: Level::Warn,
+            message: format!(
+                "{} ignored: ranks cannot pause (the others would wait in a collective)",
+                m.control.describe()
+            ),
+        }));
+    }
+    flow.pending = trainer.group.share_controls(shared)?;
+    Ok(())
 }
 
 /// At a boundary: the timeline's controls for this step, then what arrived, in order.
