@@ -1,9 +1,10 @@
 //! `gaccwb compare`: the same preset under several configurations, one after another from the
 //! same seed on the same samples, side by side in one table.
 //!
-//! A grid spec lists configurations separated by `;`, each a comma-separated list of items:
-//! `B=4` (micro-batch), `K=8` (accumulation steps), `offload`, `f32` / `bf16` / `f16`, `ckpt`
-//! (checkpointing every block) or `ckpt=every-2`, or any `section.key=value` that `--set` takes.
+//! A grid spec lists configurations separated by `;`, each a comma-separated list of items: a
+//! knob's short item from the knob table (`B=4`, `K=8`, `offload`, `bf16`, `ckpt` or
+//! `ckpt=every-2`; `control::Grid`), or any `section.key=value` that `--set` takes. Each item
+//! becomes one typed `scenario::Assignment`.
 
 use std::fmt;
 
@@ -14,13 +15,27 @@ use std::sync::Mutex;
 use anyhow::Context;
 use serde::Serialize;
 
+use crate::control::{Grid, Knob, Values, KNOBS};
 use crate::memory::{highest_figure, step_figures};
 use crate::record::{read_recording, Recording};
-use crate::scenario::{nearest, Scenario};
+use crate::scenario::{nearest, Assignment, Scenario};
 use crate::telemetry::{Categories, Event};
 
-/// The short items a grid entry accepts (besides `section.key=value`).
-const SHORT_KEYS: &[&str] = &["B", "K", "offload", "f32", "bf16", "f16", "ckpt"];
+/// The short items a grid entry accepts (besides `section.key=value`), from the knob table:
+/// each knob's item, or each of its value names.
+pub fn short_items() -> Vec<(&'static str, &'static Knob)> {
+    let mut items = Vec::new();
+    for knob in &KNOBS {
+        match (knob.grid, knob.values) {
+            (Some(Grid::Item { item, .. }), _) => items.push((item, knob)),
+            (Some(Grid::ValueNames), Values::Names(names)) => {
+                items.extend(names.iter().map(|n| (*n, knob)));
+            }
+            _ => {}
+        }
+    }
+    items
+}
 
 /// A bad grid spec: which entry, where in the spec, and why.
 #[derive(Debug)]
@@ -44,11 +59,11 @@ impl fmt::Display for GridError {
 
 impl std::error::Error for GridError {}
 
-/// One configuration of the grid: its label (the entry as written), the `--set` assignments it
-/// stands for, and the scenario they make of the base.
+/// One configuration of the grid: its label (the entry as written), the assignments it stands
+/// for, and the scenario they make of the base.
 pub struct Config {
     pub label: String,
-    pub sets: Vec<String>,
+    pub sets: Vec<Assignment>,
     pub scenario: Scenario,
 }
 
@@ -58,7 +73,7 @@ pub fn parse_grid(spec: &str, base: &Scenario) -> Result<Vec<Config>, GridError>
     let mut offset = 0;
     for (i, entry) in spec.split(';').enumerate() {
         let mut scenario = base.clone();
-        let mut sets: Vec<String> = Vec::new();
+        let mut sets: Vec<Assignment> = Vec::new();
         let mut item_offset = offset;
         for raw in entry.split(',') {
             let column = item_offset + raw.len() - raw.trim_start().len() + 1;
@@ -73,14 +88,15 @@ pub fn parse_grid(spec: &str, base: &Scenario) -> Result<Vec<Config>, GridError>
                 message,
             };
             let assignment = assignment(item).map_err(fail)?;
-            let key_of = |a: &str| a.split('=').next().unwrap_or_default().trim().to_string();
-            let key = key_of(&assignment);
-            if let Some(earlier) = sets.iter().find(|s| key_of(s.as_str()) == key) {
+            if let Some(earlier) = sets.iter().find(|s| s.key == assignment.key) {
                 return Err(fail(format!(
-                    "`{item}` sets {key} again (after `{earlier}`); one value per entry"
+                    "`{item}` sets {} again (after `{earlier}`); one value per entry",
+                    assignment.key
                 )));
             }
-            scenario.set(&assignment).map_err(|e| fail(e.to_string()))?;
+            scenario
+                .apply(&assignment, true)
+                .map_err(|e| fail(e.to_string()))?;
             sets.push(assignment);
         }
         scenario.validate().map_err(|e| GridError {
@@ -108,30 +124,34 @@ pub fn parse_grid(spec: &str, base: &Scenario) -> Result<Vec<Config>, GridError>
     Ok(configs)
 }
 
-/// The `--set` assignment a grid item stands for.
-fn assignment(item: &str) -> Result<String, String> {
+/// The assignment a grid item stands for: a knob's short item, or `section.key=value`.
+fn assignment(item: &str) -> Result<Assignment, String> {
     let (key, value) = match item.split_once('=') {
         Some((k, v)) => (k.trim(), Some(v.trim())),
         None => (item, None),
     };
-    let need = || value.ok_or_else(|| format!("`{key}` needs a value, e.g. {key}=4"));
-    Ok(match key {
-        "B" => format!("train.micro_batch={}", need()?),
-        "K" => format!("train.accum_steps={}", need()?),
-        "offload" => format!("train.offload={}", value.unwrap_or("true")),
-        "f32" | "bf16" | "f16" => format!("train.dtype=\"{key}\""),
-        "ckpt" => format!("train.checkpointing=\"{}\"", value.unwrap_or("blocks")),
-        k if k.contains('.') => item.to_string(),
-        k => {
-            let hint = nearest(k, SHORT_KEYS)
-                .map(|n| format!("did you mean `{n}`? "))
-                .unwrap_or_default();
-            return Err(format!(
-                "unknown key `{k}`; {hint}accepted: {}, or section.key=value",
-                SHORT_KEYS.join(", ")
-            ));
+    let items = short_items();
+    let Some((_, knob)) = items.iter().find(|(i, _)| *i == key) else {
+        if key.contains('.') {
+            return Assignment::parse(item).map_err(|e| e.to_string());
         }
-    })
+        let names: Vec<&str> = items.iter().map(|(i, _)| *i).collect();
+        let hint = nearest(key, &names)
+            .map(|n| format!("did you mean `{n}`? "))
+            .unwrap_or_default();
+        return Err(format!(
+            "unknown key `{key}`; {hint}accepted: {}, or section.key=value",
+            names.join(", ")
+        ));
+    };
+    let value = match knob.grid {
+        // The item is the value (`bf16`).
+        Some(Grid::ValueNames) => Some(key),
+        Some(Grid::Item { bare, .. }) => value.or(bare),
+        None => value,
+    };
+    let value = value.ok_or_else(|| format!("`{key}` needs a value, e.g. {key}=4"))?;
+    Assignment::knob(knob, value).map_err(|e| e.to_string())
 }
 
 /// What one configuration measured, read from its run's recording.
@@ -251,7 +271,7 @@ impl Runner {
         .map(String::from)
         .to_vec();
         for set in &config.sets {
-            args.extend(["--set".to_string(), set.clone()]);
+            args.extend(["--set".to_string(), set.to_string()]);
         }
         if self.force {
             args.push("--force".into());

@@ -126,7 +126,7 @@ fn too_small_says_so() {
 #[test]
 fn pending_changes_show_until_applied() {
     let mut app = app();
-    let sent = app.apply(Action::AccumUp);
+    let sent = app.apply(Action::Knob("accum_up"));
     assert_eq!(sent, vec![Control::SetAccumSteps { value: 8 }]);
     let s = screen(&app, 160, 48);
     assert!(s.contains("K 4→8"), "{s}");

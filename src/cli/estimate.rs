@@ -206,7 +206,7 @@ fn engine_report(
     budget: u64,
 ) -> anyhow::Result<est::Report> {
     // The estimate needs only a well-formed shape; what this program can train is reported.
-    let not_trainable_here = scenario.validate().err();
+    let not_trainable_here = scenario.validate().err().map(|e| e.message);
     gaccwb::memory::planner::check_shape(scenario).map_err(usage)?;
     if not_trainable_here.is_none()
         && scenario.data.tokenizer == gaccwb::scenario::TokenizerKind::Bpe

@@ -271,7 +271,7 @@ fn build_trainer(
     trainer.cli_controls = args
         .controls
         .iter()
-        .map(|c| gaccwb::scenario::parse_control_arg(c).map_err(UsageError))
+        .map(|c| gaccwb::scenario::parse_control_arg(c).map_err(usage))
         .collect::<Result<_, _>>()?;
     check_cli_controls(&trainer).map_err(UsageError)?;
     if args.resume.is_some() {
@@ -295,9 +295,13 @@ fn check_cli_controls(trainer: &Trainer) -> Result<(), String> {
     let (b, k) = (trainer.knobs.micro_batch, trainer.knobs.accum_steps);
     let entries = &trainer.cli_controls;
     let (noise, seq_len) = (trainer.knobs.noise, trainer.scenario.model.seq_len);
-    gaccwb::scenario::check_schedule(b, k, noise, seq_len, entries).map_err(|(i, m)| {
-        let e = &entries[i];
-        format!("--control {}:{}: {m}", e.step, e.control.describe())
+    gaccwb::scenario::check_schedule(b, k, noise, seq_len, entries).map_err(|e| {
+        let (entry, why) = (&entries[e.index], e.error);
+        format!(
+            "--control {}:{}: {why}",
+            entry.step,
+            entry.control.describe()
+        )
     })
 }
 

@@ -1,7 +1,8 @@
 //! `gaccwb export FILE --to csv -o DIR`: the recording's series as CSV files in DIR, written by
 //! the `csv` crate from one serde row type per file (quoting and float formatting are its job).
 //!
-//! - `steps.csv`: one row per optimizer step (`Event::Step`), columns `STEP_COLUMNS`.
+//! - `steps.csv`: one row per optimizer step (`Event::Step`), columns `STEP_COLUMNS`; a knob the
+//!   step event carries has the column its row of the knob table names (`control::Knob::csv`).
 //! - `memory.csv`: one row per memory measurement (`Event::Memory`), columns `memory_columns()`
 //!   (bytes per ledger category).
 //! - `estimates.csv`: the analytic estimate of each phase whenever it was (re)sent
@@ -294,10 +295,7 @@ fn controls_csv(events: &[Event]) -> anyhow::Result<String> {
         Event::Control(c) => Some(ControlRow {
             step: c.step,
             origin: c.origin,
-            kind: serde_json::to_value(&c.control)
-                .ok()
-                .and_then(|v| v.get("kind").and_then(|k| k.as_str()).map(str::to_string))
-                .unwrap_or_default(),
+            kind: c.control.kind().to_string(),
             label: c.control.describe(),
         }),
         _ => None,
@@ -348,6 +346,20 @@ mod tests {
             .split(',')
             .map(String::from)
             .collect()
+    }
+
+    /// Every knob with a `steps.csv` column in the knob table has that column.
+    #[test]
+    fn every_knob_column_is_written() {
+        for knob in &crate::control::KNOBS {
+            if let Some(column) = knob.csv {
+                assert!(
+                    STEP_COLUMNS.contains(&column),
+                    "{}: no column {column}",
+                    knob.key
+                );
+            }
+        }
     }
 
     /// The declared columns are exactly the row types' fields, in order: they cannot drift.

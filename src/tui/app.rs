@@ -7,8 +7,8 @@ use strum::VariantArray;
 
 use crate::memory::StepFigure;
 use crate::telemetry::{
-    Checkpointing, Control, ControlEvent, DeviceEvent, EndReason, EstimateEvent, Event, Header,
-    Knobs, Level, MemoryEvent, MemorySource, Origin, Phase, StepEvent,
+    Control, ControlEvent, DeviceEvent, EndReason, EstimateEvent, Event, Header, Knobs, Level,
+    MemoryEvent, MemorySource, Origin, Phase, StepEvent,
 };
 
 use super::keymap::Action;
@@ -411,45 +411,9 @@ impl App {
     fn knob_controls(&self, action: Action) -> Vec<Control> {
         let k = self.target_knobs();
         let control = match action {
-            Action::AccumUp => Control::SetAccumSteps {
-                value: k.accum_steps.saturating_mul(2),
-            },
-            Action::AccumDown => Control::SetAccumSteps {
-                value: (k.accum_steps / 2).max(1),
-            },
-            Action::MicroBatchUp => Control::SetMicroBatch {
-                value: k.micro_batch.saturating_mul(2),
-            },
-            Action::MicroBatchDown => Control::SetMicroBatch {
-                value: (k.micro_batch / 2).max(1),
-            },
-            Action::ClipDown => Control::SetClip {
-                value: Some(k.clip.unwrap_or(self.configured_clip()) / 2.0),
-            },
-            Action::ClipUp => Control::SetClip {
-                value: Some(k.clip.unwrap_or(self.configured_clip()) * 2.0),
-            },
-            Action::ClipToggle => Control::SetClip {
-                value: match k.clip {
-                    Some(_) => None,
-                    None => Some(self.configured_clip()),
-                },
-            },
-            Action::OffloadToggle => Control::SetOffload { value: !k.offload },
-            Action::CheckpointToggle => Control::SetCheckpointing {
-                value: match k.checkpointing {
-                    Checkpointing::None => Checkpointing::Blocks,
-                    _ => Checkpointing::None,
-                },
-            },
-            Action::PrecisionCycle => Control::SetDtype {
-                value: k.dtype.next(),
-            },
-            Action::LrRuleCycle => Control::SetLrRule {
-                value: k.lr_rule.next(),
-            },
-            Action::AccumPolicyToggle => Control::SetAccumPolicy {
-                value: k.accum_policy.toggled(),
+            Action::Knob(_) => match action.knob() {
+                Some(turn) => (turn.turn)(&k, &self.configured_knobs()),
+                None => return Vec::new(),
             },
             Action::PauseResume if self.target_paused() => Control::Resume,
             Action::PauseResume => Control::Pause,
@@ -476,13 +440,12 @@ impl App {
             .unwrap_or(self.run.paused)
     }
 
-    /// The clip `x` turns back on: the preset's value, else 1.0.
-    fn configured_clip(&self) -> f64 {
-        self.run
-            .header
-            .as_ref()
-            .and_then(|h| h.config.train.clip)
-            .unwrap_or(1.0)
+    /// The knobs the run was configured with (what a toggle turns back on, e.g. the clip).
+    fn configured_knobs(&self) -> Knobs {
+        match &self.run.header {
+            Some(h) => Knobs::from_scenario(&h.config),
+            None => self.run.knobs.clone(),
+        }
     }
 
     /// The estimate to set beside the measured ledger: the same phase (backward before any
@@ -540,7 +503,7 @@ fn push_bounded<T>(q: &mut VecDeque<T>, item: T, cap: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::telemetry::{Dtype, LrRule};
+    use crate::telemetry::{Checkpointing, Dtype, LrRule};
 
     fn app_with_config() -> App {
         let mut app = App::default();
@@ -555,45 +518,45 @@ mod tests {
     fn knob_keys_become_controls_from_the_target_state() {
         let mut app = app_with_config();
         assert_eq!(
-            app.apply(Action::AccumUp),
+            app.apply(Action::Knob("accum_up")),
             vec![Control::SetAccumSteps { value: 4 }]
         );
         // A second press before the trainer answers builds on the pending value.
         assert_eq!(
-            app.apply(Action::AccumUp),
+            app.apply(Action::Knob("accum_up")),
             vec![Control::SetAccumSteps { value: 8 }]
         );
         assert_eq!(app.run.pending, vec![Control::SetAccumSteps { value: 8 }]);
         assert_eq!(
-            app.apply(Action::MicroBatchDown),
+            app.apply(Action::Knob("micro_batch_down")),
             vec![Control::SetMicroBatch { value: 4 }]
         );
         assert_eq!(
-            app.apply(Action::MicroBatchUp),
+            app.apply(Action::Knob("micro_batch_up")),
             vec![Control::SetMicroBatch { value: 8 }]
         );
         assert_eq!(
-            app.apply(Action::ClipDown),
+            app.apply(Action::Knob("clip_down")),
             vec![Control::SetClip { value: Some(0.5) }]
         );
         assert_eq!(
-            app.apply(Action::ClipToggle),
+            app.apply(Action::Knob("clip_toggle")),
             vec![Control::SetClip { value: None }]
         );
         assert_eq!(
-            app.apply(Action::ClipToggle),
+            app.apply(Action::Knob("clip_toggle")),
             vec![Control::SetClip { value: Some(1.0) }]
         );
         assert_eq!(
-            app.apply(Action::OffloadToggle),
+            app.apply(Action::Knob("offload_toggle")),
             vec![Control::SetOffload { value: true }]
         );
         assert_eq!(
-            app.apply(Action::PrecisionCycle),
+            app.apply(Action::Knob("precision_cycle")),
             vec![Control::SetDtype { value: Dtype::Bf16 }]
         );
         assert_eq!(
-            app.apply(Action::LrRuleCycle),
+            app.apply(Action::Knob("lr_rule_cycle")),
             vec![Control::SetLrRule {
                 value: LrRule::Linear
             }]
@@ -608,8 +571,8 @@ mod tests {
     #[test]
     fn a_newer_pending_value_survives_an_older_one_being_applied() {
         let mut app = app_with_config();
-        app.apply(Action::AccumUp);
-        app.apply(Action::AccumUp);
+        app.apply(Action::Knob("accum_up"));
+        app.apply(Action::Knob("accum_up"));
         let applied = |value| {
             Event::Control(ControlEvent {
                 step: 1,
@@ -664,11 +627,11 @@ mod tests {
         app.run.knobs.accum_steps = 1;
         app.run.knobs.micro_batch = 1;
         assert_eq!(
-            app.apply(Action::AccumDown),
+            app.apply(Action::Knob("accum_down")),
             vec![Control::SetAccumSteps { value: 1 }]
         );
         assert_eq!(
-            app.apply(Action::MicroBatchDown),
+            app.apply(Action::Knob("micro_batch_down")),
             vec![Control::SetMicroBatch { value: 1 }]
         );
     }
@@ -676,7 +639,7 @@ mod tests {
     #[test]
     fn pending_clears_when_the_trainer_reports_the_control() {
         let mut app = app_with_config();
-        app.apply(Action::AccumUp);
+        app.apply(Action::Knob("accum_up"));
         assert_eq!(app.run.knobs.accum_steps, 2);
         app.update(&Event::Control(ControlEvent {
             step: 3,
@@ -706,7 +669,7 @@ mod tests {
         app.apply(Action::Help);
         assert!(app.view.help);
         // With help open, a knob key only closes it.
-        assert!(app.apply(Action::AccumUp).is_empty());
+        assert!(app.apply(Action::Knob("accum_up")).is_empty());
         assert!(!app.view.help);
     }
 
@@ -720,7 +683,7 @@ mod tests {
             following: false,
             steerable: false,
         });
-        assert!(app.apply(Action::AccumUp).is_empty());
+        assert!(app.apply(Action::Knob("accum_up")).is_empty());
         assert!(app.run.pending.is_empty());
     }
 

@@ -5,37 +5,17 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-/// Everything a key can ask for.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    PartialEq,
-    Eq,
-    Hash,
-    PartialOrd,
-    Ord,
-    Serialize,
-    Deserialize,
-    strum::EnumIter,
-    strum::IntoStaticStr,
-)]
-#[serde(rename_all = "snake_case")]
+use crate::control::{Knob, KnobAction, KNOBS};
+
+/// Everything a key can ask for: turning a knob (the actions of the knob table,
+/// `control::KNOBS`), or one of the workbench's own actions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::EnumIter, strum::IntoStaticStr)]
 #[strum(serialize_all = "snake_case")]
 pub enum Action {
-    AccumUp,
-    AccumDown,
-    MicroBatchDown,
-    MicroBatchUp,
-    ClipDown,
-    ClipUp,
-    ClipToggle,
-    OffloadToggle,
-    CheckpointToggle,
-    PrecisionCycle,
-    LrRuleCycle,
+    /// A knob's key action, by its name in the knob table (`accum_up`).
+    Knob(&'static str),
     PauseResume,
     SingleStep,
     Freeze,
@@ -52,35 +32,41 @@ pub enum Action {
     SpeedDown,
     SpeedUp,
     FitNow,
-    AccumPolicyToggle,
     NoiseView,
 }
 
 impl Action {
-    /// Every action, in declaration order (the help overlay's order).
+    /// Every action: the knobs' in table order, then the rest (the help overlay's order).
     pub fn all() -> impl Iterator<Item = Action> {
-        <Action as strum::IntoEnumIterator>::iter()
+        let knobs = KNOBS
+            .iter()
+            .flat_map(|k| k.actions)
+            .map(|a| Action::Knob(a.name));
+        let rest =
+            <Action as strum::IntoEnumIterator>::iter().filter(|a| !matches!(a, Action::Knob(_)));
+        knobs.chain(rest)
     }
 
-    /// The name used in keymap files (snake_case, as serde reads it).
+    /// The name used in keymap files (snake_case).
     pub fn name(self) -> &'static str {
-        self.into()
+        match self {
+            Action::Knob(name) => name,
+            other => other.into(),
+        }
+    }
+
+    /// The knob action this is, from the knob table.
+    pub fn knob(self) -> Option<&'static KnobAction> {
+        match self {
+            Action::Knob(name) => Knob::action(name).map(|(_, a)| a),
+            _ => None,
+        }
     }
 
     /// One line for the help overlay.
     pub fn describe(self) -> &'static str {
         match self {
-            Action::AccumUp => "accumulation steps K ×2",
-            Action::AccumDown => "accumulation steps K ÷2",
-            Action::MicroBatchDown => "micro-batch ÷2",
-            Action::MicroBatchUp => "micro-batch ×2",
-            Action::ClipDown => "clip norm ÷2",
-            Action::ClipUp => "clip norm ×2",
-            Action::ClipToggle => "clipping off / on",
-            Action::OffloadToggle => "optimizer offload on / off",
-            Action::CheckpointToggle => "checkpointing on / off",
-            Action::PrecisionCycle => "precision f32→bf16→f16",
-            Action::LrRuleCycle => "LR rule none→linear→sqrt",
+            Action::Knob(_) => self.knob().map_or("", |a| a.help),
             Action::PauseResume => "pause / resume",
             Action::SingleStep => "one step, then pause",
             Action::Freeze => "freeze charts (runs on)",
@@ -97,7 +83,6 @@ impl Action {
             Action::SpeedDown => "replay: half speed",
             Action::SpeedUp => "replay: double speed",
             Action::FitNow => "fit B to the memory budget",
-            Action::AccumPolicyToggle => "K policy fixed / noise",
             Action::NoiseView => "grad pane ↔ noise scale",
         }
     }
@@ -106,20 +91,7 @@ impl Action {
     pub fn live_only(self) -> bool {
         matches!(
             self,
-            Action::AccumUp
-                | Action::AccumDown
-                | Action::MicroBatchDown
-                | Action::MicroBatchUp
-                | Action::ClipDown
-                | Action::ClipUp
-                | Action::ClipToggle
-                | Action::OffloadToggle
-                | Action::CheckpointToggle
-                | Action::PrecisionCycle
-                | Action::LrRuleCycle
-                | Action::FitNow
-                | Action::RecordToggle
-                | Action::AccumPolicyToggle
+            Action::Knob(_) | Action::FitNow | Action::RecordToggle
         )
     }
 
@@ -225,18 +197,8 @@ pub struct KeyMap {
     bindings: HashMap<Key, Action>,
 }
 
+/// The workbench's own actions' default keys; the knobs' come from the knob table.
 const DEFAULTS: &[(&str, Action)] = &[
-    ("+", Action::AccumUp),
-    ("-", Action::AccumDown),
-    ("b", Action::MicroBatchDown),
-    ("B", Action::MicroBatchUp),
-    ("c", Action::ClipDown),
-    ("C", Action::ClipUp),
-    ("x", Action::ClipToggle),
-    ("o", Action::OffloadToggle),
-    ("k", Action::CheckpointToggle),
-    ("p", Action::PrecisionCycle),
-    ("l", Action::LrRuleCycle),
     ("space", Action::PauseResume),
     ("n", Action::SingleStep),
     ("f", Action::Freeze),
@@ -254,15 +216,22 @@ const DEFAULTS: &[(&str, Action)] = &[
     ("<", Action::SpeedDown),
     (">", Action::SpeedUp),
     ("F", Action::FitNow),
-    ("a", Action::AccumPolicyToggle),
     ("g", Action::NoiseView),
 ];
 
+/// Every default binding: the knob table's keys, then `DEFAULTS`.
+pub fn default_bindings() -> impl Iterator<Item = (&'static str, Action)> {
+    let knobs = KNOBS
+        .iter()
+        .flat_map(|k| k.actions)
+        .flat_map(|a| a.keys.iter().map(move |key| (*key, Action::Knob(a.name))));
+    knobs.chain(DEFAULTS.iter().copied())
+}
+
 impl Default for KeyMap {
     fn default() -> Self {
-        let bindings = DEFAULTS
-            .iter()
-            .map(|(k, a)| (Key::parse(k).expect("default keys parse"), *a))
+        let bindings = default_bindings()
+            .map(|(k, a)| (Key::parse(k).expect("default keys parse"), a))
             .collect();
         KeyMap { bindings }
     }
@@ -406,17 +375,17 @@ fn default_path() -> Option<std::path::PathBuf> {
 }
 
 fn parse_action(name: &str) -> Result<Action, String> {
-    serde_json::from_value(serde_json::Value::String(name.to_string())).map_err(|_| {
-        let names: Vec<String> = Action::all().map(|a| a.name().to_string()).collect();
-        let candidates: Vec<&str> = names.iter().map(String::as_str).collect();
-        let hint = crate::scenario::nearest(name, &candidates)
-            .map(|n| format!(", did you mean `{n}`?"))
-            .unwrap_or_default();
-        format!(
-            "unknown action `{name}`{hint}; expected one of: {}",
-            names.join(", ")
-        )
-    })
+    if let Some(action) = Action::all().find(|a| a.name() == name) {
+        return Ok(action);
+    }
+    let names: Vec<&str> = Action::all().map(Action::name).collect();
+    let hint = crate::scenario::nearest(name, &names)
+        .map(|n| format!(", did you mean `{n}`?"))
+        .unwrap_or_default();
+    Err(format!(
+        "unknown action `{name}`{hint}; expected one of: {}",
+        names.join(", ")
+    ))
 }
 
 #[cfg(test)]
@@ -427,49 +396,83 @@ mod tests {
         KeyEvent::new(code, modifiers)
     }
 
+    /// README's "Default keys" table, read as action name → its keys, and the names in the
+    /// table's order.
+    fn readme_keys() -> (BTreeMap<String, Vec<String>>, Vec<String>) {
+        let readme = include_str!("../../README.md");
+        let table = readme
+            .split("### Default keys")
+            .nth(1)
+            .expect("README has a Default keys section");
+        let (mut keys, mut order) = (BTreeMap::new(), Vec::new());
+        let rows = table.lines().skip_while(|l| !l.starts_with('|'));
+        // The header and its rule, then the rows.
+        for row in rows.skip(2).take_while(|l| l.starts_with('|')) {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            let groups: Vec<&str> = cells[1].split(" / ").collect();
+            let names: Vec<&str> = cells[3].split(" / ").collect();
+            assert_eq!(groups.len(), names.len(), "README row {row}");
+            for (group, name) in groups.iter().zip(names) {
+                let mut listed: Vec<String> = group
+                    .split(", ")
+                    .map(|k| k.trim_matches('`').to_string())
+                    .collect();
+                listed.sort();
+                order.push(name.trim_matches('`').to_string());
+                keys.insert(name.trim_matches('`').to_string(), listed);
+            }
+        }
+        (keys, order)
+    }
+
+    /// The key table in README is the defaults: every action with exactly its default keys
+    /// (the knobs' from the knob table), in the help overlay's order, so a knob whose keys are
+    /// not documented fails here.
     #[test]
-    fn default_keys_match_the_documented_table() {
+    fn the_readme_key_table_is_the_defaults() {
+        let mut defaults: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (key, action) in default_bindings() {
+            let label = Key::parse(key).unwrap().label();
+            defaults
+                .entry(action.name().into())
+                .or_default()
+                .push(label);
+        }
+        defaults.values_mut().for_each(|keys| keys.sort());
+        let (documented, order) = readme_keys();
+        assert_eq!(documented, defaults);
+        let help_order: Vec<&str> = Action::all().map(Action::name).collect();
+        assert_eq!(
+            order, help_order,
+            "README lists the keys in the help overlay's order"
+        );
+        let unbound: Vec<&str> = Action::all()
+            .map(Action::name)
+            .filter(|n| !defaults.contains_key(*n))
+            .collect();
+        assert!(
+            unbound.is_empty(),
+            "actions with no default key: {unbound:?}"
+        );
+    }
+
+    #[test]
+    fn default_keys_reach_their_actions() {
         let m = KeyMap::default();
-        let cases = [
-            ('+', Action::AccumUp),
-            ('-', Action::AccumDown),
-            ('b', Action::MicroBatchDown),
-            ('B', Action::MicroBatchUp),
-            ('c', Action::ClipDown),
-            ('C', Action::ClipUp),
-            ('x', Action::ClipToggle),
-            ('o', Action::OffloadToggle),
-            ('k', Action::CheckpointToggle),
-            ('p', Action::PrecisionCycle),
-            ('l', Action::LrRuleCycle),
-            (' ', Action::PauseResume),
-            ('n', Action::SingleStep),
-            ('f', Action::Freeze),
-            ('z', Action::ZoomIn),
-            ('Z', Action::ZoomOut),
-            ('e', Action::Expand),
-            ('r', Action::RecordToggle),
-            ('?', Action::Help),
-            ('q', Action::Quit),
-            ('F', Action::FitNow),
-        ];
-        for (c, action) in cases {
+        for (key, action) in default_bindings() {
+            let key = Key::parse(key).unwrap();
             // Terminals report upper-case letters with SHIFT set; it must not matter.
-            let mods = if c.is_ascii_uppercase() {
-                KeyModifiers::SHIFT
-            } else {
-                KeyModifiers::NONE
+            let mods = match key.code {
+                KeyCode::Char(c) if c.is_ascii_uppercase() => KeyModifiers::SHIFT,
+                _ if key.ctrl => KeyModifiers::CONTROL,
+                _ => KeyModifiers::NONE,
             };
             assert_eq!(
-                m.action_for(&press(KeyCode::Char(c), mods)),
+                m.action_for(&press(key.code, mods)),
                 Some(action),
-                "{c}"
+                "{key:?}"
             );
         }
-        assert_eq!(
-            m.action_for(&press(KeyCode::Char('c'), KeyModifiers::CONTROL)),
-            Some(Action::Quit)
-        );
     }
 
     #[test]
@@ -481,11 +484,11 @@ mod tests {
         .unwrap();
         assert_eq!(
             m.action_for(&press(KeyCode::Char('k'), KeyModifiers::NONE)),
-            Some(Action::AccumUp)
+            Some(Action::Knob("accum_up"))
         );
         assert_eq!(
             m.action_for(&press(KeyCode::Up, KeyModifiers::NONE)),
-            Some(Action::AccumUp)
+            Some(Action::Knob("accum_up"))
         );
         assert_eq!(
             m.action_for(&press(KeyCode::Char('+'), KeyModifiers::NONE)),
@@ -513,7 +516,13 @@ mod tests {
 
     #[test]
     fn action_names_are_snake_case() {
-        assert_eq!(Action::MicroBatchDown.name(), "micro_batch_down");
-        assert_eq!(parse_action("lr_rule_cycle"), Ok(Action::LrRuleCycle));
+        assert_eq!(Action::FocusNext.name(), "focus_next");
+        assert_eq!(Action::Knob("micro_batch_down").name(), "micro_batch_down");
+        assert_eq!(
+            parse_action("lr_rule_cycle"),
+            Ok(Action::Knob("lr_rule_cycle"))
+        );
+        assert_eq!(parse_action("noise_view"), Ok(Action::NoiseView));
+        assert!(parse_action("knob").is_err());
     }
 }

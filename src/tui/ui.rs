@@ -9,6 +9,7 @@ use ratatui::Frame;
 use super::app::{App, PaneId};
 use super::keymap::{Action, KeyMap};
 use super::panes::{self, Theme};
+use crate::control::KNOBS;
 
 /// Smallest usable terminal.
 pub const MIN_WIDTH: u16 = 80;
@@ -153,13 +154,9 @@ fn header_line(app: &App, theme: Theme) -> Line<'static> {
     Line::from(spans)
 }
 
-/// The most used keys, as many as fit.
+/// The most used keys, as many as fit: help, quit and pause, then replay's keys or each knob's
+/// keys in the knob table's order.
 fn footer_line(app: &App, keys: &KeyMap, theme: Theme) -> Line<'static> {
-    let live = [
-        (Action::AccumUp, Action::AccumDown, "K"),
-        (Action::MicroBatchDown, Action::MicroBatchUp, "micro"),
-        (Action::ClipDown, Action::ClipUp, "clip"),
-    ];
     let mut items: Vec<(String, &str)> = vec![
         (keys.label_for(Action::Help), "help"),
         (keys.label_for(Action::Quit), "quit"),
@@ -183,13 +180,14 @@ fn footer_line(app: &App, keys: &KeyMap, theme: Theme) -> Line<'static> {
             "speed",
         ));
     } else {
-        for (a, b, name) in live {
-            items.push((format!("{}/{}", keys.label_for(a), keys.label_for(b)), name));
+        for knob in KNOBS.iter().filter(|k| !k.actions.is_empty()) {
+            let labels: Vec<String> = knob
+                .actions
+                .iter()
+                .map(|a| keys.label_for(Action::Knob(a.name)))
+                .collect();
+            items.push((labels.join("/"), knob.name));
         }
-        items.push((keys.label_for(Action::ClipToggle), "clip off"));
-        items.push((keys.label_for(Action::OffloadToggle), "offload"));
-        items.push((keys.label_for(Action::PrecisionCycle), "dtype"));
-        items.push((keys.label_for(Action::LrRuleCycle), "LR rule"));
     }
     let mut spans = Vec::new();
     for (key, what) in items {

@@ -4,6 +4,10 @@
 
 use serde::{Deserialize, Serialize};
 
+mod knob;
+
+pub use knob::{Grid, Knob, KnobAction, OutOfBounds, Values, KNOBS};
+
 /// Activation checkpointing: which block inputs the forward keeps instead of the blocks' graphs.
 /// `blocks` recomputes every block in the backward; `every-N` keeps one input per segment of N
 /// blocks and recomputes the segment (fewer inputs kept, a larger graph at the backward peak).
@@ -25,6 +29,9 @@ impl Checkpointing {
             Checkpointing::Every(n) => Some(n.max(1)),
         }
     }
+
+    /// The values presets write, `every-N` standing for its pattern.
+    pub const NAMES: &'static [&'static str] = &["none", "blocks", "every-N"];
 
     pub fn name(self) -> String {
         match self {
@@ -70,6 +77,7 @@ impl From<Checkpointing> for String {
     Deserialize,
     Default,
     strum::VariantArray,
+    strum::VariantNames,
     strum::IntoStaticStr,
 )]
 #[serde(rename_all = "lowercase")]
@@ -117,7 +125,17 @@ impl Dtype {
 
 /// How the learning rate answers a change of effective batch, against `train.base_batch`.
 #[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::IntoStaticStr,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    Default,
+    strum::IntoStaticStr,
+    strum::VariantNames,
 )]
 #[serde(rename_all = "lowercase")]
 #[strum(serialize_all = "lowercase")]
@@ -153,8 +171,11 @@ impl LrRule {
 }
 
 /// How per-token losses are turned into the window's loss.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::VariantNames,
+)]
 #[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case")]
 pub enum LossNorm {
     /// Sum of per-token losses over the window / the window's counted tokens (correct).
     #[default]
@@ -164,8 +185,11 @@ pub enum LossNorm {
 }
 
 /// When the accumulation buffer is cleared.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::VariantNames,
+)]
 #[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case")]
 pub enum ZeroGrad {
     /// Once per window, after the optimizer step (correct).
     #[default]
@@ -199,8 +223,11 @@ impl OffloadGrads {
 /// wait for the next window boundary. Two things act sooner: `Stop`, seen between micro-batches,
 /// ends the run without finishing the window, and the out-of-memory guard's retry halves the
 /// micro-batch of the window it is retrying.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(
+    Clone, Debug, PartialEq, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames,
+)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+#[strum(serialize_all = "snake_case")]
 pub enum Control {
     SetAccumSteps {
         value: usize,
@@ -249,87 +276,29 @@ pub enum Control {
 }
 
 impl Control {
-    /// A short human label, used by the event log and the pending-changes line.
+    /// A short human label, used by the event log, `controls.csv` and the pending-changes
+    /// line: `K=8`, `micro-batch=4`, `clip off`.
     pub fn describe(&self) -> String {
-        match self {
-            Control::SetAccumSteps { value } => format!("K={value}"),
-            Control::SetMicroBatch { value } => format!("micro-batch={value}"),
-            Control::SetClip { value: Some(v) } => format!("clip={v}"),
-            Control::SetClip { value: None } => "clip off".into(),
-            Control::SetLr { value } => format!("lr={value:.2e}"),
-            Control::SetLrRule { value } => format!("lr rule={}", value.name()),
-            Control::SetDtype { value } => format!("dtype={}", value.name()),
-            Control::SetOffload { value } => {
-                format!("offload={}", if *value { "on" } else { "off" })
-            }
-            Control::SetLossScale { value } => format!("loss scale=2^{:.0}", value.log2()),
-            Control::SetLossNorm {
-                value: LossNorm::Tokens,
-            } => "loss norm=tokens".into(),
-            Control::SetLossNorm {
-                value: LossNorm::MeanOfMeans,
-            } => "loss norm=mean-of-means".into(),
-            Control::SetZeroGrad {
-                value: ZeroGrad::PerWindow,
-            } => "zero-grad per window".into(),
-            Control::SetZeroGrad {
-                value: ZeroGrad::PerMicroBatch,
-            } => "zero-grad per micro-batch".into(),
-            Control::SetCheckpointing { value } => format!("checkpointing={}", value.name()),
-            Control::SetAccumPolicy { value } => format!("K policy={}", value.name()),
-            Control::Pause => "pause".into(),
-            Control::Resume => "resume".into(),
-            Control::SingleStep => "single step".into(),
-            Control::Stop => "stop".into(),
+        match (self, self.knob()) {
+            (_, Some(knob)) => match self.value() {
+                None => format!("{} off", knob.name),
+                value => format!("{}={}", knob.name, knob.values.show(value.as_ref())),
+            },
+            (Control::SetLossScale { value }, None) => format!("loss scale=2^{:.0}", value.log2()),
+            (Control::SingleStep, None) => "single step".into(),
+            (flow, None) => flow.kind().into(),
         }
     }
 
     /// What the control changed, from the knobs before it, in the user's words: "B 32→4",
     /// "dtype f32→bf16". A control that sets no knob (the loss scale, flow) says `describe()`.
     pub fn describe_change(&self, before: &Knobs) -> String {
+        let Some(knob) = self.knob() else {
+            return self.describe();
+        };
         let mut after = before.clone();
         after.apply(self);
-        match (self.reading(before), self.reading(&after)) {
-            (Some((name, old)), Some((_, new))) => format!("{name} {old}→{new}"),
-            _ => self.describe(),
-        }
-    }
-
-    /// The short name of the knob this control sets, and that knob's value in `k`.
-    fn reading(&self, k: &Knobs) -> Option<(&'static str, String)> {
-        let on_off = |b: bool| if b { "on" } else { "off" }.to_string();
-        Some(match self {
-            Control::SetAccumSteps { .. } => ("K", k.accum_steps.to_string()),
-            Control::SetMicroBatch { .. } => ("B", k.micro_batch.to_string()),
-            Control::SetClip { .. } => ("clip", k.clip.map_or("off".into(), |c| c.to_string())),
-            Control::SetLr { .. } => ("lr", format!("{:.2e}", k.lr)),
-            Control::SetLrRule { .. } => ("lr rule", k.lr_rule.name().into()),
-            Control::SetDtype { .. } => ("dtype", k.dtype.name().into()),
-            Control::SetOffload { .. } => ("offload", on_off(k.offload)),
-            Control::SetLossNorm { .. } => (
-                "loss norm",
-                match k.loss_norm {
-                    LossNorm::Tokens => "tokens",
-                    LossNorm::MeanOfMeans => "mean-of-means",
-                }
-                .into(),
-            ),
-            Control::SetZeroGrad { .. } => (
-                "zero-grad",
-                match k.zero_grad {
-                    ZeroGrad::PerWindow => "per window",
-                    ZeroGrad::PerMicroBatch => "per micro-batch",
-                }
-                .into(),
-            ),
-            Control::SetCheckpointing { .. } => ("checkpointing", k.checkpointing.name()),
-            Control::SetAccumPolicy { .. } => ("K policy", k.accum_policy.name().into()),
-            Control::SetLossScale { .. }
-            | Control::Pause
-            | Control::Resume
-            | Control::SingleStep
-            | Control::Stop => return None,
-        })
+        format!("{} {}→{}", knob.label, knob.show(before), knob.show(&after))
     }
 
     /// Flow controls act immediately; knob changes wait for the window boundary.
@@ -420,7 +389,17 @@ pub struct ControlMsg {
 
 /// Who chooses K.
 #[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::IntoStaticStr,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    Default,
+    strum::IntoStaticStr,
+    strum::VariantNames,
 )]
 #[serde(rename_all = "kebab-case")]
 #[strum(serialize_all = "kebab-case")]
@@ -445,6 +424,26 @@ impl AccumPolicy {
     }
 }
 
+/// Knobs for the tests of this layer (which cannot read a scenario's defaults): K 2, B 8.
+#[cfg(test)]
+pub(crate) fn test_knobs() -> Knobs {
+    Knobs {
+        accum_steps: 2,
+        micro_batch: 8,
+        clip: Some(1.0),
+        lr: 3e-3,
+        lr_rule: LrRule::None,
+        dtype: Dtype::F32,
+        offload: false,
+        offload_grads: OffloadGrads::Device,
+        loss_norm: LossNorm::Tokens,
+        zero_grad: ZeroGrad::PerWindow,
+        checkpointing: Checkpointing::None,
+        accum_policy: AccumPolicy::Fixed,
+        noise: true,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -452,19 +451,8 @@ mod tests {
     #[test]
     fn a_change_names_the_knob_and_both_values() {
         let knobs = Knobs {
-            accum_steps: 1,
             micro_batch: 32,
-            clip: Some(1.0),
-            lr: 3e-3,
-            lr_rule: LrRule::None,
-            dtype: Dtype::F32,
-            offload: false,
-            offload_grads: OffloadGrads::Device,
-            loss_norm: LossNorm::Tokens,
-            zero_grad: ZeroGrad::PerWindow,
-            checkpointing: Checkpointing::None,
-            accum_policy: AccumPolicy::Fixed,
-            noise: true,
+            ..test_knobs()
         };
         let change = Control::SetMicroBatch { value: 4 }.describe_change(&knobs);
         assert_eq!(change, "B 32→4");

@@ -7,13 +7,15 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::control::{
-    AccumPolicy, Checkpointing, Control, Dtype, LossNorm, LrRule, OffloadGrads, ZeroGrad,
+    AccumPolicy, Checkpointing, Control, Dtype, Knob, LossNorm, LrRule, OffloadGrads, OutOfBounds,
+    ZeroGrad, KNOBS,
 };
 
 mod bounds;
+mod fields;
 mod knobs;
 
-pub use bounds::{check_needs, check_schedule};
+pub use bounds::{check_needs, check_schedule, ScheduleError};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -280,6 +282,103 @@ pub enum ScenarioError {
     Set { key: String, message: String },
 }
 
+/// A check serde cannot express, failed: the key it concerns (`train.clip`,
+/// `timeline[2].control`, so a file error can point at its line) and the message, which names
+/// the key and the fix.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct Invalid {
+    pub key: String,
+    pub message: String,
+}
+
+impl Invalid {
+    fn new(key: &str, message: String) -> Invalid {
+        Invalid {
+            key: key.to_string(),
+            message,
+        }
+    }
+}
+
+/// A control that may not be applied: a knob value out of its bounds, a loss scale that is not
+/// positive, a window too large, or a policy that needs a measurement the run has off.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ControlError {
+    #[error("{what} {bound}")]
+    Bounds {
+        what: &'static str,
+        bound: OutOfBounds,
+    },
+    #[error("loss scale must be positive")]
+    LossScale,
+    #[error("{0}")]
+    Window(String),
+    #[error(
+        "set_accum_policy=noise-scale needs train.noise = true (the policy reads the gradient \
+         noise scale); drop it or --set train.noise=true"
+    )]
+    NeedsNoise,
+}
+
+/// A `--control STEP:KIND[=VALUE]` argument that cannot be used, and why.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("--control {arg}: {message}")]
+pub struct ControlArgError {
+    pub arg: String,
+    pub message: String,
+}
+
+/// A `--set` or `--control` value TOML cannot hold.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum BadValue {
+    #[error("bad value `{0}`: beyond the largest number (about 1.8e308)")]
+    BeyondFloat(String),
+    #[error("bad value `{0}`: beyond the largest integer ({max})", max = crate::limits::MAX_INTEGER)]
+    BeyondInteger(String),
+}
+
+/// One `section.key = value` override, parsed: what `--set` and a compare grid item make. Its
+/// `Display` is the `--set` argument that makes it again.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Assignment {
+    /// `section.key`, e.g. `train.accum_steps`.
+    pub key: String,
+    pub value: toml::Value,
+}
+
+impl Assignment {
+    /// `section.key=value`, the value in TOML syntax (bare strings accepted).
+    pub fn parse(text: &str) -> Result<Assignment, ScenarioError> {
+        let (key, raw) = text.split_once('=').ok_or_else(|| ScenarioError::Set {
+            key: text.to_string(),
+            message: "expected section.key=value, e.g. train.accum_steps=4".into(),
+        })?;
+        Assignment::new(key.trim(), raw)
+    }
+
+    /// `key` set to `raw`, read as TOML (bare strings accepted).
+    pub fn new(key: &str, raw: &str) -> Result<Assignment, ScenarioError> {
+        let value = parse_value(raw.trim()).map_err(|e| ScenarioError::Set {
+            key: key.to_string(),
+            message: e.to_string(),
+        })?;
+        let key = key.to_string();
+        Ok(Assignment { key, value })
+    }
+
+    /// A knob's `train.KEY = raw`.
+    pub fn knob(knob: &Knob, raw: &str) -> Result<Assignment, ScenarioError> {
+        Assignment::new(&format!("train.{}", knob.key), raw)
+    }
+}
+
+impl std::fmt::Display for Assignment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}", self.key, self.value)
+    }
+}
+
 impl Scenario {
     /// Parse TOML text; `origin` names the file in errors (`file:line:col`).
     pub fn from_toml(text: &str, origin: &str) -> Result<Scenario, ScenarioError> {
@@ -321,29 +420,22 @@ impl Scenario {
 
     /// Override one field: `section.key=value`, value in TOML syntax (bare strings accepted).
     pub fn set(&mut self, assignment: &str) -> Result<(), ScenarioError> {
-        self.assign(assignment, true)
+        self.apply(&Assignment::parse(assignment)?, true)
     }
 
     /// `set` without the trainability checks (`validate`): the estimator plans for shapes this
     /// program cannot train (e.g. a 50257-token vocabulary). Types are still checked.
     pub fn set_unvalidated(&mut self, assignment: &str) -> Result<(), ScenarioError> {
-        self.assign(assignment, false)
+        self.apply(&Assignment::parse(assignment)?, false)
     }
 
-    fn assign(&mut self, assignment: &str, validate: bool) -> Result<(), ScenarioError> {
-        let (key, raw) = assignment
-            .split_once('=')
-            .ok_or_else(|| ScenarioError::Set {
-                key: assignment.to_string(),
-                message: "expected section.key=value, e.g. train.accum_steps=4".into(),
-            })?;
-        let key = key.trim();
+    /// Apply a parsed override; with `validate`, the result must pass `validate` too.
+    pub fn apply(&mut self, a: &Assignment, validate: bool) -> Result<(), ScenarioError> {
+        let key = a.key.as_str();
         let set_err = |message: String| ScenarioError::Set {
             key: key.to_string(),
             message,
         };
-        let value = parse_value(raw.trim()).map_err(set_err)?;
-
         let mut root = toml::Value::try_from(&*self).map_err(|e| set_err(e.to_string()))?;
         let (section, field) = key.split_once('.').ok_or_else(|| {
             set_err(format!(
@@ -371,28 +463,30 @@ impl Scenario {
                 accepted.join(", ")
             )));
         }
-        table.insert(field.to_string(), value);
+        table.insert(field.to_string(), a.value.clone());
         let updated: Scenario = root.try_into().map_err(|e: toml::de::Error| {
+            let given = match &a.value {
+                toml::Value::String(text) => text.clone(),
+                other => other.to_string(),
+            };
             set_err(format!(
-                "bad value `{}`: {}",
-                raw.trim(),
+                "bad value `{given}`: {}",
                 explain_serde_message(e.message().trim())
             ))
         })?;
         if validate {
-            updated.validate().map_err(set_err)?;
+            updated.validate().map_err(|e| set_err(e.message))?;
         }
         *self = updated;
         Ok(())
     }
 
     /// Checks that serde cannot express. Messages name the key and the fix.
-    pub fn validate(&self) -> Result<(), String> {
-        self.check().map_err(|p| p.message)
+    pub fn validate(&self) -> Result<(), Invalid> {
+        self.check()
     }
 
-    /// `validate`, keeping the offending key so a file error can point at its line.
-    fn check(&self) -> Result<(), Problem> {
+    fn check(&self) -> Result<(), Invalid> {
         let m = &self.model;
         let t = &self.train;
         let d = &self.data;
@@ -402,20 +496,19 @@ impl Scenario {
             ("model.layers", m.layers),
             ("model.heads", m.heads),
             ("model.seq_len", m.seq_len),
-            ("train.micro_batch", t.micro_batch),
-            ("train.accum_steps", t.accum_steps),
         ];
         for (key, v) in at_least_one {
             if v == 0 {
-                return Err(Problem::new(
+                return Err(Invalid::new(
                     key,
                     format!("{key} must be at least 1 (got 0)"),
                 ));
             }
         }
-        bounds::check_scenario(self).map_err(|(key, message)| Problem::new(key, message))?;
+        check_knobs(t)?;
+        bounds::check_scenario(self)?;
         if !m.d_model.is_multiple_of(m.heads) {
-            return Err(Problem::new(
+            return Err(Invalid::new(
                 "model.heads",
                 format!(
                     "model.d_model ({}) must be divisible by model.heads ({})",
@@ -426,12 +519,12 @@ impl Scenario {
         if d.tokenizer == TokenizerKind::Bpe {
             check_bpe(d)?;
         } else if d.tokenizer_file.is_some() {
-            return Err(Problem::new(
+            return Err(Invalid::new(
                 "data.tokenizer_file",
                 "data.tokenizer_file needs data.tokenizer = \"bpe\"".into(),
             ));
         } else if m.vocab > 256 {
-            return Err(Problem::new(
+            return Err(Invalid::new(
                 "model.vocab",
                 format!(
                     "model.vocab ({}) must be at most 256: tokens are bytes (data.tokenizer = \"bpe\" sizes it from the text)",
@@ -440,7 +533,7 @@ impl Scenario {
             ));
         }
         if d.source == DataSource::Synthetic && (d.alphabet < 2 || d.alphabet + 1 > m.vocab) {
-            return Err(Problem::new(
+            return Err(Invalid::new(
                 "data.alphabet",
                 format!(
                     "data.alphabet ({}) must be between 2 and model.vocab - 1 ({})",
@@ -450,33 +543,19 @@ impl Scenario {
             ));
         }
         if d.source == DataSource::File && d.path.is_none() {
-            return Err(Problem::new(
+            return Err(Invalid::new(
                 "data.source",
                 "data.source = \"file\" needs data.path (or use --data FILE)".into(),
             ));
         }
         if !(0.0..1.0).contains(&d.val_fraction) {
-            return Err(Problem::new(
+            return Err(Invalid::new(
                 "data.val_fraction",
                 format!("data.val_fraction ({}) must be in [0, 1)", d.val_fraction),
             ));
         }
-        if let Some(c) = t.clip {
-            if !positive(c) {
-                return Err(Problem::new(
-                    "train.clip",
-                    format!("train.clip ({c}) must be positive; remove it to turn clipping off"),
-                ));
-            }
-        }
-        if !non_negative(t.lr) {
-            return Err(Problem::new(
-                "train.lr",
-                format!("train.lr ({}) must be a finite number ≥ 0", t.lr),
-            ));
-        }
         if !positive(t.loss_scale) {
-            return Err(Problem::new(
+            return Err(Invalid::new(
                 "train.loss_scale",
                 format!("train.loss_scale ({}) must be positive", t.loss_scale),
             ));
@@ -485,7 +564,7 @@ impl Scenario {
         check_comm_timeout(t)?;
         for (i, e) in self.timeline.iter().enumerate() {
             validate_control(&e.control).map_err(|m| {
-                Problem::new(
+                Invalid::new(
                     &format!("timeline[{i}].control"),
                     format!("timeline[{i}] (step {}): {m}", e.step),
                 )
@@ -505,9 +584,9 @@ impl Scenario {
 }
 
 /// Data parallel's timeout (a collective must be given some time) and ZeRO stage.
-fn check_comm_timeout(t: &TrainConfig) -> Result<(), Problem> {
+fn check_comm_timeout(t: &TrainConfig) -> Result<(), Invalid> {
     if t.ranks == 0 || t.ranks > crate::limits::MAX_RANKS {
-        return Err(Problem::new(
+        return Err(Invalid::new(
             "train.ranks",
             format!(
                 "train.ranks ({}) must be from 1 to {}",
@@ -517,7 +596,7 @@ fn check_comm_timeout(t: &TrainConfig) -> Result<(), Problem> {
         ));
     }
     if t.zero > 2 {
-        return Err(Problem::new(
+        return Err(Invalid::new(
             "train.zero",
             format!(
                 "train.zero ({}) must be 0, 1 or 2 (stage 3 is in `gaccwb estimate --zero 3`, \
@@ -529,7 +608,7 @@ fn check_comm_timeout(t: &TrainConfig) -> Result<(), Problem> {
     if t.comm_timeout.is_finite() && t.comm_timeout > 0.0 {
         return Ok(());
     }
-    Err(Problem::new(
+    Err(Invalid::new(
         "train.comm_timeout",
         format!(
             "train.comm_timeout ({}) must be a positive number of seconds, e.g. 60",
@@ -539,9 +618,9 @@ fn check_comm_timeout(t: &TrainConfig) -> Result<(), Problem> {
 }
 
 /// The noise scale's and the adaptive policy's keys.
-fn check_noise(t: &TrainConfig) -> Result<(), Problem> {
+fn check_noise(t: &TrainConfig) -> Result<(), Invalid> {
     if !(0.0..1.0).contains(&t.noise_ema) {
-        return Err(Problem::new(
+        return Err(Invalid::new(
             "train.noise_ema",
             format!(
                 "train.noise_ema ({}) must be in [0, 1), e.g. 0.95",
@@ -550,7 +629,7 @@ fn check_noise(t: &TrainConfig) -> Result<(), Problem> {
         ));
     }
     if t.accum_min < 2 {
-        return Err(Problem::new(
+        return Err(Invalid::new(
             "train.accum_min",
             format!(
                 "train.accum_min ({}) must be at least 2: the noise scale needs K ≥ 2",
@@ -559,7 +638,7 @@ fn check_noise(t: &TrainConfig) -> Result<(), Problem> {
         ));
     }
     if t.accum_max < t.accum_min {
-        return Err(Problem::new(
+        return Err(Invalid::new(
             "train.accum_max",
             format!(
                 "train.accum_max ({}) must be at least train.accum_min ({})",
@@ -568,13 +647,13 @@ fn check_noise(t: &TrainConfig) -> Result<(), Problem> {
         ));
     }
     if t.accum_patience == 0 {
-        return Err(Problem::new(
+        return Err(Invalid::new(
             "train.accum_patience",
             "train.accum_patience must be at least 1 window".into(),
         ));
     }
     if t.accum_policy == AccumPolicy::NoiseScale && !t.noise {
-        return Err(Problem::new(
+        return Err(Invalid::new(
             "train.accum_policy",
             "train.accum_policy = \"noise-scale\" needs train.noise = true".into(),
         ));
@@ -582,19 +661,17 @@ fn check_noise(t: &TrainConfig) -> Result<(), Problem> {
     Ok(())
 }
 
-/// A failed check and the key it concerns (`train.clip`, `timeline[2].control`).
-struct Problem {
-    key: String,
-    message: String,
-}
-
-impl Problem {
-    fn new(key: &str, message: String) -> Problem {
-        Problem {
-            key: key.to_string(),
-            message,
-        }
+/// Every knob's preset value within the knob's bounds (`knob::Values`).
+fn check_knobs(t: &TrainConfig) -> Result<(), Invalid> {
+    let values = serde_json::to_value(t).map_err(|e| Invalid::new("train", e.to_string()))?;
+    for knob in &KNOBS {
+        let value = values.get(knob.key).filter(|v| !v.is_null());
+        knob.check(value).map_err(|bound| {
+            let key = format!("train.{}", knob.key);
+            Invalid::new(&key, format!("{key} {bound}"))
+        })?;
     }
+    Ok(())
 }
 
 /// Byte offset of a dotted key (`train.clip`, `timeline[2].control`) in TOML text, so a value
@@ -662,115 +739,55 @@ pub fn nearest<'a>(given: &str, candidates: &[&'a str]) -> Option<&'a str> {
         .map(|(_, _, c)| c)
 }
 
-/// Value checks shared by presets, the command line and hotkeys.
-pub fn validate_control(c: &Control) -> Result<(), String> {
+/// Value checks shared by presets, the command line and hotkeys: a knob's value within the
+/// bounds its row in the knob table gives, and a positive loss scale.
+pub fn validate_control(c: &Control) -> Result<(), ControlError> {
+    if let Some(knob) = c.knob() {
+        return knob
+            .check(c.value().as_ref())
+            .map_err(|bound| ControlError::Bounds {
+                what: knob.what,
+                bound,
+            });
+    }
     match c {
-        Control::SetAccumSteps { value: 0 } => Err("accumulation steps must be at least 1".into()),
-        Control::SetMicroBatch { value: 0 } => Err("micro-batch must be at least 1".into()),
-        Control::SetClip { value: Some(v) } if !positive(*v) => Err("clip must be positive".into()),
-        Control::SetLr { value } if !non_negative(*value) => Err("lr must be ≥ 0".into()),
-        Control::SetLossScale { value } if !positive(*value) => {
-            Err("loss scale must be positive".into())
-        }
-        Control::SetAccumSteps { value } => crate::limits::at_most(
-            "accumulation steps",
-            *value as u64,
-            crate::limits::MAX_ACCUM_STEPS as u64,
-        ),
-        Control::SetMicroBatch { value } => crate::limits::at_most(
-            "micro-batch",
-            *value as u64,
-            crate::limits::MAX_MICRO_BATCH as u64,
-        ),
+        Control::SetLossScale { value } if !positive(*value) => Err(ControlError::LossScale),
         _ => Ok(()),
     }
 }
 
 pub const SECTIONS: [&str; 3] = ["model", "data", "train"];
 
-/// The keys a section accepts. The lists are written out (the strings must be `'static`);
-/// `keys_of_matches_the_structs` holds them to each section's serialised default.
+/// The keys a section accepts, in declaration order: read from the section's `Deserialize`
+/// impl, so they cannot drift from the struct.
 pub fn keys_of(section: &str) -> Vec<&'static str> {
-    const MODEL: &[&str] = &["vocab", "d_model", "layers", "heads", "seq_len"];
-    const DATA: &[&str] = &[
-        "source",
-        "path",
-        "seed",
-        "min_doc_len",
-        "max_doc_len",
-        "alphabet",
-        "val_fraction",
-        "tokenizer",
-        "vocab",
-        "tokenizer_file",
-    ];
-    const TRAIN: &[&str] = &[
-        "steps",
-        "seed",
-        "micro_batch",
-        "accum_steps",
-        "lr",
-        "lr_rule",
-        "base_batch",
-        "warmup",
-        "decay_steps",
-        "min_lr_ratio",
-        "clip",
-        "loss_norm",
-        "zero_grad",
-        "weight_decay",
-        "beta1",
-        "beta2",
-        "eps",
-        "dtype",
-        "offload",
-        "offload_grads",
-        "loss_scale",
-        "scale_growth_interval",
-        "eval_every",
-        "eval_batches",
-        "checkpointing",
-        "max_nonfinite_windows",
-        "memory_budget",
-        "guard_retries",
-        "noise",
-        "noise_ema",
-        "accum_policy",
-        "accum_min",
-        "accum_max",
-        "accum_patience",
-        "ranks",
-        "sync",
-        "rank_loss_norm",
-        "comm_timeout",
-        "zero",
-        "zero2_accumulate",
-    ];
     match section {
-        "model" => MODEL.to_vec(),
-        "data" => DATA.to_vec(),
-        "train" => TRAIN.to_vec(),
-        _ => Vec::new(),
+        "model" => fields::of::<ModelConfig>(),
+        "data" => fields::of::<DataConfig>(),
+        "train" => fields::of::<TrainConfig>(),
+        _ => &[],
     }
+    .to_vec()
 }
 
-/// `4` → integer, `1e-3` → float, `true` → bool, anything else → string.
 /// A control from the command line: `STEP:KIND[=VALUE]`, e.g. `100:set_accum_steps=8`,
 /// `0:set_clip` (clipping off), `50:set_dtype=f16`.
-pub fn parse_control_arg(arg: &str) -> Result<TimelineEntry, String> {
+pub fn parse_control_arg(arg: &str) -> Result<TimelineEntry, ControlArgError> {
+    let fail = |message: String| ControlArgError {
+        arg: arg.to_string(),
+        message,
+    };
     let usage = "expected STEP:KIND[=VALUE], e.g. 100:set_accum_steps=8";
-    let (step, rest) = arg
-        .split_once(':')
-        .ok_or_else(|| format!("--control {arg}: {usage}"))?;
+    let (step, rest) = arg.split_once(':').ok_or_else(|| fail(usage.into()))?;
     let step: u64 = step
         .trim()
         .parse()
-        .map_err(|_| format!("--control {arg}: `{step}` is not a step number; {usage}"))?;
+        .map_err(|_| fail(format!("`{step}` is not a step number; {usage}")))?;
     let mut table = toml::Table::new();
     let (kind, value) = match rest.split_once('=') {
         Some((k, v)) => (
             k.trim(),
-            Some(parse_value(v.trim()).map_err(|e| format!("--control {arg}: {e}"))?),
+            Some(parse_value(v.trim()).map_err(|e| fail(e.to_string()))?),
         ),
         None => (rest.trim(), None),
     };
@@ -781,42 +798,38 @@ pub fn parse_control_arg(arg: &str) -> Result<TimelineEntry, String> {
     }
     let control: Control = toml::Value::Table(table)
         .try_into()
-        .map_err(|e: toml::de::Error| format!("--control {arg}: {}", e.message().trim()))?;
+        .map_err(|e: toml::de::Error| fail(e.message().trim().to_string()))?;
     // Serde ignores a value the kind does not take (`stop=1`): refuse it instead.
     let takes_value = toml::Value::try_from(&control)
         .ok()
         .and_then(|t| t.get("value").cloned())
         .is_some();
     if given && !takes_value {
-        return Err(format!(
-            "--control {arg}: `{kind}` takes no value; write {step}:{kind}"
-        ));
+        return Err(fail(format!(
+            "`{kind}` takes no value; write {step}:{kind}"
+        )));
     }
-    validate_control(&control).map_err(|m| format!("--control {arg}: {m}"))?;
+    validate_control(&control).map_err(|m| fail(m.to_string()))?;
     Ok(TimelineEntry { step, control })
 }
 
-/// A `--set` or `--control` value as TOML reads it; text TOML does not read is a string, unless
-/// it is a number TOML cannot hold (`1e309`), which is refused as such.
-fn parse_value(raw: &str) -> Result<toml::Value, String> {
+/// A `--set` or `--control` value as TOML reads it: `4` → integer, `1e-3` → float, `true` →
+/// bool; text TOML does not read is a string, unless it is a number TOML cannot hold (`1e309`),
+/// which is refused as such.
+fn parse_value(raw: &str) -> Result<toml::Value, BadValue> {
     let wrapped = format!("v = {raw}");
     match toml::from_str::<toml::Table>(&wrapped) {
         Ok(mut t) => Ok(t
             .remove("v")
             .unwrap_or_else(|| toml::Value::String(raw.into()))),
         Err(_) => match raw.parse::<f64>() {
-            Ok(x) if x.is_infinite() => Err(format!(
-                "bad value `{raw}`: beyond the largest number (about 1.8e308)"
-            )),
+            Ok(x) if x.is_infinite() => Err(BadValue::BeyondFloat(raw.into())),
             Ok(_)
                 if raw
                     .bytes()
                     .all(|b| b.is_ascii_digit() || b == b'-' || b == b'+') =>
             {
-                Err(format!(
-                    "bad value `{raw}`: beyond the largest integer ({})",
-                    crate::limits::MAX_INTEGER
-                ))
+                Err(BadValue::BeyondInteger(raw.into()))
             }
             _ => Ok(toml::Value::String(raw.trim_matches('"').to_string())),
         },
@@ -840,24 +853,20 @@ fn positive(x: f64) -> bool {
     x.is_finite() && x > 0.0
 }
 
-fn non_negative(x: f64) -> bool {
-    x.is_finite() && x >= 0.0
-}
-
 /// Largest BPE vocabulary accepted: Llama 3's is 128,256.
 const MAX_BPE_VOCAB: usize = 1 << 18;
 
 /// A BPE needs text, and a trained one more tokens than the 256 bytes it starts from.
-fn check_bpe(d: &DataConfig) -> Result<(), Problem> {
+fn check_bpe(d: &DataConfig) -> Result<(), Invalid> {
     if d.source == DataSource::Synthetic {
-        return Err(Problem::new(
+        return Err(Invalid::new(
             "data.tokenizer",
             "data.tokenizer = \"bpe\" needs text: set data.source = \"file\" (--data FILE) or \"docs\""
                 .into(),
         ));
     }
     if d.tokenizer_file.is_none() && !(257..=MAX_BPE_VOCAB).contains(&d.vocab) {
-        return Err(Problem::new(
+        return Err(Invalid::new(
             "data.vocab",
             format!(
                 "data.vocab ({}) must be between 257 and {MAX_BPE_VOCAB}: a byte-level BPE starts from the 256 bytes",
@@ -903,20 +912,15 @@ mod tests {
         assert_eq!(e.control, Control::SetClip { value: None });
         let e = parse_control_arg("5:set_dtype=f16").unwrap();
         assert_eq!(e.control, Control::SetDtype { value: Dtype::F16 });
-        assert!(parse_control_arg("x:set_clip")
-            .unwrap_err()
-            .contains("step number"));
-        assert!(parse_control_arg("3:set_accum_steps=0")
-            .unwrap_err()
-            .contains("at least 1"));
-        assert!(parse_control_arg("3:set_acum_steps=2")
-            .unwrap_err()
-            .contains("set_acum_steps"));
+        let err = |arg: &str| parse_control_arg(arg).unwrap_err().to_string();
+        assert!(err("x:set_clip").contains("step number"));
+        assert!(err("3:set_accum_steps=0").contains("at least 1"));
+        assert!(err("3:set_acum_steps=2").contains("set_acum_steps"));
         assert_eq!(parse_control_arg("5:stop").unwrap().control, Control::Stop);
-        let err = parse_control_arg("5:stop=1").unwrap_err();
-        assert!(err.contains("`stop` takes no value"), "{err}");
-        let err = parse_control_arg("5:set_lr=1e309").unwrap_err();
-        assert!(err.contains("beyond the largest number"), "{err}");
+        let e = err("5:stop=1");
+        assert!(e.contains("`stop` takes no value"), "{e}");
+        let e = err("5:set_lr=1e309");
+        assert!(e.contains("beyond the largest number"), "{e}");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use ratatui::widgets::{Paragraph, Wrap};
 use ratatui::Frame;
 
 use super::{block, Theme};
+use crate::control::KNOBS;
 use crate::telemetry::Control;
 use crate::tui::app::{App, PaneId};
 
@@ -40,67 +41,42 @@ fn knob(name: &str, now: String, pending: Option<String>, theme: Theme) -> Vec<S
     spans
 }
 
-fn clip_text(c: Option<f64>) -> String {
-    c.map(|v| format!("{v}")).unwrap_or_else(|| "off".into())
+/// The knobs the knob table puts on pane line `line`, each with its pending value, then what
+/// the line adds that is not a knob (`extra`).
+fn knob_line(app: &App, line: u8, extra: Vec<Span<'static>>, theme: Theme) -> Line<'static> {
+    let (now, target) = (&app.run.knobs, app.target_knobs());
+    let mut spans = Vec::new();
+    for k in KNOBS.iter().filter(|k| k.pane == Some(line)) {
+        let (a, b) = (k.show(now), k.show(&target));
+        let pending = (a != b).then_some(b);
+        spans.extend(knob(k.label, a, pending, theme));
+    }
+    spans.extend(extra);
+    Line::from(spans)
 }
 
 pub fn lines(app: &App, theme: Theme) -> Vec<Line<'static>> {
     let k = &app.run.knobs;
-    let t = app.target_knobs();
-    let differs = |a: String, b: String| if a != b { Some(b) } else { None };
-    let mut out = Vec::new();
-    let mut l1 = knob(
-        "K",
-        k.accum_steps.to_string(),
-        differs(k.accum_steps.to_string(), t.accum_steps.to_string()),
-        theme,
-    );
-    l1.extend(knob(
-        "B",
-        k.micro_batch.to_string(),
-        differs(k.micro_batch.to_string(), t.micro_batch.to_string()),
-        theme,
-    ));
+    let lr_now = app.last().map(|s| s.lr).unwrap_or(k.lr);
     // Data parallel: W ranks each train K·B samples of the window.
     let ranks = app.run.header.as_ref().and_then(|h| h.ranks).unwrap_or(1);
+    let mut batch = Vec::new();
     if ranks > 1 {
-        l1.extend(knob("W", ranks.to_string(), None, theme));
+        batch.extend(knob("W", ranks.to_string(), None, theme));
     }
-    let eff = k.effective_batch() * ranks;
-    l1.extend(knob("eff", eff.to_string(), None, theme));
-    out.push(Line::from(l1));
-
-    let lr_now = app.last().map(|s| s.lr).unwrap_or(k.lr);
-    let mut l2 = knob(
-        "clip",
-        clip_text(k.clip),
-        differs(clip_text(k.clip), clip_text(t.clip)),
-        theme,
-    );
-    l2.extend(knob("lr", format!("{lr_now:.2e}"), None, theme));
-    l2.extend(knob(
-        "rule",
-        k.lr_rule.name().into(),
-        differs(k.lr_rule.name().into(), t.lr_rule.name().into()),
+    batch.extend(knob(
+        "eff",
+        (k.effective_batch() * ranks).to_string(),
+        None,
         theme,
     ));
-    out.push(Line::from(l2));
-
-    let onoff = |b: bool| if b { "on" } else { "off" }.to_string();
-    let mut l3 = knob(
-        "dtype",
-        k.dtype.name().into(),
-        differs(k.dtype.name().into(), t.dtype.name().into()),
-        theme,
-    );
-    l3.extend(knob(
-        "offload",
-        onoff(k.offload),
-        differs(onoff(k.offload), onoff(t.offload)),
-        theme,
-    ));
-    l3.extend(knob("dev", app.device_name().to_string(), None, theme));
-    out.push(Line::from(l3));
+    let lr = knob("lr", format!("{lr_now:.2e}"), None, theme);
+    let dev = knob("dev", app.device_name().to_string(), None, theme);
+    let mut out = vec![
+        knob_line(app, 0, batch, theme),
+        knob_line(app, 1, lr, theme),
+        knob_line(app, 2, dev, theme),
+    ];
     out.push(super::noise::status_line(app, theme));
 
     if let Some(s) = app.last() {

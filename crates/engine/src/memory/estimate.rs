@@ -158,19 +158,10 @@ impl Estimate {
     }
 }
 
-/// Controls that change what the step holds, so a new estimate is due.
+/// Controls that change what the step holds, so a new estimate is due (the knob table's
+/// `moves_memory`).
 pub fn changes_memory(c: &Control) -> bool {
-    matches!(
-        c,
-        Control::SetAccumSteps { .. }
-            | Control::SetMicroBatch { .. }
-            | Control::SetDtype { .. }
-            | Control::SetOffload { .. }
-            | Control::SetLossNorm { .. }
-            | Control::SetZeroGrad { .. }
-            | Control::SetClip { .. }
-            | Control::SetCheckpointing { .. }
-    )
+    c.knob().is_some_and(|k| k.moves_memory)
 }
 
 /// Shape figures the formulas share.

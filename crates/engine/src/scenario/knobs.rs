@@ -1,59 +1,78 @@
 //! The knobs' one link to the configuration: read from it at the start, written back into it
-//! when a run's knobs must be saved (a recording started mid-run, a checkpoint).
+//! when a run's knobs must be saved (a recording started mid-run, a checkpoint). Each knob's
+//! `Knobs` field and `[train]` key share the name the knob table gives (`control::KNOBS`), so
+//! both directions are serde moving those keys, with no line per knob.
+
+use serde_json::{Map, Value};
 
 use super::{Scenario, TrainConfig};
 use crate::control::Knobs;
 
 impl Knobs {
+    /// The knobs a configuration starts with: each field from the `[train]` key of its name.
     pub fn from_scenario(s: &Scenario) -> Knobs {
-        let t = &s.train;
-        Knobs {
-            accum_steps: t.accum_steps,
-            micro_batch: t.micro_batch,
-            clip: t.clip,
-            lr: t.lr,
-            lr_rule: t.lr_rule,
-            dtype: t.dtype,
-            offload: t.offload,
-            offload_grads: t.offload_grads,
-            loss_norm: t.loss_norm,
-            zero_grad: t.zero_grad,
-            checkpointing: t.checkpointing,
-            accum_policy: t.accum_policy,
-            noise: t.noise,
-        }
+        // A `[train]` table has every knob's key with a value of the knob's type.
+        #[allow(clippy::expect_used)]
+        serde_json::from_value(Value::Object(as_object(&s.train))).expect("[train] holds the knobs")
     }
 
     /// Write the knobs back into a configuration (the header of a recording started mid-run, a
-    /// checkpoint). The destructuring names every field, so a new knob cannot be forgotten here.
+    /// checkpoint): every `Knobs` field replaces the `[train]` key of its name.
     pub fn write_into(&self, t: &mut TrainConfig) {
-        let Knobs {
-            accum_steps,
-            micro_batch,
-            clip,
-            lr,
-            lr_rule,
-            dtype,
-            offload,
-            offload_grads,
-            loss_norm,
-            zero_grad,
-            checkpointing,
-            accum_policy,
-            noise,
-        } = self.clone();
-        t.accum_steps = accum_steps;
-        t.micro_batch = micro_batch;
-        t.clip = clip;
-        t.lr = lr;
-        t.lr_rule = lr_rule;
-        t.dtype = dtype;
-        t.offload = offload;
-        t.offload_grads = offload_grads;
-        t.loss_norm = loss_norm;
-        t.zero_grad = zero_grad;
-        t.checkpointing = checkpointing;
-        t.accum_policy = accum_policy;
-        t.noise = noise;
+        let mut config = as_object(t);
+        for (key, value) in as_object(self) {
+            config.insert(key, value);
+        }
+        // The same keys with values of the same types as the ones they replace.
+        #[allow(clippy::expect_used)]
+        let written = serde_json::from_value(Value::Object(config)).expect("knobs fit [train]");
+        *t = written;
+    }
+}
+
+/// A struct's fields by name, as serde writes them (`None` as null).
+fn as_object(value: &impl serde::Serialize) -> Map<String, Value> {
+    match serde_json::to_value(value) {
+        Ok(Value::Object(map)) => map,
+        _ => Map::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::{Checkpointing, Dtype, KNOBS};
+
+    /// Every knob's key is a `[train]` key and a `Knobs` field: a value set in the preset
+    /// reaches the knobs, and a knob's value written back reaches the preset.
+    #[test]
+    fn knobs_round_trip_through_the_configuration() {
+        let mut s = Scenario::default();
+        s.train.accum_steps = 4;
+        s.train.clip = None;
+        s.train.checkpointing = Checkpointing::Every(2);
+        let mut k = Knobs::from_scenario(&s);
+        assert_eq!(
+            (k.accum_steps, k.clip, k.checkpointing),
+            (4, None, Checkpointing::Every(2))
+        );
+        k.dtype = Dtype::Bf16;
+        k.clip = Some(0.5);
+        let mut t = TrainConfig::default();
+        k.write_into(&mut t);
+        assert_eq!(
+            (t.dtype, t.clip, t.accum_steps),
+            (Dtype::Bf16, Some(0.5), 4)
+        );
+        let config = as_object(&t);
+        let knobs = as_object(&k);
+        for knob in &KNOBS {
+            assert!(
+                config.contains_key(knob.key),
+                "{}: no [train] key",
+                knob.key
+            );
+            assert_eq!(config.get(knob.key), knobs.get(knob.key), "{}", knob.key);
+        }
     }
 }
