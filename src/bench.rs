@@ -123,7 +123,7 @@ pub fn measure(
             tokens_per_step = step.tokens;
         }
     }
-    let knobs = &trainer.knobs;
+    let knobs = trainer.knobs();
     Ok(Measurement {
         micro_batch: knobs.micro_batch,
         accum_steps: knobs.accum_steps,

@@ -21,7 +21,7 @@ use crate::safe_write::{self, DirLock, Inputs, Overwrite};
 use crate::scenario::Scenario;
 use crate::telemetry::{Control, EndReason, Event, Level, LogEvent};
 use crate::train::scaler::LossScaler;
-use crate::train::{AfterStep, EventSink, Knobs, Trainer};
+use crate::train::{AfterStep, EventSink, Knobs, Progress, Saved, Trainer};
 
 /// Version of the checkpoint layout; a newer one is refused.
 pub const CHECKPOINT_VERSION: u32 = 1;
@@ -83,7 +83,7 @@ struct Saver {
 impl AfterStep for Saver {
     fn after_step(&mut self, trainer: &Trainer, sink: &EventSink) -> Option<EndReason> {
         let every = self.policy.every;
-        if every == 0 || !trainer.step.is_multiple_of(every) {
+        if every == 0 || !trainer.step().is_multiple_of(every) {
             return None;
         }
         self.tried += 1;
@@ -92,10 +92,10 @@ impl AfterStep for Saver {
                 self.saved += 1;
                 let message = format!(
                     "checkpoint at step {} saved to {}",
-                    trainer.step,
+                    trainer.step(),
                     path.display()
                 );
-                log(sink, trainer.step, Level::Info, message);
+                log(sink, trainer.step(), Level::Info, message);
                 return None;
             }
             Err(e) => format!("{e:#}"),
@@ -113,9 +113,9 @@ impl AfterStep for Saver {
         };
         let message = format!(
             "checkpoint at step {} failed: {error}{consequence}",
-            trainer.step
+            trainer.step()
         );
-        log(sink, trainer.step, level, message);
+        log(sink, trainer.step(), level, message);
         None
     }
 
@@ -156,25 +156,26 @@ pub fn save(trainer: &Trainer, dir: &Path) -> anyhow::Result<PathBuf> {
 fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let rules = Overwrite::new(true, inputs.clone());
-    let tensors_name = format!("step-{:08}.safetensors", trainer.step);
+    let tensors_name = format!("step-{:08}.safetensors", trainer.step());
     let tensor_path = dir.join(&tensors_name);
     let tensors = safetensors::serialize(tensor_map(trainer)?, None)
         .with_context(|| format!("serialising the tensors for {}", tensor_path.display()))?;
     safe_write::write_file(&tensor_path, &tensors, "checkpoint", &rules)?;
     drop(tensors);
 
+    let progress = trainer.progress();
     let state = State {
         version: CHECKPOINT_VERSION,
-        step: trainer.step,
-        lr_step: trainer.lr_step,
-        cursor: trainer.cursor,
-        overflow_count: trainer.overflow_count,
-        adam_t: trainer.opt.t,
-        loss_scale: trainer.scaler.scale,
-        scale_growth_interval: trainer.scaler.growth_interval,
-        scale_clean_steps: trainer.scaler.clean_steps,
-        knobs: trainer.knobs.clone(),
-        scenario: trainer.scenario.clone(),
+        step: progress.step,
+        lr_step: progress.lr_step,
+        cursor: progress.cursor,
+        overflow_count: progress.overflow_count,
+        adam_t: trainer.optimizer().t,
+        loss_scale: trainer.scaler().scale,
+        scale_growth_interval: trainer.scaler().growth_interval,
+        scale_clean_steps: trainer.scaler().clean_steps,
+        knobs: trainer.knobs().clone(),
+        scenario: trainer.scenario().clone(),
         tensors: tensors_name.clone(),
     };
     let state_path = dir.join(STATE_FILE);
@@ -186,10 +187,11 @@ fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<P
 
 fn tensor_map(trainer: &Trainer) -> anyhow::Result<HashMap<String, Tensor>> {
     let mut map = HashMap::new();
-    for (i, p) in trainer.model.params.iter().enumerate() {
+    let opt = trainer.optimizer();
+    for (i, p) in trainer.params().iter().enumerate() {
         map.insert(format!("param/{}", p.name), p.var.as_tensor().clone());
-        map.insert(format!("adam_m/{}", p.name), trainer.opt.m[i].clone());
-        map.insert(format!("adam_v/{}", p.name), trainer.opt.v[i].clone());
+        map.insert(format!("adam_m/{}", p.name), opt.m[i].clone());
+        map.insert(format!("adam_v/{}", p.name), opt.v[i].clone());
     }
     Ok(map)
 }
@@ -390,36 +392,32 @@ pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> anyhow::Resu
         }
         Ok(t)
     };
-    for p in &trainer.model.params {
-        let w = take(format!("param/{}", p.name), p.var.as_tensor())?;
-        p.var.set(&w.to_device(p.var.device())?)?;
-    }
-    // Offload follows the checkpoint's knobs; host master copies are retaken from the loaded
-    // weights (going through "off" drops any copies taken from the fresh initialisation).
-    let params = &trainer.model.params;
-    trainer.opt.set_offload(false, params)?;
-    trainer.opt.set_offload(state.knobs.offload, params)?;
-    let state_device = trainer.opt.state_device(&trainer.model.params);
-    for (i, p) in trainer.model.params.iter().enumerate() {
-        let m = take(format!("adam_m/{}", p.name), p.var.as_tensor())?;
-        let v = take(format!("adam_v/{}", p.name), p.var.as_tensor())?;
-        trainer.opt.m[i] = m.to_device(&state_device)?;
-        trainer.opt.v[i] = v.to_device(&state_device)?;
-    }
-    trainer.opt.t = state.adam_t;
-    trainer.scaler = LossScaler {
-        scale: state.loss_scale,
-        growth_interval: state.scale_growth_interval,
-        clean_steps: state.scale_clean_steps,
-        floor_overflows: 0,
+    let params = trainer.params();
+    let mut each = |prefix: &str| -> anyhow::Result<Vec<Tensor>> {
+        params
+            .iter()
+            .map(|p| take(format!("{prefix}/{}", p.name), p.var.as_tensor()))
+            .collect()
     };
-    trainer.knobs = state.knobs.clone();
-    trainer.step = state.step;
-    trainer.lr_step = state.lr_step;
-    trainer.cursor = state.cursor;
-    trainer.overflow_count = state.overflow_count;
-    // The restored tensors were written on this thread's stream; the trainer's thread must see
-    // them complete before its first kernel reads them.
-    trainer.device.synchronize()?;
+    let (weights, m, v) = (each("param")?, each("adam_m")?, each("adam_v")?);
+    trainer.resume(Saved {
+        weights,
+        m,
+        v,
+        adam_t: state.adam_t,
+        scaler: LossScaler {
+            scale: state.loss_scale,
+            growth_interval: state.scale_growth_interval,
+            clean_steps: state.scale_clean_steps,
+            floor_overflows: 0,
+        },
+        knobs: state.knobs.clone(),
+        progress: Progress {
+            step: state.step,
+            lr_step: state.lr_step,
+            cursor: state.cursor,
+            overflow_count: state.overflow_count,
+        },
+    })?;
     Ok(())
 }

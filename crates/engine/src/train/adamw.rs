@@ -57,6 +57,28 @@ impl AdamW {
         }
     }
 
+    /// Replace the moments with saved ones (moved to where the state lives) and the step count
+    /// with `t`.
+    pub fn load_moments(
+        &mut self,
+        params: &[Param],
+        m: Vec<Tensor>,
+        v: Vec<Tensor>,
+        t: u64,
+    ) -> Result<()> {
+        let device = self.state_device(params);
+        self.m = m
+            .iter()
+            .map(|m| m.to_device(&device))
+            .collect::<Result<_>>()?;
+        self.v = v
+            .iter()
+            .map(|v| v.to_device(&device))
+            .collect::<Result<_>>()?;
+        self.t = t;
+        Ok(())
+    }
+
     /// Bytes of the two moments.
     pub fn moment_bytes(&self) -> u64 {
         self.m

@@ -119,17 +119,17 @@ pub fn check_model_fits(scenario: &Scenario, device: &Device) -> Result<(), Stri
 
 /// Refuse, at the boundary, a knob change whose window overflows or that would not fit.
 pub fn check_knob_change(trainer: &Trainer, c: &Control) -> Result<(), String> {
-    let mut next = trainer.knobs.clone();
+    let mut next = trainer.knobs().clone();
     next.apply(c);
-    let model = &trainer.scenario.model;
+    let model = &trainer.scenario().model;
     crate::limits::check_window(next.micro_batch, next.accum_steps, model.seq_len)?;
     if !changes_memory(c) {
         return Ok(());
     }
-    let unified = trainer.memory.unified();
-    let current = Config::from_knobs(model, &trainer.knobs, unified);
+    let unified = trainer.memory().unified();
+    let current = Config::from_knobs(model, trainer.knobs(), unified);
     let wanted = Config::from_knobs(model, &next, unified);
-    fit::check_growth(Some(&current), &wanted, budget(&trainer.device))
+    fit::check_growth(Some(&current), &wanted, budget(trainer.device()))
         .map_err(|e| format!("it does not fit: {e}"))
 }
 

@@ -14,9 +14,10 @@
 //!
 //! Every change is a `Control` with origin `guard`, logged with the figure that caused it.
 
-use super::{Interrupt, Trainer};
+use super::{Interrupt, Knobs};
 use crate::memory::estimate::{estimate, largest_micro_batch, Config};
 use crate::memory::planner::{human_bytes, Verdict};
+use crate::scenario::ModelConfig;
 use crate::telemetry::{Control, ControlEvent, Event, Level, LogEvent, MemoryEvent, Origin, Phase};
 
 /// The guard's state on the trainer.
@@ -108,92 +109,156 @@ fn split_controls(micro_batch: usize, effective: usize) -> [Control; 2] {
     ]
 }
 
-/// Before the run: fit the configured micro-batch to the budget by the estimate, or refuse.
-pub fn plan_start(trainer: &mut Trainer) -> anyhow::Result<()> {
-    let Some(budget) = trainer.guard.budget else {
-        return Ok(());
-    };
-    let cfg = Config::from_knobs(
-        &trainer.scenario.model,
-        &trainer.knobs,
-        trainer.memory.unified(),
-    );
-    let effective = trainer.knobs.effective_batch();
-    let peak = estimate(&cfg).peak();
-    if peak <= budget {
-        return Ok(());
+impl Guard {
+    /// Before the run: fit the configured micro-batch to the budget by the estimate (the split
+    /// is queued for the first boundary), or refuse the run.
+    pub fn plan_start(
+        &mut self,
+        model: &ModelConfig,
+        knobs: &Knobs,
+        unified: bool,
+        step: u64,
+    ) -> anyhow::Result<()> {
+        let Some(budget) = self.budget else {
+            return Ok(());
+        };
+        let cfg = Config::from_knobs(model, knobs, unified);
+        let effective = knobs.effective_batch();
+        let peak = estimate(&cfg).peak();
+        if peak <= budget {
+            return Ok(());
+        }
+        let Some(row) = largest_micro_batch(&cfg, effective, budget) else {
+            anyhow::bail!(
+                "the memory budget ({}) cannot hold this run at any micro-batch:\n{}",
+                human_bytes(budget),
+                Verdict::new(&cfg, effective, budget).render(effective)
+            );
+        };
+        self.queued
+            .extend(split_controls(row.micro_batch, effective));
+        self.announcements.push(log(
+            step,
+            Level::Warn,
+            format!(
+                "guard: predicted peak {} at B={} exceeds the budget {}; starting at B={} K={} \
+                 (predicted {})",
+                human_bytes(peak),
+                cfg.micro_batch,
+                human_bytes(budget),
+                row.micro_batch,
+                row.accum_steps,
+                human_bytes(row.peak)
+            ),
+        ));
+        Ok(())
     }
-    let Some(row) = largest_micro_batch(&cfg, effective, budget) else {
-        anyhow::bail!(
-            "the memory budget ({}) cannot hold this run at any micro-batch:\n{}",
-            human_bytes(budget),
-            Verdict::new(&cfg, effective, budget).render(effective)
-        );
-    };
-    trainer
-        .guard
-        .queued
-        .extend(split_controls(row.micro_batch, effective));
-    trainer.guard.announcements.push(log(
-        trainer.step,
-        Level::Warn,
-        format!(
-            "guard: predicted peak {} at B={} exceeds the budget {}; starting at B={} K={} \
-             (predicted {})",
-            human_bytes(peak),
-            cfg.micro_batch,
-            human_bytes(budget),
-            row.micro_batch,
-            row.accum_steps,
-            human_bytes(row.peak)
-        ),
-    ));
-    Ok(())
-}
 
-/// After a step: compare the measured phase peaks with the budget; over it, queue half the
-/// micro-batch (and K to match) for the next boundary. Returns the log to send, if any.
-pub fn after_step(trainer: &mut Trainer, memory: &[MemoryEvent]) -> Option<Event> {
-    let budget = trainer.guard.budget?;
-    let worst = memory
-        .iter()
-        .filter(|m| m.phase != Phase::Step)
-        .max_by_key(|m| m.peak)?;
-    if worst.peak <= budget {
-        return None;
-    }
-    let (b, effective) = (trainer.knobs.micro_batch, trainer.knobs.effective_batch());
-    let (peak, limit) = distinct_sizes(worst.peak, budget);
-    let measured = format!(
-        "measured {:?} peak {peak} ({:?}) at step {} exceeds the budget {limit}",
-        worst.phase, worst.source, worst.step,
-    );
-    if b == 1 {
-        // Said once: every later step at B=1 would say the same.
-        if std::mem::replace(&mut trainer.guard.said_nothing_left, true) {
+    /// After step `step`: compare the measured phase peaks with the budget; over it, queue half
+    /// the micro-batch (and K to match) for the next boundary. Returns the log to send, if any.
+    pub fn after_step(
+        &mut self,
+        knobs: &Knobs,
+        step: u64,
+        memory: &[MemoryEvent],
+    ) -> Option<Event> {
+        let budget = self.budget?;
+        let worst = memory
+            .iter()
+            .filter(|m| m.phase != Phase::Step)
+            .max_by_key(|m| m.peak)?;
+        if worst.peak <= budget {
             return None;
         }
-        return Some(log(
-            trainer.step,
+        let (b, effective) = (knobs.micro_batch, knobs.effective_batch());
+        let (peak, limit) = distinct_sizes(worst.peak, budget);
+        let measured = format!(
+            "measured {:?} peak {peak} ({:?}) at step {} exceeds the budget {limit}",
+            worst.phase, worst.source, worst.step,
+        );
+        if b == 1 {
+            // Said once: every later step at B=1 would say the same.
+            if std::mem::replace(&mut self.said_nothing_left, true) {
+                return None;
+            }
+            return Some(log(
+                step,
+                Level::Warn,
+                format!("guard: {measured}; already at micro-batch 1, nothing left to trade for K"),
+            ));
+        }
+        self.said_nothing_left = false;
+        let smaller = smaller_micro_batch(b, effective);
+        self.queued.extend(split_controls(smaller, effective));
+        Some(log(
+            step,
             Level::Warn,
-            format!("guard: {measured}; already at micro-batch 1, nothing left to trade for K"),
-        ));
+            format!(
+                "guard: {measured}; B {b}→{smaller}, K {}→{} at the next boundary",
+                knobs.accum_steps,
+                effective / smaller
+            ),
+        ))
     }
-    trainer.guard.said_nothing_left = false;
-    let smaller = smaller_micro_batch(b, effective);
-    trainer
-        .guard
-        .queued
-        .extend(split_controls(smaller, effective));
-    Some(log(
-        trainer.step,
-        Level::Warn,
-        format!(
-            "guard: {measured}; B {b}→{smaller}, K {}→{} at the next boundary",
-            trainer.knobs.accum_steps,
-            effective / smaller
-        ),
-    ))
+
+    /// The window of step `step + 1` failed under `knobs`: on an out-of-memory error, halve B
+    /// (doubling K) and retry, or at B=1 retry up to `retries` times; anything else ends the
+    /// window as before.
+    pub(super) fn after_failure(
+        &mut self,
+        knobs: &Knobs,
+        step: u64,
+        failure: Interrupt,
+        failures_at_one: &mut u32,
+    ) -> AfterFailure {
+        let Interrupt::Failed(e) = failure else {
+            return AfterFailure::GiveUp(failure);
+        };
+        if !is_out_of_memory(&e) {
+            return AfterFailure::GiveUp(Interrupt::Failed(e));
+        }
+        let (b, effective) = (knobs.micro_batch, knobs.effective_batch());
+        if b == 1 {
+            *failures_at_one += 1;
+            if *failures_at_one > self.retries {
+                return AfterFailure::GiveUp(Interrupt::Failed(candle_core::Error::Msg(format!(
+                    "out of memory at micro-batch 1 after {} retries (train.guard_retries); the \
+                     run cannot go smaller: {e}",
+                    self.retries
+                ))));
+            }
+            self.announcements.push(log(
+                step,
+                Level::Warn,
+                format!(
+                    "guard: out of memory at micro-batch 1 (retry {} of {}): {e}",
+                    failures_at_one, self.retries
+                ),
+            ));
+            return AfterFailure::Retry(Vec::new());
+        }
+        let smaller = smaller_micro_batch(b, effective);
+        self.split_from.get_or_insert(b);
+        let now = split_controls(smaller, effective);
+        for control in &now {
+            self.announcements.push(Event::Control(ControlEvent {
+                step,
+                origin: Origin::Guard,
+                control: control.clone(),
+            }));
+        }
+        self.announcements.push(log(
+            step,
+            Level::Warn,
+            format!(
+                "guard: out of memory inside the window of step {}: {e}; partial gradients dropped, \
+                 cursor rewound, the same samples retried at B={smaller} K={}",
+                step + 1,
+                effective / smaller
+            ),
+        ));
+        AfterFailure::Retry(now.into())
+    }
 }
 
 /// Two sizes as the log shows them, in bytes when the rounded figures would look equal
@@ -215,69 +280,10 @@ pub fn is_out_of_memory(e: &candle_core::Error) -> bool {
 
 /// What to do after a window failed.
 pub(super) enum AfterFailure {
-    /// Retry the window's samples with the knobs now in force.
-    Retry,
+    /// Apply these controls at once (the guard's smaller split), then retry the window's samples.
+    Retry(Vec<Control>),
+    /// End the window with this interrupt.
     GiveUp(Interrupt),
-}
-
-/// A window failed: on an out-of-memory error, halve B (doubling K) and retry, or at B=1 retry
-/// up to `retries` times; anything else ends the window as before.
-pub(super) fn after_failure(
-    trainer: &mut Trainer,
-    failure: Interrupt,
-    failures_at_one: &mut u32,
-) -> AfterFailure {
-    let Interrupt::Failed(e) = failure else {
-        return AfterFailure::GiveUp(failure);
-    };
-    if !is_out_of_memory(&e) {
-        return AfterFailure::GiveUp(Interrupt::Failed(e));
-    }
-    let (b, effective) = (trainer.knobs.micro_batch, trainer.knobs.effective_batch());
-    let step = trainer.step;
-    if b == 1 {
-        *failures_at_one += 1;
-        if *failures_at_one > trainer.guard.retries {
-            return AfterFailure::GiveUp(Interrupt::Failed(candle_core::Error::Msg(format!(
-                "out of memory at micro-batch 1 after {} retries (train.guard_retries); the \
-                 run cannot go smaller: {e}",
-                trainer.guard.retries
-            ))));
-        }
-        trainer.guard.announcements.push(log(
-            step,
-            Level::Warn,
-            format!(
-                "guard: out of memory at micro-batch 1 (retry {} of {}): {e}",
-                failures_at_one, trainer.guard.retries
-            ),
-        ));
-        return AfterFailure::Retry;
-    }
-    let smaller = smaller_micro_batch(b, effective);
-    trainer.guard.split_from.get_or_insert(b);
-    for control in split_controls(smaller, effective) {
-        trainer.knobs.apply(&control);
-        trainer
-            .guard
-            .announcements
-            .push(Event::Control(ControlEvent {
-                step,
-                origin: Origin::Guard,
-                control,
-            }));
-    }
-    trainer.guard.announcements.push(log(
-        step,
-        Level::Warn,
-        format!(
-            "guard: out of memory inside the window of step {}: {e}; partial gradients dropped, \
-             cursor rewound, the same samples retried at B={smaller} K={}",
-            step + 1,
-            effective / smaller
-        ),
-    ));
-    AfterFailure::Retry
 }
 
 fn log(step: u64, level: Level, message: String) -> Event {
@@ -293,6 +299,7 @@ mod tests {
     use super::*;
     use crate::budget::MemoryBudget;
     use crate::scenario::{DataConfig, ModelConfig, Scenario, TrainConfig};
+    use crate::train::Trainer;
     use candle_core::Device;
 
     fn scenario(micro_batch: usize, accum_steps: usize) -> Scenario {
@@ -395,7 +402,7 @@ mod tests {
             peak: 1_950_001,
             unified: true,
         };
-        let Some(Event::Log(first)) = after_step(&mut t, &[over(1)]) else {
+        let Some(Event::Log(first)) = t.guard.after_step(&t.knobs, t.step, &[over(1)]) else {
             panic!("no log at the first step over the budget");
         };
         assert!(
@@ -406,7 +413,10 @@ mod tests {
             first.message
         );
         for step in 2..5 {
-            assert!(after_step(&mut t, &[over(step)]).is_none());
+            assert!(t
+                .guard
+                .after_step(&t.knobs, t.step, &[over(step)])
+                .is_none());
         }
     }
 
