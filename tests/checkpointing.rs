@@ -90,7 +90,7 @@ fn checkpointing_parses_and_rejects_bad_values() {
     }
     for bad in ["every-0", "every-x", "block"] {
         let err = Checkpointing::try_from(bad.to_string()).unwrap_err();
-        assert!(err.contains("every-N"), "{err}");
+        assert!(err.to_string().contains("every-N"), "{err}");
     }
 }
 

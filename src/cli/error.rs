@@ -49,6 +49,14 @@ impl ExitClass {
         if cause.downcast_ref::<UsageError>().is_some() {
             return Some(ExitClass::Usage);
         }
+        // Engine errors that only ever describe what the user typed.
+        use gaccwb::budget::BudgetError;
+        if matches!(cause.downcast_ref(), Some(BudgetError::Unreadable { .. }))
+            || cause.is::<gaccwb::limits::BoundError>()
+            || cause.is::<gaccwb::memory::planner::ShapeError>()
+        {
+            return Some(ExitClass::Usage);
+        }
         // An output that can never be written as named: a wrong argument, not a failed run.
         use gaccwb::safe_write::WriteError;
         match cause.downcast_ref() {

@@ -207,7 +207,7 @@ fn engine_report(
 ) -> anyhow::Result<est::Report> {
     // The estimate needs only a well-formed shape; what this program can train is reported.
     let not_trainable_here = scenario.validate().err();
-    gaccwb::memory::planner::check_shape(scenario).map_err(usage)?;
+    gaccwb::memory::planner::check_shape(scenario)?;
     if not_trainable_here.is_none()
         && scenario.data.tokenizer == gaccwb::scenario::TokenizerKind::Bpe
     {
@@ -231,7 +231,7 @@ fn engine_report(
         micro_batch: effective.max(cfg.micro_batch),
         ..cfg.clone()
     };
-    gaccwb::memory::fit::check_fits(&widest, None).map_err(UsageError)?;
+    gaccwb::memory::fit::check_fits(&widest, None).map_err(usage)?;
     let mut report = est::Report::new(&scenario.name, &cfg, effective, budget);
     report.not_trainable_here = not_trainable_here;
     Ok(report)

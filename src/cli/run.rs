@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use anyhow::Context;
 use clap::Args;
 
 use gaccwb::device::DeviceChoice;
@@ -167,7 +168,7 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
         s.set(assignment).map_err(usage)?;
     }
     if let Some(budget) = &args.budget {
-        gaccwb::budget::MemoryBudget::parse(budget).map_err(|e| usage(format!("--budget: {e}")))?;
+        gaccwb::budget::MemoryBudget::parse(budget).context("--budget")?;
         s.set(&format!("train.memory_budget=\"{budget}\""))
             .map_err(usage)?;
     }

@@ -65,10 +65,10 @@ impl Corpus {
                     }
                     TokenizerKind::Bpe => {
                         let t =
-                            crate::tokenizer::tokenize(&bytes, &name, data).map_err(|message| {
+                            crate::tokenizer::tokenize(&bytes, &name, data).map_err(|e| {
                                 DataError::File {
                                     path: name.clone(),
-                                    message,
+                                    message: e.to_string(),
                                 }
                             })?;
                         let windows =
@@ -252,9 +252,9 @@ fn text_source(data: &DataConfig) -> std::result::Result<(String, Vec<u8>), Data
         .as_deref()
         .expect("validated: file source has a path");
     let bytes = crate::limits::read_bounded(path, crate::limits::MAX_DATA_BYTES, "corpus")
-        .map_err(|message| DataError::File {
+        .map_err(|e| DataError::File {
             path: path.display().to_string(),
-            message,
+            message: e.to_string(),
         })?;
     Ok((path.display().to_string(), bytes))
 }

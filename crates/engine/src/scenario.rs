@@ -276,10 +276,10 @@ impl Scenario {
 
     pub fn from_file(path: &Path) -> Result<Scenario, ScenarioError> {
         let limit = crate::limits::MAX_CONFIG_BYTES;
-        let text = crate::limits::read_bounded_text(path, limit, "preset").map_err(|message| {
+        let text = crate::limits::read_bounded_text(path, limit, "preset").map_err(|e| {
             ScenarioError::Io {
                 path: path.display().to_string(),
-                message,
+                message: e.to_string(),
             }
         })?;
         let mut s = Scenario::from_toml(&text, &path.display().to_string())?;
@@ -610,16 +610,16 @@ pub fn validate_control(c: &Control) -> Result<(), String> {
         Control::SetLossScale { value } if !positive(*value) => {
             Err("loss scale must be positive".into())
         }
-        Control::SetAccumSteps { value } => crate::limits::at_most(
+        Control::SetAccumSteps { value } => Ok(crate::limits::at_most(
             "accumulation steps",
             *value as u64,
             crate::limits::MAX_ACCUM_STEPS as u64,
-        ),
-        Control::SetMicroBatch { value } => crate::limits::at_most(
+        )?),
+        Control::SetMicroBatch { value } => Ok(crate::limits::at_most(
             "micro-batch",
             *value as u64,
             crate::limits::MAX_MICRO_BATCH as u64,
-        ),
+        )?),
         _ => Ok(()),
     }
 }

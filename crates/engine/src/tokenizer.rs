@@ -53,15 +53,15 @@ pub struct TextTokenizer {
 
 impl TextTokenizer {
     /// Token ids of `text`, with no special tokens added.
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+    pub fn encode(&self, text: &str) -> tokenizers::Result<Vec<u32>> {
         self.inner
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| e.to_string())
     }
 
-    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
-        self.inner.decode(ids, false).map_err(|e| e.to_string())
+    /// The text of token ids, with no special tokens skipped.
+    pub fn decode(&self, ids: &[u32]) -> tokenizers::Result<String> {
+        self.inner.decode(ids, false)
     }
 
     /// The tokenizer's JSON (the cache file's content).
@@ -135,9 +135,9 @@ impl TextTokenizer {
             Err(CacheProblem::Invalid(why)) => Some(format!("the cache file was invalid ({why})")),
             Err(CacheProblem::Refused(message)) => return Err(cache_err(message)),
         };
-        let inner = train_bpe(text, vocab).map_err(|message| TokenizerError::Train {
+        let inner = train_bpe(text, vocab).map_err(|e| TokenizerError::Train {
             data: data.to_string(),
-            message,
+            message: e.to_string(),
         })?;
         #[allow(clippy::expect_used)] // a tokenizer `tokenizers` just trained serialises
         let json = inner
@@ -232,7 +232,7 @@ fn read_cache(
     }
     let limit = crate::limits::MAX_TOKENIZER_BYTES;
     let text = crate::limits::read_bounded_text(path, limit, "tokenizer cache")
-        .map_err(CacheProblem::Invalid)?;
+        .map_err(|e| CacheProblem::Invalid(e.to_string()))?;
     let invalid = |why: String| CacheProblem::Invalid(why);
     let (first, json) = text
         .split_once('\n')
@@ -307,32 +307,69 @@ pub struct Tokenized {
     pub provenance: String,
 }
 
+/// Why a text could not be cut into tokens; the caller names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    /// The data is not text.
+    #[error(
+        "not UTF-8 text (byte {valid_up_to}); data.tokenizer = \"bpe\" needs text, use \
+         \"bytes\" for other files"
+    )]
+    NotUtf8 {
+        /// Bytes of valid UTF-8 before the first bad one.
+        valid_up_to: usize,
+    },
+    /// The tokenizer could not be loaded or trained.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    /// The tokenizer failed on the text.
+    #[error("tokenizing it with {path}: {err}")]
+    Encode {
+        /// The tokenizer's file.
+        path: String,
+        /// What `tokenizers` said.
+        err: tokenizers::Error,
+    },
+    /// A tokenizer file whose ids exceed its own vocabulary.
+    #[error(
+        "{path} gives token id {id}, outside its vocabulary of {vocab}; the tokenizer file is \
+         inconsistent"
+    )]
+    IdOutOfVocabulary {
+        /// The tokenizer's file.
+        path: String,
+        /// The id it gave.
+        id: u32,
+        /// Its vocabulary size.
+        vocab: usize,
+    },
+}
+
 /// Tokenizes `bytes` (the data named `name`) with the BPE `data` asks for. The error says what
 /// is wrong with the data; the caller names the file.
-pub fn tokenize(bytes: &[u8], name: &str, data: &DataConfig) -> Result<Tokenized, String> {
-    let err = |message: String| message;
-    let text = std::str::from_utf8(bytes).map_err(|e| {
-        err(format!(
-            "not UTF-8 text (byte {}); data.tokenizer = \"bpe\" needs text, use \"bytes\" for other files",
-            e.valid_up_to()
-        ))
+pub fn tokenize(bytes: &[u8], name: &str, data: &DataConfig) -> Result<Tokenized, TokenizeError> {
+    let text = std::str::from_utf8(bytes).map_err(|e| TokenizeError::NotUtf8 {
+        valid_up_to: e.valid_up_to(),
     })?;
     let tokenizer = match &data.tokenizer_file {
         Some(path) => TextTokenizer::load_file(path),
         None => TextTokenizer::trained_for(text, name, data.vocab, &default_cache_dir()),
-    }
-    .map_err(|e| err(e.to_string()))?;
+    }?;
     let mut tokens = tokenizer
         .encode(text)
-        .map_err(|e| err(format!("tokenizing it with {}: {e}", tokenizer.info.path)))?;
+        .map_err(|err| TokenizeError::Encode {
+            path: tokenizer.info.path.clone(),
+            err,
+        })?;
     if let Some(&id) = tokens
         .iter()
         .find(|&&id| id as usize >= tokenizer.info.vocab)
     {
-        return Err(err(format!(
-            "{} gives token id {id}, outside its vocabulary of {}; the tokenizer file is inconsistent",
-            tokenizer.info.path, tokenizer.info.vocab
-        )));
+        return Err(TokenizeError::IdOutOfVocabulary {
+            path: tokenizer.info.path.clone(),
+            id,
+            vocab: tokenizer.info.vocab,
+        });
     }
     tokens.shrink_to_fit();
     let how = match (tokenizer.info.kind.as_str(), tokenizer.cache_hit) {
@@ -401,7 +438,7 @@ fn pipeline() -> Tokenizer {
 
 /// A byte-level BPE (GPT-2's pre-tokenizer and decoder, no prefix space) of at most `vocab`
 /// tokens. The 256 byte symbols are always in it, so every text round-trips.
-pub fn train_bpe(text: &str, vocab: usize) -> Result<Tokenizer, String> {
+pub fn train_bpe(text: &str, vocab: usize) -> tokenizers::Result<Tokenizer> {
     let mut tokenizer = pipeline();
     let mut trainer: TrainerWrapper = BpeTrainer::builder()
         .vocab_size(vocab)
@@ -409,9 +446,7 @@ pub fn train_bpe(text: &str, vocab: usize) -> Result<Tokenizer, String> {
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
         .build()
         .into();
-    tokenizer
-        .train(&mut trainer, std::iter::once(text))
-        .map_err(|e| e.to_string())?;
+    tokenizer.train(&mut trainer, std::iter::once(text))?;
     Ok(tokenizer)
 }
 

@@ -48,15 +48,16 @@ pub fn check_scenario(s: &Scenario) -> Result<(), (&'static str, String)> {
         ("data.seed", d.seed, MAX_INTEGER),
     ];
     for (key, value, max) in bounded {
-        at_most(key, value, max).map_err(|e| (key, e))?;
+        at_most(key, value, max).map_err(|e| (key, e.to_string()))?;
     }
     for (key, value) in [
         ("data.min_doc_len", d.min_doc_len),
         ("data.max_doc_len", d.max_doc_len),
     ] {
-        at_most(key, value as u64, MAX_INTEGER).map_err(|e| (key, e))?;
+        at_most(key, value as u64, MAX_INTEGER).map_err(|e| (key, e.to_string()))?;
     }
-    check_window(t.micro_batch, t.accum_steps, m.seq_len).map_err(|e| ("train.accum_steps", e))?;
+    check_window(t.micro_batch, t.accum_steps, m.seq_len)
+        .map_err(|e| ("train.accum_steps", e.to_string()))?;
     check_timeline_windows(s).map_err(|e| ("timeline", e))
 }
 
@@ -101,7 +102,7 @@ pub fn check_schedule(
             Control::SetAccumSteps { value } => k = value,
             _ => continue,
         }
-        check_window(b, k, seq_len).map_err(|m| (i, m))?;
+        check_window(b, k, seq_len).map_err(|m| (i, m.to_string()))?;
     }
     Ok(())
 }

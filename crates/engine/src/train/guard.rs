@@ -9,6 +9,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::{EventSink, Trainer};
 use crate::memory::estimate::{changes_memory, Config};
+use crate::limits::BoundError;
 use crate::memory::fit;
 use crate::scenario::Scenario;
 use crate::telemetry::{
@@ -111,14 +112,28 @@ fn budget(device: &Device) -> Option<u64> {
     }
 }
 
+/// A model or a knob change refused before anything is allocated for it.
+#[derive(Debug, thiserror::Error)]
+pub enum Refused {
+    /// The model and its first window need more memory than the machine has.
+    #[error("the model does not fit: {0}")]
+    Model(fit::FitError),
+    /// The change makes a window whose sizes overflow.
+    #[error(transparent)]
+    Window(#[from] BoundError),
+    /// The change's memory growth is more than the machine has left.
+    #[error("it does not fit: {0}")]
+    Growth(fit::FitError),
+}
+
 /// Refuse a model this machine cannot hold, before any weight is allocated.
-pub fn check_model_fits(scenario: &Scenario, device: &Device) -> Result<(), String> {
+pub fn check_model_fits(scenario: &Scenario, device: &Device) -> Result<(), Refused> {
     let cfg = Config::from_scenario(scenario, device.is_cpu());
-    fit::check_fits(&cfg, budget(device)).map_err(|e| format!("the model does not fit: {e}"))
+    fit::check_fits(&cfg, budget(device)).map_err(Refused::Model)
 }
 
 /// Refuse, at the boundary, a knob change whose window overflows or that would not fit.
-pub fn check_knob_change(trainer: &Trainer, c: &Control) -> Result<(), String> {
+pub fn check_knob_change(trainer: &Trainer, c: &Control) -> Result<(), Refused> {
     let mut next = trainer.knobs().clone();
     next.apply(c);
     let model = &trainer.scenario().model;
@@ -129,8 +144,7 @@ pub fn check_knob_change(trainer: &Trainer, c: &Control) -> Result<(), String> {
     let unified = trainer.memory().unified();
     let current = Config::from_knobs(model, trainer.knobs(), unified);
     let wanted = Config::from_knobs(model, &next, unified);
-    fit::check_growth(Some(&current), &wanted, budget(trainer.device()))
-        .map_err(|e| format!("it does not fit: {e}"))
+    fit::check_growth(Some(&current), &wanted, budget(trainer.device())).map_err(Refused::Growth)
 }
 
 #[cfg(test)]

@@ -203,7 +203,7 @@ impl Trainer {
     pub fn new(mut scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
         let cpu_load = crate::ops::cpu_load::OthersLoad::start();
         scenario.validate().map_err(anyhow::Error::msg)?;
-        guard::check_model_fits(&scenario, &device).map_err(anyhow::Error::msg)?;
+        guard::check_model_fits(&scenario, &device)?;
         let corpus = Corpus::open_sizing(&mut scenario)?;
         let model = Gpt::new(&scenario.model, scenario.train.seed, &device)
             .context("building the model")?;
@@ -217,12 +217,11 @@ impl Trainer {
         let mut opt = AdamW::new(&model.params, hyper)?;
         opt.set_offload(t.offload, &model.params)?;
         let memory = Ledger::new(crate::memory::gpu::meter_for(&device));
-        let composite = crate::ops::kernels_from_env().map_err(anyhow::Error::msg)?;
-        let pool_choice = pool_governor::choice_from_env().map_err(anyhow::Error::msg)?;
+        let composite = crate::ops::kernels_from_env()?;
+        let pool_choice = pool_governor::choice_from_env()?;
         let budget = t
             .memory_budget
-            .resolve(crate::memory::gpu::device_total(&device))
-            .map_err(anyhow::Error::msg)?;
+            .resolve(crate::memory::gpu::device_total(&device))?;
         let guard = oom_guard::Guard::new(budget, t.guard_retries);
         let mut trainer = Trainer {
             composite,
@@ -672,7 +671,7 @@ impl Trainer {
     pub fn apply_control(&mut self, c: &Control) -> anyhow::Result<()> {
         crate::scenario::validate_control(c).map_err(anyhow::Error::msg)?;
         crate::scenario::check_needs(c, self.knobs.noise).map_err(anyhow::Error::msg)?;
-        guard::check_knob_change(self, c).map_err(anyhow::Error::msg)?;
+        guard::check_knob_change(self, c)?;
         match *c {
             Control::SetOffload { value } => self.opt.set_offload(value, &self.model.params)?,
             Control::SetLossScale { value } => self.scaler.force(value),

@@ -271,10 +271,45 @@ fn distinct_sizes(a: u64, b: u64) -> (String, String) {
     (ha, hb)
 }
 
-/// Out-of-memory errors as Candle reports them (cudarc's `CUDA_ERROR_OUT_OF_MEMORY`, "out of
-/// memory").
+/// Whether `e` is an out-of-memory error. By type where Candle keeps one: with the `cuda`
+/// feature, the driver's `CUDA_ERROR_OUT_OF_MEMORY` or cuBLAS's `CUBLAS_STATUS_ALLOC_FAILED`,
+/// under any backtrace, context or path Candle wrapped around it. Errors that carry only text
+/// (`Error::Msg`, `Error::Wrapped`, a backend without typed errors) are judged by
+/// [`says_out_of_memory`].
 pub fn is_out_of_memory(e: &candle_core::Error) -> bool {
-    let text = e.to_string().to_ascii_lowercase();
+    use candle_core::Error as E;
+    match e {
+        E::WithBacktrace { inner, .. } | E::Context { inner, .. } | E::WithPath { inner, .. } => {
+            is_out_of_memory(inner)
+        }
+        #[cfg(feature = "cuda")]
+        E::Cuda(inner) => match inner.downcast_ref::<candle_core::cuda::CudaError>() {
+            Some(cuda) => cuda_out_of_memory(cuda),
+            None => says_out_of_memory(&inner.to_string()),
+        },
+        _ => says_out_of_memory(&e.to_string()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_out_of_memory(e: &candle_core::cuda::CudaError) -> bool {
+    use candle_core::cuda::cudarc::{cublas, driver};
+    use candle_core::cuda::CudaError as C;
+    match e {
+        C::Cuda(driver::DriverError(code)) | C::Load { cuda: driver::DriverError(code), .. } => {
+            *code == driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
+        }
+        C::Cublas(cublas::result::CublasError(status)) => {
+            *status == cublas::sys::cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED
+        }
+        _ => false,
+    }
+}
+
+/// The one place an out-of-memory error is recognised by its words, for errors that reach the
+/// trainer as text only: cudarc's `CUDA_ERROR_OUT_OF_MEMORY`, or "out of memory".
+pub fn says_out_of_memory(text: &str) -> bool {
+    let text = text.to_ascii_lowercase();
     text.contains("out of memory") || text.contains("out_of_memory")
 }
 
@@ -418,6 +453,33 @@ mod tests {
                 .after_step(&t.knobs, t.step, &[over(step)])
                 .is_none());
         }
+    }
+
+    /// Candle's wrappers (context, path, backtrace) do not hide an out-of-memory error.
+    #[test]
+    fn out_of_memory_is_found_inside_candles_wrappers() {
+        let oom = candle_core::Error::Msg("out of memory".into());
+        let wrapped = candle_core::Error::WithPath {
+            inner: Box::new(oom),
+            path: "weights.safetensors".into(),
+        };
+        assert!(is_out_of_memory(&wrapped));
+        let other = candle_core::Error::WithPath {
+            inner: Box::new(candle_core::Error::Msg("shape mismatch".into())),
+            path: "out_of_memory.safetensors".into(),
+        };
+        assert!(!is_out_of_memory(&other), "judged by the path's name");
+    }
+
+    /// With the `cuda` feature the driver's code is read, not the message.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_cuda_out_of_memory_is_recognised_by_its_code() {
+        use candle_core::cuda::cudarc::driver::{sys::CUresult, DriverError};
+        use candle_core::cuda::CudaError;
+        let of = |code| candle_core::Error::from(CudaError::Cuda(DriverError(code)));
+        assert!(is_out_of_memory(&of(CUresult::CUDA_ERROR_OUT_OF_MEMORY)));
+        assert!(!is_out_of_memory(&of(CUresult::CUDA_ERROR_INVALID_VALUE)));
     }
 
     #[test]

@@ -37,14 +37,16 @@ pub enum PoolChoice {
 }
 
 /// `GACCWB_CPU_POOL` parsed; unset or empty is `auto`.
-pub fn choice_from_env() -> Result<PoolChoice, String> {
+pub fn choice_from_env() -> Result<PoolChoice, crate::ops::BadEnvValue> {
     match std::env::var(POOL_ENV).as_deref().map(str::trim) {
         Err(_) | Ok("" | "auto") => Ok(PoolChoice::Auto),
         Ok("pool") => Ok(PoolChoice::Pool),
         Ok("serial") => Ok(PoolChoice::Serial),
-        Ok(other) => Err(format!(
-            "{POOL_ENV}={other:?}: expected \"auto\" (the default), \"pool\" or \"serial\""
-        )),
+        Ok(other) => Err(crate::ops::BadEnvValue {
+            var: POOL_ENV,
+            value: other.to_string(),
+            expected: "\"auto\" (the default), \"pool\" or \"serial\"",
+        }),
     }
 }
 
