@@ -36,7 +36,10 @@ fn a_missing_nvml_library_is_reported_as_unavailable() {
     let mut source = NvmlSource::with_library("/nonexistent/libnvidia-ml.so".as_ref(), 0);
     let reason = source.sample().unwrap_err();
     assert!(matches!(reason, SampleError::Nvml(_)), "{reason}");
-    assert!(reason.to_string().starts_with("NVML unavailable: "), "{reason}");
+    assert!(
+        reason.to_string().starts_with("NVML unavailable: "),
+        "{reason}"
+    );
     assert_eq!(source.unavailable(), Some(&reason));
 }
 
@@ -125,7 +128,10 @@ fn an_unavailable_source_says_why_once_and_recovers() {
     let events = device_events(&mut rx);
     let unavailable: Vec<_> = events.iter().filter(|e| e.unavailable.is_some()).collect();
     assert_eq!(unavailable.len(), 1);
-    assert_eq!(unavailable[0].unavailable.as_deref(), Some(reason.to_string().as_str()));
+    assert_eq!(
+        unavailable[0].unavailable.as_deref(),
+        Some(reason.to_string().as_str())
+    );
     assert!(unavailable[0].used.is_none());
     assert!(events.iter().any(|e| e.used == Some(1 << 30)));
 }

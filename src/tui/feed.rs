@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use crate::memory::gpu::SamplerHandle;
 use crate::record::Recorder;
-use crate::telemetry::{Event, Level, LogEvent};
+use crate::telemetry::Event;
 use crate::train::TrainerHandle;
 
 use super::app::{App, ReplayStatus};
@@ -261,11 +261,7 @@ fn header_now(app: &App) -> Option<crate::telemetry::Header> {
 }
 
 fn note(app: &mut App, message: String) {
-    app.update(&Event::Log(LogEvent {
-        step: app.last_step(),
-        level: Level::Info,
-        message,
-    }));
+    app.update(&Event::info(app.last_step(), message));
 }
 
 fn default_record_path() -> PathBuf {

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::safe_write::{self, DirLock, Inputs, Overwrite};
 use crate::scenario::Scenario;
-use crate::telemetry::{Control, EndReason, Event, Level, LogEvent};
+use crate::telemetry::{Control, EndReason, Event, Level};
 use crate::train::scaler::LossScaler;
 use crate::train::{AfterStep, EventSink, Knobs, Progress, Saved, Trainer};
 
@@ -95,7 +95,7 @@ impl AfterStep for Saver {
                     trainer.step(),
                     path.display()
                 );
-                log(sink, trainer.step(), Level::Info, message);
+                sink.send(Event::info(trainer.step(), message));
                 return None;
             }
             Err(e) => format!("{e:#}"),
@@ -115,7 +115,7 @@ impl AfterStep for Saver {
             "checkpoint at step {} failed: {error}{consequence}",
             trainer.step()
         );
-        log(sink, trainer.step(), level, message);
+        sink.send(Event::log(trainer.step(), level, message));
         None
     }
 
@@ -137,14 +137,6 @@ impl Saver {
             self.policy.dir.display()
         ))
     }
-}
-
-fn log(sink: &EventSink, step: u64, level: Level, message: String) {
-    sink.send(Event::Log(LogEvent {
-        step,
-        level,
-        message,
-    }));
 }
 
 /// Write the trainer's state into `dir` (created if missing); returns the state file's path.

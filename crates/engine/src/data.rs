@@ -64,13 +64,12 @@ impl Corpus {
                         ByteCorpus::from_bytes(bytes, &name, data, model).map(Corpus::Bytes)
                     }
                     TokenizerKind::Bpe => {
-                        let t =
-                            crate::tokenizer::tokenize(&bytes, &name, data).map_err(|e| {
-                                DataError::File {
-                                    path: name.clone(),
-                                    message: e.to_string(),
-                                }
-                            })?;
+                        let t = crate::tokenizer::tokenize(&bytes, &name, data).map_err(|e| {
+                            DataError::File {
+                                path: name.clone(),
+                                message: e.to_string(),
+                            }
+                        })?;
                         let windows =
                             ByteCorpus::from_tokens(t.tokens, &name, "tokens", data, model)?;
                         Ok(Corpus::Bpe {

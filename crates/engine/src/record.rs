@@ -226,8 +226,11 @@ pub enum LineError {
 pub fn read_recording(path: &Path) -> Result<Recording, RecordError> {
     let p = path.display().to_string();
     let limit = crate::limits::MAX_RECORDING_BYTES;
-    let bytes = crate::limits::read_bounded(path, limit, "recording")
-        .map_err(|err| RecordError::Io { path: p.clone(), err })?;
+    let bytes =
+        crate::limits::read_bounded(path, limit, "recording").map_err(|err| RecordError::Io {
+            path: p.clone(),
+            err,
+        })?;
     parse_recording(&bytes, &p)
 }
 
@@ -276,9 +279,7 @@ pub fn parse_recording(bytes: &[u8], origin: &str) -> Result<Recording, RecordEr
     }
     let header = match events.first() {
         Some(Event::Header(h)) => h.clone(),
-        _ if truncated_tail && last == 0 => {
-            return Err(line_err(1, LineError::IncompleteHeader))
-        }
+        _ if truncated_tail && last == 0 => return Err(line_err(1, LineError::IncompleteHeader)),
         _ => return Err(line_err(1, LineError::Empty)),
     };
     Ok(Recording {
@@ -289,16 +290,11 @@ pub fn parse_recording(bytes: &[u8], origin: &str) -> Result<Recording, RecordEr
 }
 
 /// One line: an event, nothing (blank line, unknown event type) or why it is not valid.
-fn parse_line(
-    text: &str,
-    first: bool,
-    unknown: &mut usize,
-) -> Result<Option<Event>, LineError> {
+fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Event>, LineError> {
     if text.trim().is_empty() {
         return Ok(None);
     }
-    let mut value: serde_json::Value =
-        serde_json::from_str(text).map_err(LineError::NotJson)?;
+    let mut value: serde_json::Value = serde_json::from_str(text).map_err(LineError::NotJson)?;
     migrate_estimate(&mut value);
     if first {
         check_version(&value)?;

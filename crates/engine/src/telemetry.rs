@@ -43,6 +43,32 @@ pub enum Event {
     End(EndEvent),
 }
 
+impl Event {
+    /// A line for the event log at `level`, stamped with optimizer step `step`.
+    pub fn log(step: u64, level: Level, message: impl Into<String>) -> Event {
+        Event::Log(LogEvent {
+            step,
+            level,
+            message: message.into(),
+        })
+    }
+
+    /// [`Event::log`] at [`Level::Info`]: what happened, for the record.
+    pub fn info(step: u64, message: impl Into<String>) -> Event {
+        Event::log(step, Level::Info, message)
+    }
+
+    /// [`Event::log`] at [`Level::Warn`]: something the user may want to act on.
+    pub fn warn(step: u64, message: impl Into<String>) -> Event {
+        Event::log(step, Level::Warn, message)
+    }
+
+    /// [`Event::log`] at [`Level::Error`]: the run failed, or part of it did.
+    pub fn error(step: u64, message: impl Into<String>) -> Event {
+        Event::log(step, Level::Error, message)
+    }
+}
+
 /// Written once, first.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Header {

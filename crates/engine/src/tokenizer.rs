@@ -54,9 +54,7 @@ pub struct TextTokenizer {
 impl TextTokenizer {
     /// Token ids of `text`, with no special tokens added.
     pub fn encode(&self, text: &str) -> tokenizers::Result<Vec<u32>> {
-        self.inner
-            .encode(text, false)
-            .map(|e| e.get_ids().to_vec())
+        self.inner.encode(text, false).map(|e| e.get_ids().to_vec())
     }
 
     /// The text of token ids, with no special tokens skipped.

@@ -8,13 +8,11 @@ use candle_core::Device;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::{EventSink, Trainer};
-use crate::memory::estimate::{changes_memory, Config};
 use crate::limits::BoundError;
+use crate::memory::estimate::{changes_memory, Config};
 use crate::memory::fit;
 use crate::scenario::Scenario;
-use crate::telemetry::{
-    Control, ControlMsg, EndEvent, EndReason, Event, Level, LogEvent, StepEvent,
-};
+use crate::telemetry::{Control, ControlMsg, EndEvent, EndReason, Event, StepEvent};
 
 /// `super::run`, turning a panic into an error log and an `end` event: without it the thread
 /// dies silently while the sampler keeps the event channel open, and the UI waits forever.
@@ -42,11 +40,7 @@ pub fn run_catching_panics(
 
 /// An error the user must see: the UI's event log, the recording, headless stderr.
 pub fn send_error(sink: &EventSink, step: u64, message: &str) {
-    sink.send(Event::Log(LogEvent {
-        step,
-        level: Level::Error,
-        message: message.to_string(),
-    }));
+    sink.send(Event::error(step, message));
 }
 
 /// Counts consecutive windows whose loss or gradient norm was not finite, and remembers the

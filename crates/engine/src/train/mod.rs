@@ -35,7 +35,7 @@ use crate::model::{Gpt, Param};
 use crate::scenario::{Scenario, TimelineEntry};
 use crate::telemetry::{
     BuildInfo, Control, ControlEvent, ControlMsg, EndEvent, EndReason, EvalEvent, Event, Header,
-    Level, LogEvent, Origin, PhaseMs, StepEvent, FORMAT_VERSION,
+    Origin, PhaseMs, StepEvent, FORMAT_VERSION,
 };
 pub use crate::telemetry::{EventSink, Knobs};
 use adamw::{AdamW, Hyper};
@@ -829,11 +829,7 @@ pub fn run_returning(
     };
     sink.send(Event::Header(trainer.header()));
     if let Some(line) = trainer.corpus.provenance() {
-        sink.send(Event::Log(LogEvent {
-            step: 0,
-            level: Level::Info,
-            message: line.to_string(),
-        }));
+        sink.send(Event::info(0, line));
     }
     send_estimate(&trainer, &sink);
     let mut divergence = guard::Divergence::new(trainer.scenario.train.max_nonfinite_windows);
@@ -946,11 +942,7 @@ fn after_window(
     let n = step.step;
     let positions = step.micro_batch * step.accum_steps * trainer.scenario.model.seq_len;
     if let Some(line) = trainer.pool.observe(serial, step.step_ms, positions as u64) {
-        sink.send(Event::Log(LogEvent {
-            step: n,
-            level: Level::Info,
-            message: line,
-        }));
+        sink.send(Event::info(n, line));
     }
     let diverged = divergence.observe(&step);
     flow.pending.extend(trainer.policy_control(&step));
@@ -1071,11 +1063,7 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
                 }
                 if let Err(e) = applied {
                     let message = format!("control {} rejected: {e}", msg.control.describe());
-                    sink.send(Event::Log(LogEvent {
-                        step,
-                        level: Level::Warn,
-                        message,
-                    }));
+                    sink.send(Event::warn(step, message));
                     continue;
                 }
                 memory_changed |= crate::memory::estimate::changes_memory(&msg.control);
@@ -1113,11 +1101,7 @@ fn choose_pool(trainer: &mut Trainer, sink: &EventSink) -> bool {
     if let Some(reading) = reading {
         let cpus = trainer.cpu_load.cpus();
         if let Some(message) = trainer.pool.load(reading.others, cpus) {
-            sink.send(Event::Log(LogEvent {
-                step: trainer.step,
-                level: Level::Info,
-                message,
-            }));
+            sink.send(Event::info(trainer.step, message));
         }
     }
     trainer.pool.next_serial(applies)
@@ -1130,10 +1114,6 @@ fn maybe_evaluate(trainer: &Trainer, step: u64, sink: &EventSink) {
     }
     match trainer.evaluate() {
         Ok(val_loss) => sink.send(Event::Eval(EvalEvent { step, val_loss })),
-        Err(e) => sink.send(Event::Log(LogEvent {
-            step,
-            level: Level::Warn,
-            message: format!("evaluation failed: {e}"),
-        })),
+        Err(e) => sink.send(Event::warn(step, format!("evaluation failed: {e}"))),
     };
 }

@@ -18,7 +18,7 @@ use super::{Interrupt, Knobs};
 use crate::memory::estimate::{estimate, largest_micro_batch, Config};
 use crate::memory::planner::{human_bytes, Verdict};
 use crate::scenario::ModelConfig;
-use crate::telemetry::{Control, ControlEvent, Event, Level, LogEvent, MemoryEvent, Origin, Phase};
+use crate::telemetry::{Control, ControlEvent, Event, MemoryEvent, Origin, Phase};
 
 /// The guard's state on the trainer.
 #[derive(Debug, Default)]
@@ -137,9 +137,8 @@ impl Guard {
         };
         self.queued
             .extend(split_controls(row.micro_batch, effective));
-        self.announcements.push(log(
+        self.announcements.push(Event::warn(
             step,
-            Level::Warn,
             format!(
                 "guard: predicted peak {} at B={} exceeds the budget {}; starting at B={} K={} \
                  (predicted {})",
@@ -181,18 +180,16 @@ impl Guard {
             if std::mem::replace(&mut self.said_nothing_left, true) {
                 return None;
             }
-            return Some(log(
+            return Some(Event::warn(
                 step,
-                Level::Warn,
                 format!("guard: {measured}; already at micro-batch 1, nothing left to trade for K"),
             ));
         }
         self.said_nothing_left = false;
         let smaller = smaller_micro_batch(b, effective);
         self.queued.extend(split_controls(smaller, effective));
-        Some(log(
+        Some(Event::warn(
             step,
-            Level::Warn,
             format!(
                 "guard: {measured}; B {b}→{smaller}, K {}→{} at the next boundary",
                 knobs.accum_steps,
@@ -227,9 +224,8 @@ impl Guard {
                     self.retries
                 ))));
             }
-            self.announcements.push(log(
+            self.announcements.push(Event::warn(
                 step,
-                Level::Warn,
                 format!(
                     "guard: out of memory at micro-batch 1 (retry {} of {}): {e}",
                     failures_at_one, self.retries
@@ -247,9 +243,8 @@ impl Guard {
                 control: control.clone(),
             }));
         }
-        self.announcements.push(log(
+        self.announcements.push(Event::warn(
             step,
-            Level::Warn,
             format!(
                 "guard: out of memory inside the window of step {}: {e}; partial gradients dropped, \
                  cursor rewound, the same samples retried at B={smaller} K={}",
@@ -296,9 +291,11 @@ fn cuda_out_of_memory(e: &candle_core::cuda::CudaError) -> bool {
     use candle_core::cuda::cudarc::{cublas, driver};
     use candle_core::cuda::CudaError as C;
     match e {
-        C::Cuda(driver::DriverError(code)) | C::Load { cuda: driver::DriverError(code), .. } => {
-            *code == driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
-        }
+        C::Cuda(driver::DriverError(code))
+        | C::Load {
+            cuda: driver::DriverError(code),
+            ..
+        } => *code == driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
         C::Cublas(cublas::result::CublasError(status)) => {
             *status == cublas::sys::cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED
         }
@@ -319,14 +316,6 @@ pub(super) enum AfterFailure {
     Retry(Vec<Control>),
     /// End the window with this interrupt.
     GiveUp(Interrupt),
-}
-
-fn log(step: u64, level: Level, message: String) -> Event {
-    Event::Log(LogEvent {
-        step,
-        level,
-        message,
-    })
 }
 
 #[cfg(test)]
