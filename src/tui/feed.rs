@@ -78,9 +78,6 @@ pub struct Live {
     record_base: PathBuf,
     recordings_started: u32,
     trainer_done: bool,
-    /// Events that came before the trainer's header (the sampler can be quicker): a recording
-    /// must open with the header, so they wait for it.
-    before_header: Vec<Event>,
 }
 
 impl Live {
@@ -117,7 +114,6 @@ impl Live {
             recorder,
             record_base,
             trainer_done: false,
-            before_header: Vec::new(),
         }
     }
 
@@ -146,33 +142,23 @@ impl Live {
             self.trainer_done = true;
             return Ok(());
         };
-        self.take(app, &first)?;
+        self.take(app, first)?;
         // Drain what else is waiting so a fast trainer costs one wake-up per burst.
         while let Ok(e) = self.handle.events.try_recv() {
-            self.take(app, &e)?;
+            self.take(app, e)?;
         }
         Ok(())
     }
 
-    fn take(&mut self, app: &mut App, e: &Event) -> anyhow::Result<()> {
-        let mut marked = e.clone();
-        let e = match crate::signals::mark_end(&mut marked) {
-            Some(_) => &marked,
-            None => e,
-        };
-        if app.run.header.is_none() && !matches!(e, Event::Header(_)) {
-            self.before_header.push(e.clone());
-        } else {
-            let early = std::mem::take(&mut self.before_header);
-            if let Some(r) = self.recorder.as_mut() {
-                r.write(e)?;
-                for x in &early {
-                    r.write(x)?;
-                }
-            }
+    /// One event from the trainer: recorded (the recorder holds what comes before the header),
+    /// then shown.
+    fn take(&mut self, app: &mut App, mut e: Event) -> anyhow::Result<()> {
+        crate::signals::mark_end(&mut e);
+        if let Some(r) = self.recorder.as_mut() {
+            r.write(&e)?;
         }
-        app.update(e);
-        if let Event::End(end) = e {
+        app.update(&e);
+        if let Event::End(end) = &e {
             // Nothing is measured after the run: the recording ends with `end`.
             if let Some(mut s) = self.sampler.take() {
                 s.stop();
@@ -220,7 +206,7 @@ impl Live {
         self.handle.stop();
         // Events sent before the trainer stopped (its `end` among them) belong in the file.
         while let Ok(e) = self.handle.events.try_recv() {
-            self.take(app, &e)?;
+            self.take(app, e)?;
         }
         if let Some(r) = self.recorder.take() {
             r.finish()?;
