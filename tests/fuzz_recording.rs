@@ -22,6 +22,7 @@ fn valid_recording() -> Vec<u8> {
         entropy_floor: Some(0.95),
         tokenizer: None,
         started_unix: 0,
+        ranks: None,
     })];
     for step in 1..=5u64 {
         events.push(Event::Step(StepEvent {
@@ -52,6 +53,20 @@ fn valid_recording() -> Vec<u8> {
                 raw_g2: -0.1,
                 raw_trace: 38.0,
                 windows: step - 1,
+            }),
+            comm: (step % 3 == 0).then(|| gaccwb::dist::CommEvent {
+                ranks: 2,
+                sync: gaccwb::dist::SyncEvery::MicroBatch,
+                per_rank: vec![
+                    gaccwb::dist::RankComm {
+                        sent_bytes: 1000,
+                        received_bytes: 1000,
+                        comm_ms: 1.5,
+                        gradient_reduces: 2,
+                    };
+                    2
+                ],
+                peak_bytes: vec![5_000, 6_000],
             }),
         }));
         events.push(Event::Control(ControlEvent {

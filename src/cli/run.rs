@@ -111,6 +111,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // the process with a line saying so. The run takes over once it starts.
     gaccwb::signals::until_started()?;
     let scenario = scenario_from(&args)?;
+    let group = join_ranks(&args, &scenario)?;
+    let lead = group.rank() == 0;
     let keys = match args.headless {
         false => {
             let keys = KeyMap::load(args.keys.as_deref()).map_err(usage)?;
@@ -120,26 +122,37 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         true => None,
     };
     let overwrite = Overwrite::new(args.force, args.inputs());
-    if let Some(record) = &args.record {
+    // Rank 0 writes what the run writes; the other ranks train beside it.
+    let record = args.record.clone().filter(|_| lead);
+    if let Some(record) = &record {
         // Checked here too (the recorder checks again, race-free) so the screen and headless
         // both say it before anything starts, as a usage error.
         gaccwb::safe_write::check(record, "recording", &overwrite).map_err(usage)?;
     }
     let device = args.device.open()?;
-    let trainer = build_trainer(&args, scenario, device)?;
+    let trainer = build_trainer(&args, scenario, device, group)?;
     if let Some(keys) = keys {
         let options = LiveOptions {
-            record: args.record,
+            record,
             keys,
             overwrite,
         };
         return tui::run_live(trainer, options);
     }
     headless::refuse_screen_controls(&trainer).map_err(|e| usage(format!("{e:#}")))?;
-    let session = gaccwb::session::Session::start(trainer, args.record.as_deref(), &overwrite)
+    let session = gaccwb::session::Session::start(trainer, record.as_deref(), &overwrite)
         .map_err(|e| usage(format!("{e:#}")))?;
-    let summary = headless::run_session(session, Progress::Bar, SignalHandling::Stop)?;
-    let printed = gaccwb::out::println(&summary.render());
+    let progress = if lead {
+        Progress::Bar
+    } else {
+        Progress::Hidden
+    };
+    let summary = headless::run_session(session, progress, SignalHandling::Stop)?;
+    let printed = if lead {
+        gaccwb::out::println(&summary.render())
+    } else {
+        Ok(())
+    };
     // How the run ended decides the exit code, even when the summary could not be printed.
     match summary.outcome() {
         Some(ended) => Err(ended.into()),
@@ -176,15 +189,34 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     Ok(s)
 }
 
-/// A fresh trainer for `scenario`, or the one saved in `--resume DIR`; with the checkpoint policy.
+/// This process's data-parallel group: alone, or one rank of the job an MPI launcher started
+/// (`mpirun -n N gaccwb run --headless`). Ranks have no screen.
+fn join_ranks(args: &RunArgs, scenario: &Scenario) -> anyhow::Result<gaccwb::dist::Group> {
+    let timeout = std::time::Duration::from_secs_f64(scenario.train.comm_timeout);
+    let group = gaccwb::dist::from_env(timeout).map_err(|e| usage(e.to_string()))?;
+    if group.is_parallel() && !args.headless {
+        return Err(usage(format!(
+            "rank {} of {}: ranks started by an MPI launcher run without a screen; add --headless",
+            group.rank(),
+            group.ranks()
+        ))
+        .into());
+    }
+    Ok(group)
+}
+
+/// A fresh trainer for `scenario`, or the one saved in `--resume DIR`, as a rank of `group`;
+/// with the checkpoint policy on rank 0.
 fn build_trainer(
     args: &RunArgs,
     scenario: Scenario,
     device: candle_core::Device,
+    group: gaccwb::dist::Group,
 ) -> anyhow::Result<Trainer> {
     refuse_with_resume(args)?;
+    let saves = args.checkpoint_every.filter(|_| group.rank() == 0);
     // Held by the checkpoint hook, so for as long as the trainer lives.
-    let lock = match args.checkpoint_every {
+    let lock = match saves {
         Some(_) => Some(
             checkpoint::claim_dir(&args.checkpoint_dir, args.resume.as_deref(), args.force)
                 .map_err(|e| usage(format!("{e:#}")))?,
@@ -199,6 +231,7 @@ fn build_trainer(
         })?,
         None => Trainer::new(scenario, device)?,
     };
+    trainer.join(group).map_err(|e| usage(format!("{e:#}")))?;
     let controls = args
         .controls
         .iter()
@@ -210,7 +243,7 @@ fn build_trainer(
         refuse_past_controls(&trainer)?;
     }
     let inputs = args.inputs_but_resumed(Some(trainer.scenario()));
-    if let Some((every, lock)) = args.checkpoint_every.zip(lock) {
+    if let Some((every, lock)) = saves.zip(lock) {
         let policy = checkpoint::Policy {
             every,
             dir: args.checkpoint_dir.clone(),

@@ -26,6 +26,7 @@ pub fn header() -> Header {
         entropy_floor: Some(1.25),
         tokenizer: None,
         started_unix: 0,
+        ranks: None,
     }
 }
 
@@ -56,6 +57,7 @@ pub fn step(step: u64, loss: f64) -> StepEvent {
         },
         grad_error: None,
         noise: None,
+        comm: None,
     }
 }
 

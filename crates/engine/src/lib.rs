@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod control;
 pub mod data;
 pub mod device;
+pub mod dist;
 pub mod end;
 pub mod limits;
 pub mod memory;

@@ -190,6 +190,12 @@ pub struct TrainConfig {
     pub accum_max: usize,
     /// Windows a new K must be asked for (and at least held) before the policy changes it.
     pub accum_patience: u64,
+    /// Data parallel: when the ranks sum their gradients, "window" or "micro-batch".
+    pub sync: crate::dist::SyncEvery,
+    /// Data parallel: "tokens" (per token of the whole window) or "mean-of-means" (a pitfall).
+    pub rank_loss_norm: crate::dist::RankLossNorm,
+    /// Data parallel: seconds a rank waits in a collective before it ends the run.
+    pub comm_timeout: f64,
 }
 
 impl Default for TrainConfig {
@@ -228,6 +234,9 @@ impl Default for TrainConfig {
             accum_min: 2,
             accum_max: 64,
             accum_patience: 10,
+            sync: crate::dist::SyncEvery::Window,
+            rank_loss_norm: crate::dist::RankLossNorm::Tokens,
+            comm_timeout: 60.0,
         }
     }
 }
@@ -455,6 +464,7 @@ impl Scenario {
             ));
         }
         check_noise(t)?;
+        check_comm_timeout(t)?;
         for (i, e) in self.timeline.iter().enumerate() {
             validate_control(&e.control).map_err(|m| {
                 Problem::new(
@@ -474,6 +484,20 @@ impl Scenario {
             self.train.micro_batch * self.train.accum_steps
         }
     }
+}
+
+/// Data parallel's timeout: a collective must be given some time.
+fn check_comm_timeout(t: &TrainConfig) -> Result<(), Problem> {
+    if t.comm_timeout.is_finite() && t.comm_timeout > 0.0 {
+        return Ok(());
+    }
+    Err(Problem::new(
+        "train.comm_timeout",
+        format!(
+            "train.comm_timeout ({}) must be a positive number of seconds, e.g. 60",
+            t.comm_timeout
+        ),
+    ))
 }
 
 /// The noise scale's and the adaptive policy's keys.
@@ -676,6 +700,9 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
         "accum_min",
         "accum_max",
         "accum_patience",
+        "sync",
+        "rank_loss_norm",
+        "comm_timeout",
     ];
     match section {
         "model" => MODEL.to_vec(),

@@ -86,6 +86,10 @@ pub struct Header {
     pub tokenizer: Option<TokenizerInfo>,
     /// Seconds since the Unix epoch when the run started.
     pub started_unix: u64,
+    /// Data-parallel ranks (W); absent for a run of one process. Each window takes W·K·B
+    /// samples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<usize>,
 }
 
 /// What the header records about the tokenizer a run used; replay needs nothing else.
@@ -174,6 +178,10 @@ pub struct StepEvent {
     /// The gradient noise scale, from windows with K ≥ 2 that did not overflow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub noise: Option<NoiseEvent>,
+    /// Data parallel: the ranks, what each sent and received and its time in collectives, and
+    /// each rank's peak memory. Absent in a run of one process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm: Option<crate::dist::CommEvent>,
 }
 
 impl StepEvent {

@@ -22,6 +22,7 @@ const LAYERS: [&[&str]; 8] = [
         "safe_write",
         "tensors",
         "device",
+        "dist",
         "end",
     ],
     &["scenario"],

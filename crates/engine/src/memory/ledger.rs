@@ -167,6 +167,15 @@ impl Ledger {
         self.push(step, Phase::Step, after, step_peak);
     }
 
+    /// The peak over the window just finished (its step event's), before its events are taken.
+    pub fn last_step_peak(&self) -> u64 {
+        self.pending
+            .iter()
+            .rev()
+            .find(|e| e.phase == Phase::Step)
+            .map_or(0, |e| e.peak)
+    }
+
     /// Events made since the last call.
     pub fn take_events(&mut self) -> Vec<MemoryEvent> {
         std::mem::take(&mut self.pending)

@@ -112,6 +112,7 @@ mod tests {
             phase_ms: Default::default(),
             grad_error: None,
             noise: Some(noise),
+            comm: None,
         }
     }
 

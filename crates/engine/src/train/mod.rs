@@ -41,7 +41,8 @@ pub use crate::telemetry::{EventSink, Knobs};
 use adamw::{AdamW, Hyper};
 use scaler::LossScaler;
 pub use window::{
-    window_gradients, window_gradients_observed, Interrupt, WindowGrads, WindowObserver,
+    rank_window_gradients, window_gradients, window_gradients_observed, Interrupt, Share,
+    WindowGrads, WindowObserver,
 };
 
 /// Global L2 norm over a set of tensors, in f64 on the host.
@@ -113,7 +114,7 @@ pub struct Saved {
     pub progress: Progress,
 }
 
-/// What the step event takes from a finished window.
+/// What the step event takes from a finished window (every rank's, under data parallel).
 struct WindowSummary {
     loss: f64,
     tokens: u64,
@@ -122,10 +123,10 @@ struct WindowSummary {
 }
 
 impl WindowSummary {
-    fn of(w: &WindowGrads) -> WindowSummary {
+    fn of(w: &WindowGrads, tokens: u64) -> WindowSummary {
         WindowSummary {
             loss: w.loss,
-            tokens: w.tokens,
+            tokens,
             forward_ms: w.forward_ms,
             backward_ms: w.backward_ms,
         }
@@ -195,6 +196,8 @@ pub struct Trainer {
     cpu_load: crate::ops::cpu_load::OthersLoad,
     /// Watch every window after the ledger (`observe_windows`; tests inject faults this way).
     window_observers: Vec<Box<dyn WindowObserver + Send>>,
+    /// The data-parallel ranks this trainer is one of (alone by default; [`Trainer::join`]).
+    group: crate::dist::Group,
     base_batch: usize,
     started: Instant,
 }
@@ -246,6 +249,7 @@ impl Trainer {
             cli_controls: Vec::new(),
             guard,
             window_observers: Vec::new(),
+            group: crate::dist::Group::solo(),
             started: Instant::now(),
         };
         let unified = trainer.memory.unified();
@@ -387,6 +391,32 @@ impl Trainer {
         self.device.synchronize()
     }
 
+    /// Train as one rank of `group` (data parallel): every rank must join a trainer built from
+    /// the same scenario, before the first step.
+    pub fn join(&mut self, group: crate::dist::Group) -> anyhow::Result<()> {
+        if group.is_parallel() && self.knobs.accum_policy != crate::telemetry::AccumPolicy::Fixed {
+            anyhow::bail!(
+                "train.accum_policy = {:?} with {} ranks: the noise-scale policy is measured per \
+                 rank and the ranks must agree on K; use accum_policy = \"fixed\"",
+                self.knobs.accum_policy,
+                group.ranks()
+            );
+        }
+        self.base_batch = self.scenario.base_batch() * group.ranks();
+        self.group = group;
+        Ok(())
+    }
+
+    /// This process's rank and the number of ranks.
+    pub fn rank(&self) -> (usize, usize) {
+        (self.group.rank(), self.group.ranks())
+    }
+
+    /// Samples in a window, every rank's together: W·K·B.
+    pub fn global_batch(&self) -> usize {
+        self.knobs.effective_batch() * self.group.ranks()
+    }
+
     /// The recording's first line. Its scenario carries the knobs in force, which for a run
     /// resumed from a checkpoint are the checkpoint's, not its scenario's first values.
     pub fn header(&self) -> Header {
@@ -404,6 +434,7 @@ impl Trainer {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
+            ranks: self.group.is_parallel().then(|| self.group.ranks()),
         }
     }
 
@@ -465,16 +496,19 @@ impl Trainer {
             * self
                 .knobs
                 .lr_rule
-                .factor(self.knobs.effective_batch(), self.base_batch)
+                .factor(self.global_batch(), self.base_batch)
     }
 
-    /// The next window's samples; advances the data cursor.
+    /// This rank's samples of the next window; advances the data cursor past every rank's.
+    /// Rank r trains samples `[r·K·B, (r+1)·K·B)` of the window's W·K·B, so W ranks at K see
+    /// the samples one process at W·K sees.
     pub fn next_window(&mut self) -> Vec<Sample> {
         let n = self.knobs.effective_batch() as u64;
-        let samples = (self.cursor..self.cursor + n)
+        let start = self.cursor + self.group.rank() as u64 * n;
+        let samples = (start..start + n)
             .map(|i| self.corpus.sample(Split::Train, i))
             .collect();
-        self.cursor += n;
+        self.cursor += self.global_batch() as u64;
         samples
     }
 
@@ -491,11 +525,12 @@ impl Trainer {
             crate::ops::workspace::reserve(self.knobs.dtype);
         }
         let scale = self.loss_scale();
-        let mut window = self.window_with_retries(scale, &mut between)?;
+        let (mut window, window_tokens) = self.window_with_retries(scale, &mut between)?;
+        self.sum_over_ranks(&mut window)?;
         let optimizer_started = Instant::now();
         self.memory.optimizer_start(&window.buffer());
         let norms = window.noise.take();
-        let summary = WindowSummary::of(&window);
+        let summary = WindowSummary::of(&window, window_tokens);
         let update = self.apply_window(window, scale)?;
         self.device.synchronize()?;
         let noise = self.noise.observe(norms.as_ref(), update.skipped);
@@ -505,17 +540,54 @@ impl Trainer {
             optimizer_ms: optimizer_started.elapsed().as_secs_f64() * 1e3,
             step_ms: started.elapsed().as_secs_f64() * 1e3,
         };
-        Ok(self.step_event(summary, update, timing, scale, noise))
+        let comm = self.group.is_parallel().then(|| {
+            let sync = self.scenario.train.sync;
+            self.group.finish_window(sync, self.memory.last_step_peak())
+        });
+        Ok(self.step_event(summary, update, timing, scale, noise, comm))
     }
 
-    /// The window's gradients. A window that runs out of memory is retried from the same cursor
-    /// at a smaller micro-batch (`oom_guard`); its partial gradients are dropped with the failed
-    /// attempt.
+    /// Under data parallel, the window's sums over the ranks: the gradients (unless every
+    /// micro-batch's already were), the pitfall's reference, and the loss. Every rank then
+    /// holds the same buffer and takes the same step.
+    fn sum_over_ranks(&mut self, window: &mut WindowGrads) -> Result<()> {
+        if !self.group.is_parallel() {
+            return Ok(());
+        }
+        let dist = |e: crate::dist::DistError| candle_core::Error::Msg(e.to_string());
+        if self.scenario.train.sync == crate::dist::SyncEvery::Window {
+            self.group
+                .sum_tensors(&mut window.grads, true)
+                .map_err(dist)?;
+        }
+        if let Some(reference) = window.reference.as_mut() {
+            self.group.sum_tensors(reference, false).map_err(dist)?;
+        }
+        let mut loss = [window.loss];
+        self.group.sum_scalars(&mut loss);
+        window.loss = loss[0];
+        Ok(())
+    }
+
+    /// A fingerprint of the knobs in force: ranks compare them at every boundary.
+    fn knobs_fingerprint(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        serde_json::to_string(&self.knobs)
+            .unwrap_or_default()
+            .hash(&mut h);
+        h.finish()
+    }
+
+    /// The window's gradients, and its counted tokens (every rank's). A window that runs out of
+    /// memory is retried from the same cursor at a smaller micro-batch (`oom_guard`); its partial
+    /// gradients are dropped with the failed attempt. Under data parallel a failure ends the
+    /// run: one rank cannot retry alone while the others wait in a collective.
     fn window_with_retries(
         &mut self,
         scale: f64,
         between: &mut impl FnMut() -> bool,
-    ) -> std::result::Result<WindowGrads, Interrupt> {
+    ) -> std::result::Result<(WindowGrads, u64), Interrupt> {
         let cursor = self.cursor;
         let mut failures_at_one = 0;
         loop {
@@ -524,6 +596,7 @@ impl Trainer {
             self.memory.begin_window(params, self.persistent_memory());
             match self.window_attempt(&samples, scale, &mut *between) {
                 Ok(w) => return Ok(w),
+                Err(e) if self.group.is_parallel() => return Err(e),
                 Err(e) => {
                     self.cursor = cursor;
                     let after =
@@ -553,16 +626,25 @@ impl Trainer {
         samples: &[Sample],
         scale: f64,
         between: impl FnMut() -> bool,
-    ) -> std::result::Result<WindowGrads, Interrupt> {
+    ) -> std::result::Result<(WindowGrads, u64), Interrupt> {
         let step = self.step + 1;
         for o in &mut self.window_observers {
             o.window_start(step)?;
         }
+        let rank_tokens = Share::tokens_of(samples);
+        let window_tokens = self.group.sum_tokens(rank_tokens);
+        let mut share = Share {
+            window_tokens,
+            rank_tokens,
+            rank_loss_norm: self.scenario.train.rank_loss_norm,
+            sync: self.scenario.train.sync,
+            group: &mut self.group,
+        };
         let mut observers: Vec<&mut dyn WindowObserver> = vec![&mut self.memory];
         for o in &mut self.window_observers {
             observers.push(o.as_mut());
         }
-        window_gradients_observed(
+        let window = rank_window_gradients(
             &self.model,
             samples,
             &self.knobs,
@@ -570,7 +652,9 @@ impl Trainer {
             &self.device,
             between,
             &mut observers,
-        )
+            &mut share,
+        )?;
+        Ok((window, window_tokens))
     }
 
     /// Watch every later window (called after the ledger, in the order added).
@@ -636,6 +720,7 @@ impl Trainer {
         timing: StepTiming,
         loss_scale: f64,
         noise: Option<crate::telemetry::NoiseEvent>,
+        comm: Option<crate::dist::CommEvent>,
     ) -> StepEvent {
         StepEvent {
             step: self.step,
@@ -664,6 +749,7 @@ impl Trainer {
             },
             grad_error: update.grad_error,
             noise,
+            comm,
         }
     }
 
@@ -886,6 +972,13 @@ fn boundary(
 ) -> ControlFlow<EndReason, Next> {
     flow.drain(controls);
     apply_due(trainer, flow, sink);
+    if trainer.group.is_parallel() {
+        let fingerprint = trainer.knobs_fingerprint();
+        match trainer.group.agree(trainer.step, flow.stop, fingerprint) {
+            Ok(stop) => flow.stop = stop,
+            Err(e) => return ControlFlow::Break(EndReason::Error(e.to_string())),
+        }
+    }
     let total = trainer.scenario.train.steps;
     if flow.stop {
         return ControlFlow::Break(EndReason::Stopped);
@@ -914,11 +1007,14 @@ fn window_step(
     serial: bool,
     sink: &EventSink,
 ) -> ControlFlow<EndReason, StepEvent> {
+    // Ranks stop together, at a boundary (`boundary` agrees on it): one rank leaving a window
+    // would leave the others waiting in its collectives.
+    let alone = !trainer.group.is_parallel();
     let step = {
         let _pool = crate::ops::pool::serial(serial);
         trainer.train_step(|| {
             flow.drain(controls);
-            !flow.stop
+            !(flow.stop && alone)
         })
     };
     send_all(sink, trainer.guard.take_announcements());
@@ -947,7 +1043,10 @@ fn after_window(
     let diverged = divergence.observe(&step);
     flow.pending.extend(trainer.policy_control(&step));
     if !sink.send(Event::Step(step)) {
-        return ControlFlow::Break(EndReason::Stopped);
+        if !trainer.group.is_parallel() {
+            return ControlFlow::Break(EndReason::Stopped);
+        }
+        flow.stop = true;
     }
     let memory = trainer.memory.take_events();
     let guard_log = trainer

@@ -12,6 +12,7 @@ use candle_core::{Device, Result, Tensor};
 
 use super::noise;
 use crate::data::{Batch, Sample};
+use crate::dist::{Group, RankLossNorm, SyncEvery};
 use crate::memory::Ledger;
 use crate::model::Gpt;
 use crate::telemetry::{Knobs, LossNorm, Phase, ZeroGrad};
@@ -63,13 +64,49 @@ pub struct LossWeights {
 }
 
 impl LossWeights {
-    fn new(batch: &Batch, window_tokens: u64, k: usize, loss_norm: LossNorm) -> LossWeights {
-        let correct = 1.0 / window_tokens.max(1) as f64;
-        let applied = match loss_norm {
-            LossNorm::Tokens => correct,
-            LossNorm::MeanOfMeans => 1.0 / (batch.tokens.max(1) as f64 * k as f64),
+    fn new(batch: &Batch, share: &Share, k: usize, loss_norm: LossNorm) -> LossWeights {
+        let correct = 1.0 / share.window_tokens.max(1) as f64;
+        let ranks = share.group.ranks() as f64;
+        let applied = match (loss_norm, share.rank_loss_norm) {
+            (LossNorm::Tokens, RankLossNorm::Tokens) => correct,
+            (LossNorm::Tokens, RankLossNorm::MeanOfMeans) => {
+                1.0 / (share.rank_tokens.max(1) as f64 * ranks)
+            }
+            (LossNorm::MeanOfMeans, _) => 1.0 / (batch.tokens.max(1) as f64 * k as f64 * ranks),
         };
         LossWeights { applied, correct }
+    }
+}
+
+/// This rank's part of a window trained by several (data parallel; one rank alone is the
+/// ordinary run).
+pub struct Share<'g> {
+    /// Counted tokens of the whole window, every rank's slice together.
+    pub window_tokens: u64,
+    /// Counted tokens of this rank's slice.
+    pub rank_tokens: u64,
+    pub rank_loss_norm: RankLossNorm,
+    /// With `MicroBatch`, each micro-batch's gradients are summed over the ranks before they
+    /// are folded; with `Window`, the caller sums the buffer once the window is done.
+    pub sync: SyncEvery,
+    pub group: &'g mut Group,
+}
+
+impl Share<'_> {
+    /// Counted tokens of `samples`.
+    pub fn tokens_of(samples: &[Sample]) -> u64 {
+        samples.iter().map(|s| s.len as u64).sum()
+    }
+
+    /// The gradients folded into this rank's buffer: summed over the ranks first when they
+    /// synchronise every micro-batch.
+    fn sync_micro_batch(&mut self, grads: &mut [Tensor]) -> Result<()> {
+        if self.sync == SyncEvery::MicroBatch {
+            self.group
+                .sum_tensors(grads, true)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        }
+        Ok(())
     }
 }
 
@@ -149,12 +186,38 @@ pub fn window_gradients_observed(
     knobs: &Knobs,
     scale: f64,
     device: &Device,
-    mut between: impl FnMut() -> bool,
+    between: impl FnMut() -> bool,
     observers: &mut [&mut dyn WindowObserver],
 ) -> std::result::Result<WindowGrads, Interrupt> {
+    let mut alone = Group::solo();
+    let tokens = Share::tokens_of(samples);
+    let mut share = Share {
+        window_tokens: tokens,
+        rank_tokens: tokens,
+        rank_loss_norm: RankLossNorm::Tokens,
+        sync: SyncEvery::Window,
+        group: &mut alone,
+    };
+    rank_window_gradients(
+        model, samples, knobs, scale, device, between, observers, &mut share,
+    )
+}
+
+/// [`window_gradients_observed`] for this rank's `share` of a window several ranks train:
+/// `samples` is this rank's slice.
+#[allow(clippy::too_many_arguments)]
+pub fn rank_window_gradients(
+    model: &Gpt,
+    samples: &[Sample],
+    knobs: &Knobs,
+    scale: f64,
+    device: &Device,
+    mut between: impl FnMut() -> bool,
+    observers: &mut [&mut dyn WindowObserver],
+    share: &mut Share,
+) -> std::result::Result<WindowGrads, Interrupt> {
     let micro: Vec<&[Sample]> = samples.chunks(knobs.micro_batch).collect();
-    let window_tokens: u64 = samples.iter().map(|s| s.len as u64).sum();
-    let mut watch = Watchers::new(knobs, micro.len(), device, observers);
+    let mut watch = Watchers::new(knobs, share, micro.len(), device, observers);
     let mut buffer: Option<Vec<Tensor>> = None;
     // Each micro-batch's detached token-sum loss and its weight: read back in one transfer at
     // the end of the window, not one device-to-host sync per micro-batch.
@@ -165,7 +228,7 @@ pub fn window_gradients_observed(
         }
         watch.each(|o| o.forward_start())?;
         let batch = Batch::new(chunk, device)?;
-        let weights = LossWeights::new(&batch, window_tokens, micro.len(), knobs.loss_norm);
+        let weights = LossWeights::new(&batch, share, micro.len(), knobs.loss_norm);
         let fwd = model.forward_checkpointed(
             &batch.inputs,
             knobs.dtype.candle(),
@@ -189,7 +252,7 @@ pub fn window_gradients_observed(
         drop(loss);
         let recomputed = fwd.recomputed.clone();
         drop(fwd);
-        let grads = parameter_gradients(model, &recomputed, store)?;
+        let mut grads = parameter_gradients(model, &recomputed, store)?;
         let micro_grads = MicroGradients {
             grads: &grads,
             weights,
@@ -198,11 +261,12 @@ pub fn window_gradients_observed(
             samples: chunk.len(),
         };
         watch.each(|o| o.gradients(&micro_grads))?;
+        share.sync_micro_batch(&mut grads)?;
         buffer = Some(fold(buffer.take(), grads, knobs.zero_grad)?);
         watch.each(|o| o.micro_batch_end())?;
     }
     let loss = window_loss(&losses)?;
-    Ok(watch.finish(buffer.unwrap_or_default(), scale, loss, window_tokens)?)
+    Ok(watch.finish(buffer.unwrap_or_default(), scale, loss, share.rank_tokens)?)
 }
 
 /// The window's observers in their fixed order: the phase clock first (it waits for the
@@ -218,11 +282,14 @@ struct Watchers<'a, 'b> {
 impl<'a, 'b> Watchers<'a, 'b> {
     fn new(
         knobs: &Knobs,
+        share: &Share,
         k: usize,
         device: &'a Device,
         outside: &'a mut [&'b mut dyn WindowObserver],
     ) -> Self {
-        let pitfall = knobs.loss_norm != LossNorm::Tokens || knobs.zero_grad != ZeroGrad::PerWindow;
+        let pitfall = knobs.loss_norm != LossNorm::Tokens
+            || knobs.zero_grad != ZeroGrad::PerWindow
+            || share.rank_loss_norm != RankLossNorm::Tokens;
         Watchers {
             clock: PhaseClock::new(device),
             outside,

@@ -1,0 +1,358 @@
+//! Data parallel: W ranks train one model, each on its own slice of the window's samples, and
+//! sum their gradients before the update.
+//!
+//! The rules, one each (docs/DATA_PARALLEL.md):
+//! - a window takes W·K·B samples from the data stream; rank r trains samples
+//!   `[r·K·B, (r+1)·K·B)` of it, so W = 2, K = 2 trains the samples W = 1, K = 4 trains;
+//! - the window's counted tokens are summed over the ranks (one all-reduce of a scalar) before
+//!   any backward is scaled, so the update is the global per-token mean ([`RankLossNorm`]);
+//! - gradients are summed once per window, or after every micro-batch ([`SyncEvery`]): the same
+//!   sum, K× the bytes;
+//! - every rank then takes the same AdamW step on the same sum, so the weights never differ.
+//!
+//! Ranks run on an existing engine, not a home-made transport: MPI (the `mpi` feature, over
+//! the system's Open MPI or MPICH). [`Group`] counts what each collective moves under the ring
+//! rule and times it; a watchdog ends a rank that waits on its peers past the timeout, so
+//! nothing hangs in a collective.
+
+pub mod launch;
+#[cfg(feature = "mpi")]
+mod mpi;
+mod watchdog;
+
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+
+pub use launch::{from_env, Launch};
+
+/// When the ranks sum their gradients.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::EnumIter,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum SyncEvery {
+    /// Once, at the end of the window (PyTorch's `no_sync` for the first K − 1 micro-batches).
+    #[default]
+    Window,
+    /// After every micro-batch's backward: DDP without `no_sync`, K× the bytes.
+    MicroBatch,
+}
+
+/// How the ranks' losses are normalised.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::EnumIter,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum RankLossNorm {
+    /// Per counted token of the whole window, all ranks together (correct).
+    #[default]
+    Tokens,
+    /// Each rank's own per-token mean, averaged over the ranks: over-weights the tokens of a
+    /// rank whose slice holds fewer (a pitfall, measured as `grad_error`).
+    MeanOfMeans,
+}
+
+/// Why a collective failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    #[error(
+        "launched as rank {rank} of {ranks} by an MPI launcher, but this gaccwb was built \
+         without MPI: rebuild with `cargo build --release --features mpi` (needs an MPI library, \
+         e.g. Debian's libopenmpi-dev, and libclang)"
+    )]
+    NotBuiltWithMpi { rank: usize, ranks: usize },
+    #[error("MPI was already initialised in this process")]
+    AlreadyInitialised,
+    #[error("{0}")]
+    Launch(String),
+    #[error("step {step}: the ranks disagree on {what}; every rank must run the same knobs")]
+    Disagree { step: u64, what: &'static str },
+    #[error("gradients for data parallel: {0}")]
+    Tensor(#[from] candle_core::Error),
+}
+
+/// What each rank can do with the others. Every rank calls the same collectives in the same
+/// order; the implementations block until all have.
+pub trait Transport: Send {
+    fn rank(&self) -> usize;
+    fn ranks(&self) -> usize;
+    /// Element-wise sum over the ranks, in place.
+    fn sum_f32(&mut self, values: &mut [f32]);
+    /// Element-wise sum over the ranks, in place.
+    fn sum_f64(&mut self, values: &mut [f64]);
+    /// Element-wise sum over the ranks, in place.
+    fn sum_u64(&mut self, values: &mut [u64]);
+    /// Element-wise maximum over the ranks, in place.
+    fn max_u64(&mut self, values: &mut [u64]);
+    /// Every rank's `values`, concatenated in rank order.
+    fn gather_u64(&mut self, values: &[u64]) -> Vec<u64>;
+}
+
+/// One process alone: every collective is the identity.
+pub struct Solo;
+
+impl Transport for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn ranks(&self) -> usize {
+        1
+    }
+    fn sum_f32(&mut self, _: &mut [f32]) {}
+    fn sum_f64(&mut self, _: &mut [f64]) {}
+    fn sum_u64(&mut self, _: &mut [u64]) {}
+    fn max_u64(&mut self, _: &mut [u64]) {}
+    fn gather_u64(&mut self, values: &[u64]) -> Vec<u64> {
+        values.to_vec()
+    }
+}
+
+/// Bytes one rank sends (and receives) in a ring all-reduce of `bytes` over `ranks`: the
+/// reduce-scatter and the all-gather each pass (W − 1)/W of the buffer. Bandwidth-optimal, and
+/// what NCCL's ring moves; MPI libraries choose their own algorithm, so this is the payload
+/// rule the counters follow, not a packet count.
+pub fn ring_all_reduce_bytes(bytes: u64, ranks: usize) -> u64 {
+    let w = ranks as u64;
+    if w <= 1 {
+        return 0;
+    }
+    2 * (w - 1) * bytes / w
+}
+
+/// One rank's communication over a window.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RankComm {
+    /// Bytes sent and received under the ring rule ([`ring_all_reduce_bytes`]).
+    pub sent_bytes: u64,
+    pub received_bytes: u64,
+    /// Wall time inside collectives, waiting for slower ranks included.
+    pub comm_ms: f64,
+    /// Gradient all-reduces: 1 per window with `sync = window`, K with `micro-batch`.
+    pub gradient_reduces: u32,
+}
+
+/// The communication of one optimizer step: every rank's, gathered at the step's end.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CommEvent {
+    pub ranks: usize,
+    pub sync: SyncEvery,
+    /// One entry per rank, in rank order.
+    pub per_rank: Vec<RankComm>,
+    /// Each rank's peak bytes over the step (the memory ledger's total), in rank order.
+    pub peak_bytes: Vec<u64>,
+}
+
+impl CommEvent {
+    /// Bytes the ranks sent together.
+    pub fn sent_bytes(&self) -> u64 {
+        self.per_rank.iter().map(|r| r.sent_bytes).sum()
+    }
+
+    /// The slowest rank's time in collectives.
+    pub fn comm_ms(&self) -> f64 {
+        self.per_rank.iter().map(|r| r.comm_ms).fold(0.0, f64::max)
+    }
+}
+
+/// The ranks of a data-parallel run, as this process sees them: the transport, the counters of
+/// the window in progress and the watchdog over every collective.
+pub struct Group {
+    transport: Box<dyn Transport>,
+    window: RankComm,
+    watchdog: Option<watchdog::Watchdog>,
+}
+
+impl Default for Group {
+    fn default() -> Self {
+        Group::solo()
+    }
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {} of {}", self.rank(), self.ranks())
+    }
+}
+
+impl Group {
+    /// A run of one process.
+    pub fn solo() -> Group {
+        Group::new(Box::new(Solo), None)
+    }
+
+    /// Ranks over `transport`; a collective that waits longer than `timeout` ends the process.
+    pub fn new(transport: Box<dyn Transport>, timeout: Option<Duration>) -> Group {
+        let watchdog = timeout
+            .filter(|_| transport.ranks() > 1)
+            .map(|t| watchdog::Watchdog::start(transport.rank(), t));
+        Group {
+            transport,
+            window: RankComm::default(),
+            watchdog,
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.transport.ranks()
+    }
+
+    /// Whether this process is one of several.
+    pub fn is_parallel(&self) -> bool {
+        self.ranks() > 1
+    }
+
+    /// Runs a collective under the watchdog and the window's clock.
+    fn collective<R>(&mut self, what: &'static str, f: impl FnOnce(&mut dyn Transport) -> R) -> R {
+        if let Some(w) = &self.watchdog {
+            w.enter(what);
+        }
+        let started = Instant::now();
+        let out = f(self.transport.as_mut());
+        self.window.comm_ms += started.elapsed().as_secs_f64() * 1e3;
+        if let Some(w) = &self.watchdog {
+            w.leave();
+        }
+        out
+    }
+
+    fn count(&mut self, bytes: u64) {
+        let moved = ring_all_reduce_bytes(bytes, self.ranks());
+        self.window.sent_bytes += moved;
+        self.window.received_bytes += moved;
+    }
+
+    /// The window's counted tokens, summed over the ranks.
+    pub fn sum_tokens(&mut self, local: u64) -> u64 {
+        let mut v = [local];
+        self.count(8);
+        self.collective("summing the window's tokens", |t| t.sum_u64(&mut v));
+        v[0]
+    }
+
+    /// Sums scalars over the ranks (the window's loss), in f64.
+    pub fn sum_scalars(&mut self, values: &mut [f64]) {
+        self.count(8 * values.len() as u64);
+        self.collective("summing the window's loss", |t| t.sum_f64(values));
+    }
+
+    /// Sums `tensors` over the ranks, in place: one flat f32 bucket, one all-reduce. Counted as
+    /// a gradient reduce when `gradients`.
+    pub fn sum_tensors(
+        &mut self,
+        tensors: &mut [Tensor],
+        gradients: bool,
+    ) -> Result<(), DistError> {
+        if !self.is_parallel() {
+            return Ok(());
+        }
+        let mut flat = Vec::with_capacity(tensors.iter().map(Tensor::elem_count).sum());
+        for t in tensors.iter() {
+            flat.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        }
+        self.count(4 * flat.len() as u64);
+        if gradients {
+            self.window.gradient_reduces += 1;
+        }
+        self.collective("summing gradients", |t| t.sum_f32(&mut flat));
+        let mut at = 0;
+        for t in tensors.iter_mut() {
+            let n = t.elem_count();
+            let summed = Tensor::from_slice(&flat[at..at + n], t.shape(), t.device())?;
+            *t = summed.to_dtype(t.dtype())?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// At a boundary: whether any rank asks to stop, and a check that every rank runs the same
+    /// knobs (`fingerprint`), so a rank that changed alone fails here instead of hanging later.
+    pub fn agree(&mut self, step: u64, stop: bool, fingerprint: u64) -> Result<bool, DistError> {
+        if !self.is_parallel() {
+            return Ok(stop);
+        }
+        // max(fingerprint) and max(!fingerprint) = !min(fingerprint): equal iff all agree.
+        let mut v = [u64::from(stop), fingerprint, !fingerprint];
+        self.collective("agreeing at the boundary", |t| t.max_u64(&mut v));
+        if v[1] != !v[2] {
+            return Err(DistError::Disagree {
+                step,
+                what: "the knobs in force",
+            });
+        }
+        Ok(v[0] != 0)
+    }
+
+    /// Ends the window's counting: every rank's counters and peak, gathered (not counted: it is
+    /// the workbench's telemetry, not training traffic).
+    pub fn finish_window(&mut self, sync: SyncEvery, peak_bytes: u64) -> CommEvent {
+        let mine = std::mem::take(&mut self.window);
+        let ranks = self.ranks();
+        let fields = [
+            mine.sent_bytes,
+            mine.received_bytes,
+            (mine.comm_ms * 1e3) as u64,
+            u64::from(mine.gradient_reduces),
+            peak_bytes,
+        ];
+        let all = if self.is_parallel() {
+            self.collective("gathering telemetry", |t| t.gather_u64(&fields))
+        } else {
+            fields.to_vec()
+        };
+        let per_rank = all
+            .chunks(fields.len())
+            .map(|c| RankComm {
+                sent_bytes: c[0],
+                received_bytes: c[1],
+                comm_ms: c[2] as f64 / 1e3,
+                gradient_reduces: c[3] as u32,
+            })
+            .collect();
+        CommEvent {
+            ranks,
+            sync,
+            per_rank,
+            peak_bytes: all.chunks(fields.len()).map(|c| c[4]).collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn ring_rule_moves_twice_the_share_of_the_others() {
+        assert_eq!(ring_all_reduce_bytes(1000, 1), 0);
+        assert_eq!(ring_all_reduce_bytes(1000, 2), 1000);
+        assert_eq!(ring_all_reduce_bytes(1200, 4), 1800);
+    }
+
+    #[test]
+    fn one_rank_moves_nothing_and_changes_nothing() {
+        let mut g = Group::solo();
+        let mut t = vec![Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap()];
+        g.sum_tensors(&mut t, true).unwrap();
+        assert_eq!(t[0].to_vec1::<f32>().unwrap(), [1.0, 2.0]);
+        assert_eq!(g.sum_tokens(7), 7);
+        assert!(g.agree(3, true, 9).unwrap());
+        let e = g.finish_window(SyncEvery::Window, 5);
+        assert_eq!(e.sent_bytes(), 0);
+        assert_eq!(e.peak_bytes, [5]);
+    }
+
+    #[test]
+    fn one_rank_sums_scalars_to_themselves() {
+        let mut g = Group::solo();
+        let mut v = [std::f64::consts::PI * 1e3];
+        g.sum_scalars(&mut v);
+        assert_eq!(v[0], std::f64::consts::PI * 1e3);
+    }
+}
