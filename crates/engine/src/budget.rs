@@ -5,16 +5,19 @@
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// How much memory a run may use (`train.memory_budget`, `--budget`).
 pub enum MemoryBudget {
     /// No budget: the guard does nothing (the default).
     #[default]
     Off,
+    /// A fixed number of bytes.
     Bytes(u64),
     /// Percent of the device's total memory, in (0, 100].
     Percent(f64),
 }
 
 impl MemoryBudget {
+    /// Whether there is no budget (the guard stays idle).
     pub fn is_off(&self) -> bool {
         *self == MemoryBudget::Off
     }

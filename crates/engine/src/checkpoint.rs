@@ -30,7 +30,9 @@ const STATE_FILE: &str = "checkpoint.json";
 /// When and where a running trainer saves.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Policy {
+    /// Save after every `every` optimizer steps.
     pub every: u64,
+    /// The directory the state and tensor files go to (locked for the run's life).
     pub dir: PathBuf,
     /// Files the run reads, never replaced by a save (the checkpoint being resumed is not one:
     /// the run continues it).
@@ -40,16 +42,27 @@ pub struct Policy {
 /// The small JSON half of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct State {
+    /// The checkpoint format's version; a newer one is refused on resume.
     pub version: u32,
+    /// Optimizer steps taken, skipped ones included.
     pub step: u64,
+    /// Steps the LR schedule has advanced.
     pub lr_step: u64,
+    /// Index of the next training sample: the resumed run continues the data stream here.
     pub cursor: u64,
+    /// Steps skipped on non-finite gradients.
     pub overflow_count: u64,
+    /// AdamW's applied steps (its bias correction).
     pub adam_t: u64,
+    /// The f16 loss scale in force.
     pub loss_scale: f64,
+    /// Clean steps between loss-scale increases.
     pub scale_growth_interval: u64,
+    /// Clean steps since the scale last changed.
     pub scale_clean_steps: u64,
+    /// The knobs in force when saved (they may differ from the scenario's first values).
     pub knobs: Knobs,
+    /// The run's scenario, as it started.
     pub scenario: Scenario,
     /// The tensor file in the same directory.
     pub tensors: String,

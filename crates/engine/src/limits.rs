@@ -20,9 +20,13 @@ pub const MAX_CHECKPOINT_STATE_BYTES: u64 = 64 << 20;
 
 /// Largest micro-batch, accumulation steps, sequence length and width accepted.
 pub const MAX_MICRO_BATCH: usize = 1 << 16;
+/// Largest accumulation steps K accepted.
 pub const MAX_ACCUM_STEPS: usize = 1 << 16;
+/// Largest sequence length accepted.
 pub const MAX_SEQ_LEN: usize = 1 << 16;
+/// Largest model width accepted.
 pub const MAX_D_MODEL: usize = 1 << 17;
+/// Largest number of transformer blocks accepted.
 pub const MAX_LAYERS: usize = 1 << 12;
 /// Largest effective batch `gaccwb estimate` tabulates (it tries every divisor).
 pub const MAX_EFFECTIVE_BATCH: usize = 1 << 20;

@@ -31,6 +31,7 @@ fn is_known_type(name: &str) -> bool {
         .any(|k| <&'static str>::from(k) == name)
 }
 
+/// Writes the event stream to a JSON Lines file, header first, flushing steps at once and samples within a second.
 pub struct Recorder {
     path: PathBuf,
     out: BufWriter<File>,
@@ -81,6 +82,7 @@ impl Recorder {
         Ok(r)
     }
 
+    /// The file being written.
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -146,7 +148,9 @@ impl Drop for Recorder {
 /// A recording read back: the header, then every event in order (the header included).
 #[derive(Debug)]
 pub struct Recording {
+    /// The run's first line: scenario, device, build.
     pub header: Header,
+    /// Every event in file order, the header included.
     pub events: Vec<Event>,
     /// Problems that did not stop reading (e.g. a truncated last line).
     pub warnings: Vec<String>,

@@ -28,19 +28,39 @@ const TRAINER_VERSION: &str = "bpe1-tokenizers0.23";
 /// The first line's `format`: what says a file is one of these cache files.
 const CACHE_FORMAT: &str = "gaccwb-bpe-cache-1";
 
+/// Why no tokenizer could be had for the text.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
+    /// `data.tokenizer_file` cannot be read or is not a tokenizer.
     #[error("tokenizer file {path}: {message}")]
-    File { path: String, message: String },
+    File {
+        /// The file.
+        path: String,
+        /// What is wrong and what to do.
+        message: String,
+    },
+    /// Training a BPE on the text failed.
     #[error("training a BPE tokenizer on {data}: {message}")]
-    Train { data: String, message: String },
+    Train {
+        /// The text's name.
+        data: String,
+        /// What `tokenizers` said.
+        message: String,
+    },
+    /// The cache holds a file gaccwb may not replace.
     #[error("tokenizer cache {path}: {message}")]
-    Cache { path: String, message: String },
+    Cache {
+        /// The cache file.
+        path: String,
+        /// Why it was refused.
+        message: String,
+    },
 }
 
 /// A loaded tokenizer with what the header records about it.
 pub struct TextTokenizer {
     inner: Tokenizer,
+    /// What the recording's header says about it: kind, vocabulary, hash, file.
     pub info: TokenizerInfo,
     /// A trained tokenizer came from the cache rather than from training.
     pub cache_hit: bool,
@@ -299,7 +319,9 @@ fn pipeline_parts(t: &Tokenizer) -> [String; 6] {
 /// A text's token ids and what the header records about the tokenizer (dropped afterwards: the
 /// run needs only the ids, and its memory would land in the ledger's `other`).
 pub struct Tokenized {
+    /// The text's token ids, in order.
     pub tokens: Vec<u32>,
+    /// What the header records about the tokenizer used.
     pub info: TokenizerInfo,
     /// One line for the run's log: trained, cached or loaded, and how long it took.
     pub provenance: String,

@@ -10,27 +10,37 @@ use crate::ops::{
 };
 
 #[derive(Clone, Copy, Debug, PartialEq)]
+/// AdamW's hyper-parameters, fixed for the run.
 pub struct Hyper {
+    /// β₁, the first moment's decay.
     pub beta1: f64,
+    /// β₂, the second moment's decay.
     pub beta2: f64,
+    /// ε, added to the root of the second moment.
     pub eps: f64,
+    /// Decoupled weight decay, applied to matrices only (not biases or norm gains).
     pub weight_decay: f64,
 }
 
+/// AdamW's state for every parameter, on the weights' device or offloaded to the host.
 pub struct AdamW {
+    /// The hyper-parameters.
     pub hyper: Hyper,
     /// First and second moments, one per parameter, on `state_device`.
     pub m: Vec<Tensor>,
+    /// Second moments, one per parameter, beside `m`.
     pub v: Vec<Tensor>,
     /// Applied steps (for bias correction).
     pub t: u64,
     /// Host copies of the f32 master weights while offloaded from a separate device; `None` when
     /// the state lives with the weights (no offload, or a CPU run where host and device coincide).
     pub master: Option<Vec<Tensor>>,
+    /// Whether the state lives in host memory (`train.offload`).
     pub offloaded: bool,
 }
 
 impl AdamW {
+    /// Zero moments for `params`, with the state on their device.
     pub fn new(params: &[Param], hyper: Hyper) -> Result<AdamW> {
         let zeros = || {
             params

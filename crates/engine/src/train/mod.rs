@@ -203,6 +203,7 @@ pub struct Trainer {
 }
 
 impl Trainer {
+    /// Build the model, optimizer and data stream for `scenario` on `device`, after checking that the scenario is valid and fits; with a budget, the guard plans the first split.
     pub fn new(mut scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
         let cpu_load = crate::ops::cpu_load::OthersLoad::start();
         scenario.validate().map_err(anyhow::Error::msg)?;
@@ -837,12 +838,15 @@ impl Trainer {
 
 /// A trainer running on its own thread.
 pub struct TrainerHandle {
+    /// Controls for the trainer; they act at the next window boundary (Stop between micro-batches).
     pub controls: UnboundedSender<ControlMsg>,
+    /// Everything the trainer reports, in order.
     pub events: UnboundedReceiver<Event>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl TrainerHandle {
+    /// Send `control` with `origin`; a trainer that has ended ignores it.
     pub fn send(&self, control: Control, origin: Origin) {
         let _ = self.controls.send(ControlMsg { control, origin });
     }

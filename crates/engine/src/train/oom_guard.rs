@@ -39,6 +39,7 @@ pub struct Guard {
 }
 
 impl Guard {
+    /// A guard for `budget` bytes (`None`: none) that retries out-of-memory at B=1 `retries` times.
     pub fn new(budget: Option<u64>, retries: u32) -> Guard {
         Guard {
             budget,

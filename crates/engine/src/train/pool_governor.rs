@@ -30,9 +30,13 @@ fn fix_hint() -> String {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What `GACCWB_CPU_POOL` asks for.
 pub enum PoolChoice {
+    /// Time both and keep the faster (the default).
     Auto,
+    /// Always the thread pool.
     Pool,
+    /// Always the calling thread alone.
     Serial,
 }
 
@@ -73,6 +77,7 @@ const CONTENDED_BELOW: f64 = 1.5;
 const FREE_ABOVE: f64 = 1.75;
 
 #[derive(Clone, Debug)]
+/// Chooses, window by window, whether the fused CPU ops use the thread pool, from their measured cost and other processes' load.
 pub struct PoolGovernor {
     choice: PoolChoice,
     serial: bool,
@@ -92,6 +97,7 @@ pub struct PoolGovernor {
 }
 
 impl PoolGovernor {
+    /// A governor following `choice`, starting on the pool.
     pub fn new(choice: PoolChoice) -> PoolGovernor {
         PoolGovernor {
             choice,
