@@ -36,10 +36,15 @@ const F32: u64 = 4;
 /// Everything the estimate depends on.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Config {
+    /// The model's shape.
     pub model: ModelConfig,
+    /// B.
     pub micro_batch: usize,
+    /// K.
     pub accum_steps: usize,
+    /// The compute precision.
     pub dtype: Dtype,
+    /// Whether the optimizer state lives in host memory.
     pub offload: bool,
     /// A pitfall is on (mean-of-means or zero-grad per micro-batch): a reference buffer is kept.
     pub pitfall: bool,
@@ -55,6 +60,7 @@ pub struct Config {
 }
 
 impl Config {
+    /// The configuration the knobs `k` give for `model`; `unified` when host and device are one memory.
     pub fn from_knobs(model: &ModelConfig, k: &Knobs, unified: bool) -> Config {
         Config {
             model: model.clone(),
@@ -74,6 +80,7 @@ impl Config {
         }
     }
 
+    /// [`Config::from_knobs`] with the scenario's first knobs.
     pub fn from_scenario(s: &Scenario, unified: bool) -> Config {
         Config::from_knobs(&s.model, &Knobs::from_scenario(s), unified)
     }
@@ -82,14 +89,20 @@ impl Config {
 /// Predicted categories at the end of each phase of one optimizer step.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Estimate {
+    /// At the end of the forward.
     pub forward: Categories,
+    /// At the end of the backward (the peak of most runs).
     pub backward: Categories,
+    /// During the optimizer step.
     pub optimizer: Categories,
+    /// After the step: what persists between steps.
     pub step: Categories,
+    /// True when host and device are one memory.
     pub unified: bool,
 }
 
 impl Estimate {
+    /// The four phases with their categories, in step order.
     pub fn phases(&self) -> [(Phase, Categories); 4] {
         [
             (Phase::Forward, self.forward),
@@ -233,10 +246,13 @@ pub fn activation_bytes(cfg: &Config) -> u64 {
 /// How checkpointing splits the blocks: segment outputs kept through the forward, and the
 /// blocks of the largest segment, recomputed at once in the backward.
 pub struct Segments {
+    /// Block outputs kept through the forward.
     pub kept: u64,
+    /// Blocks in the largest segment, recomputed together.
     pub largest: u64,
 }
 
+/// The segments `cfg`'s checkpointing makes, or `None` without checkpointing.
 pub fn checkpointed(cfg: &Config) -> Option<Segments> {
     let per = cfg.checkpointing.segment()? as u64;
     let layers = cfg.model.layers as u64;
@@ -543,6 +559,7 @@ fn recompute_casts(cfg: &Config) -> u64 {
     }
 }
 
+/// The predicted ledger of one optimizer step under `cfg`.
 pub fn estimate(cfg: &Config) -> Estimate {
     let p = param_count(&cfg.model) * F32;
     let buffers = if cfg.pitfall { 2 } else { 1 };
@@ -599,10 +616,15 @@ pub fn estimate(cfg: &Config) -> Estimate {
 /// One row of the micro-batch table at a fixed effective batch.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Row {
+    /// B.
     pub micro_batch: usize,
+    /// K.
     pub accum_steps: usize,
+    /// Predicted activations at the backward's peak.
     pub activations: u64,
+    /// Predicted transient gradients at the backward's peak.
     pub gradients_transient: u64,
+    /// Predicted peak over all phases.
     pub peak: u64,
 }
 
@@ -640,14 +662,23 @@ pub fn largest_micro_batch(cfg: &Config, effective: usize, budget: u64) -> Optio
 /// What `gaccwb estimate` prints.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
+    /// The preset's name.
     pub preset: String,
+    /// The configuration estimated.
     pub config: Config,
+    /// Trainable parameters.
     pub params: u64,
+    /// The predicted ledger per phase.
     pub estimate: Estimate,
+    /// The predicted peak.
     pub peak: u64,
+    /// B·K, held fixed across the table.
     pub effective_batch: usize,
+    /// Every split of the effective batch.
     pub table: Vec<Row>,
+    /// The budget judged against, bytes.
     pub budget: u64,
+    /// The largest micro-batch that fits the budget.
     pub largest_fitting: Option<Row>,
     /// Why this shape cannot be trained by this program (the estimate still holds for it).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -657,6 +688,7 @@ pub struct Report {
 }
 
 impl Report {
+    /// The report for `cfg` at effective batch `effective` against `budget` bytes.
     pub fn new(preset: &str, cfg: &Config, effective: usize, budget: u64) -> Report {
         let estimate = estimate(cfg);
         Report {
@@ -674,6 +706,7 @@ impl Report {
         }
     }
 
+    /// The report as the terminal shows it.
     pub fn render(&self) -> String {
         let c = &self.config;
         let m = &c.model;

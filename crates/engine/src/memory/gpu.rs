@@ -159,6 +159,7 @@ pub struct AllocatorSource {
 }
 
 impl AllocatorSource {
+    /// A source reading the counting allocator, with the host's installed RAM as total.
     pub fn new() -> AllocatorSource {
         AllocatorSource {
             host_total: host_memory_total(),
@@ -245,6 +246,7 @@ pub struct NvmlMeter {
 }
 
 impl NvmlMeter {
+    /// A meter on NVML's GPU `index`.
     pub fn new(index: u32) -> NvmlMeter {
         NvmlMeter::of(NvmlSource::new(index))
     }
@@ -373,6 +375,7 @@ pub struct SamplerHandle {
 }
 
 impl SamplerHandle {
+    /// Stop the sampler and wait for its thread.
     pub fn stop(&mut self) {
         self.stop.take();
         if let Some(t) = self.thread.take() {

@@ -114,12 +114,17 @@ pub fn human_bytes(bytes: u64) -> String {
 pub struct Lever {
     /// What was changed, cumulatively: "K at micro-batch 1", "+ offload", "+ bf16".
     pub name: String,
+    /// B.
     pub micro_batch: usize,
+    /// K.
     pub accum_steps: usize,
+    /// The precision.
     pub dtype: Dtype,
+    /// Whether the optimizer state is offloaded.
     pub offload: bool,
     /// Predicted peak in the measured memory (device, or everything on the CPU).
     pub peak: u64,
+    /// Whether the peak fits the budget.
     pub fits: bool,
 }
 
@@ -128,6 +133,7 @@ pub struct Lever {
 pub struct Blocker {
     /// A ledger category name (`parameters`, `activations`, …).
     pub category: String,
+    /// Its bytes at its peak phase.
     pub bytes: u64,
     /// The category alone is larger than the budget.
     pub alone_exceeds: bool,
@@ -136,8 +142,11 @@ pub struct Blocker {
 /// The answer for one budget.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Verdict {
+    /// The budget, bytes.
     pub budget: u64,
+    /// The predicted peak as configured.
     pub configured_peak: u64,
+    /// Whether that fits.
     pub configured_fits: bool,
     /// The largest micro-batch dividing the effective batch that fits, with its K.
     pub largest_fitting: Option<Row>,
@@ -148,6 +157,7 @@ pub struct Verdict {
 }
 
 impl Verdict {
+    /// The verdict for `cfg` at effective batch `effective` against `budget` bytes.
     pub fn new(cfg: &Config, effective: usize, budget: u64) -> Verdict {
         let configured_peak = estimate(cfg).peak();
         let levers = levers(cfg, effective, budget);
