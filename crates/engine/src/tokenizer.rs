@@ -265,14 +265,27 @@ fn read_cache(
     }
     let inner = Tokenizer::from_bytes(json.as_bytes())
         .map_err(|e| invalid(format!("not a tokenizer: {e}")))?;
-    check_trained_shape(&inner, header.vocab).map_err(invalid)?;
+    check_trained_shape(&inner, header.vocab).map_err(|e| invalid(e.to_string()))?;
     Ok(Some((inner, json.to_string())))
+}
+
+/// How a cached tokenizer differs from what `train_bpe` makes.
+#[derive(Debug, thiserror::Error)]
+enum NotTrainedHere {
+    #[error("another {0} than this trainer's")]
+    Part(&'static str),
+    #[error("added tokens this trainer does not make")]
+    AddedTokens,
+    #[error("its token ids are not exactly 0..{last}")]
+    Ids { last: usize },
+    #[error("the byte symbol {0:?} is missing")]
+    MissingByte(char),
 }
 
 /// `inner` is what `train_bpe` makes: its pipeline (normalizer, pre-tokenizer, post-processor,
 /// decoder, no added tokens, no truncation or padding), and ids exactly 0..`vocab`-1 with every
 /// byte symbol among them.
-fn check_trained_shape(inner: &Tokenizer, vocab: usize) -> Result<(), String> {
+fn check_trained_shape(inner: &Tokenizer, vocab: usize) -> Result<(), NotTrainedHere> {
     let names = [
         "normalizer",
         "pre-tokenizer",
@@ -283,22 +296,22 @@ fn check_trained_shape(inner: &Tokenizer, vocab: usize) -> Result<(), String> {
     ];
     let (found, wanted) = (pipeline_parts(inner), pipeline_parts(&pipeline()));
     if let Some(i) = (0..names.len()).find(|&i| found[i] != wanted[i]) {
-        return Err(format!("another {} than this trainer's", names[i]));
+        return Err(NotTrainedHere::Part(names[i]));
     }
     if !inner.get_added_tokens_decoder().is_empty() {
-        return Err("added tokens this trainer does not make".into());
+        return Err(NotTrainedHere::AddedTokens);
     }
     let tokens = inner.get_vocab(true);
     let mut ids: Vec<u32> = tokens.values().copied().collect();
     ids.sort_unstable();
     if ids.len() != vocab || ids.iter().enumerate().any(|(i, &id)| id as usize != i) {
-        return Err(format!("its token ids are not exactly 0..{}", vocab - 1));
+        return Err(NotTrainedHere::Ids { last: vocab - 1 });
     }
     if let Some(missing) = ByteLevel::alphabet()
         .into_iter()
         .find(|c| !tokens.contains_key(&c.to_string()))
     {
-        return Err(format!("the byte symbol {missing:?} is missing"));
+        return Err(NotTrainedHere::MissingByte(missing));
     }
     Ok(())
 }
@@ -432,19 +445,33 @@ fn hash_hex(bytes: &[u8]) -> String {
 
 /// The header line, then the tokenizer, written through a temporary name (a concurrent reader
 /// never sees half a file) over a regular file only.
-fn write_cache(path: &Path, header: &CacheHeader, json: &str) -> Result<(), String> {
+fn write_cache(path: &Path, header: &CacheHeader, json: &str) -> Result<(), CacheWriteError> {
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|err| CacheWriteError::Dir {
+            dir: dir.to_path_buf(),
+            err,
+        })?;
     }
-    let line = serde_json::to_string(header).map_err(|e| format!("the cache header: {e}"))?;
+    let line = serde_json::to_string(header).map_err(CacheWriteError::Header)?;
     let content = format!("{line}\n{json}");
     safe_write::write_file(
         path,
         content.as_bytes(),
         "tokenizer cache",
         &Overwrite::ours(),
-    )
-    .map_err(|e| e.to_string())
+    )?;
+    Ok(())
+}
+
+/// Why a trained tokenizer was not cached (the run goes on; the log says so).
+#[derive(Debug, thiserror::Error)]
+enum CacheWriteError {
+    #[error("creating {}: {err}", dir.display())]
+    Dir { dir: PathBuf, err: std::io::Error },
+    #[error("the cache header: {0}")]
+    Header(serde_json::Error),
+    #[error(transparent)]
+    Write(#[from] safe_write::WriteError),
 }
 
 /// The untrained tokenizer `train_bpe` starts from: an empty BPE with GPT-2's byte-level
