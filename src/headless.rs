@@ -253,6 +253,9 @@ impl Summary {
             last.micro_batch,
             last.overflow_count
         );
+        if let Some(comm) = communication(tail) {
+            out += &comm;
+        }
         if let Some((peak, source)) = self.peak_memory {
             let source = serde_json::to_value(source).unwrap_or_default();
             let source = source.as_str().unwrap_or("?").to_string();
@@ -267,6 +270,35 @@ impl Summary {
         // Reasons, errors and the device name may come from a recording someone else wrote.
         strip(&out)
     }
+}
+
+/// Data parallel's line: ranks, bytes each rank sent per step and the share of the step spent
+/// in collectives, averaged over `tail`; `None` for a run of one process.
+fn communication(tail: &[StepEvent]) -> Option<String> {
+    let comms: Vec<(&crate::dist::CommEvent, f64)> = tail
+        .iter()
+        .filter_map(|s| s.comm.as_ref().map(|c| (c, s.step_ms)))
+        .collect();
+    let (last, _) = comms.last()?;
+    let n = comms.len() as f64;
+    let sent = comms
+        .iter()
+        .map(|(c, _)| c.sent_bytes() as f64 / c.ranks.max(1) as f64)
+        .sum::<f64>()
+        / n;
+    let share = comms
+        .iter()
+        .map(|(c, ms)| c.comm_ms() / ms.max(1e-9))
+        .sum::<f64>()
+        / n;
+    Some(format!(
+        "; {} ranks (sync per {}): {:.2} MiB sent per rank per step, {:.0}% of the step in \
+         collectives",
+        last.ranks,
+        last.sync.noun(),
+        sent / f64::from(1 << 20),
+        share * 100.0
+    ))
 }
 
 /// `text` without terminal escape sequences or other control characters (newlines and tabs

@@ -421,3 +421,30 @@ fn an_estimate_recorded_as_a_memory_event_reads_back_as_an_estimate() {
         "the run's own measurements stay memory events"
     );
 }
+
+/// A recording read while it grows, in pieces cut mid-line, gives the events a whole read gives;
+/// a line still being written waits for its newline.
+#[test]
+fn a_tail_reads_a_growing_recording_line_by_complete_line() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let (whole, _) = recorded_run(dir.path());
+    let bytes = std::fs::read(&whole).unwrap();
+    let growing = dir.path().join("growing.jsonl");
+    let mut out = std::fs::File::create(&growing).unwrap();
+    let mut tail = gaccwb::record::Tail::open(&growing).unwrap();
+    let mut seen = Vec::new();
+    for piece in bytes.chunks(777) {
+        out.write_all(piece).unwrap();
+        out.flush().unwrap();
+        let new = tail.poll().unwrap();
+        let written = std::fs::read(&growing).unwrap();
+        let complete_lines = written.iter().filter(|&&b| b == b'\n').count();
+        seen.extend(new);
+        assert_eq!(seen.len(), complete_lines);
+    }
+    assert_eq!(seen, read_recording(&whole).unwrap().events);
+    out.write_all(b"{\"type\": 7}\n").unwrap();
+    let e = tail.poll().unwrap_err().to_string();
+    assert!(e.contains("growing.jsonl:"), "{e}");
+}

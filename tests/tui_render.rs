@@ -219,6 +219,7 @@ fn help_in_a_replay_lists_seek_and_speed_not_knobs() {
         speed: 2.0,
         paused: true,
         last_step: 40,
+        following: false,
     });
     app.apply(Action::Help);
     let s = screen(&app, 120, 40);

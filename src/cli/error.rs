@@ -46,6 +46,13 @@ impl ExitClass {
                 _ => ExitClass::Failure,
             });
         }
+        if let Some(super::ranks::RanksFailed(code)) = cause.downcast_ref() {
+            return Some(match *code {
+                2 => ExitClass::Usage,
+                129..=255 => ExitClass::Signal(*code as u8),
+                _ => ExitClass::Failure,
+            });
+        }
         if cause.downcast_ref::<UsageError>().is_some() {
             return Some(ExitClass::Usage);
         }

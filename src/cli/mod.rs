@@ -9,6 +9,7 @@ mod estimate;
 mod export;
 mod inputs;
 mod presets;
+mod ranks;
 mod replay;
 mod run;
 

@@ -64,6 +64,10 @@ pub struct RunArgs {
     /// of the device such as "80%". The guard trades micro-batch for K to stay under it.
     #[arg(long, value_name = "SIZE")]
     budget: Option<String>,
+    /// Data parallel on this host: start N ranks through mpirun (a build with `--features
+    /// mpi`); each window takes N·K·B samples. The screen follows rank 0.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    ranks: Option<u64>,
 }
 
 impl RunArgs {
@@ -111,6 +115,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // the process with a line saying so. The run takes over once it starts.
     gaccwb::signals::until_started()?;
     let scenario = scenario_from(&args)?;
+    if let Some(ranks) = args.ranks.filter(|&n| n > 1) {
+        return super::ranks::launch(super::ranks::Launch {
+            ranks: ranks as usize,
+            headless: args.headless,
+            record: args.record.as_deref(),
+            keys: args.keys.as_deref(),
+        });
+    }
     let group = join_ranks(&args, &scenario)?;
     let lead = group.rank() == 0;
     let keys = match args.headless {

@@ -66,6 +66,8 @@ pub struct ReplayStatus {
     pub speed: f64,
     pub paused: bool,
     pub last_step: u64,
+    /// Following a recording that is still being written (`replay --follow`).
+    pub following: bool,
 }
 
 /// What the run has told the screen: the data store, rebuilt from events alone (a replay seek
@@ -713,6 +715,7 @@ mod tests {
             speed: 1.0,
             paused: false,
             last_step: 0,
+            following: false,
         });
         assert!(app.apply(Action::AccumUp).is_empty());
         assert!(app.run.pending.is_empty());

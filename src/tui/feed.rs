@@ -25,10 +25,7 @@ impl Feed {
     pub async fn next(&mut self, app: &mut App) -> anyhow::Result<()> {
         match self {
             Feed::Live(l) => l.next(app).await,
-            Feed::Replay(r) => {
-                r.next(app).await;
-                Ok(())
-            }
+            Feed::Replay(r) => r.next(app).await,
         }
     }
 
@@ -282,6 +279,9 @@ const MAX_GAP: Duration = Duration::from_secs(2);
 /// Steps a seek key moves.
 pub const SEEK_STEPS: u64 = 10;
 
+/// How often a followed recording is read for new lines.
+const FOLLOW_POLL: Duration = Duration::from_millis(250);
+
 /// A recording played back through the same `App::update`.
 pub struct Replay {
     events: Vec<Event>,
@@ -290,6 +290,8 @@ pub struct Replay {
     speed: f64,
     paused: bool,
     next_at: Instant,
+    /// A recording still being written: read for new events until its end event.
+    tail: Option<crate::record::Tail>,
 }
 
 impl Replay {
@@ -300,7 +302,17 @@ impl Replay {
             speed: speed.clamp(MIN_SPEED, MAX_SPEED),
             paused: false,
             next_at: Instant::now(),
+            tail: None,
         };
+        r.publish(app);
+        r
+    }
+
+    /// Follows a recording as it grows: what is there is shown at once, then each new event as
+    /// it is written.
+    pub fn follow(tail: crate::record::Tail, app: &mut App) -> Replay {
+        let mut r = Replay::new(Vec::new(), 1.0, app);
+        r.tail = Some(tail);
         r.publish(app);
         r
     }
@@ -310,8 +322,30 @@ impl Replay {
             speed: self.speed,
             paused: self.paused,
             last_step: self.last_recorded_step(),
+            following: self.tail.is_some(),
         });
         app.view.dirty = true;
+    }
+
+    /// Whether the followed recording still has events to come (no end event yet).
+    fn still_written(&self) -> bool {
+        self.tail.is_some() && !matches!(self.events.last(), Some(Event::End(_)))
+    }
+
+    /// Waits for new lines of the followed recording and takes their events. The wait is a
+    /// deadline (`next_at`), so the event loop may drop this future for a frame and call again.
+    async fn poll_tail(&mut self, app: &mut App) -> anyhow::Result<()> {
+        tokio::time::sleep_until(self.next_at).await;
+        self.next_at = Instant::now() + FOLLOW_POLL;
+        let Some(tail) = self.tail.as_mut() else {
+            return Ok(());
+        };
+        let new = tail.poll()?;
+        if !new.is_empty() {
+            self.events.extend(new);
+            self.publish(app);
+        }
+        Ok(())
     }
 
     fn last_recorded_step(&self) -> u64 {
@@ -329,9 +363,22 @@ impl Replay {
         self.cursor >= self.events.len()
     }
 
-    async fn next(&mut self, app: &mut App) {
-        if self.paused || self.at_end() {
+    async fn next(&mut self, app: &mut App) -> anyhow::Result<()> {
+        if self.paused {
             return std::future::pending().await;
+        }
+        if self.at_end() {
+            if !self.still_written() {
+                return std::future::pending().await;
+            }
+            return self.poll_tail(app).await;
+        }
+        if self.tail.is_some() {
+            // Following: everything written so far is shown at once.
+            while !self.at_end() {
+                self.feed_one_step(app);
+            }
+            return Ok(());
         }
         tokio::time::sleep_until(self.next_at).await;
         let step_ms = self.feed_one_step(app);
@@ -340,6 +387,7 @@ impl Replay {
             .unwrap_or(MAX_GAP)
             .min(MAX_GAP);
         self.next_at = Instant::now() + wait;
+        Ok(())
     }
 
     /// Feed events up to and including the next step; returns that step's recorded duration.

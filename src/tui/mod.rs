@@ -77,6 +77,16 @@ pub fn run_replay(path: &Path, speed: f64, keys: &KeyMap) -> anyhow::Result<()> 
     on_screen(&mut app, keys, &mut feed)
 }
 
+/// Show a recording that is still being written (a headless run's, a rank's) as it grows.
+pub fn run_follow(path: &Path, keys: &KeyMap) -> anyhow::Result<()> {
+    require_terminal()?;
+    let tail = crate::record::Tail::open(path)?;
+    let mut app = App::default();
+    app.view.color = terminal::color_enabled();
+    let mut feed = Feed::Replay(Replay::follow(tail, &mut app));
+    on_screen(&mut app, keys, &mut feed)
+}
+
 /// Enter the terminal, run the loop, and restore the terminal whatever happened.
 fn on_screen(app: &mut App, keys: &KeyMap, feed: &mut Feed) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -51,6 +51,10 @@ fn render_pane(frame: &mut Frame, area: Rect, app: &App, pane: PaneId, theme: Th
         PaneId::Ledger => panes::ledger::render(frame, area, app, theme),
         PaneId::Loss => panes::loss::render(frame, area, app, theme),
         PaneId::GradNorm => panes::grad_norm::render(frame, area, app, theme),
+        // A run of several ranks shows its communication in the loss scale's place.
+        PaneId::LossScale if panes::communication::applies(app) => {
+            panes::communication::render(frame, area, app, theme)
+        }
         PaneId::LossScale => panes::loss_scale::render(frame, area, app, theme),
         PaneId::Status => panes::status::render(frame, area, app, theme),
         PaneId::EventLog => panes::event_log::render(frame, area, app, theme),
@@ -129,10 +133,12 @@ fn header_line(app: &App, theme: Theme) -> Line<'static> {
     }
     if let Some(r) = &app.view.replay {
         let what = if r.paused { "paused" } else { "playing" };
-        spans.push(Span::styled(
-            format!("· REPLAY {what} ×{} ({} steps) ", r.speed, r.last_step),
-            theme.fg(Color::Magenta),
-        ));
+        let text = if r.following {
+            format!("· FOLLOWING {what} ({} steps so far) ", r.last_step)
+        } else {
+            format!("· REPLAY {what} ×{} ({} steps) ", r.speed, r.last_step)
+        };
+        spans.push(Span::styled(text, theme.fg(Color::Magenta)));
     }
     if let Some(path) = &app.view.recording {
         spans.push(Span::styled(format!("· ● REC {path} "), theme.error()));

@@ -40,6 +40,16 @@ pub enum SyncEvery {
     MicroBatch,
 }
 
+impl SyncEvery {
+    /// What one gradient all-reduce covers: "window" or "micro-batch".
+    pub fn noun(self) -> &'static str {
+        match self {
+            SyncEvery::Window => "window",
+            SyncEvery::MicroBatch => "micro-batch",
+        }
+    }
+}
+
 /// How the ranks' losses are normalised.
 #[derive(
     Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::EnumIter,

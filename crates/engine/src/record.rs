@@ -293,6 +293,86 @@ pub fn parse_recording(bytes: &[u8], origin: &str) -> Result<Recording, RecordEr
     })
 }
 
+/// A recording that may still be growing (a headless run's, read from another terminal): each
+/// [`Tail::poll`] returns the events of the complete lines written since the last one.
+pub struct Tail {
+    path: String,
+    file: std::fs::File,
+    /// Bytes after the last newline read so far: a line still being written.
+    partial: Vec<u8>,
+    /// Lines read so far, for messages.
+    lines: usize,
+    unknown: usize,
+    /// Events read so far.
+    events: usize,
+}
+
+impl Tail {
+    pub fn open(path: &Path) -> Result<Tail, RecordError> {
+        let p = path.display().to_string();
+        let file = std::fs::File::open(path).map_err(|e| RecordError::Io {
+            path: p.clone(),
+            message: format!("cannot open: {e}"),
+        })?;
+        Ok(Tail {
+            path: p,
+            file,
+            partial: Vec::new(),
+            lines: 0,
+            unknown: 0,
+            events: 0,
+        })
+    }
+
+    /// The events of the lines completed since the last call (none if nothing new). A bad
+    /// complete line is an error naming it, as in [`read_recording`].
+    pub fn poll(&mut self) -> Result<Vec<Event>, RecordError> {
+        use std::io::Read;
+        let before = self.partial.len();
+        self.file
+            .read_to_end(&mut self.partial)
+            .map_err(|e| RecordError::Io {
+                path: self.path.clone(),
+                message: format!("cannot read: {e}"),
+            })?;
+        let Some(end) = self.partial[before..]
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map(|i| before + i)
+        else {
+            return Ok(Vec::new());
+        };
+        let complete: Vec<u8> = self.partial.drain(..=end).collect();
+        let mut events = Vec::new();
+        for raw in complete[..complete.len() - 1].split(|&b| b == b'\n') {
+            self.lines += 1;
+            let first = self.events == 0;
+            let parsed = std::str::from_utf8(raw)
+                .map_err(|e| format!("not UTF-8 text ({e})"))
+                .and_then(|text| parse_line(text, first, &mut self.unknown))
+                .and_then(|e| match (&e, first) {
+                    (Some(event), true) => check_header(event).map(|()| e),
+                    _ => Ok(e),
+                });
+            match parsed {
+                Ok(Some(event)) => {
+                    self.events += 1;
+                    events.push(event);
+                }
+                Ok(None) => {}
+                Err(message) => {
+                    return Err(RecordError::Line {
+                        path: self.path.clone(),
+                        line: self.lines,
+                        message,
+                    })
+                }
+            }
+        }
+        Ok(events)
+    }
+}
+
 /// One line: an event, nothing (blank line, unknown event type) or why it is not valid.
 fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Event>, LineError> {
     if text.trim().is_empty() {

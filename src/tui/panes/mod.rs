@@ -2,6 +2,7 @@
 //! Charts share the helpers here so their axes move in steps (page-wise in x, on a 1-2-5 grid in
 //! y): a new point then changes a few cells, not the whole chart, which keeps SSH traffic low.
 
+pub mod communication;
 pub mod device_memory;
 pub mod event_log;
 pub mod grad_norm;

@@ -61,7 +61,13 @@ pub fn lines(app: &App, theme: Theme) -> Vec<Line<'static>> {
         differs(k.micro_batch.to_string(), t.micro_batch.to_string()),
         theme,
     ));
-    l1.extend(knob("eff", k.effective_batch().to_string(), None, theme));
+    // Data parallel: W ranks each train K·B samples of the window.
+    let ranks = app.run.header.as_ref().and_then(|h| h.ranks).unwrap_or(1);
+    if ranks > 1 {
+        l1.extend(knob("W", ranks.to_string(), None, theme));
+    }
+    let eff = k.effective_batch() * ranks;
+    l1.extend(knob("eff", eff.to_string(), None, theme));
     out.push(Line::from(l1));
 
     let lr_now = app.last().map(|s| s.lr).unwrap_or(k.lr);
