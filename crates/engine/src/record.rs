@@ -167,6 +167,16 @@ pub enum RecordError {
         /// Why.
         err: crate::limits::ReadError,
     },
+    /// A recording being followed could not be opened or read further.
+    #[error("{path}: cannot {action}: {err}")]
+    Follow {
+        /// The recording's path.
+        path: String,
+        /// "open" or "read".
+        action: &'static str,
+        /// What the operating system said.
+        err: std::io::Error,
+    },
     /// A line that is not a valid event where one is needed.
     #[error("{path}:{line}: {problem}")]
     Line {
@@ -308,11 +318,13 @@ pub struct Tail {
 }
 
 impl Tail {
+    /// Follow `path` from its first line.
     pub fn open(path: &Path) -> Result<Tail, RecordError> {
         let p = path.display().to_string();
-        let file = std::fs::File::open(path).map_err(|e| RecordError::Io {
+        let file = std::fs::File::open(path).map_err(|err| RecordError::Follow {
             path: p.clone(),
-            message: format!("cannot open: {e}"),
+            action: "open",
+            err,
         })?;
         Ok(Tail {
             path: p,
@@ -331,9 +343,10 @@ impl Tail {
         let before = self.partial.len();
         self.file
             .read_to_end(&mut self.partial)
-            .map_err(|e| RecordError::Io {
+            .map_err(|err| RecordError::Follow {
                 path: self.path.clone(),
-                message: format!("cannot read: {e}"),
+                action: "read",
+                err,
             })?;
         let Some(end) = self.partial[before..]
             .iter()
@@ -348,7 +361,7 @@ impl Tail {
             self.lines += 1;
             let first = self.events == 0;
             let parsed = std::str::from_utf8(raw)
-                .map_err(|e| format!("not UTF-8 text ({e})"))
+                .map_err(LineError::NotUtf8)
                 .and_then(|text| parse_line(text, first, &mut self.unknown))
                 .and_then(|e| match (&e, first) {
                     (Some(event), true) => check_header(event).map(|()| e),
@@ -360,11 +373,11 @@ impl Tail {
                     events.push(event);
                 }
                 Ok(None) => {}
-                Err(message) => {
+                Err(problem) => {
                     return Err(RecordError::Line {
                         path: self.path.clone(),
                         line: self.lines,
-                        message,
+                        problem,
                     })
                 }
             }
