@@ -140,7 +140,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     for assignment in &args.sets {
         scenario.set_unvalidated(assignment).map_err(usage)?;
     }
-    let mut arch = opts::resolve_arch(&options, Arch::engine(&scenario.model)).map_err(usage)?;
+    let mut arch = opts::resolve_arch(&options, Arch::engine(&scenario.model))?;
     if args.config.is_none() && args.seq_len.is_none() && arch.engine_model().is_some() {
         // A GPT shape or the preset: `--set model.seq_len` reaches both stacks.
         arch.seq_len = scenario.model.seq_len as u64;
@@ -156,11 +156,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     let budget_gib = match (args.budget_gib, &args.gpu_model) {
         (Some(g), _) => g,
         (None, Some(name)) if name != "cpu" => {
-            opts::resolve_rates(&options)
-                .map_err(usage)?
-                .gpu
-                .memory_bytes as f64
-                / (1u64 << 30) as f64
+            opts::resolve_rates(&options)?.gpu.memory_bytes as f64 / (1u64 << 30) as f64
         }
         _ => 8.0,
     };
@@ -253,8 +249,8 @@ fn reference_plan(
             "train.micro_batch and train.accum_steps must be at least 1".into()
         ));
     }
-    let setup = opts::resolve_setup(options, b, k).map_err(usage)?;
-    opts::check_size(arch, b * k).map_err(usage)?;
-    let rates = opts::resolve_rates(options).map_err(usage)?;
+    let setup = opts::resolve_setup(options, b, k)?;
+    opts::check_size(arch, b * k)?;
+    let rates = opts::resolve_rates(options)?;
     Ok(ReferencePlan::new(arch, &setup, &rates, budget))
 }
