@@ -24,16 +24,16 @@ use crate::telemetry::{Control, ControlEvent, Event, MemoryEvent, Origin, Phase}
 #[derive(Debug, Default)]
 pub struct Guard {
     /// The budget in bytes (resolved against the device's total); `None`: no budget.
-    pub budget: Option<u64>,
+    budget: Option<u64>,
     /// Out-of-memory failures tolerated at micro-batch 1 (`train.guard_retries`).
-    pub retries: u32,
+    retries: u32,
     /// Changes for the next boundary (origin `guard`).
     queued: Vec<Control>,
     /// Events describing what the guard did inside the last window (applied retries).
     announcements: Vec<Event>,
     /// The micro-batch in force before the guard first split it, while its split stands: the
     /// adaptive policy counts K against it (`adaptive::AdaptiveK::decide`).
-    pub split_from: Option<usize>,
+    split_from: Option<usize>,
     /// Whether "already at micro-batch 1" was logged since the guard last had B to trade.
     said_nothing_left: bool,
 }
