@@ -383,3 +383,168 @@ fn ranks_run_headless() {
     assert_ne!(code, 0, "{text}");
     assert!(text.contains("add --headless"), "{text}");
 }
+
+/// `run --ranks 2 --headless` is mpirun of the same command line: two ranks, rank 0 recording.
+#[test]
+fn run_ranks_headless_starts_the_ranks_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = run_args(3, &["--record", "ranks.jsonl"]);
+    args.extend(["--ranks".into(), "2".into()]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = assert_cmd::Command::cargo_bin("gaccwb")
+        .unwrap()
+        .current_dir(dir.path())
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("RAYON_NUM_THREADS", "1")
+        .args(&refs)
+        .timeout(Duration::from_secs(240))
+        .output()
+        .unwrap();
+    let (code, out, err) = common::outcome(&refs, out);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("2 ranks (sync per window)"), "{out}");
+    let all = events(&dir.path().join("ranks.jsonl"));
+    assert_eq!(all[0]["ranks"], 2);
+    assert_eq!(steps(&dir.path().join("ranks.jsonl")).len(), 3);
+}
+
+/// `run --ranks 2` on the screen follows rank 0: the Communication pane, W in the Controls pane,
+/// and quitting ends the ranks.
+#[test]
+fn run_ranks_on_the_screen_shows_communication_and_quits_the_ranks() {
+    common::tmux::require_tmux();
+    let dir = tempfile::tempdir().unwrap();
+    let tmux = common::tmux::Tmux::start("ranks");
+    let record = dir.path().join("screen.jsonl");
+    let mut args = run_args(100_000, &["--set", "train.accum_steps=2"]);
+    args.retain(|a| a != "--headless");
+    let command = format!(
+        "cd {}; OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 RAYON_NUM_THREADS=1 \
+         {} {} --ranks 2 --record {}; echo EXIT=$?",
+        dir.path().display(),
+        env!("CARGO_BIN_EXE_gaccwb"),
+        args.join(" "),
+        record.display()
+    );
+    tmux.send(&[&command, "Enter"]);
+    let s = tmux.wait_for("communication", Duration::from_secs(120), |s| {
+        s.contains("Comm · 2 ranks · sync per window") && s.contains("sent/rank")
+    });
+    assert!(s.contains("W 2") && s.contains("FOLLOWING"), "{s}");
+    tmux.send(&["q"]);
+    let exit = |s: &str| {
+        s.lines()
+            .find_map(|l| l.trim().strip_prefix("EXIT=").map(str::to_string))
+    };
+    let s = tmux.wait_for("the end", Duration::from_secs(60), |s| exit(s).is_some());
+    assert_eq!(exit(&s).as_deref(), Some("0"), "{s}");
+    // The ranks stopped together: rank 0's recording ends with its end event.
+    let all = events(&record);
+    assert_eq!(all.last().unwrap()["type"], "end", "{:?}", all.last());
+    tmux.assert_shell_usable();
+}
+
+/// One ZeRO configuration's run: its step events and memory events.
+fn zero_run(dir: &Path, name: &str, sets: &[&str]) -> (Vec<Value>, Vec<Value>, u64) {
+    let record = format!("{name}.jsonl");
+    let mut extra = vec![
+        "--record",
+        &record,
+        "--set",
+        "train.accum_steps=2",
+        "--set",
+        "train.micro_batch=2",
+        "--set",
+        "train.noise=false",
+        "--set",
+        "train.eval_every=4",
+    ];
+    for s in sets {
+        extra.extend(["--set", s]);
+    }
+    let (code, text) = mpirun(dir, 2, &run_args(4, &extra));
+    assert_eq!(code, 0, "{name}: {text}");
+    let all = events(&dir.join(&record));
+    let params = all[0]["params"].as_u64().unwrap();
+    let memory = all
+        .iter()
+        .filter(|e| e["type"] == "memory")
+        .cloned()
+        .collect();
+    (steps(&dir.join(&record)), memory, params)
+}
+
+/// ZeRO-1 and ZeRO-2 (both accumulation modes) take the steps ZeRO-0 takes: every step's loss
+/// and gradient norm, and the validation loss of the final weights, within 1e-6; each rank's
+/// ledger holds 8P/W bytes of moments, and under ZeRO-2 4P/W of gradient at the update; the
+/// bytes follow the payload rule of each stage.
+#[test]
+fn zero_stages_take_the_steps_zero_0_takes_with_a_w_th_of_the_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let val = |steps: &[Value], dir: &Path, name: &str| -> f64 {
+        let _ = steps;
+        events(&dir.join(format!("{name}.jsonl")))
+            .iter()
+            .rev()
+            .find(|e| e["type"] == "eval")
+            .and_then(|e| e["val_loss"].as_f64())
+            .expect("an evaluation after the last step")
+    };
+    let (base, base_memory, p) = zero_run(dir.path(), "zero0", &["train.zero=0"]);
+    let base_val = val(&base, dir.path(), "zero0");
+    let opt_state = |memory: &[Value]| -> Vec<u64> {
+        memory
+            .iter()
+            .filter(|m| m["phase"] == "optimizer")
+            .map(|m| m["categories"]["optimizer_state"].as_u64().unwrap())
+            .collect()
+    };
+    assert!(opt_state(&base_memory).iter().all(|&b| b == 8 * p));
+    // (name, sets, gradient and weight bytes each rank sends per step, W = 2): a ring
+    // all-reduce of 4P bytes sends 4P, a reduce-scatter or an all-gather 2P.
+    let cases: [(&str, &[&str], u64); 3] = [
+        ("zero1", &["train.zero=1"], 4 * p + 2 * p),
+        ("zero2", &["train.zero=2"], 2 * p + 2 * p),
+        (
+            "zero2-rs",
+            &["train.zero=2", "train.zero2_accumulate=reduce-scatter"],
+            2 * (2 * p) + 2 * p,
+        ),
+    ];
+    for (name, sets, bytes) in cases {
+        let (run, memory, _) = zero_run(dir.path(), name, sets);
+        for (a, b) in base.iter().zip(&run) {
+            for key in ["loss", "grad_norm"] {
+                let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
+                assert!(
+                    close(x, y, 1e-6),
+                    "{name}: step {} {key}: {x} vs {y}",
+                    a["step"]
+                );
+            }
+            // 8-byte scalars: the tokens and the loss; under ZeRO-2 also the squared norm of the
+            // pieces, again after clipping when it clipped (clip 1).
+            let clipped = b["grad_norm"].as_f64().unwrap() > 1.0;
+            let norms = if name.starts_with("zero2") {
+                1 + u64::from(clipped)
+            } else {
+                0
+            };
+            let sent = b["comm"]["per_rank"][0]["sent_bytes"].as_u64();
+            let expected = bytes + 8 * (2 + norms);
+            assert_eq!(sent, Some(expected), "{name}: step {}", b["step"]);
+        }
+        let v = val(&run, dir.path(), name);
+        assert!(close(base_val, v, 1e-6), "{name}: val {base_val} vs {v}");
+        assert!(opt_state(&memory).iter().all(|&b| b == 8 * p / 2), "{name}");
+        if name.starts_with("zero2") {
+            let grads: Vec<u64> = memory
+                .iter()
+                .filter(|m| m["phase"] == "optimizer")
+                .map(|m| m["categories"]["gradients"].as_u64().unwrap())
+                .collect();
+            assert!(grads.iter().all(|&g| g == 4 * p / 2), "{name}: {grads:?}");
+        }
+    }
+}

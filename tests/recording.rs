@@ -448,3 +448,45 @@ fn a_tail_reads_a_growing_recording_line_by_complete_line() {
     let e = tail.poll().unwrap_err().to_string();
     assert!(e.contains("growing.jsonl:"), "{e}");
 }
+
+/// `replay --follow --headless` started while a run is still writing its recording waits for
+/// the run's end and prints the summary the run prints.
+#[test]
+fn replay_follow_headless_waits_for_a_running_recording_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("growing.jsonl");
+    let run = Command::new(env!("CARGO_BIN_EXE_gaccwb"))
+        .current_dir(dir.path())
+        .env("RAYON_NUM_THREADS", "1")
+        .args(["run", "--headless", "--device", "cpu", "--steps", "200"])
+        .args(TINY.args())
+        .args(["--record", "growing.jsonl"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !std::fs::read_to_string(&record).is_ok_and(|t| t.contains("\"type\":\"step\"")) {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no step recorded"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = std::fs::read_to_string(&record).unwrap();
+    assert!(
+        !before.contains("\"type\":\"end\""),
+        "the run ended before the follower started"
+    );
+    let follow = Command::new(env!("CARGO_BIN_EXE_gaccwb"))
+        .args(["replay", "--follow", "--headless"])
+        .arg(&record)
+        .output()
+        .unwrap();
+    let run_out = run.wait_with_output().unwrap();
+    assert!(run_out.status.success());
+    let followed = String::from_utf8_lossy(&follow.stdout);
+    assert!(follow.status.success(), "{followed}");
+    assert!(followed.starts_with("200 steps (completed)"), "{followed}");
+    assert_eq!(followed, String::from_utf8_lossy(&run_out.stdout));
+}

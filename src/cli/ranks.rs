@@ -84,7 +84,11 @@ fn launcher(ranks: usize, record: &Path, add_record: bool) -> anyhow::Result<Com
         args.extend(["--record".into(), record.as_os_str().to_owned()]);
     }
     let mut c = Command::new(LAUNCHER);
-    c.args(["-n", &ranks.to_string()]).arg(exe).args(args);
+    // mpirun forwards its standard input to rank 0; the keys belong to the screen.
+    c.stdin(Stdio::null())
+        .args(["-n", &ranks.to_string()])
+        .arg(exe)
+        .args(args);
     Ok(c)
 }
 
@@ -146,11 +150,17 @@ fn on_screen(mut child: Child, record: &Path, log: &Path, keys: &KeyMap) -> anyh
         std::thread::sleep(Duration::from_millis(100));
     }
     let shown = tui::run_follow(record, keys);
-    if child.try_wait()?.is_none() {
+    let ended_by_us = child.try_wait()?.is_none();
+    if ended_by_us {
         terminate(&child);
     }
     let status = child.wait();
     shown?;
+    if ended_by_us {
+        // The user quit: the ranks were asked to stop, and how they ended is that answer.
+        status?;
+        return Ok(());
+    }
     let result = exit_as(status);
     if result.is_err() {
         print_log(log);

@@ -226,6 +226,13 @@ fn build_trainer(
     group: gaccwb::dist::Group,
 ) -> anyhow::Result<Trainer> {
     refuse_with_resume(args)?;
+    if scenario.train.zero > 0 && args.checkpoint_every.is_some() {
+        return Err(usage(
+            "--checkpoint-every with train.zero > 0: each rank holds only its piece of the \
+             optimizer state, which a checkpoint does not save yet; use train.zero = 0",
+        )
+        .into());
+    }
     let saves = args.checkpoint_every.filter(|_| group.rank() == 0);
     // Held by the checkpoint hook, so for as long as the trainer lives.
     let lock = match saves {

@@ -3,6 +3,8 @@
 // Each test binary uses its own subset.
 #![allow(dead_code)]
 
+pub mod tmux;
+
 use gaccwb::scenario::{ModelConfig, Scenario};
 
 /// A model shape for tests. A test that needs another shape derives it from [`TINY`]

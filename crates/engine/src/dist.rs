@@ -64,6 +64,21 @@ pub enum RankLossNorm {
     MeanOfMeans,
 }
 
+/// Where ZeRO-2 sums the window's gradient.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::EnumIter,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Zero2Accumulate {
+    /// A whole local buffer until the window ends, then one reduce-scatter: memory for
+    /// bandwidth.
+    #[default]
+    Buffer,
+    /// A reduce-scatter after every micro-batch, accumulating only this rank's piece: 1/W of
+    /// the buffer, K× the gradient traffic.
+    ReduceScatter,
+}
+
 /// Why a collective failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
@@ -98,6 +113,11 @@ pub trait Transport: Send {
     fn max_u64(&mut self, values: &mut [u64]);
     /// Every rank's `values`, concatenated in rank order.
     fn gather_u64(&mut self, values: &[u64]) -> Vec<u64>;
+    /// Every rank's `values` (the same length on each), concatenated in rank order.
+    fn gather_f32(&mut self, values: &[f32]) -> Vec<f32>;
+    /// The element-wise sum over the ranks of `values` (W equal blocks), of which this rank
+    /// receives block `rank`.
+    fn reduce_scatter_f32(&mut self, values: &[f32]) -> Vec<f32>;
 }
 
 /// One process alone: every collective is the identity.
@@ -117,6 +137,12 @@ impl Transport for Solo {
     fn gather_u64(&mut self, values: &[u64]) -> Vec<u64> {
         values.to_vec()
     }
+    fn gather_f32(&mut self, values: &[f32]) -> Vec<f32> {
+        values.to_vec()
+    }
+    fn reduce_scatter_f32(&mut self, values: &[f32]) -> Vec<f32> {
+        values.to_vec()
+    }
 }
 
 /// Bytes one rank sends (and receives) in a ring all-reduce of `bytes` over `ranks`: the
@@ -129,6 +155,12 @@ pub fn ring_all_reduce_bytes(bytes: u64, ranks: usize) -> u64 {
         return 0;
     }
     2 * (w - 1) * bytes / w
+}
+
+/// Bytes one rank sends (and receives) in a ring reduce-scatter or all-gather of `bytes` (the
+/// whole buffer, every rank's block together): (W − 1)/W of it.
+pub fn ring_half_bytes(bytes: u64, ranks: usize) -> u64 {
+    ring_all_reduce_bytes(bytes, ranks) / 2
 }
 
 /// One rank's communication over a window.
@@ -232,7 +264,10 @@ impl Group {
     }
 
     fn count(&mut self, bytes: u64) {
-        let moved = ring_all_reduce_bytes(bytes, self.ranks());
+        self.count_moved(ring_all_reduce_bytes(bytes, self.ranks()));
+    }
+
+    fn count_moved(&mut self, moved: u64) {
         self.window.sent_bytes += moved;
         self.window.received_bytes += moved;
     }
@@ -278,6 +313,23 @@ impl Group {
             at += n;
         }
         Ok(())
+    }
+
+    /// This rank's block of the sum over the ranks of `flat` (W equal blocks, padded by the
+    /// caller): ZeRO-2's gradient reduce-scatter, counted as a gradient reduce.
+    pub fn reduce_scatter(&mut self, flat: &[f32]) -> Vec<f32> {
+        self.count_moved(ring_half_bytes(4 * flat.len() as u64, self.ranks()));
+        self.window.gradient_reduces += 1;
+        self.collective("reduce-scattering gradients", |t| {
+            t.reduce_scatter_f32(flat)
+        })
+    }
+
+    /// Every rank's block, in rank order: ZeRO's all-gather of the updated weights.
+    pub fn all_gather(&mut self, block: &[f32]) -> Vec<f32> {
+        let whole = 4 * (block.len() * self.ranks()) as u64;
+        self.count_moved(ring_half_bytes(whole, self.ranks()));
+        self.collective("gathering the updated weights", |t| t.gather_f32(block))
     }
 
     /// At a boundary: whether any rank asks to stop, and a check that every rank runs the same

@@ -196,6 +196,12 @@ pub struct TrainConfig {
     pub rank_loss_norm: crate::dist::RankLossNorm,
     /// Data parallel: seconds a rank waits in a collective before it ends the run.
     pub comm_timeout: f64,
+    /// Data parallel: ZeRO stage. 1 shards the AdamW moments over the ranks, 2 also the summed
+    /// gradient; 0 keeps everything on every rank.
+    pub zero: u8,
+    /// ZeRO-2: "buffer" (a whole local buffer, one reduce-scatter per window) or
+    /// "reduce-scatter" (one per micro-batch, 1/W of the buffer).
+    pub zero2_accumulate: crate::dist::Zero2Accumulate,
 }
 
 impl Default for TrainConfig {
@@ -237,6 +243,8 @@ impl Default for TrainConfig {
             sync: crate::dist::SyncEvery::Window,
             rank_loss_norm: crate::dist::RankLossNorm::Tokens,
             comm_timeout: 60.0,
+            zero: 0,
+            zero2_accumulate: crate::dist::Zero2Accumulate::Buffer,
         }
     }
 }
@@ -486,8 +494,18 @@ impl Scenario {
     }
 }
 
-/// Data parallel's timeout: a collective must be given some time.
+/// Data parallel's timeout (a collective must be given some time) and ZeRO stage.
 fn check_comm_timeout(t: &TrainConfig) -> Result<(), Problem> {
+    if t.zero > 2 {
+        return Err(Problem::new(
+            "train.zero",
+            format!(
+                "train.zero ({}) must be 0, 1 or 2 (stage 3 is in `gaccwb estimate --zero 3`, \
+                 not in training)",
+                t.zero
+            ),
+        ));
+    }
     if t.comm_timeout.is_finite() && t.comm_timeout > 0.0 {
         return Ok(());
     }
@@ -703,6 +721,8 @@ pub fn keys_of(section: &str) -> Vec<&'static str> {
         "sync",
         "rank_loss_norm",
         "comm_timeout",
+        "zero",
+        "zero2_accumulate",
     ];
     match section {
         "model" => MODEL.to_vec(),

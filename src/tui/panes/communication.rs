@@ -58,11 +58,7 @@ pub fn lines(step: &StepEvent, c: &CommEvent) -> Vec<Line<'static>> {
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     let latest = app.last().and_then(|s| s.comm.as_ref().map(|c| (s, c)));
     let title = match latest {
-        Some((_, c)) => format!(
-            " Communication · {} ranks · sync per {} ",
-            c.ranks,
-            c.sync.noun()
-        ),
+        Some((_, c)) => format!(" Comm · {} ranks · sync per {} ", c.ranks, c.sync.noun()),
         None => " Communication ".into(),
     };
     let block = block(title, app, PaneId::LossScale, theme);

@@ -71,4 +71,20 @@ impl Transport for Mpi {
         self.universe.world().all_gather_into(values, &mut all[..]);
         all
     }
+
+    fn gather_f32(&mut self, values: &[f32]) -> Vec<f32> {
+        let mut all = vec![0f32; values.len() * self.ranks];
+        self.universe.world().all_gather_into(values, &mut all[..]);
+        all
+    }
+
+    fn reduce_scatter_f32(&mut self, values: &[f32]) -> Vec<f32> {
+        let mut mine = vec![0f32; values.len() / self.ranks];
+        self.universe.world().reduce_scatter_block_into(
+            values,
+            &mut mine[..],
+            SystemOperation::sum(),
+        );
+        mine
+    }
 }

@@ -613,6 +613,33 @@ pub fn estimate(cfg: &Config) -> Estimate {
     }
 }
 
+/// What one rank of `ranks` holds under ZeRO stage `zero` (`e` is the estimate of one process
+/// training the rank's slice): from stage 1 a W-th of the moments; from stage 2 a W-th of the
+/// summed gradient at the update, and inside the window too when each micro-batch's gradients
+/// are reduce-scattered (`scatter_micro_batches`).
+pub fn per_rank(mut e: Estimate, ranks: usize, zero: u8, scatter_micro_batches: bool) -> Estimate {
+    let share = |bytes: u64| bytes.div_ceil(ranks.max(1) as u64);
+    let mut phases = [
+        &mut e.forward,
+        &mut e.backward,
+        &mut e.optimizer,
+        &mut e.step,
+    ];
+    if zero >= 1 {
+        for c in phases.iter_mut() {
+            c.optimizer_state = share(c.optimizer_state);
+        }
+    }
+    if zero >= 2 {
+        e.optimizer.gradients = share(e.optimizer.gradients);
+        if scatter_micro_batches {
+            e.forward.gradients = share(e.forward.gradients);
+            e.backward.gradients = share(e.backward.gradients);
+        }
+    }
+    e
+}
+
 /// One row of the micro-batch table at a fixed effective batch.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Row {

@@ -20,6 +20,7 @@ pub mod pool_governor;
 pub mod scaler;
 pub mod schedule;
 pub mod window;
+pub mod zero;
 
 use std::ops::ControlFlow;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -198,6 +199,9 @@ pub struct Trainer {
     window_observers: Vec<Box<dyn WindowObserver + Send>>,
     /// The data-parallel ranks this trainer is one of (alone by default; [`Trainer::join`]).
     group: crate::dist::Group,
+    /// Under ZeRO (`train.zero` ≥ 1): this rank's block of the parameters, whose moments `opt`
+    /// holds.
+    zero: Option<zero::Shard>,
     base_batch: usize,
     started: Instant,
 }
@@ -251,6 +255,7 @@ impl Trainer {
             guard,
             window_observers: Vec::new(),
             group: crate::dist::Group::solo(),
+            zero: None,
             started: Instant::now(),
         };
         let unified = trainer.memory.unified();
@@ -405,7 +410,82 @@ impl Trainer {
         }
         self.base_batch = self.scenario.base_batch() * group.ranks();
         self.group = group;
+        if self.scenario.train.zero > 0 {
+            self.shard_optimizer()?;
+        }
         Ok(())
+    }
+
+    /// ZeRO: keep the AdamW moments of this rank's block only.
+    fn shard_optimizer(&mut self) -> anyhow::Result<()> {
+        let t = &self.scenario.train;
+        let refuse = |why: &str| anyhow::anyhow!("train.zero = {}: {why}", t.zero);
+        if !self.device.is_cpu() || self.knobs.offload || self.step > 0 {
+            return Err(refuse(
+                "ZeRO runs on the CPU, without offload, from a run's first step",
+            ));
+        }
+        if t.zero == 2 && self.pitfall_on() {
+            return Err(refuse(
+                "stage 2 shards the gradient, but a pitfall's error needs the whole reference \
+                 gradient; measure pitfalls at train.zero = 0 or 1",
+            ));
+        }
+        if t.zero == 2
+            && t.zero2_accumulate == crate::dist::Zero2Accumulate::ReduceScatter
+            && self.knobs.noise
+        {
+            return Err(refuse(
+                "with zero2_accumulate = \"reduce-scatter\" no rank holds its whole window \
+                 gradient, which the noise scale measures; set train.noise = false",
+            ));
+        }
+        let shard = zero::Shard::of(&self.model.params, &self.group);
+        self.opt = zero::sharded_adamw(self.opt.hyper, &shard, &self.device)?;
+        self.zero = Some(shard);
+        Ok(())
+    }
+
+    /// Under ZeRO: offload is refused (the moments are sharded instead), and under stage 2 a
+    /// pitfall (its reference gradient is whole).
+    fn check_under_zero(&self, c: &Control) -> anyhow::Result<()> {
+        let stage = self.zero_stage();
+        let refused = match c {
+            Control::SetOffload { value: true } => stage > 0,
+            Control::SetLossNorm { value } => {
+                stage == 2 && *value != crate::telemetry::LossNorm::Tokens
+            }
+            Control::SetZeroGrad { value } => {
+                stage == 2 && *value != crate::telemetry::ZeroGrad::PerWindow
+            }
+            _ => false,
+        };
+        if refused {
+            anyhow::bail!("not under train.zero = {stage}: {}", c.describe());
+        }
+        Ok(())
+    }
+
+    /// Whether a pitfall (loss normalisation, zero-grad, cross-rank mean) is switched on.
+    fn pitfall_on(&self) -> bool {
+        self.knobs.loss_norm != crate::telemetry::LossNorm::Tokens
+            || self.knobs.zero_grad != crate::telemetry::ZeroGrad::PerWindow
+            || self.scenario.train.rank_loss_norm != crate::dist::RankLossNorm::Tokens
+    }
+
+    /// The ZeRO stage in force (0 without sharding).
+    fn zero_stage(&self) -> u8 {
+        if self.zero.is_some() {
+            self.scenario.train.zero
+        } else {
+            0
+        }
+    }
+
+    /// Whether ZeRO-2 reduce-scatters every micro-batch's gradients.
+    fn scatters_micro_batches(&self) -> bool {
+        self.zero_stage() == 2
+            && self.scenario.train.zero2_accumulate == crate::dist::Zero2Accumulate::ReduceScatter
     }
 
     /// This process's rank and the number of ranks.
@@ -444,7 +524,12 @@ impl Trainer {
         let unified = self.memory.unified();
         let cfg =
             crate::memory::estimate::Config::from_knobs(&self.scenario.model, &self.knobs, unified);
-        crate::memory::estimate::estimate(&cfg)
+        crate::memory::estimate::per_rank(
+            crate::memory::estimate::estimate(&cfg),
+            self.group.ranks(),
+            self.zero_stage(),
+            self.scatters_micro_batches(),
+        )
     }
 
     /// Optimizer state on the device, and what offload holds in host memory.
@@ -552,11 +637,20 @@ impl Trainer {
     /// micro-batch's already were), the pitfall's reference, and the loss. Every rank then
     /// holds the same buffer and takes the same step.
     fn sum_over_ranks(&mut self, window: &mut WindowGrads) -> Result<()> {
+        match (&self.zero, self.zero_stage()) {
+            // Each micro-batch's gradients were reduce-scattered already.
+            (Some(_), 2) if self.scatters_micro_batches() => {}
+            (Some(shard), 2) => {
+                window.grads =
+                    shard.reduce_scatter(&window.grads, &mut self.group, &self.device)?;
+            }
+            _ => {}
+        }
         if !self.group.is_parallel() {
             return Ok(());
         }
         let dist = |e: crate::dist::DistError| candle_core::Error::Msg(e.to_string());
-        if self.scenario.train.sync == crate::dist::SyncEvery::Window {
+        if self.zero_stage() < 2 && self.scenario.train.sync == crate::dist::SyncEvery::Window {
             self.group
                 .sum_tensors(&mut window.grads, true)
                 .map_err(dist)?;
@@ -634,11 +728,13 @@ impl Trainer {
         }
         let rank_tokens = Share::tokens_of(samples);
         let window_tokens = self.group.sum_tokens(rank_tokens);
+        let scatter = self.zero.as_ref().filter(|_| self.scatters_micro_batches());
         let mut share = Share {
             window_tokens,
             rank_tokens,
             rank_loss_norm: self.scenario.train.rank_loss_norm,
             sync: self.scenario.train.sync,
+            scatter,
             group: &mut self.group,
         };
         let mut observers: Vec<&mut dyn WindowObserver> = vec![&mut self.memory];
@@ -683,7 +779,7 @@ impl Trainer {
         if scale != 1.0 {
             inplace::scale_in_place(&mut grads, 1.0 / scale)?;
         }
-        let grad_norm = global_norm(&grads)?;
+        let grad_norm = self.grad_norm(&grads)?;
         let finite = grad_norm.is_finite();
         let lr = self.lr();
         let mut grad_norm_clipped = grad_norm;
@@ -691,11 +787,11 @@ impl Trainer {
             match self.knobs.clip {
                 Some(max) if grad_norm > max => {
                     inplace::scale_in_place(&mut grads, max / grad_norm)?;
-                    grad_norm_clipped = global_norm(&grads)?;
+                    grad_norm_clipped = self.grad_norm(&grads)?;
                 }
                 _ => {}
             }
-            self.opt.step(&self.model.params, &grads, lr)?;
+            self.optimizer_step(&grads, lr)?;
             self.lr_step += 1;
         } else {
             self.overflow_count += 1;
@@ -711,6 +807,37 @@ impl Trainer {
             skipped: !finite,
             grad_error: grad_error.filter(|_| finite),
         })
+    }
+
+    /// The global L2 norm of the window's gradient: under ZeRO-2 each rank holds its pieces, so
+    /// their squares are summed over the ranks.
+    fn grad_norm(&mut self, grads: &[Tensor]) -> Result<f64> {
+        let norm = global_norm(grads)?;
+        if self.zero_stage() != 2 || !self.group.is_parallel() {
+            return Ok(norm);
+        }
+        let mut squares = [norm * norm];
+        self.group.sum_scalars(&mut squares);
+        Ok(squares[0].sqrt())
+    }
+
+    /// AdamW on every parameter, or under ZeRO on this rank's pieces, then the all-gather.
+    fn optimizer_step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+        let Some(shard) = &self.zero else {
+            return self.opt.step(&self.model.params, grads, lr);
+        };
+        let pieces = match self.scenario.train.zero {
+            2 => grads.to_vec(),
+            _ => shard.pieces_of(grads)?,
+        };
+        zero::step(
+            &mut self.opt,
+            shard,
+            &self.model.params,
+            &pieces,
+            lr,
+            &mut self.group,
+        )
     }
 
     /// The step's event, built once from what the window and the boundary returned.
@@ -756,6 +883,7 @@ impl Trainer {
 
     /// Apply a knob change now (the caller makes sure "now" is a window boundary).
     pub fn apply_control(&mut self, c: &Control) -> anyhow::Result<()> {
+        self.check_under_zero(c)?;
         crate::scenario::validate_control(c).map_err(anyhow::Error::msg)?;
         crate::scenario::check_needs(c, self.knobs.noise).map_err(anyhow::Error::msg)?;
         guard::check_knob_change(self, c)?;

@@ -97,6 +97,9 @@ pub struct Share<'g> {
     /// With `MicroBatch`, each micro-batch's gradients are summed over the ranks before they
     /// are folded; with `Window`, the caller sums the buffer once the window is done.
     pub sync: SyncEvery,
+    /// ZeRO-2 with `zero2_accumulate = "reduce-scatter"`: each micro-batch's gradients are
+    /// reduce-scattered and only this rank's pieces are folded.
+    pub scatter: Option<&'g super::zero::Shard>,
     /// The ranks this one trains with.
     pub group: &'g mut Group,
 }
@@ -109,7 +112,11 @@ impl Share<'_> {
 
     /// The gradients folded into this rank's buffer: summed over the ranks first when they
     /// synchronise every micro-batch.
-    fn sync_micro_batch(&mut self, grads: &mut [Tensor]) -> Result<()> {
+    fn sync_micro_batch(&mut self, grads: &mut Vec<Tensor>, device: &Device) -> Result<()> {
+        if let Some(shard) = self.scatter {
+            *grads = shard.reduce_scatter(grads, self.group, device)?;
+            return Ok(());
+        }
         if self.sync == SyncEvery::MicroBatch {
             self.group
                 .sum_tensors(grads, true)
@@ -218,6 +225,7 @@ pub fn window_gradients_observed(
         rank_tokens: tokens,
         rank_loss_norm: RankLossNorm::Tokens,
         sync: SyncEvery::Window,
+        scatter: None,
         group: &mut alone,
     };
     rank_window_gradients(
@@ -283,7 +291,7 @@ pub fn rank_window_gradients(
             samples: chunk.len(),
         };
         watch.each(|o| o.gradients(&micro_grads))?;
-        share.sync_micro_batch(&mut grads)?;
+        share.sync_micro_batch(&mut grads, device)?;
         buffer = Some(fold(buffer.take(), grads, knobs.zero_grad)?);
         watch.each(|o| o.micro_batch_end())?;
     }

@@ -1,0 +1,234 @@
+//! ZeRO stages 1 and 2 over the data-parallel ranks: each rank keeps the AdamW moments of one
+//! W-th of the parameters (stage 1), and with stage 2 the summed gradient of that W-th only.
+//!
+//! The parameters, flattened and concatenated in order, are cut into W equal blocks (the last
+//! padded); rank r owns block r, which crosses parameter boundaries, so each parameter has a
+//! piece (maybe empty) on each rank. The update runs the fused AdamW kernel on the pieces, in
+//! place in the weights, with the same scalars as the unsharded step (so every element gets the
+//! same arithmetic), then an all-gather of the blocks gives every rank the whole updated
+//! weights. Stage 2 gets its gradient pieces from a reduce-scatter: of the whole window's buffer
+//! (`zero2_accumulate = "buffer"`), or of each micro-batch's gradients, accumulating only the
+//! piece (`"reduce-scatter"`: 1/W of the buffer, K× the gradient traffic).
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::adamw::{AdamW, Hyper};
+use crate::dist::Group;
+use crate::model::Param;
+use crate::ops::fused::{adamw_update_all, AdamWJob, AdamWStep};
+
+/// This rank's block of the flattened parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Shard {
+    /// Per parameter, in order: the first element of its piece and the piece's length.
+    pieces: Vec<(usize, usize)>,
+    /// Elements in each rank's block (the last rank's padded).
+    block: usize,
+    /// Elements of every parameter together.
+    total: usize,
+}
+
+impl Shard {
+    /// Rank `rank`'s block of parameters with `sizes` elements each, over `ranks` ranks.
+    pub fn new(sizes: &[usize], rank: usize, ranks: usize) -> Shard {
+        let total: usize = sizes.iter().sum();
+        let block = total.div_ceil(ranks.max(1));
+        let (lo, hi) = ((rank * block).min(total), ((rank + 1) * block).min(total));
+        let mut offset = 0;
+        let pieces = sizes
+            .iter()
+            .map(|&n| {
+                let (start, end) = (lo.max(offset), hi.min(offset + n));
+                let piece = if start < end {
+                    (start - offset, end - start)
+                } else {
+                    (0, 0)
+                };
+                offset += n;
+                piece
+            })
+            .collect();
+        Shard {
+            pieces,
+            block,
+            total,
+        }
+    }
+
+    /// The shard of `params` for this process's place in `group`.
+    pub fn of(params: &[Param], group: &Group) -> Shard {
+        let sizes: Vec<usize> = params.iter().map(|p| p.var.elem_count()).collect();
+        Shard::new(&sizes, group.rank(), group.ranks())
+    }
+
+    /// Elements this rank owns.
+    pub fn len(&self) -> usize {
+        self.pieces.iter().map(|p| p.1).sum()
+    }
+
+    /// Whether this rank owns nothing (more ranks than elements).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// This rank's piece of each whole tensor, as 1-D views (no copy).
+    pub fn pieces_of(&self, tensors: &[Tensor]) -> Result<Vec<Tensor>> {
+        tensors
+            .iter()
+            .zip(&self.pieces)
+            .map(|(t, &(start, len))| t.flatten_all()?.narrow(0, start, len))
+            .collect()
+    }
+
+    /// The whole tensors flattened into one f32 vector of W blocks, padded.
+    fn flat(&self, tensors: &[Tensor], ranks: usize) -> Result<Vec<f32>> {
+        let mut flat = Vec::with_capacity(self.block * ranks);
+        for t in tensors {
+            flat.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        }
+        flat.resize(self.block * ranks, 0.0);
+        Ok(flat)
+    }
+
+    /// This rank's pieces of the sum over the ranks of `tensors` (whole gradients), as 1-D
+    /// tensors on `device`: one reduce-scatter.
+    pub fn reduce_scatter(
+        &self,
+        tensors: &[Tensor],
+        group: &mut Group,
+        device: &Device,
+    ) -> Result<Vec<Tensor>> {
+        let flat = self.flat(tensors, group.ranks())?;
+        let mine = group.reduce_scatter(&flat);
+        let mut at = 0;
+        self.pieces
+            .iter()
+            .map(|&(_, len)| {
+                let piece = Tensor::from_slice(&mine[at..at + len], len, device);
+                at += len;
+                piece
+            })
+            .collect()
+    }
+
+    /// Every rank's updated block gathered into the whole weights.
+    fn gather_weights(&self, params: &[Param], group: &mut Group) -> Result<()> {
+        let mut block = Vec::with_capacity(self.block);
+        let weights: Vec<Tensor> = params.iter().map(|p| p.var.as_tensor().clone()).collect();
+        for piece in self.pieces_of(&weights)? {
+            block.extend(piece.to_vec1::<f32>()?);
+        }
+        block.resize(self.block, 0.0);
+        let all = group.all_gather(&block);
+        let mut offset = 0;
+        for p in params {
+            let n = p.var.elem_count();
+            let whole =
+                Tensor::from_slice(&all[offset..offset + n], p.var.shape(), p.var.device())?;
+            p.var.set(&whole)?;
+            offset += n;
+        }
+        debug_assert_eq!(offset, self.total);
+        Ok(())
+    }
+}
+
+/// AdamW holding the moments of this rank's pieces only: 8 bytes per owned element.
+pub fn sharded_adamw(hyper: Hyper, shard: &Shard, device: &Device) -> Result<AdamW> {
+    let zeros = || {
+        shard
+            .pieces
+            .iter()
+            .map(|&(_, len)| Tensor::zeros(len, DType::F32, device))
+            .collect::<Result<Vec<_>>>()
+    };
+    Ok(AdamW {
+        hyper,
+        m: zeros()?,
+        v: zeros()?,
+        t: 0,
+        master: None,
+        offloaded: false,
+    })
+}
+
+/// One AdamW update of this rank's pieces from their gradients (`grads`: one piece per
+/// parameter, unscaled and clipped), in place in the weights, then the all-gather. The scalars
+/// are `AdamW::step`'s, so each element is updated as the unsharded step would update it.
+pub fn step(
+    opt: &mut AdamW,
+    shard: &Shard,
+    params: &[Param],
+    grads: &[Tensor],
+    lr: f64,
+    group: &mut Group,
+) -> Result<()> {
+    let Hyper {
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+    } = opt.hyper;
+    opt.t += 1;
+    let t = i32::try_from(opt.t).unwrap_or(i32::MAX);
+    let (bc1, bc2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
+    let weights: Vec<Tensor> = params.iter().map(|p| p.var.as_tensor().clone()).collect();
+    let views = shard.pieces_of(&weights)?;
+    let mut jobs = Vec::new();
+    for (i, p) in params.iter().enumerate() {
+        if views[i].elem_count() == 0 {
+            continue;
+        }
+        let decay = if p.decay {
+            1.0 - lr * weight_decay
+        } else {
+            1.0
+        };
+        jobs.push(AdamWJob {
+            w: &views[i],
+            m: &opt.m[i],
+            v: &opt.v[i],
+            g: grads[i].contiguous()?,
+            step: AdamWStep {
+                beta1: beta1 as f32,
+                beta2: beta2 as f32,
+                eps: eps as f32,
+                step_size: (lr / bc1) as f32,
+                inv_bc2: (1.0 / bc2) as f32,
+                decay: decay as f32,
+            },
+        });
+    }
+    adamw_update_all(&jobs)?;
+    drop(jobs);
+    shard.gather_weights(params, group)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_every_element_once_across_parameter_boundaries() {
+        let sizes = [5, 3, 4];
+        let shards: Vec<Shard> = (0..3).map(|r| Shard::new(&sizes, r, 3)).collect();
+        assert_eq!(shards[0].pieces, [(0, 4), (0, 0), (0, 0)]);
+        assert_eq!(shards[1].pieces, [(4, 1), (0, 3), (0, 0)]);
+        assert_eq!(shards[2].pieces, [(0, 0), (0, 0), (0, 4)]);
+        assert_eq!(shards.iter().map(Shard::len).sum::<usize>(), 12);
+    }
+
+    #[test]
+    fn the_last_block_is_padded_and_a_surplus_rank_owns_nothing() {
+        let s = Shard::new(&[10], 3, 4);
+        assert_eq!((s.block, s.pieces[0].1), (3, 1));
+        let empty = Shard::new(&[2], 3, 4);
+        assert!(empty.is_empty());
+    }
+
+    #[test]
+    fn one_rank_owns_everything() {
+        let s = Shard::new(&[5, 3], 0, 1);
+        assert_eq!(s.pieces, [(0, 5), (0, 3)]);
+    }
+}
