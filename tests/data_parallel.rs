@@ -337,6 +337,7 @@ fn a_killed_rank_ends_the_job_naming_it_within_seconds() {
     let (child, pid) = start_long_run(dir.path(), "killed.jsonl", &[]);
     signal(pid, "-KILL");
     let (code, text, took) = wait(child, Duration::from_secs(60));
+    eprintln!("the job ended {took:?} after rank 1 was killed");
     assert_ne!(code, 0, "{text}");
     assert!(text.contains("rank 1"), "the rank is not named:\n{text}");
     assert!(took < Duration::from_secs(10), "took {took:?}:\n{text}");
@@ -350,6 +351,7 @@ fn a_stuck_rank_ends_the_job_when_the_collective_times_out() {
     let (child, pid) = start_long_run(dir.path(), "stuck.jsonl", &timeout);
     signal(pid, "-STOP");
     let (code, text, took) = wait(child, Duration::from_secs(60));
+    eprintln!("the job ended {took:?} after rank 1 was stopped");
     signal(pid, "-KILL");
     assert_ne!(code, 0, "{text}");
     assert!(

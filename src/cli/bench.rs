@@ -29,6 +29,10 @@ pub struct BenchArgs {
     /// (GB/s of optimizer state) and the f32 product (TFLOP/s).
     #[arg(long)]
     adamw: bool,
+    /// Data parallel: positions/s and the share of the step in collectives with N ranks
+    /// against one rank on the same cores (each a run under mpirun; `--features mpi`).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(2..))]
+    ranks: Option<u64>,
 }
 
 /// Parameters `--adamw` updates per step (16 bytes each of optimizer state: 256 MiB).
@@ -65,6 +69,10 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     }
     if args.adamw {
         return host_rates(&args);
+    }
+    if let Some(ranks) = args.ranks {
+        let threads = args.threads.unwrap_or_else(bench::threads);
+        return super::bench_ranks::bench_ranks(ranks as usize, threads, args.warmup, args.steps);
     }
     let preset = presets::resolve(presets::DEFAULT).map_err(usage)?;
     let device = candle_core::Device::Cpu;

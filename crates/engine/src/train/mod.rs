@@ -411,38 +411,57 @@ impl Trainer {
         self.base_batch = self.scenario.base_batch() * group.ranks();
         self.group = group;
         if self.scenario.train.zero > 0 {
-            self.shard_optimizer()?;
+            if self.step > 0 {
+                anyhow::bail!("train.zero > 0 from a checkpoint: ZeRO starts with a run");
+            }
+            let t = &self.scenario.train;
+            self.set_zero(t.zero, t.zero2_accumulate)?;
         }
         Ok(())
     }
 
-    /// ZeRO: keep the AdamW moments of this rank's block only.
-    fn shard_optimizer(&mut self) -> anyhow::Result<()> {
-        let t = &self.scenario.train;
-        let refuse = |why: &str| anyhow::anyhow!("train.zero = {}: {why}", t.zero);
-        if !self.device.is_cpu() || self.knobs.offload || self.step > 0 {
-            return Err(refuse(
-                "ZeRO runs on the CPU, without offload, from a run's first step",
-            ));
+    /// Move to ZeRO stage `stage` with ZeRO-2 accumulating as `accumulate`, at a boundary: the
+    /// moments keep their values, cut into this rank's pieces (from stage 0) or gathered whole
+    /// again (to stage 0).
+    pub fn set_zero(
+        &mut self,
+        stage: u8,
+        accumulate: crate::dist::Zero2Accumulate,
+    ) -> anyhow::Result<()> {
+        let refuse = |why: &str| anyhow::anyhow!("train.zero = {stage}: {why}");
+        if stage > 2 {
+            return Err(refuse("stages are 0, 1 and 2"));
         }
-        if t.zero == 2 && self.pitfall_on() {
+        if stage > 0 && (!self.device.is_cpu() || self.knobs.offload) {
+            return Err(refuse("ZeRO runs on the CPU, without offload"));
+        }
+        if stage == 2 && self.pitfall_on() {
             return Err(refuse(
                 "stage 2 shards the gradient, but a pitfall's error needs the whole reference \
                  gradient; measure pitfalls at train.zero = 0 or 1",
             ));
         }
-        if t.zero == 2
-            && t.zero2_accumulate == crate::dist::Zero2Accumulate::ReduceScatter
-            && self.knobs.noise
-        {
+        let scatters = accumulate == crate::dist::Zero2Accumulate::ReduceScatter;
+        if stage == 2 && scatters && self.knobs.noise {
             return Err(refuse(
                 "with zero2_accumulate = \"reduce-scatter\" no rank holds its whole window \
                  gradient, which the noise scale measures; set train.noise = false",
             ));
         }
-        let shard = zero::Shard::of(&self.model.params, &self.group);
-        self.opt = zero::sharded_adamw(self.opt.hyper, &shard, &self.device)?;
-        self.zero = Some(shard);
+        match (self.zero.take(), stage) {
+            (None, 0) => {}
+            (None, _) => {
+                let shard = zero::Shard::of(&self.model.params, &self.group);
+                zero::cut_moments(&mut self.opt, &shard)?;
+                self.zero = Some(shard);
+            }
+            (Some(shard), 0) => {
+                zero::gather_moments(&mut self.opt, &shard, &self.model.params, &mut self.group)?;
+            }
+            (Some(shard), _) => self.zero = Some(shard),
+        }
+        self.scenario.train.zero = stage;
+        self.scenario.train.zero2_accumulate = accumulate;
         Ok(())
     }
 

@@ -111,45 +111,71 @@ impl Shard {
             .collect()
     }
 
-    /// Every rank's updated block gathered into the whole weights.
-    fn gather_weights(&self, params: &[Param], group: &mut Group) -> Result<()> {
+    /// Every rank's pieces (`pieces`: this rank's, one per parameter) gathered into whole
+    /// tensors shaped like `params`: one all-gather.
+    fn gather_whole(
+        &self,
+        pieces: &[Tensor],
+        params: &[Param],
+        group: &mut Group,
+    ) -> Result<Vec<Tensor>> {
         let mut block = Vec::with_capacity(self.block);
-        let weights: Vec<Tensor> = params.iter().map(|p| p.var.as_tensor().clone()).collect();
-        for piece in self.pieces_of(&weights)? {
+        for piece in pieces {
             block.extend(piece.to_vec1::<f32>()?);
         }
         block.resize(self.block, 0.0);
         let all = group.all_gather(&block);
         let mut offset = 0;
-        for p in params {
-            let n = p.var.elem_count();
-            let whole =
-                Tensor::from_slice(&all[offset..offset + n], p.var.shape(), p.var.device())?;
-            p.var.set(&whole)?;
-            offset += n;
-        }
+        let whole = params
+            .iter()
+            .map(|p| {
+                let n = p.var.elem_count();
+                let t = Tensor::from_slice(&all[offset..offset + n], p.var.shape(), p.var.device());
+                offset += n;
+                t
+            })
+            .collect();
         debug_assert_eq!(offset, self.total);
+        whole
+    }
+
+    /// Every rank's updated block gathered into the whole weights.
+    fn gather_weights(&self, params: &[Param], group: &mut Group) -> Result<()> {
+        let weights: Vec<Tensor> = params.iter().map(|p| p.var.as_tensor().clone()).collect();
+        let whole = self.gather_whole(&self.pieces_of(&weights)?, params, group)?;
+        for (p, w) in params.iter().zip(&whole) {
+            p.var.set(w)?;
+        }
         Ok(())
     }
 }
 
-/// AdamW holding the moments of this rank's pieces only: 8 bytes per owned element.
-pub fn sharded_adamw(hyper: Hyper, shard: &Shard, device: &Device) -> Result<AdamW> {
-    let zeros = || {
+/// Keep only this rank's pieces of whole AdamW moments (from stage 0), values unchanged:
+/// 8 bytes per owned element.
+pub fn cut_moments(opt: &mut AdamW, shard: &Shard) -> Result<()> {
+    let cut = |whole: &[Tensor]| -> Result<Vec<Tensor>> {
+        // A copy of each piece alone: a view would keep the whole moment's storage alive.
         shard
-            .pieces
+            .pieces_of(whole)?
             .iter()
-            .map(|&(_, len)| Tensor::zeros(len, DType::F32, device))
-            .collect::<Result<Vec<_>>>()
+            .map(|p| Tensor::from_vec(p.to_vec1::<f32>()?, p.elem_count(), p.device()))
+            .collect()
     };
-    Ok(AdamW {
-        hyper,
-        m: zeros()?,
-        v: zeros()?,
-        t: 0,
-        master: None,
-        offloaded: false,
-    })
+    opt.m = cut(&opt.m)?;
+    opt.v = cut(&opt.v)?;
+    Ok(())
+}
+
+/// Whole AdamW moments again (to stage 0), from every rank's pieces.
+pub fn gather_moments(
+    opt: &mut AdamW,
+    shard: &Shard,
+    params: &[Param],
+    group: &mut Group,
+) -> Result<()> {
+    opt.m = shard.gather_whole(&opt.m, params, group)?;
+    opt.v = shard.gather_whole(&opt.v, params, group)?;
+    Ok(())
 }
 
 /// One AdamW update of this rank's pieces from their gradients (`grads`: one piece per
