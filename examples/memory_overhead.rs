@@ -69,11 +69,11 @@ fn main() -> anyhow::Result<()> {
         let samples = t.next_window();
         // Without the ledger.
         let t0 = Instant::now();
-        let w = window_gradients(&t.model, &samples, &t.knobs, 1.0, &t.device, || true);
+        let w = window_gradients(t.model(), &samples, t.knobs(), 1.0, t.device(), || true);
         let plain = t0.elapsed();
         drop(w);
         // With it, timing the hooks and the boundary bookkeeping.
-        let params = t.model.vars().map(|v| v.as_tensor().clone()).collect();
+        let params = t.model().vars().map(|v| v.as_tensor().clone()).collect();
         let t0 = Instant::now();
         let th = Instant::now();
         ledger.begin_window(params, t.persistent_memory());
@@ -83,11 +83,11 @@ fn main() -> anyhow::Result<()> {
             spent: Duration::ZERO,
         };
         let w = window_gradients_observed(
-            &t.model,
+            t.model(),
             &samples,
-            &t.knobs,
+            t.knobs(),
             1.0,
-            &t.device,
+            t.device(),
             || true,
             &mut [&mut timed],
         );

@@ -30,20 +30,20 @@ fn main() -> anyhow::Result<()> {
     scenario.set(&format!("train.accum_steps={k}"))?;
     let mut t = Trainer::new(scenario, Device::Cpu)?;
     t.train_step(|| true).ok();
-    let mut off = t.knobs.clone();
+    let mut off = t.knobs().clone();
     off.noise = false;
-    let on = t.knobs.clone();
+    let on = t.knobs().clone();
 
     let (mut with, mut without, mut share, mut cost) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..steps {
         let samples = t.next_window();
         let t0 = Instant::now();
-        let plain = window_gradients(&t.model, &samples, &off, 1.0, &t.device, || true);
+        let plain = window_gradients(t.model(), &samples, &off, 1.0, t.device(), || true);
         without.push(t0.elapsed().as_secs_f64() * 1e3);
         drop(plain);
         let t0 = Instant::now();
-        let w = window_gradients(&t.model, &samples, &on, 1.0, &t.device, || true)
+        let w = window_gradients(t.model(), &samples, &on, 1.0, t.device(), || true)
             .map_err(|_| anyhow::anyhow!("window failed"))?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let norms = w.noise.expect("K ≥ 2 is measured");

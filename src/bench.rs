@@ -149,9 +149,9 @@ pub fn measure_interleaved(
         .zip(step_s)
         .zip(tokens_per_step)
         .map(|((trainer, step_s), tokens_per_step)| Measurement {
-            micro_batch: trainer.knobs.micro_batch,
-            accum_steps: trainer.knobs.accum_steps,
-            dtype: trainer.knobs.dtype,
+            micro_batch: trainer.knobs().micro_batch,
+            accum_steps: trainer.knobs().accum_steps,
+            dtype: trainer.knobs().dtype,
             threads: threads(),
             tokens_per_step,
             step_s,

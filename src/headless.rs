@@ -83,11 +83,11 @@ pub enum SignalHandling {
 /// hang it, so it is refused before the run starts.
 pub fn refuse_screen_controls(trainer: &train::Trainer) -> anyhow::Result<()> {
     let scripted = trainer
-        .scenario
+        .scenario()
         .timeline
         .iter()
         .map(|e| (e, "the preset's timeline"));
-    let cli = trainer.cli_controls.iter().map(|e| (e, "--control"));
+    let cli = trainer.cli_controls().iter().map(|e| (e, "--control"));
     for (entry, from) in scripted.chain(cli) {
         if matches!(entry.control, Control::Pause | Control::SingleStep) {
             anyhow::bail!(

@@ -28,8 +28,8 @@ impl Session {
         rules: &Overwrite,
     ) -> anyhow::Result<Session> {
         let recorder = record.map(|p| open_recorder(p, rules)).transpose()?;
-        let steps = trainer.scenario.train.steps;
-        let device = trainer.device.clone();
+        let steps = trainer.scenario().train.steps;
+        let device = trainer.device().clone();
         let (handle, sink) = crate::train::spawn_trainer(trainer)?;
         let sampler = crate::memory::gpu::start_sampler(sink, &device);
         Ok(Session {

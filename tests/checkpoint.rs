@@ -39,7 +39,7 @@ fn scenario() -> Scenario {
 
 /// Run a trainer to its end on the trainer thread, saving at `save_every` into `dir`.
 fn run(mut trainer: Trainer, dir: &Path, save_every: u64) -> Vec<StepEvent> {
-    trainer.after_step = Some(
+    trainer.set_after_step(
         Policy {
             every: save_every,
             dir: dir.to_path_buf(),
@@ -117,7 +117,7 @@ fn resumed_run_continues_bit_identically() {
     );
     let resumed =
         checkpoint::resume(first_dir.path(), Device::Cpu, |s| s.train.steps = TOTAL).unwrap();
-    assert_eq!(resumed.step, SPLIT);
+    assert_eq!(resumed.step(), SPLIT);
     let tail = run(resumed, resumed_dir.path(), TOTAL);
 
     let joined: Vec<_> = head.iter().chain(&tail).map(numbers).collect();
@@ -178,7 +178,7 @@ fn a_torn_save_leaves_the_previous_checkpoint_readable() {
     let state = checkpoint::read_state(dir.path()).unwrap();
     assert_eq!(state.step, 2);
     let t = checkpoint::resume(dir.path(), Device::Cpu, |_| {}).unwrap();
-    assert_eq!(t.step, 2);
+    assert_eq!(t.step(), 2);
 }
 
 #[test]

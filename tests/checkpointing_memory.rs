@@ -34,10 +34,10 @@ fn four_layers(sets: &[&str]) -> Scenario {
 fn second_step(s: Scenario) -> (Vec<MemoryEvent>, f64, f64) {
     let mut t = Trainer::new(s, Device::Cpu).unwrap();
     t.train_step(|| true).ok().unwrap();
-    t.memory.take_events();
+    t.take_memory_events();
     let step = t.train_step(|| true).ok().unwrap();
     (
-        t.memory.take_events(),
+        t.take_memory_events(),
         step.phase_ms.forward,
         step.phase_ms.backward,
     )
@@ -135,10 +135,10 @@ fn third_step(s: Scenario) -> Vec<MemoryEvent> {
     let mut t = Trainer::new(s, Device::Cpu).unwrap();
     for _ in 0..2 {
         t.train_step(|| true).ok().unwrap();
-        t.memory.take_events();
+        t.take_memory_events();
     }
     t.train_step(|| true).ok().unwrap();
-    t.memory.take_events()
+    t.take_memory_events()
 }
 
 /// Every category of every phase with checkpointing on, on the fused CPU path (f32) and the

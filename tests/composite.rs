@@ -35,7 +35,7 @@ fn flat(t: &Tensor) -> Vec<f32> {
 fn training_on_the_composite_ops_follows_the_fused_run() {
     let mut fused = Trainer::new(tiny(), Device::Cpu).unwrap();
     let mut composite = Trainer::new(tiny(), Device::Cpu).unwrap();
-    composite.composite = true;
+    composite.force_composite_ops(true);
     let mut first_and_last = Vec::new();
     for i in 0..8 {
         let (Ok(a), Ok(b)) = (fused.train_step(|| true), composite.train_step(|| true)) else {
@@ -58,7 +58,7 @@ fn training_on_the_composite_ops_follows_the_fused_run() {
         first_and_last[1] < first_and_last[0],
         "the composite run trains: {first_and_last:?}"
     );
-    for (p, q) in fused.model.params.iter().zip(&composite.model.params) {
+    for (p, q) in fused.model().params.iter().zip(&composite.model().params) {
         let e = rel_diff(&flat(q.var.as_tensor()), &flat(p.var.as_tensor()));
         assert!(e < 1e-4, "{}: weights differ by {e:e}", p.name);
     }

@@ -22,16 +22,16 @@ fn trainer(s: Scenario) -> Trainer {
 }
 
 fn samples(t: &Trainer, n: u64) -> Vec<Sample> {
-    (0..n).map(|i| t.corpus.sample(Split::Train, i)).collect()
+    (0..n).map(|i| t.corpus().sample(Split::Train, i)).collect()
 }
 
 fn grads(t: &Trainer, samples: &[Sample], micro_batch: usize, loss_norm: LossNorm) -> Vec<Tensor> {
     let knobs = Knobs {
         micro_batch,
         loss_norm,
-        ..Knobs::from_scenario(&t.scenario)
+        ..Knobs::from_scenario(t.scenario())
     };
-    match window_gradients(&t.model, samples, &knobs, 1.0, &Device::Cpu, || true) {
+    match window_gradients(t.model(), samples, &knobs, 1.0, &Device::Cpu, || true) {
         Ok(w) => w.grads,
         Err(_) => panic!("window failed"),
     }
@@ -79,8 +79,8 @@ fn mean_of_means_differs_from_the_full_batch_on_variable_length_documents() {
 fn every_parameter_receives_a_nonzero_gradient() {
     let t = trainer(tiny());
     let g = grads(&t, &samples(&t, 4), 2, LossNorm::Tokens);
-    assert_eq!(g.len(), t.model.params.len());
-    for (p, g) in t.model.params.iter().zip(&g) {
+    assert_eq!(g.len(), t.model().params.len());
+    for (p, g) in t.model().params.iter().zip(&g) {
         let norm = global_norm(std::slice::from_ref(g)).unwrap();
         assert!(
             norm > 0.0 && norm.is_finite(),
@@ -97,9 +97,9 @@ fn zero_grad_per_micro_batch_keeps_only_the_last_micro_batch() {
     let knobs = Knobs {
         micro_batch: 2,
         zero_grad: ZeroGrad::PerMicroBatch,
-        ..Knobs::from_scenario(&t.scenario)
+        ..Knobs::from_scenario(t.scenario())
     };
-    let Ok(w) = window_gradients(&t.model, &window, &knobs, 1.0, &Device::Cpu, || true) else {
+    let Ok(w) = window_gradients(t.model(), &window, &knobs, 1.0, &Device::Cpu, || true) else {
         panic!()
     };
     let correct = grads(&t, &window, 8, LossNorm::Tokens);
@@ -180,7 +180,7 @@ fn a_k_change_sent_mid_window_applies_at_the_next_boundary() {
             );
             let n = (st.accum_steps * st.micro_batch) as u64;
             let tokens: u64 = (cursor..cursor + n)
-                .map(|i| corpus_trainer.corpus.sample(Split::Train, i).len as u64)
+                .map(|i| corpus_trainer.corpus().sample(Split::Train, i).len as u64)
                 .sum();
             assert_eq!(
                 st.tokens, tokens,
@@ -201,7 +201,7 @@ fn the_data_stream_does_not_depend_on_how_a_window_is_split() {
     b_scenario.train.accum_steps = 2;
     let mut b = trainer(b_scenario);
     assert_eq!(a.next_window(), b.next_window());
-    assert_eq!(a.cursor, b.cursor);
+    assert_eq!(a.cursor(), b.cursor());
 }
 
 #[test]
@@ -221,7 +221,7 @@ fn loss_approaches_the_entropy_floor() {
     s.train.warmup = 10;
     s.train.steps = STEPS as u64;
     let mut t = trainer(s);
-    let floor = t.corpus.entropy_floor().unwrap();
+    let floor = t.corpus().entropy_floor().unwrap();
     let mut losses = Vec::new();
     for _ in 0..STEPS {
         match t.train_step(|| true) {

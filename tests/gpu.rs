@@ -150,17 +150,17 @@ fn preset_run(name: &str, device: &Device, steps: u64) -> Trainer {
     let mut t = Trainer::new(s, device.clone()).unwrap();
     for _ in 0..steps {
         let due: Vec<_> = t
-            .scenario
+            .scenario()
             .timeline
             .iter()
-            .filter(|e| e.step == t.step)
+            .filter(|e| e.step == t.step())
             .map(|e| e.control.clone())
             .collect();
         for c in &due {
             t.apply_control(c).unwrap();
         }
         let Ok(step) = t.train_step(|| true) else {
-            panic!("{name}: step {} failed on {device:?}", t.step);
+            panic!("{name}: step {} failed on {device:?}", t.step());
         };
         assert!(step.loss.is_finite(), "{name}: loss {}", step.loss);
     }
@@ -174,11 +174,13 @@ fn fp16_overflow_preset_skips_and_recovers_on_the_gpu() {
     let t = preset_run("fp16-overflow", &cuda, 30);
     println!(
         "fp16-overflow on cuda:0: {} overflows in {} steps, scale {}",
-        t.overflow_count, t.step, t.scaler.scale
+        t.overflow_count(),
+        t.step(),
+        t.scaler().scale
     );
-    assert!(t.lr_step > 0, "no step was applied");
+    assert!(t.lr_step() > 0, "no step was applied");
     assert!(t.overflow_exhausted().is_none());
-    for p in &t.model.params {
+    for p in &t.model().params {
         let max = p.var.abs().unwrap().max_all().unwrap();
         assert!(max.to_scalar::<f32>().unwrap().is_finite(), "{}", p.name);
     }
@@ -196,15 +198,15 @@ fn offload_preset_keeps_host_state_and_trains_on_the_gpu() {
     };
     assert!(step.loss.is_finite());
     assert!(
-        t.opt.m.iter().all(|m| m.device().is_cpu()),
+        t.optimizer().m.iter().all(|m| m.device().is_cpu()),
         "moments on the host"
     );
     let master = t
-        .opt
+        .optimizer()
         .master
         .as_ref()
         .expect("host master copies on a GPU run");
-    for (p, m) in t.model.params.iter().zip(master) {
+    for (p, m) in t.model().params.iter().zip(master) {
         assert!(m.device().is_cpu());
         let e = rel(p.var.as_tensor(), m);
         assert!(

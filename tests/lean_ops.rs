@@ -33,20 +33,20 @@ fn scenario(micro_batch: usize) -> Scenario {
 fn gradients(s: &Scenario, dtype: Dtype, plain: bool) -> Vec<Tensor> {
     let t = Trainer::new(s.clone(), Device::Cpu).unwrap();
     let samples: Vec<_> = (0..s.train.micro_batch)
-        .map(|i| t.corpus.sample(Split::Train, i as u64))
+        .map(|i| t.corpus().sample(Split::Train, i as u64))
         .collect();
     let mut knobs = Knobs::from_scenario(s);
     knobs.dtype = dtype;
     let _composite = ops::force_composite(true);
     let _plain = ops::force_plain(plain);
-    let w = window_gradients(&t.model, &samples, &knobs, 1.0, &Device::Cpu, || true);
+    let w = window_gradients(t.model(), &samples, &knobs, 1.0, &Device::Cpu, || true);
     let Ok(w) = w else { panic!("window failed") };
     w.grads
 }
 
 fn names() -> Vec<String> {
     let t = Trainer::new(scenario(1), Device::Cpu).unwrap();
-    t.model.params.iter().map(|p| p.name.clone()).collect()
+    t.model().params.iter().map(|p| p.name.clone()).collect()
 }
 
 #[test]
@@ -111,7 +111,7 @@ fn training_graph(s: &Scenario, dtype: DType) -> (Tensor, StorageSet) {
     let targets = ids.flatten_all().unwrap();
     let mask = Tensor::ones(b * len, DType::F32, &Device::Cpu).unwrap();
     let fwd = t
-        .model
+        .model()
         .forward_checkpointed(&ids, dtype, true, Checkpointing::None)
         .unwrap();
     let loss = fwd
@@ -120,7 +120,7 @@ fn training_graph(s: &Scenario, dtype: DType) -> (Tensor, StorageSet) {
         .affine(0.5, 0.0)
         .unwrap();
     let mut seen = StorageSet::default();
-    seen.add_all(t.model.vars().map(|v| v.as_tensor()));
+    seen.add_all(t.model().vars().map(|v| v.as_tensor()));
     seen.add_all(&fwd.compute_weights);
     (loss, seen)
 }

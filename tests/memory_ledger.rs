@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::Device;
 use gaccwb::memory::estimate::{estimate, grad_store_bytes, head_bytes, Config};
-use gaccwb::memory::{Ledger, TotalMeter};
+use gaccwb::memory::TotalMeter;
 use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Categories, Control, MemoryEvent, MemorySource, Phase};
 use gaccwb::train::Trainer;
@@ -51,14 +51,14 @@ fn tiny(b: usize, k: usize, sets: &[&str]) -> Scenario {
 fn warm_trainer(s: Scenario) -> Trainer {
     let mut t = Trainer::new(s, Device::Cpu).unwrap();
     t.train_step(|| true).ok().unwrap();
-    t.memory.take_events();
+    t.take_memory_events();
     t
 }
 
 /// The memory events of one more step.
 fn step(t: &mut Trainer) -> Vec<MemoryEvent> {
     t.train_step(|| true).ok().unwrap();
-    t.memory.take_events()
+    t.take_memory_events()
 }
 
 /// Memory events of the second step of `s`.
@@ -144,7 +144,7 @@ fn smaller_micro_batch_at_the_same_effective_batch_lowers_the_peak() {
 fn parameters_are_the_parameter_count_times_four_bytes() {
     let _guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut t = warm_trainer(tiny(4, 2, &[]));
-    let expected = t.model.param_count() * 4;
+    let expected = t.model().param_count() * 4;
     for e in step(&mut t) {
         assert_eq!(e.categories.parameters, expected, "{:?}", e.phase);
     }
@@ -212,7 +212,7 @@ fn the_estimator_is_within_ten_percent_of_measured_for_every_category() {
         let _guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let mut t = warm_trainer(s);
         // From the trainer's scenario: a tokenizer sets the vocabulary when the data opens.
-        let cfg = Config::from_scenario(&t.scenario, true);
+        let cfg = Config::from_scenario(t.scenario(), true);
         let predicted = estimate(&cfg);
         let head = head_bytes(&cfg);
         println!(
@@ -222,7 +222,7 @@ fn the_estimator_is_within_ten_percent_of_measured_for_every_category() {
         );
         let measured = step(&mut t);
         assert_eq!(
-            t.memory.last_store_bytes,
+            t.memory().last_store_bytes,
             grad_store_bytes(&cfg),
             "{name}: gradient store"
         );
@@ -307,7 +307,7 @@ fn a_device_meter_keeps_offloaded_bytes_out_of_the_device_total() {
     let _guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut t = warm_trainer(tiny(4, 1, &["train.offload=true"]));
     let (live, peak) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    t.memory = Ledger::new(Box::new(FakeMeter {
+    t.measure_with(Box::new(FakeMeter {
         live: live.clone(),
         peak: peak.clone(),
     }));

@@ -5,7 +5,9 @@
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use gaccwb::memory::gpu::{start_sampler, start_sampler_with, FakeSource, GpuSource, NvmlSource};
+use gaccwb::memory::gpu::{
+    start_sampler, start_sampler_with, FakeSource, GpuSource, NvmlSource, SampleError,
+};
 use gaccwb::telemetry::{DeviceEvent, Event, MemorySource, Phase};
 use gaccwb::train::EventSink;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -33,15 +35,19 @@ fn device_events(rx: &mut UnboundedReceiver<Event>) -> Vec<DeviceEvent> {
 fn a_missing_nvml_library_is_reported_as_unavailable() {
     let mut source = NvmlSource::with_library("/nonexistent/libnvidia-ml.so".as_ref(), 0);
     let reason = source.sample().unwrap_err();
-    assert!(reason.starts_with("NVML unavailable: "), "{reason}");
-    assert_eq!(source.unavailable(), Some(reason.as_str()));
+    assert!(matches!(reason, SampleError::Nvml(_)), "{reason}");
+    assert!(
+        reason.to_string().starts_with("NVML unavailable: "),
+        "{reason}"
+    );
+    assert_eq!(source.unavailable(), Some(&reason));
 }
 
 #[test]
 fn this_machine_without_nvml_gets_a_reason_not_a_panic() {
     let mut source = NvmlSource::new(0);
     match source.sample() {
-        Err(reason) => assert!(reason.starts_with("NVML unavailable: "), "{reason}"),
+        Err(reason) => assert!(matches!(reason, SampleError::Nvml(_)), "{reason}"),
         // A machine with a driver: the reading must carry device memory figures.
         Ok(reading) => assert!(reading.total.unwrap_or(0) > 0),
     }
@@ -106,7 +112,7 @@ fn fake_gpu_sources_flow_through_the_sampler_at_ten_hertz() {
 #[test]
 fn an_unavailable_source_says_why_once_and_recovers() {
     let (sink, mut rx) = sink();
-    let reason = "NVML unavailable: driver not loaded".to_string();
+    let reason = SampleError::Nvml("driver not loaded".into());
     let flaky = FakeSource::new(
         MemorySource::Nvml,
         vec![
@@ -122,7 +128,10 @@ fn an_unavailable_source_says_why_once_and_recovers() {
     let events = device_events(&mut rx);
     let unavailable: Vec<_> = events.iter().filter(|e| e.unavailable.is_some()).collect();
     assert_eq!(unavailable.len(), 1);
-    assert_eq!(unavailable[0].unavailable.as_deref(), Some(reason.as_str()));
+    assert_eq!(
+        unavailable[0].unavailable.as_deref(),
+        Some(reason.to_string().as_str())
+    );
     assert!(unavailable[0].used.is_none());
     assert!(events.iter().any(|e| e.used == Some(1 << 30)));
 }

@@ -116,10 +116,10 @@ fn measure(s: Scenario) -> Vec<MemoryEvent> {
     let mut t = Trainer::new(s, Device::Cpu).unwrap();
     for _ in 0..2 {
         t.train_step(|| true).ok().unwrap();
-        t.memory.take_events();
+        t.take_memory_events();
     }
     t.train_step(|| true).ok().unwrap();
-    t.memory.take_events()
+    t.take_memory_events()
 }
 
 /// The largest gap of one phase over the grid.

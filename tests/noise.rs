@@ -35,7 +35,7 @@ fn the_estimator_agrees_with_exact_per_sample_statistics() {
     let s = full_length();
     let t = Trainer::new(s.clone(), Device::Cpu).unwrap();
     let n = 64;
-    let population: Vec<Sample> = (0..n).map(|i| t.corpus.sample(Split::Train, i)).collect();
+    let population: Vec<Sample> = (0..n).map(|i| t.corpus().sample(Split::Train, i)).collect();
     assert!(population.iter().all(|x| x.len == s.model.seq_len));
     let one = Knobs {
         accum_steps: 1,
@@ -46,7 +46,7 @@ fn the_estimator_agrees_with_exact_per_sample_statistics() {
         .iter()
         .map(|x| {
             let w = window_gradients(
-                &t.model,
+                t.model(),
                 std::slice::from_ref(x),
                 &one,
                 1.0,
@@ -93,7 +93,7 @@ fn the_estimator_agrees_with_exact_per_sample_statistics() {
     let mut last = None;
     for _ in 0..windows {
         let window: Vec<Sample> = (0..k * b).map(|_| population[draw()].clone()).collect();
-        let w = window_gradients(&t.model, &window, &knobs, 1.0, &Device::Cpu, || true)
+        let w = window_gradients(t.model(), &window, &knobs, 1.0, &Device::Cpu, || true)
             .ok()
             .expect("window ran");
         let norms = w.noise.expect("K ≥ 2 is measured");
@@ -125,7 +125,7 @@ fn the_estimator_agrees_with_exact_per_sample_statistics() {
 }
 
 fn weights(t: &Trainer) -> Vec<Vec<u32>> {
-    t.model
+    t.model()
         .params
         .iter()
         .map(|p| {
@@ -168,7 +168,7 @@ fn pitfalls_are_measured_from_the_correct_gradients() {
     use gaccwb::telemetry::{LossNorm, ZeroGrad};
     let s = TINY.scenario();
     let t = Trainer::new(s.clone(), Device::Cpu).unwrap();
-    let window: Vec<Sample> = (0..8).map(|i| t.corpus.sample(Split::Train, i)).collect();
+    let window: Vec<Sample> = (0..8).map(|i| t.corpus().sample(Split::Train, i)).collect();
     let norms = |loss_norm, zero_grad| {
         let knobs = Knobs {
             accum_steps: 4,
@@ -177,7 +177,7 @@ fn pitfalls_are_measured_from_the_correct_gradients() {
             zero_grad,
             ..Knobs::from_scenario(&s)
         };
-        window_gradients(&t.model, &window, &knobs, 1.0, &Device::Cpu, || true)
+        window_gradients(t.model(), &window, &knobs, 1.0, &Device::Cpu, || true)
             .ok()
             .expect("window ran")
             .noise

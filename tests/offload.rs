@@ -56,15 +56,19 @@ fn offload_in_half_precision_keeps_half_weights_on_the_device_and_trains_the_sam
         let (plain, plain_steps) = run(scenario(dtype, None), 4);
         for grads in ["device", "host"] {
             let (off, steps) = run(scenario(dtype, Some(grads)), 4);
-            let device_weights = off.model.params[0].var.dtype();
+            let device_weights = off.model().params[0].var.dtype();
             let expected = if dtype == "f32" {
                 DType::F32
             } else {
-                off.knobs.dtype.candle()
+                off.knobs().dtype.candle()
             };
             assert_eq!(device_weights, expected, "{dtype} {grads}");
             if dtype != "f32" {
-                let master = off.opt.master.as_ref().expect("host master weights");
+                let master = off
+                    .optimizer()
+                    .master
+                    .as_ref()
+                    .expect("host master weights");
                 assert!(master.iter().all(|w| w.dtype() == DType::F32));
             }
             // A half-precision gradient cast to f32 is exact and the host update is the same
@@ -84,12 +88,12 @@ fn toggling_offload_in_bf16_moves_the_weights_and_changes_no_arithmetic() {
     let mut toggled = Trainer::new(scenario("bf16", None), Device::Cpu).unwrap();
     for i in 0..6 {
         if matches!(i, 1 | 3 | 4) {
-            let on = !toggled.knobs.offload;
+            let on = !toggled.knobs().offload;
             toggled
                 .apply_control(&Control::SetOffload { value: on })
                 .unwrap();
             let want = if on { DType::BF16 } else { DType::F32 };
-            assert_eq!(toggled.model.params[0].var.dtype(), want, "step {i}");
+            assert_eq!(toggled.model().params[0].var.dtype(), want, "step {i}");
         }
         let (a, b) = (step(&mut plain), step(&mut toggled));
         assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {i}");
@@ -100,7 +104,7 @@ fn toggling_offload_in_bf16_moves_the_weights_and_changes_no_arithmetic() {
             value: gaccwb::telemetry::Dtype::F16,
         })
         .unwrap();
-    assert_eq!(toggled.model.params[0].var.dtype(), DType::F16);
+    assert_eq!(toggled.model().params[0].var.dtype(), DType::F16);
     assert!(
         masters(&plain) == masters(&toggled),
         "master weights differ"
@@ -111,7 +115,7 @@ fn toggling_offload_in_bf16_moves_the_weights_and_changes_no_arithmetic() {
 fn bytes_crossing_per_step_follow_the_payload_rule() {
     for dtype in ["bf16", "f32"] {
         let (t, _) = run(scenario(dtype, None), 1);
-        let p = t.model.param_count();
+        let p = t.model().param_count();
         let c = if dtype == "f32" { 4 } else { 2 };
         let plain = step_bytes(scenario(dtype, None));
         let device = step_bytes(scenario(dtype, Some("device")));
@@ -134,11 +138,11 @@ fn step_bytes(s: Scenario) -> u64 {
 fn ledger(s: Scenario, phase: Phase) -> (u64, Categories) {
     let mut t = Trainer::new(s, Device::Cpu).unwrap();
     step(&mut t);
-    t.memory.take_events();
+    t.take_memory_events();
     step(&mut t);
-    let events = t.memory.take_events();
+    let events = t.take_memory_events();
     let e = events.iter().find(|e| e.phase == phase).unwrap();
-    (t.model.param_count(), e.categories)
+    (t.model().param_count(), e.categories)
 }
 
 /// The buffer a phase may hold: none after the step; at the optimizer step the whole window's;

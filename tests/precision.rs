@@ -24,7 +24,7 @@ fn step(t: &mut Trainer) -> StepEvent {
 }
 
 fn weights(t: &Trainer) -> Vec<Vec<f32>> {
-    t.model
+    t.model()
         .params
         .iter()
         .map(|p| p.var.flatten_all().unwrap().to_vec1::<f32>().unwrap())
@@ -40,13 +40,13 @@ fn toggling_offload_on_cpu_changes_no_arithmetic_and_moves_the_books() {
     let mut toggled = Trainer::new(tiny(), Device::Cpu).unwrap();
     for i in 0..8 {
         if matches!(i, 1 | 2 | 4 | 7) {
-            let on = !toggled.knobs.offload;
+            let on = !toggled.knobs().offload;
             toggled
                 .apply_control(&Control::SetOffload { value: on })
                 .unwrap();
-            assert_eq!(toggled.opt.offloaded, on);
+            assert_eq!(toggled.optimizer().offloaded, on);
             let books = toggled.persistent_memory();
-            let moments = toggled.opt.moment_bytes();
+            let moments = toggled.optimizer().moment_bytes();
             if on {
                 assert_eq!(books.optimizer_state, 0);
                 assert!(books.offloaded >= moments && moments > 0);
@@ -57,10 +57,10 @@ fn toggling_offload_on_cpu_changes_no_arithmetic_and_moves_the_books() {
         let a = step(&mut plain);
         let b = step(&mut toggled);
         assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {i}");
-        assert_eq!(b.offload, toggled.knobs.offload);
+        assert_eq!(b.offload, toggled.knobs().offload);
     }
     assert_eq!(weights(&plain), weights(&toggled));
-    assert_eq!(plain.opt.t, toggled.opt.t);
+    assert_eq!(plain.optimizer().t, toggled.optimizer().t);
 }
 
 #[test]
@@ -73,7 +73,7 @@ fn a_forced_huge_f16_scale_overflows_skips_halves_and_recovers() {
     t.apply_control(&Control::SetLossScale { value: huge })
         .unwrap();
     let before = weights(&t);
-    let lr_step = t.lr_step;
+    let lr_step = t.lr_step();
 
     let overflow = step(&mut t);
     assert!(
@@ -89,10 +89,11 @@ fn a_forced_huge_f16_scale_overflows_skips_halves_and_recovers() {
         "a skipped step leaves the weights untouched"
     );
     assert_eq!(
-        t.lr_step, lr_step,
+        t.lr_step(),
+        lr_step,
         "the LR schedule does not advance on a skipped step"
     );
-    assert_eq!(t.scaler.scale, huge / 2.0);
+    assert_eq!(t.scaler().scale, huge / 2.0);
 
     let mut recovered = None;
     for _ in 0..12 {
@@ -166,12 +167,12 @@ fn gradient_errors(dtype: Dtype, tokens_per_micro: usize) -> Vec<(String, f64)> 
     s.train.accum_steps = 1;
     let t = Trainer::new(s.clone(), Device::Cpu).unwrap();
     let samples: Vec<_> = (0..s.train.micro_batch)
-        .map(|i| t.corpus.sample(Split::Train, i as u64))
+        .map(|i| t.corpus().sample(Split::Train, i as u64))
         .collect();
     let grads = |dtype: Dtype, scale: f64| {
         let mut knobs = Knobs::from_scenario(&s);
         knobs.dtype = dtype;
-        let w = window_gradients(&t.model, &samples, &knobs, scale, &Device::Cpu, || true);
+        let w = window_gradients(t.model(), &samples, &knobs, scale, &Device::Cpu, || true);
         let Ok(w) = w else { panic!("window failed") };
         w.grads
             .iter()
@@ -182,7 +183,7 @@ fn gradient_errors(dtype: Dtype, tokens_per_micro: usize) -> Vec<(String, f64)> 
     // f16 runs under a loss scale, as in training; bf16 has f32's range and needs none.
     let scale = if dtype == Dtype::F16 { 1024.0 } else { 1.0 };
     let low = grads(dtype, scale);
-    t.model
+    t.model()
         .params
         .iter()
         .zip(low.iter().zip(&reference))

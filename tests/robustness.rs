@@ -44,13 +44,28 @@ fn end_reason(path: &Path) -> String {
     }
 }
 
+/// A window observer that panics as the first window starts.
+struct PanicsAtTheFirstWindow;
+
+impl gaccwb::train::WindowObserver for PanicsAtTheFirstWindow {
+    fn window_start(&mut self, _step: u64) -> candle_core::Result<()> {
+        panic!("a test's window observer panics")
+    }
+}
+
+/// A trainer whose thread panics in its first window.
+fn crashing_trainer(s: gaccwb::scenario::Scenario) -> gaccwb::train::Trainer {
+    let mut trainer = gaccwb::train::Trainer::new(s, candle_core::Device::Cpu).unwrap();
+    trainer.observe_windows(Box::new(PanicsAtTheFirstWindow));
+    trainer
+}
+
 // Item 1: a crash in the trainer thread ends the run instead of hanging it.
 #[test]
 fn a_panicking_trainer_sends_end_with_the_reason() {
     let mut s = TINY.scenario();
     s.train.steps = 3;
-    let mut trainer = gaccwb::train::Trainer::new(s, candle_core::Device::Cpu).unwrap();
-    trainer.opt.m.clear(); // the optimizer indexes past its state: a panic at the first step
+    let trainer = crashing_trainer(s);
     let (mut handle, sink) = gaccwb::train::spawn_trainer(trainer).unwrap();
     let _keeps_the_channel_open = sink; // as the device sampler does
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -501,9 +516,7 @@ async fn screen(
 #[tokio::test(flavor = "current_thread")]
 async fn the_screen_closes_with_an_error_when_the_trainer_crashes() {
     use gaccwb::tui::feed::{Feed, Live};
-    let mut trainer =
-        gaccwb::train::Trainer::new(TINY.scenario(), candle_core::Device::Cpu).unwrap();
-    trainer.opt.m.clear();
+    let trainer = crashing_trainer(TINY.scenario());
     let (handle, _sink) = gaccwb::train::spawn_trainer(trainer).unwrap();
     let mut feed = Feed::Live(Live::new(handle, None).unwrap());
     let mut app = gaccwb::tui::app::App::default();
@@ -548,15 +561,16 @@ async fn the_record_key_never_truncates_an_existing_file() {
 #[test]
 fn a_knob_change_that_overflows_is_refused_at_the_boundary() {
     use gaccwb::telemetry::Control;
-    let mut trainer =
-        gaccwb::train::Trainer::new(TINY.scenario(), candle_core::Device::Cpu).unwrap();
-    trainer.knobs.micro_batch = gaccwb::limits::MAX_MICRO_BATCH;
+    // B·K_max·seq_len = 2^12·2^16·2^5 tokens, over the window's 2^32.
+    let mut s = TINY.scenario();
+    s.train.micro_batch = 1 << 12;
+    let mut trainer = gaccwb::train::Trainer::new(s, candle_core::Device::Cpu).unwrap();
     let too_many = Control::SetAccumSteps {
         value: gaccwb::limits::MAX_ACCUM_STEPS,
     };
     let e = trainer.apply_control(&too_many).unwrap_err();
     assert!(e.to_string().contains("more than"), "{e}");
-    assert_eq!(trainer.knobs.accum_steps, 1);
+    assert_eq!(trainer.knobs().accum_steps, 1);
     assert!(trainer
         .apply_control(&Control::SetAccumSteps { value: 2 })
         .is_ok());

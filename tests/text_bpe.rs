@@ -31,17 +31,17 @@ fn text_bpe_sizes_the_model_from_the_tokenizer_and_the_loss_falls() {
         info.vocab, 8192,
         "the docs corpus supports a full 8k vocabulary"
     );
-    assert_eq!(t.scenario.model.vocab, info.vocab);
+    assert_eq!(t.scenario().model.vocab, info.vocab);
     assert_eq!(t.header().config.model.vocab, info.vocab);
     assert!(
         t.header().entropy_floor.is_none(),
         "real text has no known floor"
     );
     assert!(
-        t.corpus.has_validation(),
+        t.corpus().has_validation(),
         "validation reads the held-out tail"
     );
-    println!("{}", t.corpus.provenance().unwrap());
+    println!("{}", t.corpus().provenance().unwrap());
     let mut losses = Vec::new();
     for _ in 0..STEPS {
         match t.train_step(|| true) {

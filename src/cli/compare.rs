@@ -72,7 +72,7 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
         anyhow::bail!(UsageError("--steps must be at least 1".into()));
     }
     // The runs check it too, but only after the ones before them trained.
-    gaccwb::limits::at_most("--steps", steps, gaccwb::limits::MAX_INTEGER).map_err(usage)?;
+    gaccwb::limits::at_most("--steps", steps, gaccwb::limits::MAX_INTEGER)?;
     let configs = compare::parse_grid(&grid, &base).map_err(usage)?;
     // Refuse before the runs, not after minutes of training.
     if args.csv.is_some() && args.csv == args.svg {

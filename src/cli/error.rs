@@ -56,6 +56,15 @@ impl ExitClass {
         if cause.downcast_ref::<UsageError>().is_some() {
             return Some(ExitClass::Usage);
         }
+        // Engine errors that only ever describe what the user typed.
+        use gaccwb::budget::BudgetError;
+        if matches!(cause.downcast_ref(), Some(BudgetError::Unreadable { .. }))
+            || cause.is::<gaccwb::limits::BoundError>()
+            || cause.is::<gaccwb::memory::planner::ShapeError>()
+            || cause.is::<gaccwb::memory::plan_options::OptionsError>()
+        {
+            return Some(ExitClass::Usage);
+        }
         // An output that can never be written as named: a wrong argument, not a failed run.
         use gaccwb::safe_write::WriteError;
         match cause.downcast_ref() {
@@ -72,5 +81,33 @@ impl ExitClass {
             ExitClass::Failure => ExitCode::FAILURE,
             ExitClass::Signal(code) => ExitCode::from(code),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::Context;
+
+    /// The engine's errors about what the user typed exit 2 by their type, under any context;
+    /// one that is not about the input (a device whose total is unknown) stays a failure.
+    #[test]
+    fn engine_errors_about_the_input_are_usage_errors_by_type() {
+        use gaccwb::budget::MemoryBudget;
+        let bad_budget = MemoryBudget::parse("6 GiX")
+            .context("--budget")
+            .unwrap_err();
+        assert_eq!(ExitClass::of(&bad_budget), ExitClass::Usage);
+        let unknown_total = MemoryBudget::Percent(50.0).resolve(None).unwrap_err();
+        assert_eq!(
+            ExitClass::of(&anyhow::Error::new(unknown_total)),
+            ExitClass::Failure
+        );
+        let steps = gaccwb::limits::at_most("--steps", 2, 1).unwrap_err();
+        assert_eq!(ExitClass::of(&steps.into()), ExitClass::Usage);
+        let seq_len = gaccwb::memory::plan_options::OptionsError::SeqLen;
+        assert_eq!(ExitClass::of(&seq_len.into()), ExitClass::Usage);
+        let shape = gaccwb::memory::planner::named_shape("gpt4").unwrap_err();
+        assert_eq!(ExitClass::of(&shape.into()), ExitClass::Usage);
     }
 }

@@ -140,7 +140,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     for assignment in &args.sets {
         scenario.set_unvalidated(assignment).map_err(usage)?;
     }
-    let mut arch = opts::resolve_arch(&options, Arch::engine(&scenario.model)).map_err(usage)?;
+    let mut arch = opts::resolve_arch(&options, Arch::engine(&scenario.model))?;
     if args.config.is_none() && args.seq_len.is_none() && arch.engine_model().is_some() {
         // A GPT shape or the preset: `--set model.seq_len` reaches both stacks.
         arch.seq_len = scenario.model.seq_len as u64;
@@ -156,11 +156,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     let budget_gib = match (args.budget_gib, &args.gpu_model) {
         (Some(g), _) => g,
         (None, Some(name)) if name != "cpu" => {
-            opts::resolve_rates(&options)
-                .map_err(usage)?
-                .gpu
-                .memory_bytes as f64
-                / (1u64 << 30) as f64
+            opts::resolve_rates(&options)?.gpu.memory_bytes as f64 / (1u64 << 30) as f64
         }
         _ => 8.0,
     };
@@ -207,7 +203,7 @@ fn engine_report(
 ) -> anyhow::Result<est::Report> {
     // The estimate needs only a well-formed shape; what this program can train is reported.
     let not_trainable_here = scenario.validate().err().map(|e| e.message);
-    gaccwb::memory::planner::check_shape(scenario).map_err(usage)?;
+    gaccwb::memory::planner::check_shape(scenario)?;
     if not_trainable_here.is_none()
         && scenario.data.tokenizer == gaccwb::scenario::TokenizerKind::Bpe
     {
@@ -231,7 +227,7 @@ fn engine_report(
         micro_batch: effective.max(cfg.micro_batch),
         ..cfg.clone()
     };
-    gaccwb::memory::fit::check_fits(&widest, None).map_err(UsageError)?;
+    gaccwb::memory::fit::check_fits(&widest, None).map_err(usage)?;
     let mut report = est::Report::new(&scenario.name, &cfg, effective, budget);
     report.not_trainable_here = not_trainable_here;
     Ok(report)
@@ -253,8 +249,8 @@ fn reference_plan(
             "train.micro_batch and train.accum_steps must be at least 1".into()
         ));
     }
-    let setup = opts::resolve_setup(options, b, k).map_err(usage)?;
-    opts::check_size(arch, b * k).map_err(usage)?;
-    let rates = opts::resolve_rates(options).map_err(usage)?;
+    let setup = opts::resolve_setup(options, b, k)?;
+    opts::check_size(arch, b * k)?;
+    let rates = opts::resolve_rates(options)?;
     Ok(ReferencePlan::new(arch, &setup, &rates, budget))
 }

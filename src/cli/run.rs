@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use anyhow::Context;
 use clap::Args;
 
 use gaccwb::device::DeviceChoice;
@@ -210,7 +211,7 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
         s.set(assignment).map_err(usage)?;
     }
     if let Some(budget) = &args.budget {
-        gaccwb::budget::MemoryBudget::parse(budget).map_err(|e| usage(format!("--budget: {e}")))?;
+        gaccwb::budget::MemoryBudget::parse(budget).context("--budget")?;
         s.set(&format!("train.memory_budget=\"{budget}\""))
             .map_err(usage)?;
     }
@@ -268,33 +269,34 @@ fn build_trainer(
         None => Trainer::new(scenario, device)?,
     };
     trainer.join(group).map_err(|e| usage(format!("{e:#}")))?;
-    trainer.cli_controls = args
+    let controls = args
         .controls
         .iter()
         .map(|c| gaccwb::scenario::parse_control_arg(c).map_err(usage))
         .collect::<Result<_, _>>()?;
+    trainer.set_cli_controls(controls);
     check_cli_controls(&trainer).map_err(UsageError)?;
     if args.resume.is_some() {
         refuse_past_controls(&trainer)?;
     }
-    let inputs = args.inputs_but_resumed(Some(&trainer.scenario));
-    trainer.after_step = saves.zip(lock).map(|(every, lock)| {
-        checkpoint::Policy {
+    let inputs = args.inputs_but_resumed(Some(trainer.scenario()));
+    if let Some((every, lock)) = saves.zip(lock) {
+        let policy = checkpoint::Policy {
             every,
             dir: args.checkpoint_dir.clone(),
             inputs,
-        }
-        .after_step(lock)
-    });
+        };
+        trainer.set_after_step(policy.after_step(lock));
+    }
     Ok(trainer)
 }
 
 /// `--control` values checked against the run's model before the trainer starts, with the
 /// rules presets follow (a window B·K·seq_len that overflows is refused here, not mid-run).
 fn check_cli_controls(trainer: &Trainer) -> Result<(), String> {
-    let (b, k) = (trainer.knobs.micro_batch, trainer.knobs.accum_steps);
-    let entries = &trainer.cli_controls;
-    let (noise, seq_len) = (trainer.knobs.noise, trainer.scenario.model.seq_len);
+    let (b, k) = (trainer.knobs().micro_batch, trainer.knobs().accum_steps);
+    let entries = trainer.cli_controls();
+    let (noise, seq_len) = (trainer.knobs().noise, trainer.scenario().model.seq_len);
     gaccwb::scenario::check_schedule(b, k, noise, seq_len, entries).map_err(|e| {
         let (entry, why) = (&entries[e.index], e.error);
         format!(
@@ -332,15 +334,18 @@ fn refuse_with_resume(args: &RunArgs) -> Result<(), UsageError> {
 
 /// A resumed run starts at the checkpoint's step: a `--control` before it would never apply.
 fn refuse_past_controls(trainer: &Trainer) -> Result<(), UsageError> {
-    let past = trainer.cli_controls.iter().find(|e| e.step < trainer.step);
+    let past = trainer
+        .cli_controls()
+        .iter()
+        .find(|e| e.step < trainer.step());
     match past {
         Some(e) => Err(UsageError(format!(
             "--control {}:{}: the checkpoint is at step {}, so this would never apply; give a \
              step from {} on",
             e.step,
             e.control.describe(),
-            trainer.step,
-            trainer.step
+            trainer.step(),
+            trainer.step()
         ))),
         None => Ok(()),
     }

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 
 use crate::memory::gpu::SamplerHandle;
 use crate::record::Recorder;
-use crate::telemetry::{Event, Level, LogEvent};
+use crate::telemetry::Event;
 use crate::train::TrainerHandle;
 
 use super::app::{App, ReplayStatus};
@@ -83,9 +83,6 @@ pub struct Live {
     record_base: PathBuf,
     recordings_started: u32,
     trainer_done: bool,
-    /// Events that came before the trainer's header (the sampler can be quicker): a recording
-    /// must open with the header, so they wait for it.
-    before_header: Vec<Event>,
 }
 
 impl Live {
@@ -122,7 +119,6 @@ impl Live {
             recorder,
             record_base,
             trainer_done: false,
-            before_header: Vec::new(),
         }
     }
 
@@ -151,33 +147,23 @@ impl Live {
             self.trainer_done = true;
             return Ok(());
         };
-        self.take(app, &first)?;
+        self.take(app, first)?;
         // Drain what else is waiting so a fast trainer costs one wake-up per burst.
         while let Ok(e) = self.handle.events.try_recv() {
-            self.take(app, &e)?;
+            self.take(app, e)?;
         }
         Ok(())
     }
 
-    fn take(&mut self, app: &mut App, e: &Event) -> anyhow::Result<()> {
-        let mut marked = e.clone();
-        let e = match crate::signals::mark_end(&mut marked) {
-            Some(_) => &marked,
-            None => e,
-        };
-        if app.run.header.is_none() && !matches!(e, Event::Header(_)) {
-            self.before_header.push(e.clone());
-        } else {
-            let early = std::mem::take(&mut self.before_header);
-            if let Some(r) = self.recorder.as_mut() {
-                r.write(e)?;
-                for x in &early {
-                    r.write(x)?;
-                }
-            }
+    /// One event from the trainer: recorded (the recorder holds what comes before the header),
+    /// then shown.
+    fn take(&mut self, app: &mut App, mut e: Event) -> anyhow::Result<()> {
+        crate::signals::mark_end(&mut e);
+        if let Some(r) = self.recorder.as_mut() {
+            r.write(&e)?;
         }
-        app.update(e);
-        if let Event::End(end) = e {
+        app.update(&e);
+        if let Event::End(end) = &e {
             // Nothing is measured after the run: the recording ends with `end`.
             if let Some(mut s) = self.sampler.take() {
                 s.stop();
@@ -225,7 +211,7 @@ impl Live {
         self.handle.stop();
         // Events sent before the trainer stopped (its `end` among them) belong in the file.
         while let Ok(e) = self.handle.events.try_recv() {
-            self.take(app, &e)?;
+            self.take(app, e)?;
         }
         if let Some(r) = self.recorder.take() {
             r.finish()?;
@@ -266,11 +252,7 @@ fn header_now(app: &App) -> Option<crate::telemetry::Header> {
 }
 
 fn note(app: &mut App, message: String) {
-    app.update(&Event::Log(LogEvent {
-        step: app.last_step(),
-        level: Level::Info,
-        message,
-    }));
+    app.update(&Event::info(app.last_step(), message));
 }
 
 fn default_record_path() -> PathBuf {

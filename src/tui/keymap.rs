@@ -344,12 +344,11 @@ impl KeyMap {
     pub fn from_file(path: &Path) -> Result<KeyMap, KeyMapError> {
         let origin = path.display().to_string();
         let limit = crate::limits::MAX_CONFIG_BYTES;
-        let text = crate::limits::read_bounded_text(path, limit, "keymap").map_err(|message| {
-            KeyMapError {
+        let text =
+            crate::limits::read_bounded_text(path, limit, "keymap").map_err(|e| KeyMapError {
                 location: origin.clone(),
-                message,
-            }
-        })?;
+                message: e.to_string(),
+            })?;
         KeyMap::from_toml(&text, &origin)
     }
 

@@ -3,8 +3,7 @@
 use crate::scenario::Scenario;
 use crate::telemetry::{
     BuildInfo, Categories, Control, ControlEvent, Dtype, EndEvent, EstimateEvent, EvalEvent, Event,
-    Header, Level, LogEvent, MemoryEvent, MemorySource, Origin, Phase, PhaseMs, StepEvent,
-    FORMAT_VERSION,
+    Header, MemoryEvent, MemorySource, Origin, Phase, PhaseMs, StepEvent, FORMAT_VERSION,
 };
 
 pub fn header() -> Header {
@@ -125,11 +124,7 @@ pub fn sample_run(steps: u64) -> Vec<Event> {
             unified: true,
         }));
     }
-    out.push(Event::Log(LogEvent {
-        step: steps,
-        level: Level::Warn,
-        message: "something to see in the log".into(),
-    }));
+    out.push(Event::warn(steps, "something to see in the log"));
     out
 }
 

@@ -5,28 +5,29 @@
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// How much memory a run may use (`train.memory_budget`, `--budget`).
 pub enum MemoryBudget {
     /// No budget: the guard does nothing (the default).
     #[default]
     Off,
+    /// A fixed number of bytes.
     Bytes(u64),
     /// Percent of the device's total memory, in (0, 100].
     Percent(f64),
 }
 
 impl MemoryBudget {
+    /// Whether there is no budget (the guard stays idle).
     pub fn is_off(&self) -> bool {
         *self == MemoryBudget::Off
     }
 
     /// Parse `"6 GiB"`, `"6GiB"`, `"1.5 TiB"`, `"8 GB"`, `"123"` (bytes), `"80%"` or `"off"`.
-    pub fn parse(text: &str) -> Result<MemoryBudget, String> {
+    pub fn parse(text: &str) -> Result<MemoryBudget, BudgetError> {
         let t = text.trim();
-        let bad = |why: &str| {
-            format!(
-                "memory budget `{text}`: {why}; expected bytes (6442450944), a size (\"6 GiB\", \
-                 \"512 MiB\", \"8 GB\"), a share of the device (\"80%\") or \"off\""
-            )
+        let bad = |why: &'static str| BudgetError::Unreadable {
+            text: text.to_string(),
+            why,
         };
         if t.is_empty() {
             return Err(bad("empty"));
@@ -55,19 +56,41 @@ impl MemoryBudget {
     }
 
     /// Bytes, given the device's total memory (needed only for a percentage).
-    pub fn resolve(&self, device_total: Option<u64>) -> Result<Option<u64>, String> {
+    pub fn resolve(&self, device_total: Option<u64>) -> Result<Option<u64>, BudgetError> {
         match *self {
             MemoryBudget::Off => Ok(None),
             MemoryBudget::Bytes(b) => Ok(Some(b)),
             MemoryBudget::Percent(p) => match device_total {
                 Some(total) => Ok(Some((total as f64 * p / 100.0) as u64)),
-                None => Err(format!(
-                    "train.memory_budget = \"{p}%\" needs the device's total memory, which is \
-                     unknown here; give a size instead, e.g. \"6 GiB\""
-                )),
+                None => Err(BudgetError::ShareOfUnknownTotal { percent: p }),
             },
         }
     }
+}
+
+/// A memory budget that cannot be read, or not resolved to bytes.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum BudgetError {
+    /// The text is not a size, a share or "off".
+    #[error(
+        "memory budget `{text}`: {why}; expected bytes (6442450944), a size (\"6 GiB\", \
+         \"512 MiB\", \"8 GB\"), a share of the device (\"80%\") or \"off\""
+    )]
+    Unreadable {
+        /// The budget as given.
+        text: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A percentage on a device whose total memory is unknown.
+    #[error(
+        "train.memory_budget = \"{percent}%\" needs the device's total memory, which is \
+         unknown here; give a size instead, e.g. \"6 GiB\""
+    )]
+    ShareOfUnknownTotal {
+        /// The share asked for.
+        percent: f64,
+    },
 }
 
 fn unit_bytes(unit: &str) -> Option<f64> {
@@ -164,6 +187,7 @@ mod tests {
         assert!(MemoryBudget::Percent(50.0)
             .resolve(None)
             .unwrap_err()
+            .to_string()
             .contains("6 GiB"));
     }
 

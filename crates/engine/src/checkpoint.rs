@@ -19,9 +19,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::safe_write::{self, DirLock, Inputs, Overwrite};
 use crate::scenario::Scenario;
-use crate::telemetry::{Control, Dtype, EndReason, Event, Level, LogEvent};
+use crate::telemetry::{Control, EndReason, Event, Level};
 use crate::train::scaler::LossScaler;
-use crate::train::{AfterStep, EventSink, Knobs, Trainer};
+use crate::train::{AfterStep, EventSink, Knobs, Progress, Saved, Trainer};
 
 /// Version of the checkpoint layout; a newer one is refused.
 pub const CHECKPOINT_VERSION: u32 = 1;
@@ -30,7 +30,9 @@ const STATE_FILE: &str = "checkpoint.json";
 /// When and where a running trainer saves.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Policy {
+    /// Save after every `every` optimizer steps.
     pub every: u64,
+    /// The directory the state and tensor files go to (locked for the run's life).
     pub dir: PathBuf,
     /// Files the run reads, never replaced by a save (the checkpoint being resumed is not one:
     /// the run continues it).
@@ -40,16 +42,27 @@ pub struct Policy {
 /// The small JSON half of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct State {
+    /// The checkpoint format's version; a newer one is refused on resume.
     pub version: u32,
+    /// Optimizer steps taken, skipped ones included.
     pub step: u64,
+    /// Steps the LR schedule has advanced.
     pub lr_step: u64,
+    /// Index of the next training sample: the resumed run continues the data stream here.
     pub cursor: u64,
+    /// Steps skipped on non-finite gradients.
     pub overflow_count: u64,
+    /// AdamW's applied steps (its bias correction).
     pub adam_t: u64,
+    /// The f16 loss scale in force.
     pub loss_scale: f64,
+    /// Clean steps between loss-scale increases.
     pub scale_growth_interval: u64,
+    /// Clean steps since the scale last changed.
     pub scale_clean_steps: u64,
+    /// The knobs in force when saved (they may differ from the scenario's first values).
     pub knobs: Knobs,
+    /// The run's scenario, as it started.
     pub scenario: Scenario,
     /// The tensor file in the same directory.
     pub tensors: String,
@@ -83,7 +96,7 @@ struct Saver {
 impl AfterStep for Saver {
     fn after_step(&mut self, trainer: &Trainer, sink: &EventSink) -> Option<EndReason> {
         let every = self.policy.every;
-        if every == 0 || !trainer.step.is_multiple_of(every) {
+        if every == 0 || !trainer.step().is_multiple_of(every) {
             return None;
         }
         self.tried += 1;
@@ -92,10 +105,10 @@ impl AfterStep for Saver {
                 self.saved += 1;
                 let message = format!(
                     "checkpoint at step {} saved to {}",
-                    trainer.step,
+                    trainer.step(),
                     path.display()
                 );
-                log(sink, trainer.step, Level::Info, message);
+                sink.send(Event::info(trainer.step(), message));
                 return None;
             }
             Err(e) => format!("{e:#}"),
@@ -113,9 +126,9 @@ impl AfterStep for Saver {
         };
         let message = format!(
             "checkpoint at step {} failed: {error}{consequence}",
-            trainer.step
+            trainer.step()
         );
-        log(sink, trainer.step, level, message);
+        sink.send(Event::log(trainer.step(), level, message));
         None
     }
 
@@ -139,14 +152,6 @@ impl Saver {
     }
 }
 
-fn log(sink: &EventSink, step: u64, level: Level, message: String) {
-    sink.send(Event::Log(LogEvent {
-        step,
-        level,
-        message,
-    }));
-}
-
 /// Write the trainer's state into `dir` (created if missing); returns the state file's path.
 pub fn save(trainer: &Trainer, dir: &Path) -> anyhow::Result<PathBuf> {
     save_into(trainer, dir, &Inputs::default())
@@ -156,25 +161,26 @@ pub fn save(trainer: &Trainer, dir: &Path) -> anyhow::Result<PathBuf> {
 fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let rules = Overwrite::new(true, inputs.clone());
-    let tensors_name = format!("step-{:08}.safetensors", trainer.step);
+    let tensors_name = format!("step-{:08}.safetensors", trainer.step());
     let tensor_path = dir.join(&tensors_name);
     let tensors = safetensors::serialize(tensor_map(trainer)?, None)
         .with_context(|| format!("serialising the tensors for {}", tensor_path.display()))?;
     safe_write::write_file(&tensor_path, &tensors, "checkpoint", &rules)?;
     drop(tensors);
 
+    let progress = trainer.progress();
     let state = State {
         version: CHECKPOINT_VERSION,
-        step: trainer.step,
-        lr_step: trainer.lr_step,
-        cursor: trainer.cursor,
-        overflow_count: trainer.overflow_count,
-        adam_t: trainer.opt.t,
-        loss_scale: trainer.scaler.scale,
-        scale_growth_interval: trainer.scaler.growth_interval,
-        scale_clean_steps: trainer.scaler.clean_steps,
-        knobs: trainer.knobs.clone(),
-        scenario: trainer.scenario.clone(),
+        step: progress.step,
+        lr_step: progress.lr_step,
+        cursor: progress.cursor,
+        overflow_count: progress.overflow_count,
+        adam_t: trainer.optimizer().t,
+        loss_scale: trainer.scaler().scale,
+        scale_growth_interval: trainer.scaler().growth_interval,
+        scale_clean_steps: trainer.scaler().clean_steps,
+        knobs: trainer.knobs().clone(),
+        scenario: trainer.scenario().clone(),
         tensors: tensors_name.clone(),
     };
     let state_path = dir.join(STATE_FILE);
@@ -187,10 +193,11 @@ fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<P
 fn tensor_map(trainer: &Trainer) -> anyhow::Result<HashMap<String, Tensor>> {
     let mut map = HashMap::new();
     let master = trainer.master_weights();
-    for (i, p) in trainer.model.params.iter().enumerate() {
+    let opt = trainer.optimizer();
+    for (i, p) in trainer.params().iter().enumerate() {
         map.insert(format!("param/{}", p.name), master[i].clone());
-        map.insert(format!("adam_m/{}", p.name), trainer.opt.m[i].clone());
-        map.insert(format!("adam_v/{}", p.name), trainer.opt.v[i].clone());
+        map.insert(format!("adam_m/{}", p.name), opt.m[i].clone());
+        map.insert(format!("adam_v/{}", p.name), opt.v[i].clone());
     }
     Ok(map)
 }
@@ -241,13 +248,47 @@ pub fn read_state(dir: &Path) -> anyhow::Result<State> {
     Ok(state)
 }
 
+/// A value in `checkpoint.json` that a run cannot have written, named by its key.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// The saved scenario does not pass a preset's checks.
+    #[error("scenario: {0}")]
+    Scenario(String),
+    /// A knob outside what a control may set.
+    #[error("knobs: {0}")]
+    Knob(String),
+    /// The knobs make a window whose sizes overflow.
+    #[error("knobs: {0}")]
+    Window(crate::limits::BoundError),
+    /// A counter too large to keep counting.
+    #[error(transparent)]
+    Counter(#[from] crate::limits::BoundError),
+    /// A counter ahead of the optimizer steps taken.
+    #[error(
+        "{key} ({value}) is more than step ({step}): a run cannot have taken more AdamW \
+         updates, scheduled steps or overflows than optimizer steps; restore the file the run \
+         wrote"
+    )]
+    AheadOfStep {
+        /// The counter's key.
+        key: &'static str,
+        /// Its value.
+        value: u64,
+        /// The optimizer steps saved.
+        step: u64,
+    },
+    /// A tensor file name that leaves the checkpoint's directory.
+    #[error("tensors ({0}) must name a file in the checkpoint's own directory")]
+    TensorsOutside(String),
+}
+
 /// The values of an edited or damaged state file, checked with the rules presets follow.
-fn check_state(state: &State) -> Result<(), String> {
+fn check_state(state: &State) -> Result<(), StateError> {
     use crate::limits::{at_most, check_window, MAX_INTEGER};
     state
         .scenario
         .validate()
-        .map_err(|e| format!("scenario: {e}"))?;
+        .map_err(|e| StateError::Scenario(e.to_string()))?;
     let k = &state.knobs;
     for c in [
         Control::SetAccumSteps {
@@ -262,10 +303,10 @@ fn check_state(state: &State) -> Result<(), String> {
             value: state.loss_scale,
         },
     ] {
-        crate::scenario::validate_control(&c).map_err(|e| format!("knobs: {e}"))?;
+        crate::scenario::validate_control(&c).map_err(|e| StateError::Knob(e.to_string()))?;
     }
     check_window(k.micro_batch, k.accum_steps, state.scenario.model.seq_len)
-        .map_err(|e| format!("knobs: {e}"))?;
+        .map_err(StateError::Window)?;
     // Counters are advanced by at most a window each step; leave room so they never wrap.
     let counters = [
         ("step", state.step),
@@ -286,19 +327,15 @@ fn check_state(state: &State) -> Result<(), String> {
         ("overflow_count", state.overflow_count),
     ] {
         if value > state.step {
-            return Err(format!(
-                "{key} ({value}) is more than step ({}): a run cannot have taken more AdamW \
-                 updates, scheduled steps or overflows than optimizer steps; restore the file \
-                 the run wrote",
-                state.step
-            ));
+            return Err(StateError::AheadOfStep {
+                key,
+                value,
+                step: state.step,
+            });
         }
     }
     if state.tensors.contains(['/', '\\']) || state.tensors.starts_with('.') {
-        return Err(format!(
-            "tensors ({}) must name a file in the checkpoint's own directory",
-            state.tensors
-        ));
+        return Err(StateError::TensorsOutside(state.tensors.clone()));
     }
     Ok(())
 }
@@ -391,38 +428,32 @@ pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> anyhow::Resu
         }
         Ok(t)
     };
-    // Load into the plain placement (f32 weights and state on the device, no host copies),
-    // then place as the checkpoint's knobs say: host copies are taken from the loaded weights.
-    let plain = Knobs {
-        offload: false,
-        dtype: Dtype::F32,
-        ..state.knobs.clone()
+    let params = trainer.params();
+    let mut each = |prefix: &str| -> anyhow::Result<Vec<Tensor>> {
+        params
+            .iter()
+            .map(|p| take(format!("{prefix}/{}", p.name), p.var.as_tensor()))
+            .collect()
     };
-    trainer.place_state(&plain)?;
-    let device = trainer.device.clone();
-    for (i, p) in trainer.model.params.iter().enumerate() {
-        let w = take(format!("param/{}", p.name), p.var.as_tensor())?;
-        p.var.set(&w.to_device(&device)?)?;
-        let m = take(format!("adam_m/{}", p.name), p.var.as_tensor())?;
-        let v = take(format!("adam_v/{}", p.name), p.var.as_tensor())?;
-        trainer.opt.m[i] = m.to_device(&device)?;
-        trainer.opt.v[i] = v.to_device(&device)?;
-    }
-    trainer.place_state(&state.knobs)?;
-    trainer.opt.t = state.adam_t;
-    trainer.scaler = LossScaler {
-        scale: state.loss_scale,
-        growth_interval: state.scale_growth_interval,
-        clean_steps: state.scale_clean_steps,
-        floor_overflows: 0,
-    };
-    trainer.knobs = state.knobs.clone();
-    trainer.step = state.step;
-    trainer.lr_step = state.lr_step;
-    trainer.cursor = state.cursor;
-    trainer.overflow_count = state.overflow_count;
-    // The restored tensors were written on this thread's stream; the trainer's thread must see
-    // them complete before its first kernel reads them.
-    trainer.device.synchronize()?;
+    let (weights, m, v) = (each("param")?, each("adam_m")?, each("adam_v")?);
+    trainer.resume(Saved {
+        weights,
+        m,
+        v,
+        adam_t: state.adam_t,
+        scaler: LossScaler {
+            scale: state.loss_scale,
+            growth_interval: state.scale_growth_interval,
+            clean_steps: state.scale_clean_steps,
+            floor_overflows: 0,
+        },
+        knobs: state.knobs.clone(),
+        progress: Progress {
+            step: state.step,
+            lr_step: state.lr_step,
+            cursor: state.cursor,
+            overflow_count: state.overflow_count,
+        },
+    })?;
     Ok(())
 }

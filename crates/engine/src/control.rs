@@ -42,11 +42,15 @@ impl Checkpointing {
     }
 }
 
+/// A checkpointing value that is none of `none`, `blocks`, `every-N` (N ≥ 1).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("checkpointing `{0}`: expected \"none\", \"blocks\" or \"every-N\" (N ≥ 1)")]
+pub struct UnknownCheckpointing(pub String);
+
 impl TryFrom<String> for Checkpointing {
-    type Error = String;
-    fn try_from(s: String) -> Result<Self, String> {
-        let bad =
-            || format!("checkpointing `{s}`: expected \"none\", \"blocks\" or \"every-N\" (N ≥ 1)");
+    type Error = UnknownCheckpointing;
+    fn try_from(s: String) -> Result<Self, UnknownCheckpointing> {
+        let bad = || UnknownCheckpointing(s.clone());
         match s.as_str() {
             "none" => Ok(Checkpointing::None),
             "blocks" => Ok(Checkpointing::Blocks),

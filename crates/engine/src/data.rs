@@ -23,37 +23,55 @@ pub const DELIM: u32 = 0;
 const SUCCESSOR_PROBS: [f64; 3] = [0.6, 0.3, 0.1];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which part of the data a sample comes from; the two never share a sample.
 pub enum Split {
+    /// The samples the model trains on.
     Train,
+    /// The held-out samples evaluation measures.
     Val,
 }
 
 /// One training example: `seq_len + 1` tokens, of which the first `len` targets count.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sample {
+    /// The tokens: inputs are `tokens[..seq_len]`, targets `tokens[1..]`.
     pub tokens: Vec<u32>,
     /// Counted targets: positions `0..len` predict `tokens[1..=len]`; the rest is padding.
     pub len: usize,
 }
 
+/// Where the samples come from: the synthetic chain, a file's bytes, or a file cut by a BPE.
 pub enum Corpus {
+    /// The seeded Markov chain (the default).
     Synthetic(Markov),
+    /// A file's bytes, one token each.
     Bytes(ByteCorpus),
+    /// A file's text cut into BPE tokens.
     Bpe {
+        /// The token stream, cut into samples as the bytes are.
         windows: ByteCorpus,
+        /// What the header records about the tokenizer.
         tokenizer: TokenizerInfo,
         /// How the tokenizer was obtained, for the run's log.
         provenance: String,
     },
 }
 
+/// Why the data could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
+    /// The data file cannot be read, or its contents cannot be used.
     #[error("data file {path}: {message}")]
-    File { path: String, message: String },
+    File {
+        /// The file.
+        path: String,
+        /// What is wrong and what to do.
+        message: String,
+    },
 }
 
 impl Corpus {
+    /// The corpus `data` describes, shaped for `model` (its sequence length and vocabulary).
     pub fn open(data: &DataConfig, model: &ModelConfig) -> std::result::Result<Corpus, DataError> {
         match data.source {
             DataSource::Synthetic => Ok(Corpus::Synthetic(Markov::new(data, model))),
@@ -64,13 +82,12 @@ impl Corpus {
                         ByteCorpus::from_bytes(bytes, &name, data, model).map(Corpus::Bytes)
                     }
                     TokenizerKind::Bpe => {
-                        let t =
-                            crate::tokenizer::tokenize(&bytes, &name, data).map_err(|message| {
-                                DataError::File {
-                                    path: name.clone(),
-                                    message,
-                                }
-                            })?;
+                        let t = crate::tokenizer::tokenize(&bytes, &name, data).map_err(|e| {
+                            DataError::File {
+                                path: name.clone(),
+                                message: e.to_string(),
+                            }
+                        })?;
                         let windows =
                             ByteCorpus::from_tokens(t.tokens, &name, "tokens", data, model)?;
                         Ok(Corpus::Bpe {
@@ -110,6 +127,7 @@ impl Corpus {
         }
     }
 
+    /// The BPE's description, for a BPE corpus.
     pub fn tokenizer(&self) -> Option<&TokenizerInfo> {
         match self {
             Corpus::Bpe { tokenizer, .. } => Some(tokenizer),
@@ -117,6 +135,7 @@ impl Corpus {
         }
     }
 
+    /// Sample `index` of `split`: the same for a given seed and index, however windows are cut.
     pub fn sample(&self, split: Split, index: u64) -> Sample {
         match self {
             Corpus::Synthetic(m) => m.sample(split, index),
@@ -132,6 +151,7 @@ impl Corpus {
         }
     }
 
+    /// Whether there are validation samples to evaluate on.
     pub fn has_validation(&self) -> bool {
         match self {
             Corpus::Synthetic(_) => true,
@@ -151,6 +171,7 @@ fn sample_rng(seed: u64, split: Split, index: u64) -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(rng.random())
 }
 
+/// Documents from a seeded sparse order-2 Markov chain over a small alphabet, with an exactly known entropy rate.
 pub struct Markov {
     alphabet: usize,
     seq_len: usize,
@@ -162,6 +183,7 @@ pub struct Markov {
 }
 
 impl Markov {
+    /// The chain `data` seeds, with samples of `model.seq_len` tokens.
     pub fn new(data: &DataConfig, model: &ModelConfig) -> Markov {
         let a = data.alphabet;
         let max_len = if data.max_doc_len == 0 {
@@ -252,9 +274,9 @@ fn text_source(data: &DataConfig) -> std::result::Result<(String, Vec<u8>), Data
         .as_deref()
         .expect("validated: file source has a path");
     let bytes = crate::limits::read_bounded(path, crate::limits::MAX_DATA_BYTES, "corpus")
-        .map_err(|message| DataError::File {
+        .map_err(|e| DataError::File {
             path: path.display().to_string(),
-            message,
+            message: e.to_string(),
         })?;
     Ok((path.display().to_string(), bytes))
 }
@@ -356,6 +378,7 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// Stack `samples` into input, target and mask tensors on `device`.
     pub fn new(samples: &[Sample], device: &Device) -> CResult<Batch> {
         let b = samples.len();
         let t = samples[0].tokens.len() - 1;

@@ -5,10 +5,14 @@ use std::str::FromStr;
 use candle_core::Device;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// The device `--device` asks for, before it is opened.
 pub enum DeviceChoice {
+    /// The host CPU.
     Cpu,
+    /// The CUDA GPU of this ordinal.
     Cuda(usize),
     #[default]
+    /// The first CUDA GPU when one is usable, else the CPU.
     Auto,
 }
 

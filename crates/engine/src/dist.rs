@@ -82,18 +82,36 @@ pub enum Zero2Accumulate {
 /// Why a collective failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
+    /// Started as a rank by a build without the `mpi` feature.
     #[error(
         "launched as rank {rank} of {ranks} by an MPI launcher, but this gaccwb was built \
          without MPI: rebuild with `cargo build --release --features mpi` (needs an MPI library, \
          e.g. Debian's libopenmpi-dev, and libclang)"
     )]
-    NotBuiltWithMpi { rank: usize, ranks: usize },
+    NotBuiltWithMpi {
+        /// This process's rank, as the launcher said.
+        rank: usize,
+        /// The ranks the launcher started.
+        ranks: usize,
+    },
+    /// MPI can be initialised once per process.
     #[error("MPI was already initialised in this process")]
     AlreadyInitialised,
+    /// The launcher's environment and MPI disagree, or a launcher variable is garbled.
     #[error("{0}")]
     Launch(String),
+    /// A rank runs other knobs than the others (a rank started with another `--set`).
     #[error("step {step}: the ranks disagree on {what}; every rank must run the same knobs")]
-    Disagree { step: u64, what: &'static str },
+    Disagree {
+        /// The boundary where it was found.
+        step: u64,
+        /// What differs.
+        what: &'static str,
+    },
+    /// Rank 0's controls did not reach the others intact.
+    #[error("sharing rank 0's controls: {0}")]
+    Controls(#[from] serde_json::Error),
+    /// Flattening or rebuilding the gradients failed.
     #[error("gradients for data parallel: {0}")]
     Tensor(#[from] candle_core::Error),
 }
@@ -101,7 +119,9 @@ pub enum DistError {
 /// What each rank can do with the others. Every rank calls the same collectives in the same
 /// order; the implementations block until all have.
 pub trait Transport: Send {
+    /// This process's rank, 0 to `ranks() - 1`.
     fn rank(&self) -> usize;
+    /// How many ranks train together (W).
     fn ranks(&self) -> usize;
     /// Element-wise sum over the ranks, in place.
     fn sum_f32(&mut self, values: &mut [f32]);
@@ -171,6 +191,7 @@ pub fn ring_half_bytes(bytes: u64, ranks: usize) -> u64 {
 pub struct RankComm {
     /// Bytes sent and received under the ring rule ([`ring_all_reduce_bytes`]).
     pub sent_bytes: u64,
+    /// Bytes received, by the same rule.
     pub received_bytes: u64,
     /// Wall time inside collectives, waiting for slower ranks included.
     pub comm_ms: f64,
@@ -181,7 +202,9 @@ pub struct RankComm {
 /// The communication of one optimizer step: every rank's, gathered at the step's end.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct CommEvent {
+    /// The ranks (W).
     pub ranks: usize,
+    /// When gradients were summed in this step.
     pub sync: SyncEvery,
     /// One entry per rank, in rank order.
     pub per_rank: Vec<RankComm>,
@@ -239,10 +262,12 @@ impl Group {
         }
     }
 
+    /// This process's rank.
     pub fn rank(&self) -> usize {
         self.transport.rank()
     }
 
+    /// How many ranks train together (W).
     pub fn ranks(&self) -> usize {
         self.transport.ranks()
     }
@@ -349,14 +374,14 @@ impl Group {
             .map(|m| (m.control, m.origin))
             .collect();
         let mut bytes = match self.rank() {
-            0 => serde_json::to_vec(&pairs).map_err(|e| DistError::Launch(e.to_string()))?,
+            0 => serde_json::to_vec(&pairs)?,
             _ => Vec::new(),
         };
         self.collective("sharing rank 0's controls", |t| {
             t.broadcast_bytes(&mut bytes)
         });
         let pairs: Vec<(crate::control::Control, crate::control::Origin)> =
-            serde_json::from_slice(&bytes).map_err(|e| DistError::Launch(e.to_string()))?;
+            serde_json::from_slice(&bytes)?;
         Ok(pairs
             .into_iter()
             .map(|(control, origin)| crate::control::ControlMsg { control, origin })

@@ -9,9 +9,13 @@
 // Outside tests a panic is a bug report, not error handling: each remaining invariant is allowed
 // where it stands, with why it holds.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+// Every public item says what it is for; CI's `-D warnings` makes a missing one an error.
+#![warn(missing_docs)]
 
 pub mod budget;
 pub mod checkpoint;
+// `control` and `scenario` are not yet documented item by item.
+#[allow(missing_docs)]
 pub mod control;
 pub mod data;
 pub mod device;
@@ -24,6 +28,7 @@ pub mod ops;
 pub mod presets;
 pub mod record;
 pub mod safe_write;
+#[allow(missing_docs)]
 pub mod scenario;
 pub mod telemetry;
 pub mod tensors;

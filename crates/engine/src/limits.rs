@@ -20,9 +20,13 @@ pub const MAX_CHECKPOINT_STATE_BYTES: u64 = 64 << 20;
 
 /// Largest micro-batch, accumulation steps, sequence length and width accepted.
 pub const MAX_MICRO_BATCH: usize = 1 << 16;
+/// Largest accumulation steps K accepted.
 pub const MAX_ACCUM_STEPS: usize = 1 << 16;
+/// Largest sequence length accepted.
 pub const MAX_SEQ_LEN: usize = 1 << 16;
+/// Largest model width accepted.
 pub const MAX_D_MODEL: usize = 1 << 17;
+/// Largest number of transformer blocks accepted.
 pub const MAX_LAYERS: usize = 1 << 12;
 /// Data-parallel ranks `train.ranks` may ask `gaccwb run` to start on one host.
 pub const MAX_RANKS: usize = 1 << 10;
@@ -33,68 +37,146 @@ pub const MAX_WINDOW_TOKENS: u64 = 1 << 32;
 /// Largest integer TOML can write back: a preset field above it cannot be re-serialised.
 pub const MAX_INTEGER: u64 = i64::MAX as u64;
 
+/// Why a bounded file could not be read; `what` names the file's role ("preset", "recording").
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// A device, pipe or directory: reading it might never end.
+    #[error(
+        "the {what} is not a regular file (a device, pipe or directory could be endless); \
+         copy it to a file first"
+    )]
+    NotRegular {
+        /// The file's role.
+        what: String,
+    },
+    /// The operating system refused to open or read it.
+    #[error("cannot read the {what}: {err}")]
+    Io {
+        /// The file's role.
+        what: String,
+        /// What the operating system said.
+        err: std::io::Error,
+    },
+    /// Longer than gaccwb reads for this role.
+    #[error(
+        "the {what} is larger than gaccwb reads ({size} bytes or more; the limit is {limit} bytes)"
+    )]
+    TooLarge {
+        /// The file's role.
+        what: String,
+        /// Bytes found (at least).
+        size: u64,
+        /// Bytes allowed.
+        limit: u64,
+    },
+    /// A text file that is not UTF-8.
+    #[error("the {what} is not UTF-8 text: {err}")]
+    NotUtf8 {
+        /// The file's role.
+        what: String,
+        /// Where the bytes stopped being UTF-8.
+        err: std::string::FromUtf8Error,
+    },
+}
+
+/// A size over its bound: a value, or a window whose token count overflows.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BoundError {
+    /// `key` is above its maximum.
+    #[error("{key} ({value}) must be at most {max}")]
+    AboveMax {
+        /// The field or option, as the user wrote it.
+        key: String,
+        /// The value given.
+        value: u64,
+        /// The largest accepted.
+        max: u64,
+    },
+    /// B·K·seq_len is more than a window may hold.
+    #[error(
+        "a window of micro-batch {micro_batch} × accumulation steps {accum_steps} × seq_len \
+         {seq_len} tokens is more than {MAX_WINDOW_TOKENS} tokens"
+    )]
+    WindowTooLarge {
+        /// B.
+        micro_batch: usize,
+        /// K.
+        accum_steps: usize,
+        /// Tokens per sample.
+        seq_len: usize,
+    },
+}
+
 /// Read a whole file of at most `limit` bytes. A device, pipe or directory is refused (it may
 /// never end), and so is a file that turns out longer than `limit` while it is read.
-pub fn read_bounded(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>, String> {
+pub fn read_bounded(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>, ReadError> {
     use std::os::unix::fs::OpenOptionsExt;
-    let not_regular = || {
-        format!(
-            "the {what} is not a regular file (a device, pipe or directory could be endless); \
-             copy it to a file first"
-        )
-    };
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read the {what}: {e}"))?;
+    let what = || what.to_string();
+    let io = |err| ReadError::Io { what: what(), err };
+    let meta = std::fs::metadata(path).map_err(io)?;
     if !meta.is_file() {
-        return Err(not_regular());
+        return Err(ReadError::NotRegular { what: what() });
     }
     // Non-blocking, and checked again once open: the path may have become a FIFO meanwhile.
     let file = std::fs::File::options()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
-        .map_err(|e| format!("cannot read the {what}: {e}"))?;
-    let meta = file
-        .metadata()
-        .map_err(|e| format!("cannot read the {what}: {e}"))?;
+        .map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
     if !meta.is_file() {
-        return Err(not_regular());
+        return Err(ReadError::NotRegular { what: what() });
     }
+    let too_large = |size| ReadError::TooLarge {
+        what: what(),
+        size,
+        limit,
+    };
     if meta.len() > limit {
-        return Err(too_large(what, meta.len(), limit));
+        return Err(too_large(meta.len()));
     }
     let mut bytes = Vec::with_capacity(meta.len() as usize);
-    file.take(limit + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| format!("cannot read the {what}: {e}"))?;
+    file.take(limit + 1).read_to_end(&mut bytes).map_err(io)?;
     if bytes.len() as u64 > limit {
-        return Err(too_large(what, bytes.len() as u64, limit));
+        return Err(too_large(bytes.len() as u64));
     }
     Ok(bytes)
 }
 
 /// `read_bounded` for text files.
-pub fn read_bounded_text(path: &Path, limit: u64, what: &str) -> Result<String, String> {
+pub fn read_bounded_text(path: &Path, limit: u64, what: &str) -> Result<String, ReadError> {
     let bytes = read_bounded(path, limit, what)?;
-    String::from_utf8(bytes).map_err(|e| format!("the {what} is not UTF-8 text: {e}"))
+    String::from_utf8(bytes).map_err(|err| ReadError::NotUtf8 {
+        what: what.to_string(),
+        err,
+    })
 }
 
-fn too_large(what: &str, size: u64, limit: u64) -> String {
-    format!(
-        "the {what} is larger than gaccwb reads ({} bytes or more; the limit is {limit} bytes)",
-        size
-    )
+/// Until every check is typed, a bound's message travels as text.
+impl From<BoundError> for String {
+    fn from(e: BoundError) -> String {
+        e.to_string()
+    }
 }
 
 /// `value` (named `key`) is at most `max`.
-pub fn at_most(key: &str, value: u64, max: u64) -> Result<(), String> {
+pub fn at_most(key: &str, value: u64, max: u64) -> Result<(), BoundError> {
     if value > max {
-        return Err(format!("{key} ({value}) must be at most {max}"));
+        return Err(BoundError::AboveMax {
+            key: key.to_string(),
+            value,
+            max,
+        });
     }
     Ok(())
 }
 
 /// One window's shape: B and K within bounds, and B·K·seq_len tokens without overflow.
-pub fn check_window(micro_batch: usize, accum_steps: usize, seq_len: usize) -> Result<(), String> {
+pub fn check_window(
+    micro_batch: usize,
+    accum_steps: usize,
+    seq_len: usize,
+) -> Result<(), BoundError> {
     at_most("micro-batch", micro_batch as u64, MAX_MICRO_BATCH as u64)?;
     at_most(
         "accumulation steps",
@@ -106,10 +188,11 @@ pub fn check_window(micro_batch: usize, accum_steps: usize, seq_len: usize) -> R
         .and_then(|n| n.checked_mul(seq_len as u64));
     match tokens {
         Some(n) if n <= MAX_WINDOW_TOKENS => Ok(()),
-        _ => Err(format!(
-            "a window of micro-batch {micro_batch} × accumulation steps {accum_steps} × \
-             seq_len {seq_len} tokens is more than {MAX_WINDOW_TOKENS} tokens"
-        )),
+        _ => Err(BoundError::WindowTooLarge {
+            micro_batch,
+            accum_steps,
+            seq_len,
+        }),
     }
 }
 
@@ -128,12 +211,14 @@ mod tests {
     #[test]
     fn non_regular_and_oversized_files_are_refused() {
         let e = read_bounded(Path::new("/dev/zero"), 10, "preset").unwrap_err();
-        assert!(e.contains("not a regular file"), "{e}");
+        assert!(matches!(e, ReadError::NotRegular { .. }), "{e}");
+        assert!(e.to_string().contains("not a regular file"), "{e}");
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("big.toml");
         std::fs::write(&path, vec![b'#'; 11]).unwrap();
         let e = read_bounded(&path, 10, "preset").unwrap_err();
-        assert!(e.contains("larger than gaccwb reads"), "{e}");
+        assert!(matches!(e, ReadError::TooLarge { size: 11, .. }), "{e}");
+        assert!(e.to_string().contains("larger than gaccwb reads"), "{e}");
         assert_eq!(read_bounded(&path, 11, "preset").unwrap().len(), 11);
     }
 }

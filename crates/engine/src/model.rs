@@ -22,7 +22,9 @@ const LN_EPS: f64 = 1e-5;
 
 /// A trainable tensor and how the optimizer treats it.
 pub struct Param {
+    /// The checkpoint's name for it (`h0.attn.qkv.w`).
     pub name: String,
+    /// The tensor, in f32.
     pub var: Var,
     /// Weight decay applies to matrices (linear layers, embeddings), not to biases and norm gains.
     pub decay: bool,
@@ -31,60 +33,80 @@ pub struct Param {
 /// `x·w + b`; `w` stored `[in, out]`.
 #[derive(Clone)]
 pub struct Linear {
+    /// The weight, `[in, out]`.
     pub w: Var,
+    /// The bias, `[out]`.
     pub b: Var,
 }
 
 /// Layer norm's gain and bias.
 #[derive(Clone)]
 pub struct LayerNorm {
+    /// The gain, initialised to 1.
     pub g: Var,
+    /// The bias, initialised to 0.
     pub b: Var,
 }
 
 /// Token and position embeddings (`wte`, `wpe`).
 pub struct Embeddings {
+    /// Token embeddings, `[vocab, d_model]`.
     pub wte: Var,
+    /// Position embeddings, `[seq_len, d_model]`.
     pub wpe: Var,
 }
 
 /// Causal multi-head self-attention: one fused query/key/value projection, one output projection.
 #[derive(Clone)]
 pub struct Attention {
+    /// The fused query/key/value projection, `d_model → 3·d_model`.
     pub qkv: Linear,
+    /// The output projection back to `d_model`.
     pub proj: Linear,
 }
 
 /// The 4× GELU MLP.
 #[derive(Clone)]
 pub struct Mlp {
+    /// The widening layer, `d_model → 4·d_model`, before the GELU.
     pub fc: Linear,
+    /// The narrowing layer back to `d_model`.
     pub proj: Linear,
 }
 
 /// One pre-LayerNorm transformer block (`h{l}.*`).
 #[derive(Clone)]
 pub struct Block {
+    /// The norm before attention.
     pub ln1: LayerNorm,
+    /// Causal self-attention.
     pub attn: Attention,
+    /// The norm before the MLP.
     pub ln2: LayerNorm,
+    /// The MLP.
     pub mlp: Mlp,
 }
 
 /// The untied LM head (no bias).
 pub struct Head {
+    /// The projection to the vocabulary, `[d_model, vocab]`.
     pub w: Var,
 }
 
+/// The GPT being trained: embeddings, pre-LayerNorm blocks, final norm and an untied head.
 pub struct Gpt {
+    /// Its shape.
     pub cfg: ModelConfig,
     /// Every parameter in creation order (the checkpoint and optimizer order); the same `Var`s
     /// as the named layers below.
     pub params: Vec<Param>,
+    /// The input embeddings.
     pub embeddings: Embeddings,
+    /// The transformer blocks, first to last.
     pub blocks: Vec<Block>,
     /// The final norm before the head.
     pub lnf: LayerNorm,
+    /// The LM head.
     pub head: Head,
 }
 
@@ -112,6 +134,7 @@ pub struct Weights {
 }
 
 impl Weights {
+    /// Weights for a forward in `dtype`; `track` keeps them in the graph (training) or detaches them (evaluation).
     pub fn new(dtype: DType, track: bool) -> Weights {
         Weights {
             dtype,
@@ -135,6 +158,7 @@ impl Weights {
         Ok(cast)
     }
 
+    /// The casts made, which the ledger counts as compute weights.
     pub fn into_casts(self) -> Vec<Tensor> {
         self.casts
     }
@@ -143,8 +167,11 @@ impl Weights {
 /// The shape of the activations a block works on.
 #[derive(Clone, Copy, Debug)]
 pub struct Dims {
+    /// Samples.
     pub batch: usize,
+    /// Positions per sample.
     pub tokens: usize,
+    /// Attention heads.
     pub heads: usize,
 }
 
@@ -293,6 +320,7 @@ impl Gpt {
         })
     }
 
+    /// Trainable parameters, head included.
     pub fn param_count(&self) -> u64 {
         self.params.iter().map(|p| p.var.elem_count() as u64).sum()
     }
@@ -302,6 +330,7 @@ impl Gpt {
         self.param_count() * 4
     }
 
+    /// Every parameter's `Var`, in creation order.
     pub fn vars(&self) -> impl Iterator<Item = &Var> {
         self.params.iter().map(|p| &p.var)
     }

@@ -64,16 +64,30 @@ pub fn composite_from_env() -> bool {
     *FROM_ENV.get_or_init(|| matches!(kernels_from_env(), Ok(true)))
 }
 
+/// An environment variable set to a value gaccwb does not know.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{var}={value:?}: expected {expected}")]
+pub struct BadEnvValue {
+    /// The variable's name.
+    pub var: &'static str,
+    /// Its value, trimmed.
+    pub value: String,
+    /// The values it takes, for the message.
+    pub expected: &'static str,
+}
+
 /// `GACCWB_KERNELS` parsed: `Ok(true)` for `composite`, `Ok(false)` for `fused` or unset.
-pub fn kernels_from_env() -> std::result::Result<bool, String> {
+pub fn kernels_from_env() -> std::result::Result<bool, BadEnvValue> {
     match std::env::var(KERNELS_ENV) {
         Err(_) => Ok(false),
         Ok(v) => match v.trim() {
             "" | "fused" => Ok(false),
             "composite" => Ok(true),
-            other => Err(format!(
-                "{KERNELS_ENV}={other:?}: expected \"fused\" (the default) or \"composite\""
-            )),
+            other => Err(BadEnvValue {
+                var: KERNELS_ENV,
+                value: other.to_string(),
+                expected: "\"fused\" (the default) or \"composite\"",
+            }),
         },
     }
 }

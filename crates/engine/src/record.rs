@@ -31,6 +31,7 @@ fn is_known_type(name: &str) -> bool {
         .any(|k| <&'static str>::from(k) == name)
 }
 
+/// Writes the event stream to a JSON Lines file, header first, flushing steps at once and samples within a second.
 pub struct Recorder {
     path: PathBuf,
     out: BufWriter<File>,
@@ -81,6 +82,7 @@ impl Recorder {
         Ok(r)
     }
 
+    /// The file being written.
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -146,22 +148,91 @@ impl Drop for Recorder {
 /// A recording read back: the header, then every event in order (the header included).
 #[derive(Debug)]
 pub struct Recording {
+    /// The run's first line: scenario, device, build.
     pub header: Header,
+    /// Every event in file order, the header included.
     pub events: Vec<Event>,
     /// Problems that did not stop reading (e.g. a truncated last line).
     pub warnings: Vec<String>,
 }
 
+/// Why a recording cannot be read.
 #[derive(Debug, thiserror::Error)]
 pub enum RecordError {
-    #[error("{path}: {message}")]
-    Io { path: String, message: String },
-    #[error("{path}:{line}: {message}")]
-    Line {
+    /// The file itself could not be read.
+    #[error("{path}: {err}")]
+    Io {
+        /// The recording's path.
         path: String,
-        line: usize,
-        message: String,
+        /// Why.
+        err: crate::limits::ReadError,
     },
+    /// A recording being followed could not be opened or read further.
+    #[error("{path}: cannot {action}: {err}")]
+    Follow {
+        /// The recording's path.
+        path: String,
+        /// "open" or "read".
+        action: &'static str,
+        /// What the operating system said.
+        err: std::io::Error,
+    },
+    /// A line that is not a valid event where one is needed.
+    #[error("{path}:{line}: {problem}")]
+    Line {
+        /// The recording's path.
+        path: String,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        problem: LineError,
+    },
+}
+
+/// What is wrong with one line of a recording.
+#[derive(Debug, thiserror::Error)]
+pub enum LineError {
+    /// Bytes that are not UTF-8.
+    #[error("not UTF-8 text ({0})")]
+    NotUtf8(std::str::Utf8Error),
+    /// Text that is not JSON.
+    #[error("not a JSON object: {0}")]
+    NotJson(serde_json::Error),
+    /// JSON without the `type` every event has.
+    #[error("not an event: no \"type\" field")]
+    NoType,
+    /// An event of a known type whose fields do not read.
+    #[error("bad {kind} event: {err}")]
+    BadEvent {
+        /// The event's type.
+        kind: String,
+        /// What serde said.
+        err: serde_json::Error,
+    },
+    /// The first event is not the header.
+    #[error("the first line must be the header event (\"type\": \"header\")")]
+    NotHeader,
+    /// The header has no version to check.
+    #[error("the header has no numeric \"version\"")]
+    NoVersion,
+    /// Written by a newer gaccwb in a format this one cannot read.
+    #[error(
+        "recording format version {version} is newer than this gaccwb reads \
+         ({FORMAT_VERSION}); upgrade gaccwb to replay it"
+    )]
+    NewerVersion {
+        /// The recording's format version.
+        version: u64,
+    },
+    /// The file ends inside its only line.
+    #[error(
+        "the header line is incomplete (the file was cut off while it was written), so \
+         nothing can be read"
+    )]
+    IncompleteHeader,
+    /// No line at all.
+    #[error("the file is empty: no header line")]
+    Empty,
 }
 
 /// Read a recording. A truncated last line is tolerated with a warning; a bad line elsewhere is
@@ -169,21 +240,20 @@ pub enum RecordError {
 pub fn read_recording(path: &Path) -> Result<Recording, RecordError> {
     let p = path.display().to_string();
     let limit = crate::limits::MAX_RECORDING_BYTES;
-    let bytes = crate::limits::read_bounded(path, limit, "recording").map_err(|message| {
-        RecordError::Io {
+    let bytes =
+        crate::limits::read_bounded(path, limit, "recording").map_err(|err| RecordError::Io {
             path: p.clone(),
-            message,
-        }
-    })?;
+            err,
+        })?;
     parse_recording(&bytes, &p)
 }
 
 /// `read_recording` on bytes already in memory; `origin` names the file in messages.
 pub fn parse_recording(bytes: &[u8], origin: &str) -> Result<Recording, RecordError> {
-    let line_err = |line: usize, message: String| RecordError::Line {
+    let line_err = |line: usize, problem: LineError| RecordError::Line {
         path: origin.to_string(),
         line,
-        message,
+        problem,
     };
     let lines: Vec<&[u8]> = bytes.split(|b| *b == b'\n').collect();
     // `split` yields an empty tail after a final newline; a non-empty tail was cut short.
@@ -195,7 +265,7 @@ pub fn parse_recording(bytes: &[u8], origin: &str) -> Result<Recording, RecordEr
     for (i, raw) in lines.iter().enumerate() {
         let number = i + 1;
         let parsed = std::str::from_utf8(raw)
-            .map_err(|e| format!("not UTF-8 text ({e})"))
+            .map_err(LineError::NotUtf8)
             .and_then(|text| parse_line(text, events.is_empty(), &mut unknown_types));
         match parsed {
             Ok(Some(event)) => {
@@ -223,15 +293,8 @@ pub fn parse_recording(bytes: &[u8], origin: &str) -> Result<Recording, RecordEr
     }
     let header = match events.first() {
         Some(Event::Header(h)) => h.clone(),
-        _ if truncated_tail && last == 0 => {
-            return Err(line_err(
-                1,
-                "the header line is incomplete (the file was cut off while it was written), \
-                 so nothing can be read"
-                    .into(),
-            ))
-        }
-        _ => return Err(line_err(1, "the file is empty: no header line".into())),
+        _ if truncated_tail && last == 0 => return Err(line_err(1, LineError::IncompleteHeader)),
+        _ => return Err(line_err(1, LineError::Empty)),
     };
     Ok(Recording {
         header,
@@ -255,11 +318,13 @@ pub struct Tail {
 }
 
 impl Tail {
+    /// Follow `path` from its first line.
     pub fn open(path: &Path) -> Result<Tail, RecordError> {
         let p = path.display().to_string();
-        let file = std::fs::File::open(path).map_err(|e| RecordError::Io {
+        let file = std::fs::File::open(path).map_err(|err| RecordError::Follow {
             path: p.clone(),
-            message: format!("cannot open: {e}"),
+            action: "open",
+            err,
         })?;
         Ok(Tail {
             path: p,
@@ -278,9 +343,10 @@ impl Tail {
         let before = self.partial.len();
         self.file
             .read_to_end(&mut self.partial)
-            .map_err(|e| RecordError::Io {
+            .map_err(|err| RecordError::Follow {
                 path: self.path.clone(),
-                message: format!("cannot read: {e}"),
+                action: "read",
+                err,
             })?;
         let Some(end) = self.partial[before..]
             .iter()
@@ -295,7 +361,7 @@ impl Tail {
             self.lines += 1;
             let first = self.events == 0;
             let parsed = std::str::from_utf8(raw)
-                .map_err(|e| format!("not UTF-8 text ({e})"))
+                .map_err(LineError::NotUtf8)
                 .and_then(|text| parse_line(text, first, &mut self.unknown))
                 .and_then(|e| match (&e, first) {
                     (Some(event), true) => check_header(event).map(|()| e),
@@ -307,11 +373,11 @@ impl Tail {
                     events.push(event);
                 }
                 Ok(None) => {}
-                Err(message) => {
+                Err(problem) => {
                     return Err(RecordError::Line {
                         path: self.path.clone(),
                         line: self.lines,
-                        message,
+                        problem,
                     })
                 }
             }
@@ -321,12 +387,11 @@ impl Tail {
 }
 
 /// One line: an event, nothing (blank line, unknown event type) or why it is not valid.
-fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Event>, String> {
+fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Event>, LineError> {
     if text.trim().is_empty() {
         return Ok(None);
     }
-    let mut value: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| format!("not a JSON object: {e}"))?;
+    let mut value: serde_json::Value = serde_json::from_str(text).map_err(LineError::NotJson)?;
     migrate_estimate(&mut value);
     if first {
         check_version(&value)?;
@@ -336,7 +401,7 @@ fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Eve
         .and_then(|t| t.as_str())
         .map(str::to_string);
     match kind.as_deref() {
-        None => return Err("not an event: no \"type\" field".into()),
+        None => return Err(LineError::NoType),
         Some(k) if !is_known_type(k) => {
             *unknown += 1;
             return Ok(None);
@@ -354,7 +419,10 @@ fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Eve
             *unknown += 1;
             Ok(None)
         }
-        Err(e) => Err(format!("bad {} event: {e}", kind.as_deref().unwrap_or("?"))),
+        Err(err) => Err(LineError::BadEvent {
+            kind: kind.unwrap_or_else(|| "?".into()),
+            err,
+        }),
     }
 }
 
@@ -391,26 +459,23 @@ fn migrate_estimate(value: &mut serde_json::Value) {
 }
 
 /// Refuse a newer major version before trying to read the header's fields, which may differ.
-fn check_version(value: &serde_json::Value) -> Result<(), String> {
+fn check_version(value: &serde_json::Value) -> Result<(), LineError> {
     if value.get("type").and_then(|t| t.as_str()) != Some("header") {
-        return Err("the first line must be the header event (\"type\": \"header\")".into());
+        return Err(LineError::NotHeader);
     }
     let version = value
         .get("version")
         .and_then(|v| v.as_u64())
-        .ok_or("the header has no numeric \"version\"")?;
+        .ok_or(LineError::NoVersion)?;
     if version > u64::from(FORMAT_VERSION) {
-        return Err(format!(
-            "recording format version {version} is newer than this gaccwb reads \
-             ({FORMAT_VERSION}); upgrade gaccwb to replay it"
-        ));
+        return Err(LineError::NewerVersion { version });
     }
     Ok(())
 }
 
-fn check_header(first: &Event) -> Result<(), String> {
+fn check_header(first: &Event) -> Result<(), LineError> {
     match first {
         Event::Header(_) => Ok(()),
-        _ => Err("the first line must be the header event".into()),
+        _ => Err(LineError::NotHeader),
     }
 }

@@ -21,40 +21,64 @@ use std::path::{Path, PathBuf};
 /// Why a file was not written.
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
+    /// The file exists and `--force` was not given.
     #[error(
         "{} already exists; gaccwb does not overwrite files: choose another name for the {what}, \
          or add --force to replace it", path.display()
     )]
-    Exists { path: PathBuf, what: String },
+    Exists {
+        /// The file.
+        path: PathBuf,
+        /// Its role ("recording", "checkpoint").
+        what: String,
+    },
+    /// A device, pipe or directory where a file would go.
     #[error(
         "{} is {kind}, not a regular file; gaccwb writes the {what} only to a regular file \
          (never through a device, pipe or directory): choose a file name", path.display()
     )]
     NotRegular {
+        /// The path.
         path: PathBuf,
+        /// The output's role.
         what: String,
+        /// What is there instead ("a directory", "a FIFO").
         kind: &'static str,
     },
+    /// The output would replace one of the run's inputs.
     #[error(
         "{} is an input of this run ({input}); write the {what} to another file \
          (--force never replaces a run's inputs)", path.display()
     )]
     IsInput {
+        /// The path.
         path: PathBuf,
+        /// The output's role.
         what: String,
+        /// Which input it is ("the preset", "--data").
         input: String,
     },
+    /// The operating system refused.
     #[error("cannot {action} {}: {err}", path.display())]
     Io {
+        /// What was being done ("create", "rename").
         action: &'static str,
+        /// The file.
         path: PathBuf,
+        /// What the operating system said.
         err: std::io::Error,
     },
+    /// Another running gaccwb saves into the directory.
     #[error(
         "{} is in use by another gaccwb run (pid {holder}); wait for it to end or choose \
          another directory", dir.display()
     )]
-    Locked { dir: PathBuf, holder: String },
+    Locked {
+        /// The directory.
+        dir: PathBuf,
+        /// The pid holding its lock.
+        holder: String,
+    },
 }
 
 fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> WriteError + 'a {
@@ -122,11 +146,14 @@ impl Inputs {
 /// What a write may replace: nothing, or (`force`) a regular file that is none of `inputs`.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Overwrite {
+    /// Replace an existing regular file (`--force`).
     pub force: bool,
+    /// Files never replaced, force or not: the run's inputs.
     pub inputs: Inputs,
 }
 
 impl Overwrite {
+    /// Rules with `force` over every file but `inputs`.
     pub fn new(force: bool, inputs: Inputs) -> Overwrite {
         Overwrite { force, inputs }
     }

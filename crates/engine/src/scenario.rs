@@ -402,10 +402,10 @@ impl Scenario {
 
     pub fn from_file(path: &Path) -> Result<Scenario, ScenarioError> {
         let limit = crate::limits::MAX_CONFIG_BYTES;
-        let text = crate::limits::read_bounded_text(path, limit, "preset").map_err(|message| {
+        let text = crate::limits::read_bounded_text(path, limit, "preset").map_err(|e| {
             ScenarioError::Io {
                 path: path.display().to_string(),
-                message,
+                message: e.to_string(),
             }
         })?;
         let mut s = Scenario::from_toml(&text, &path.display().to_string())?;

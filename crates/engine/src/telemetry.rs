@@ -32,24 +32,62 @@ pub const FORMAT_VERSION: u32 = 1;
     strum(serialize_all = "snake_case")
 )]
 pub enum Event {
+    /// The recording's first line: what ran, where, with which build.
     Header(Header),
+    /// One optimizer step's figures.
     Step(StepEvent),
+    /// A control applied at a boundary.
     Control(ControlEvent),
+    /// A validation loss.
     Eval(EvalEvent),
+    /// A measured memory ledger for one phase.
     Memory(MemoryEvent),
+    /// The estimator's ledger for one phase.
     Estimate(EstimateEvent),
+    /// A device sampler reading.
     Device(DeviceEvent),
+    /// A line for the event log.
     Log(LogEvent),
+    /// The run's last line: why it ended.
     End(EndEvent),
+}
+
+impl Event {
+    /// A line for the event log at `level`, stamped with optimizer step `step`.
+    pub fn log(step: u64, level: Level, message: impl Into<String>) -> Event {
+        Event::Log(LogEvent {
+            step,
+            level,
+            message: message.into(),
+        })
+    }
+
+    /// [`Event::log`] at [`Level::Info`]: what happened, for the record.
+    pub fn info(step: u64, message: impl Into<String>) -> Event {
+        Event::log(step, Level::Info, message)
+    }
+
+    /// [`Event::log`] at [`Level::Warn`]: something the user may want to act on.
+    pub fn warn(step: u64, message: impl Into<String>) -> Event {
+        Event::log(step, Level::Warn, message)
+    }
+
+    /// [`Event::log`] at [`Level::Error`]: the run failed, or part of it did.
+    pub fn error(step: u64, message: impl Into<String>) -> Event {
+        Event::log(step, Level::Error, message)
+    }
 }
 
 /// Written once, first.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Header {
+    /// The recording format's version (`FORMAT_VERSION` when written).
     pub version: u32,
+    /// The scenario, with the knobs in force when the recording started.
     pub config: Scenario,
     /// "cpu" or "cuda:N".
     pub device: String,
+    /// The build that ran.
     pub build: BuildInfo,
     /// Trainable parameter count.
     pub params: u64,
@@ -80,9 +118,13 @@ pub struct TokenizerInfo {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The build that made a recording.
 pub struct BuildInfo {
+    /// The crate version.
     pub version: String,
+    /// Cargo features compiled in (`cuda`).
     pub features: Vec<String>,
+    /// Threads the CPU path may use.
     pub threads: usize,
 }
 
@@ -104,8 +146,11 @@ impl BuildInfo {
 /// Wall time of the three phases of one optimizer step, summed over the window's micro-steps.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PhaseMs {
+    /// Forward time, ms.
     pub forward: f64,
+    /// Backward time, ms.
     pub backward: f64,
+    /// The boundary's time (unscale, norm, clip, AdamW), ms.
     pub optimizer: f64,
 }
 
@@ -123,12 +168,17 @@ pub struct StepEvent {
     /// The same norm after clipping (equals `grad_norm` when clipping is off or not triggered).
     #[serde(with = "json_float")]
     pub grad_norm_clipped: f64,
+    /// The learning rate applied (schedule × LR rule).
     pub lr: f64,
+    /// K for this window.
     pub accum_steps: usize,
+    /// B for this window.
     pub micro_batch: usize,
     /// Counted (non-padding) target tokens in this window.
     pub tokens: u64,
+    /// Counted tokens per second of the whole step.
     pub tokens_per_s: f64,
+    /// Wall time of the whole step, ms.
     pub step_ms: f64,
     /// Threads the window's fused CPU ops ran on: 1 while the pool governor keeps them on the
     /// trainer's thread alone (other processes want the cores). Absent where there is no choice:
@@ -141,7 +191,9 @@ pub struct StepEvent {
     pub loss_scale: f64,
     /// Skipped steps so far.
     pub overflow_count: u64,
+    /// The compute precision.
     pub dtype: Dtype,
+    /// Whether the optimizer state was in host memory.
     pub offload: bool,
     /// Model-state bytes that crossed between host and device in this step while offload is
     /// on: gradients to the host (once per window, or once per micro-batch when they accumulate
@@ -149,7 +201,9 @@ pub struct StepEvent {
     /// device are one memory and nothing moves. Absent (0) in recordings made before it existed.
     #[serde(default)]
     pub host_device_bytes: u64,
+    /// The clip norm in force; `None`: no clipping.
     pub clip: Option<f64>,
+    /// Time per phase.
     pub phase_ms: PhaseMs,
     /// With a pitfall switched on (mean-of-means, zero-grad per micro-batch): relative L2 error of
     /// the gradient actually applied against the correct window gradient, from the same backward passes.
@@ -165,6 +219,7 @@ pub struct StepEvent {
 }
 
 impl StepEvent {
+    /// B·K, the samples of the window.
     pub fn effective_batch(&self) -> usize {
         self.accum_steps * self.micro_batch
     }
@@ -185,23 +240,30 @@ pub struct NoiseEvent {
     pub b_simple_seqs: Option<f64>,
     /// This window's own estimates (noisy, may be negative).
     pub raw_g2: f64,
+    /// This window's own tr(Σ) estimate (noisy, may be negative).
     pub raw_trace: f64,
     /// Windows that fed the averages so far.
     pub windows: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// A control as applied, with who asked for it.
 pub struct ControlEvent {
     /// The step the control takes effect before: the first window that uses it is `step + 1`.
     pub step: u64,
+    /// Who asked: a key, the preset's timeline, `--control`, the guard or the policy.
     pub origin: Origin,
+    /// The change.
     pub control: Control,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The validation loss after a step (`train.eval_every`).
 pub struct EvalEvent {
+    /// The optimizer step it was measured after.
     pub step: u64,
     #[serde(with = "json_float")]
+    /// Mean loss per counted token over the fixed validation samples.
     pub val_loss: f64,
 }
 
@@ -209,8 +271,11 @@ pub struct EvalEvent {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Phase {
+    /// A micro-batch's forward, up to the loss.
     Forward,
+    /// A micro-batch's backward.
     Backward,
+    /// The boundary: unscale, norm, clip and the AdamW step.
     Optimizer,
     /// After the step completed (what persists between steps).
     Step,
@@ -232,17 +297,26 @@ pub enum MemorySource {
 /// Bytes per ledger category; docs/MEMORY.md says what each holds and how it is measured.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Categories {
+    /// The f32 master weights.
     pub parameters: u64,
+    /// Half-precision copies of the weights a forward computes with.
     pub compute_weights: u64,
+    /// The persistent accumulation buffer.
     pub gradients: u64,
+    /// Gradients backward returns, before they are folded and freed.
     pub gradients_transient: u64,
+    /// AdamW's moments on the device.
     pub optimizer_state: u64,
+    /// What offload holds in host memory (moments, master copies).
     pub offloaded: u64,
+    /// The graph kept for backward.
     pub activations: u64,
+    /// Everything else measured (gemm's per-thread packing workspaces among it).
     pub other: u64,
 }
 
 impl Categories {
+    /// The categories' names as recordings and CSV spell them, in ledger order.
     pub const NAMES: [&'static str; 8] = [
         "parameters",
         "compute_weights",
@@ -268,16 +342,22 @@ impl Categories {
         ]
     }
 
+    /// Bytes over every category.
     pub fn sum(&self) -> u64 {
         self.values().iter().sum()
     }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// A measured memory ledger: bytes per category at one phase of one step.
 pub struct MemoryEvent {
+    /// The optimizer step measured.
     pub step: u64,
+    /// The phase measured.
     pub phase: Phase,
+    /// Where the total was measured.
     pub source: MemorySource,
+    /// Bytes per category.
     pub categories: Categories,
     /// Measured total at the moment the categories were taken.
     pub total: u64,
@@ -293,12 +373,16 @@ pub struct MemoryEvent {
 /// estimate for that phase). Its own event type, so no consumer can take it for a measurement.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EstimateEvent {
+    /// The first step the prediction is for.
     pub step: u64,
+    /// The phase predicted.
     pub phase: Phase,
+    /// Predicted bytes per category.
     pub categories: Categories,
     /// Predicted bytes in the measured memory (offloaded bytes excluded unless unified).
     pub total: u64,
     #[serde(default)]
+    /// True when device and host are one memory (CPU runs).
     pub unified: bool,
 }
 
@@ -307,12 +391,19 @@ pub struct EstimateEvent {
 pub struct DeviceEvent {
     /// Milliseconds since the run started.
     pub t_ms: u64,
+    /// Which source read it.
     pub source: MemorySource,
+    /// Bytes in use on the device, by every process.
     pub used: Option<u64>,
+    /// The device's total bytes.
     pub total: Option<u64>,
+    /// Bytes this process uses on the device.
     pub process_used: Option<u64>,
+    /// GPU utilisation, percent.
     pub utilization: Option<u32>,
+    /// GPU temperature, °C.
     pub temperature_c: Option<u32>,
+    /// Power draw, W.
     pub power_w: Option<f64>,
     /// Bytes a memory pool holds from the device, used or not (CUDA memory pool).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -326,21 +417,31 @@ pub struct DeviceEvent {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+/// How much a log line matters.
 pub enum Level {
+    /// For the record.
     Info,
+    /// Something the user may want to act on.
     Warn,
+    /// A failure.
     Error,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// A line for the event log (the UI's log pane, headless stderr, the recording).
 pub struct LogEvent {
+    /// The optimizer step it was written after.
     pub step: u64,
+    /// How much it matters.
     pub level: Level,
+    /// The text.
     pub message: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The run's end: the last line of every recording.
 pub struct EndEvent {
+    /// Optimizer steps completed.
     pub step: u64,
     /// Written as the text gaccwb has always written ("completed", "diverged: …").
     pub reason: EndReason,
@@ -380,6 +481,7 @@ mod tests {
 pub mod json_float {
     use serde::{Deserialize, Deserializer, Serializer};
 
+    /// Write `x`, non-finite values as strings.
     pub fn serialize<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
         if x.is_finite() {
             s.serialize_f64(*x)
@@ -400,6 +502,7 @@ pub mod json_float {
         Null(()),
     }
 
+    /// Read a number, or `"NaN"`, `"inf"`, `"-inf"` or `null`.
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
         match Repr::deserialize(d)? {
             Repr::Number(x) => Ok(x),
@@ -425,6 +528,7 @@ pub struct EventSink {
 }
 
 impl EventSink {
+    /// A sink sending into `tx`.
     pub fn new(tx: UnboundedSender<Event>) -> Self {
         EventSink {
             tx,

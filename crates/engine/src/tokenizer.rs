@@ -28,19 +28,39 @@ const TRAINER_VERSION: &str = "bpe1-tokenizers0.23";
 /// The first line's `format`: what says a file is one of these cache files.
 const CACHE_FORMAT: &str = "gaccwb-bpe-cache-1";
 
+/// Why no tokenizer could be had for the text.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
+    /// `data.tokenizer_file` cannot be read or is not a tokenizer.
     #[error("tokenizer file {path}: {message}")]
-    File { path: String, message: String },
+    File {
+        /// The file.
+        path: String,
+        /// What is wrong and what to do.
+        message: String,
+    },
+    /// Training a BPE on the text failed.
     #[error("training a BPE tokenizer on {data}: {message}")]
-    Train { data: String, message: String },
+    Train {
+        /// The text's name.
+        data: String,
+        /// What `tokenizers` said.
+        message: String,
+    },
+    /// The cache holds a file gaccwb may not replace.
     #[error("tokenizer cache {path}: {message}")]
-    Cache { path: String, message: String },
+    Cache {
+        /// The cache file.
+        path: String,
+        /// Why it was refused.
+        message: String,
+    },
 }
 
 /// A loaded tokenizer with what the header records about it.
 pub struct TextTokenizer {
     inner: Tokenizer,
+    /// What the recording's header says about it: kind, vocabulary, hash, file.
     pub info: TokenizerInfo,
     /// A trained tokenizer came from the cache rather than from training.
     pub cache_hit: bool,
@@ -53,15 +73,13 @@ pub struct TextTokenizer {
 
 impl TextTokenizer {
     /// Token ids of `text`, with no special tokens added.
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
-        self.inner
-            .encode(text, false)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| e.to_string())
+    pub fn encode(&self, text: &str) -> tokenizers::Result<Vec<u32>> {
+        self.inner.encode(text, false).map(|e| e.get_ids().to_vec())
     }
 
-    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
-        self.inner.decode(ids, false).map_err(|e| e.to_string())
+    /// The text of token ids, with no special tokens skipped.
+    pub fn decode(&self, ids: &[u32]) -> tokenizers::Result<String> {
+        self.inner.decode(ids, false)
     }
 
     /// The tokenizer's JSON (the cache file's content).
@@ -135,9 +153,9 @@ impl TextTokenizer {
             Err(CacheProblem::Invalid(why)) => Some(format!("the cache file was invalid ({why})")),
             Err(CacheProblem::Refused(message)) => return Err(cache_err(message)),
         };
-        let inner = train_bpe(text, vocab).map_err(|message| TokenizerError::Train {
+        let inner = train_bpe(text, vocab).map_err(|e| TokenizerError::Train {
             data: data.to_string(),
-            message,
+            message: e.to_string(),
         })?;
         #[allow(clippy::expect_used)] // a tokenizer `tokenizers` just trained serialises
         let json = inner
@@ -232,7 +250,7 @@ fn read_cache(
     }
     let limit = crate::limits::MAX_TOKENIZER_BYTES;
     let text = crate::limits::read_bounded_text(path, limit, "tokenizer cache")
-        .map_err(CacheProblem::Invalid)?;
+        .map_err(|e| CacheProblem::Invalid(e.to_string()))?;
     let invalid = |why: String| CacheProblem::Invalid(why);
     let (first, json) = text
         .split_once('\n')
@@ -247,14 +265,27 @@ fn read_cache(
     }
     let inner = Tokenizer::from_bytes(json.as_bytes())
         .map_err(|e| invalid(format!("not a tokenizer: {e}")))?;
-    check_trained_shape(&inner, header.vocab).map_err(invalid)?;
+    check_trained_shape(&inner, header.vocab).map_err(|e| invalid(e.to_string()))?;
     Ok(Some((inner, json.to_string())))
+}
+
+/// How a cached tokenizer differs from what `train_bpe` makes.
+#[derive(Debug, thiserror::Error)]
+enum NotTrainedHere {
+    #[error("another {0} than this trainer's")]
+    Part(&'static str),
+    #[error("added tokens this trainer does not make")]
+    AddedTokens,
+    #[error("its token ids are not exactly 0..{last}")]
+    Ids { last: usize },
+    #[error("the byte symbol {0:?} is missing")]
+    MissingByte(char),
 }
 
 /// `inner` is what `train_bpe` makes: its pipeline (normalizer, pre-tokenizer, post-processor,
 /// decoder, no added tokens, no truncation or padding), and ids exactly 0..`vocab`-1 with every
 /// byte symbol among them.
-fn check_trained_shape(inner: &Tokenizer, vocab: usize) -> Result<(), String> {
+fn check_trained_shape(inner: &Tokenizer, vocab: usize) -> Result<(), NotTrainedHere> {
     let names = [
         "normalizer",
         "pre-tokenizer",
@@ -265,22 +296,22 @@ fn check_trained_shape(inner: &Tokenizer, vocab: usize) -> Result<(), String> {
     ];
     let (found, wanted) = (pipeline_parts(inner), pipeline_parts(&pipeline()));
     if let Some(i) = (0..names.len()).find(|&i| found[i] != wanted[i]) {
-        return Err(format!("another {} than this trainer's", names[i]));
+        return Err(NotTrainedHere::Part(names[i]));
     }
     if !inner.get_added_tokens_decoder().is_empty() {
-        return Err("added tokens this trainer does not make".into());
+        return Err(NotTrainedHere::AddedTokens);
     }
     let tokens = inner.get_vocab(true);
     let mut ids: Vec<u32> = tokens.values().copied().collect();
     ids.sort_unstable();
     if ids.len() != vocab || ids.iter().enumerate().any(|(i, &id)| id as usize != i) {
-        return Err(format!("its token ids are not exactly 0..{}", vocab - 1));
+        return Err(NotTrainedHere::Ids { last: vocab - 1 });
     }
     if let Some(missing) = ByteLevel::alphabet()
         .into_iter()
         .find(|c| !tokens.contains_key(&c.to_string()))
     {
-        return Err(format!("the byte symbol {missing:?} is missing"));
+        return Err(NotTrainedHere::MissingByte(missing));
     }
     Ok(())
 }
@@ -301,38 +332,77 @@ fn pipeline_parts(t: &Tokenizer) -> [String; 6] {
 /// A text's token ids and what the header records about the tokenizer (dropped afterwards: the
 /// run needs only the ids, and its memory would land in the ledger's `other`).
 pub struct Tokenized {
+    /// The text's token ids, in order.
     pub tokens: Vec<u32>,
+    /// What the header records about the tokenizer used.
     pub info: TokenizerInfo,
     /// One line for the run's log: trained, cached or loaded, and how long it took.
     pub provenance: String,
 }
 
+/// Why a text could not be cut into tokens; the caller names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    /// The data is not text.
+    #[error(
+        "not UTF-8 text (byte {valid_up_to}); data.tokenizer = \"bpe\" needs text, use \
+         \"bytes\" for other files"
+    )]
+    NotUtf8 {
+        /// Bytes of valid UTF-8 before the first bad one.
+        valid_up_to: usize,
+    },
+    /// The tokenizer could not be loaded or trained.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    /// The tokenizer failed on the text.
+    #[error("tokenizing it with {path}: {err}")]
+    Encode {
+        /// The tokenizer's file.
+        path: String,
+        /// What `tokenizers` said.
+        err: tokenizers::Error,
+    },
+    /// A tokenizer file whose ids exceed its own vocabulary.
+    #[error(
+        "{path} gives token id {id}, outside its vocabulary of {vocab}; the tokenizer file is \
+         inconsistent"
+    )]
+    IdOutOfVocabulary {
+        /// The tokenizer's file.
+        path: String,
+        /// The id it gave.
+        id: u32,
+        /// Its vocabulary size.
+        vocab: usize,
+    },
+}
+
 /// Tokenizes `bytes` (the data named `name`) with the BPE `data` asks for. The error says what
 /// is wrong with the data; the caller names the file.
-pub fn tokenize(bytes: &[u8], name: &str, data: &DataConfig) -> Result<Tokenized, String> {
-    let err = |message: String| message;
-    let text = std::str::from_utf8(bytes).map_err(|e| {
-        err(format!(
-            "not UTF-8 text (byte {}); data.tokenizer = \"bpe\" needs text, use \"bytes\" for other files",
-            e.valid_up_to()
-        ))
+pub fn tokenize(bytes: &[u8], name: &str, data: &DataConfig) -> Result<Tokenized, TokenizeError> {
+    let text = std::str::from_utf8(bytes).map_err(|e| TokenizeError::NotUtf8 {
+        valid_up_to: e.valid_up_to(),
     })?;
     let tokenizer = match &data.tokenizer_file {
         Some(path) => TextTokenizer::load_file(path),
         None => TextTokenizer::trained_for(text, name, data.vocab, &default_cache_dir()),
-    }
-    .map_err(|e| err(e.to_string()))?;
+    }?;
     let mut tokens = tokenizer
         .encode(text)
-        .map_err(|e| err(format!("tokenizing it with {}: {e}", tokenizer.info.path)))?;
+        .map_err(|err| TokenizeError::Encode {
+            path: tokenizer.info.path.clone(),
+            err,
+        })?;
     if let Some(&id) = tokens
         .iter()
         .find(|&&id| id as usize >= tokenizer.info.vocab)
     {
-        return Err(err(format!(
-            "{} gives token id {id}, outside its vocabulary of {}; the tokenizer file is inconsistent",
-            tokenizer.info.path, tokenizer.info.vocab
-        )));
+        return Err(TokenizeError::IdOutOfVocabulary {
+            path: tokenizer.info.path.clone(),
+            id,
+            vocab: tokenizer.info.vocab,
+        });
     }
     tokens.shrink_to_fit();
     let how = match (tokenizer.info.kind.as_str(), tokenizer.cache_hit) {
@@ -375,19 +445,33 @@ fn hash_hex(bytes: &[u8]) -> String {
 
 /// The header line, then the tokenizer, written through a temporary name (a concurrent reader
 /// never sees half a file) over a regular file only.
-fn write_cache(path: &Path, header: &CacheHeader, json: &str) -> Result<(), String> {
+fn write_cache(path: &Path, header: &CacheHeader, json: &str) -> Result<(), CacheWriteError> {
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|err| CacheWriteError::Dir {
+            dir: dir.to_path_buf(),
+            err,
+        })?;
     }
-    let line = serde_json::to_string(header).map_err(|e| format!("the cache header: {e}"))?;
+    let line = serde_json::to_string(header).map_err(CacheWriteError::Header)?;
     let content = format!("{line}\n{json}");
     safe_write::write_file(
         path,
         content.as_bytes(),
         "tokenizer cache",
         &Overwrite::ours(),
-    )
-    .map_err(|e| e.to_string())
+    )?;
+    Ok(())
+}
+
+/// Why a trained tokenizer was not cached (the run goes on; the log says so).
+#[derive(Debug, thiserror::Error)]
+enum CacheWriteError {
+    #[error("creating {}: {err}", dir.display())]
+    Dir { dir: PathBuf, err: std::io::Error },
+    #[error("the cache header: {0}")]
+    Header(serde_json::Error),
+    #[error(transparent)]
+    Write(#[from] safe_write::WriteError),
 }
 
 /// The untrained tokenizer `train_bpe` starts from: an empty BPE with GPT-2's byte-level
@@ -401,7 +485,7 @@ fn pipeline() -> Tokenizer {
 
 /// A byte-level BPE (GPT-2's pre-tokenizer and decoder, no prefix space) of at most `vocab`
 /// tokens. The 256 byte symbols are always in it, so every text round-trips.
-pub fn train_bpe(text: &str, vocab: usize) -> Result<Tokenizer, String> {
+pub fn train_bpe(text: &str, vocab: usize) -> tokenizers::Result<Tokenizer> {
     let mut tokenizer = pipeline();
     let mut trainer: TrainerWrapper = BpeTrainer::builder()
         .vocab_size(vocab)
@@ -409,9 +493,7 @@ pub fn train_bpe(text: &str, vocab: usize) -> Result<Tokenizer, String> {
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
         .build()
         .into();
-    tokenizer
-        .train(&mut trainer, std::iter::once(text))
-        .map_err(|e| e.to_string())?;
+    tokenizer.train(&mut trainer, std::iter::once(text))?;
     Ok(tokenizer)
 }
 

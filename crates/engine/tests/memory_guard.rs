@@ -76,7 +76,7 @@ fn steps(events: &[Event]) -> Vec<StepEvent> {
 }
 
 fn weights(t: &Trainer) -> Vec<Tensor> {
-    t.model.vars().map(|v| v.as_tensor().clone()).collect()
+    t.model().vars().map(|v| v.as_tensor().clone()).collect()
 }
 
 #[test]

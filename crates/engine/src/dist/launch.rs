@@ -11,7 +11,9 @@ use super::{DistError, Group};
 /// This process's place as the launcher gave it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Launch {
+    /// This process's rank.
     pub rank: usize,
+    /// The ranks the launcher started.
     pub ranks: usize,
 }
 

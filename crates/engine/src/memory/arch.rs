@@ -32,7 +32,9 @@ pub enum Norm {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Positions {
+    /// A learned table of positions.
     Learned,
+    /// Rotary embeddings (no parameters).
     Rotary,
 }
 
@@ -41,12 +43,17 @@ pub enum Positions {
 pub struct Arch {
     /// The family (`gpt2`, `llama`, `mistral`, `qwen2`, `gpt_neox`; `gaccwb` for this engine's).
     pub family: String,
+    /// Tokens in the vocabulary.
     pub vocab: u64,
+    /// The model width.
     pub hidden: u64,
+    /// Transformer blocks.
     pub layers: u64,
+    /// Query heads.
     pub heads: u64,
     /// Key/value heads (grouped-query attention); equal to `heads` for multi-head attention.
     pub kv_heads: u64,
+    /// Width of one head.
     pub head_dim: u64,
     /// The MLP's inner width (4·hidden for GPT-2).
     pub intermediate: u64,
@@ -54,8 +61,11 @@ pub struct Arch {
     pub seq_len: u64,
     /// Rows of the learned position table (0 with rotary positions).
     pub positions_table: u64,
+    /// The MLP's form (GELU or gated).
     pub mlp: Mlp,
+    /// The norm's form (LayerNorm or RMSNorm).
     pub norm: Norm,
+    /// How positions enter.
     pub positions: Positions,
     /// Biases on the q, k, v projections.
     pub qkv_bias: bool,

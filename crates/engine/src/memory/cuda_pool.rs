@@ -8,7 +8,7 @@ use std::sync::Arc;
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaContext};
 use candle_core::Device;
 
-use super::gpu::GpuSource;
+use super::gpu::{GpuSource, SampleError};
 use super::ledger::TotalMeter;
 use crate::telemetry::{DeviceEvent, MemorySource};
 
@@ -27,25 +27,30 @@ pub struct CudaPool {
 unsafe impl Send for CudaPool {}
 
 impl CudaPool {
-    pub fn for_device(device: &Device) -> Result<CudaPool, String> {
+    pub fn for_device(device: &Device) -> Result<CudaPool, SampleError> {
         let ctx = device
             .as_cuda_device()
-            .map_err(|e| e.to_string())?
+            .map_err(|e| SampleError::CudaPool(e.to_string()))?
             .cuda_stream()
             .context()
             .clone();
         if !ctx.has_async_alloc() {
-            return Err("CUDA memory pool: this GPU does not allocate from a pool".into());
+            return Err(SampleError::CudaPool(
+                "this GPU does not allocate from a pool".into(),
+            ));
         }
-        ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        ctx.bind_to_thread()
+            .map_err(|e| SampleError::CudaPool(e.to_string()))?;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         // SAFETY: the context is bound to this thread and `pool` is a valid out-pointer.
         check(unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) })?;
         Ok(CudaPool { ctx, pool })
     }
 
-    fn get(&self, attr: sys::CUmemPool_attribute) -> Result<u64, String> {
-        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+    fn get(&self, attr: sys::CUmemPool_attribute) -> Result<u64, SampleError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| SampleError::CudaPool(e.to_string()))?;
         let mut value: u64 = 0;
         let out = &mut value as *mut u64 as *mut c_void;
         // SAFETY: the context is bound; every attribute read here is a u64, which `out` holds.
@@ -54,11 +59,11 @@ impl CudaPool {
     }
 }
 
-fn check(r: sys::CUresult) -> Result<(), String> {
+fn check(r: sys::CUresult) -> Result<(), SampleError> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(format!("CUDA memory pool: {r:?}"))
+        Err(SampleError::CudaPool(format!("{r:?}")))
     }
 }
 
@@ -90,7 +95,7 @@ impl GpuSource for CudaPool {
     fn source(&self) -> MemorySource {
         MemorySource::CudaPool
     }
-    fn sample(&mut self) -> Result<DeviceEvent, String> {
+    fn sample(&mut self) -> Result<DeviceEvent, SampleError> {
         Ok(DeviceEvent {
             source: MemorySource::CudaPool,
             used: Some(self.get(USED)?),

@@ -38,10 +38,15 @@ const F32: u64 = 4;
 /// Everything the estimate depends on.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Config {
+    /// The model's shape.
     pub model: ModelConfig,
+    /// B.
     pub micro_batch: usize,
+    /// K.
     pub accum_steps: usize,
+    /// The compute precision.
     pub dtype: Dtype,
+    /// Whether the optimizer state lives in host memory.
     pub offload: bool,
     /// Where the window's gradients accumulate while offloaded (`train.offload_grads`).
     pub offload_grads: OffloadGrads,
@@ -59,6 +64,7 @@ pub struct Config {
 }
 
 impl Config {
+    /// The configuration the knobs `k` give for `model`; `unified` when host and device are one memory.
     pub fn from_knobs(model: &ModelConfig, k: &Knobs, unified: bool) -> Config {
         Config {
             model: model.clone(),
@@ -79,6 +85,7 @@ impl Config {
         }
     }
 
+    /// [`Config::from_knobs`] with the scenario's first knobs.
     pub fn from_scenario(s: &Scenario, unified: bool) -> Config {
         Config::from_knobs(&s.model, &Knobs::from_scenario(s), unified)
     }
@@ -108,14 +115,20 @@ impl Config {
 /// Predicted categories at the end of each phase of one optimizer step.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Estimate {
+    /// At the end of the forward.
     pub forward: Categories,
+    /// At the end of the backward (the peak of most runs).
     pub backward: Categories,
+    /// During the optimizer step.
     pub optimizer: Categories,
+    /// After the step: what persists between steps.
     pub step: Categories,
+    /// True when host and device are one memory.
     pub unified: bool,
 }
 
 impl Estimate {
+    /// The four phases with their categories, in step order.
     pub fn phases(&self) -> [(Phase, Categories); 4] {
         [
             (Phase::Forward, self.forward),
@@ -251,10 +264,13 @@ pub fn activation_bytes(cfg: &Config) -> u64 {
 /// How checkpointing splits the blocks: segment outputs kept through the forward, and the
 /// blocks of the largest segment, recomputed at once in the backward.
 pub struct Segments {
+    /// Block outputs kept through the forward.
     pub kept: u64,
+    /// Blocks in the largest segment, recomputed together.
     pub largest: u64,
 }
 
+/// The segments `cfg`'s checkpointing makes, or `None` without checkpointing.
 pub fn checkpointed(cfg: &Config) -> Option<Segments> {
     let per = cfg.checkpointing.segment()? as u64;
     let layers = cfg.model.layers as u64;
@@ -622,6 +638,7 @@ fn recompute_casts(cfg: &Config) -> u64 {
     }
 }
 
+/// The predicted ledger of one optimizer step under `cfg`.
 pub fn estimate(cfg: &Config) -> Estimate {
     let p = param_count(&cfg.model) * F32;
     let c = cfg.dtype.size_in_bytes() as u64;
@@ -719,10 +736,13 @@ fn buffer_at(cfg: &Config, c: Categories, bytes: u64) -> Categories {
 /// the same states).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct ModelStates {
+    /// Bytes the device holds.
     pub device: u64,
+    /// Bytes host memory holds (offload).
     pub host: u64,
 }
 
+/// Where `cfg`'s model states live, from its estimate at the optimizer step.
 pub fn model_states(cfg: &Config) -> ModelStates {
     let e = estimate(cfg);
     let buffer = if cfg.pitfall { 2 } else { 1 } * param_count(&cfg.model) * F32;
@@ -764,10 +784,15 @@ pub fn per_rank(mut e: Estimate, ranks: usize, zero: u8, scatter_micro_batches: 
 /// One row of the micro-batch table at a fixed effective batch.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Row {
+    /// B.
     pub micro_batch: usize,
+    /// K.
     pub accum_steps: usize,
+    /// Predicted activations at the backward's peak.
     pub activations: u64,
+    /// Predicted transient gradients at the backward's peak.
     pub gradients_transient: u64,
+    /// Predicted peak over all phases.
     pub peak: u64,
 }
 
@@ -805,14 +830,23 @@ pub fn largest_micro_batch(cfg: &Config, effective: usize, budget: u64) -> Optio
 /// What `gaccwb estimate` prints.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
+    /// The preset's name.
     pub preset: String,
+    /// The configuration estimated.
     pub config: Config,
+    /// Trainable parameters.
     pub params: u64,
+    /// The predicted ledger per phase.
     pub estimate: Estimate,
+    /// The predicted peak.
     pub peak: u64,
+    /// B·K, held fixed across the table.
     pub effective_batch: usize,
+    /// Every split of the effective batch.
     pub table: Vec<Row>,
+    /// The budget judged against, bytes.
     pub budget: u64,
+    /// The largest micro-batch that fits the budget.
     pub largest_fitting: Option<Row>,
     /// Why this shape cannot be trained by this program (the estimate still holds for it).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -822,6 +856,7 @@ pub struct Report {
 }
 
 impl Report {
+    /// The report for `cfg` at effective batch `effective` against `budget` bytes.
     pub fn new(preset: &str, cfg: &Config, effective: usize, budget: u64) -> Report {
         let estimate = estimate(cfg);
         Report {
@@ -853,6 +888,7 @@ impl Report {
         )
     }
 
+    /// The report as the terminal shows it.
     pub fn render(&self) -> String {
         let c = &self.config;
         let m = &c.model;

@@ -11,16 +11,22 @@
 use crate::telemetry::{Categories, MemoryEvent, Phase};
 
 #[derive(Clone, Debug, PartialEq)]
+/// One step's memory as the panes summarise it: its peak, what is live after it, and its fullest phase.
 pub struct StepFigure {
+    /// The optimizer step.
     pub step: u64,
+    /// The highest peak over its phases.
     pub peak: u64,
+    /// Bytes live at its `step` phase.
     pub live: u64,
+    /// The phase with the highest peak.
     pub fullest: MemoryEvent,
     /// The step's `step` phase has arrived: nothing more of it will.
     pub complete: bool,
 }
 
 impl StepFigure {
+    /// A figure started from the step's first memory event.
     pub fn new(m: &MemoryEvent) -> StepFigure {
         StepFigure {
             step: m.step,

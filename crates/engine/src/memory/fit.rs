@@ -33,9 +33,78 @@ fn rough_bytes(model: &ModelConfig, micro_batch: usize) -> f64 {
     4.0 * (4.0 * params + b * heads * seq * seq * layers)
 }
 
+/// Why a configuration cannot run in the memory there is, with the estimator's figures.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum FitError {
+    /// Beyond any machine, judged before the estimator runs.
+    #[error("this configuration needs more than {limit_gib} GiB; no machine holds it")]
+    Absurd {
+        /// The bound it exceeds, in GiB.
+        limit_gib: u64,
+    },
+    /// The step's estimated peak is over the memory available.
+    #[error(
+        "the estimated step peak is {:.1} GiB ({shape}) but only {:.1} GiB of memory is \
+         available; lower model.d_model, model.layers or train.micro_batch \
+         (`gaccwb estimate` shows the figures)",
+        gib_f(*peak),
+        gib_f(*budget)
+    )]
+    Peak {
+        /// Estimated peak bytes.
+        peak: u64,
+        /// Bytes available.
+        budget: u64,
+        /// The sizes that decide it.
+        shape: Shape,
+    },
+    /// A change's growth over what is already held is more than the memory still available.
+    #[error(
+        "it would raise the estimated step peak from {:.1} GiB to {:.1} GiB ({shape}), \
+         {:.1} GiB more than the {:.1} GiB still available",
+        gib_f(*held),
+        gib_f(*peak),
+        gib_f(peak.saturating_sub(*held)),
+        gib_f(*budget)
+    )]
+    Growth {
+        /// Estimated peak bytes before the change.
+        held: u64,
+        /// Estimated peak bytes after it.
+        peak: u64,
+        /// Bytes still available.
+        budget: u64,
+        /// The sizes that decide it.
+        shape: Shape,
+    },
+}
+
+/// The sizes a memory verdict names, so the user knows which to lower.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// Model width.
+    pub d_model: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Samples per micro-batch.
+    pub micro_batch: usize,
+    /// Tokens per sample.
+    pub seq_len: usize,
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "d_model {} × {} layers, micro-batch {} × seq_len {}",
+            self.d_model, self.layers, self.micro_batch, self.seq_len
+        )
+    }
+}
+
 /// Why `cfg` cannot run in `budget` bytes, with the estimator's figures; `Ok` when it fits or
 /// the budget is unknown.
-pub fn check_fits(cfg: &Config, budget: Option<u64>) -> Result<(), String> {
+pub fn check_fits(cfg: &Config, budget: Option<u64>) -> Result<(), FitError> {
     check_growth(None, cfg, budget)
 }
 
@@ -45,43 +114,39 @@ pub fn check_growth(
     current: Option<&Config>,
     next: &Config,
     budget: Option<u64>,
-) -> Result<(), String> {
+) -> Result<(), FitError> {
     if rough_bytes(&next.model, next.micro_batch) > ABSURD_BYTES {
-        return Err(format!(
-            "this configuration needs more than {} GiB; no machine holds it",
-            gib(ABSURD_BYTES as u64)
-        ));
+        return Err(FitError::Absurd {
+            limit_gib: gib(ABSURD_BYTES as u64),
+        });
     }
     let Some(budget) = budget else {
         return Ok(());
     };
     let peak = estimate(next).peak();
     let held = current.map_or(0, |c| estimate(c).peak());
-    let growth = peak.saturating_sub(held);
-    if growth <= budget {
+    if peak.saturating_sub(held) <= budget {
         return Ok(());
     }
     let m = &next.model;
-    let shape = format!(
-        "d_model {} × {} layers, micro-batch {} × seq_len {}",
-        m.d_model, m.layers, next.micro_batch, m.seq_len
-    );
+    let shape = Shape {
+        d_model: m.d_model,
+        layers: m.layers,
+        micro_batch: next.micro_batch,
+        seq_len: m.seq_len,
+    };
     Err(match current {
-        None => format!(
-            "the estimated step peak is {:.1} GiB ({shape}) but only {:.1} GiB of memory is \
-             available; lower model.d_model, model.layers or train.micro_batch \
-             (`gaccwb estimate` shows the figures)",
-            gib_f(peak),
-            gib_f(budget)
-        ),
-        Some(_) => format!(
-            "it would raise the estimated step peak from {:.1} GiB to {:.1} GiB ({shape}), \
-             {:.1} GiB more than the {:.1} GiB still available",
-            gib_f(held),
-            gib_f(peak),
-            gib_f(growth),
-            gib_f(budget)
-        ),
+        None => FitError::Peak {
+            peak,
+            budget,
+            shape,
+        },
+        Some(_) => FitError::Growth {
+            held,
+            peak,
+            budget,
+            shape,
+        },
     })
 }
 
@@ -122,6 +187,8 @@ mod tests {
         assert!(check_fits(&cfg, Some(peak)).is_ok());
         assert!(check_fits(&cfg, None).is_ok());
         let e = check_fits(&cfg, Some(peak / 2)).unwrap_err();
+        assert!(matches!(e, FitError::Peak { .. }), "{e}");
+        let e = e.to_string();
         assert!(e.contains("GiB") && e.contains("d_model 32"), "{e}");
     }
 
@@ -133,7 +200,7 @@ mod tests {
         cfg.model.seq_len = 1 << 16;
         cfg.micro_batch = 1 << 16;
         let e = check_fits(&cfg, None).unwrap_err();
-        assert!(e.contains("no machine"), "{e}");
+        assert!(e.to_string().contains("no machine"), "{e}");
     }
 
     #[test]
@@ -144,6 +211,6 @@ mod tests {
         let growth = estimate(&bigger).peak() - estimate(&cfg).peak();
         assert!(check_growth(Some(&cfg), &bigger, Some(growth)).is_ok());
         let e = check_growth(Some(&cfg), &bigger, Some(growth - 1)).unwrap_err();
-        assert!(e.contains("still available"), "{e}");
+        assert!(e.to_string().contains("still available"), "{e}");
     }
 }

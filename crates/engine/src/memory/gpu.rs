@@ -28,27 +28,41 @@ pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Something that can report device figures.
 pub trait GpuSource: Send {
+    /// Which source its readings are tagged with.
     fn source(&self) -> MemorySource;
     /// One reading (`t_ms` is filled by the sampler), or why there is none.
-    fn sample(&mut self) -> Result<DeviceEvent, String>;
+    fn sample(&mut self) -> Result<DeviceEvent, SampleError>;
 }
 
-/// "NVML unavailable: `<reason>`", the one wording the UI shows.
-pub fn nvml_unavailable(reason: impl std::fmt::Display) -> String {
-    format!("NVML unavailable: {reason}")
+/// Why a device source has no reading; the UI shows its text once, until readings return.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SampleError {
+    /// NVML could not be loaded, or did not answer for this GPU (NVML's own words).
+    #[error("NVML unavailable: {0}")]
+    Nvml(String),
+    /// The CUDA driver did not answer a query about the default memory pool.
+    #[error("CUDA memory pool: {0}")]
+    CudaPool(String),
+    /// A scripted source's failure, as scripted (`FakeSource`).
+    #[error("{0}")]
+    Scripted(String),
+}
+
+fn nvml_unavailable(reason: impl std::fmt::Display) -> SampleError {
+    SampleError::Nvml(reason.to_string())
 }
 
 /// NVML loaded once per process, on first use.
-static NVML: OnceLock<Result<Arc<Nvml>, String>> = OnceLock::new();
+static NVML: OnceLock<Result<Arc<Nvml>, SampleError>> = OnceLock::new();
 
-fn shared_nvml() -> Result<Arc<Nvml>, String> {
+fn shared_nvml() -> Result<Arc<Nvml>, SampleError> {
     NVML.get_or_init(|| Nvml::init().map(Arc::new).map_err(nvml_unavailable))
         .clone()
 }
 
 /// One GPU seen through NVML.
 pub struct NvmlSource {
-    nvml: Result<Arc<Nvml>, String>,
+    nvml: Result<Arc<Nvml>, SampleError>,
     index: u32,
     /// The GPU's UUID as NVML spells it (`GPU-…`): NVML numbers every GPU in the machine while
     /// CUDA numbers those `CUDA_VISIBLE_DEVICES` shows, so the ordinal alone can name another
@@ -77,7 +91,7 @@ impl NvmlSource {
     }
 
     /// This source's GPU in NVML: by UUID when known, else by ordinal.
-    fn gpu<'n>(&self, nvml: &'n Nvml) -> Result<nvml_wrapper::Device<'n>, String> {
+    fn gpu<'n>(&self, nvml: &'n Nvml) -> Result<nvml_wrapper::Device<'n>, SampleError> {
         match &self.uuid {
             Some(uuid) => nvml
                 .device_by_uuid(uuid.as_str())
@@ -104,8 +118,8 @@ impl NvmlSource {
     }
 
     /// Why NVML cannot be used, if it cannot.
-    pub fn unavailable(&self) -> Option<&str> {
-        self.nvml.as_ref().err().map(String::as_str)
+    pub fn unavailable(&self) -> Option<&SampleError> {
+        self.nvml.as_ref().err()
     }
 }
 
@@ -114,7 +128,7 @@ impl GpuSource for NvmlSource {
         MemorySource::Nvml
     }
 
-    fn sample(&mut self) -> Result<DeviceEvent, String> {
+    fn sample(&mut self) -> Result<DeviceEvent, SampleError> {
         let nvml = self.nvml.as_ref().map_err(Clone::clone)?;
         let gpu = self.gpu(nvml)?;
         let memory = gpu.memory_info().map_err(nvml_unavailable)?;
@@ -145,6 +159,7 @@ pub struct AllocatorSource {
 }
 
 impl AllocatorSource {
+    /// A source reading the counting allocator, with the host's installed RAM as total.
     pub fn new() -> AllocatorSource {
         AllocatorSource {
             host_total: host_memory_total(),
@@ -163,7 +178,7 @@ impl GpuSource for AllocatorSource {
         MemorySource::Allocator
     }
 
-    fn sample(&mut self) -> Result<DeviceEvent, String> {
+    fn sample(&mut self) -> Result<DeviceEvent, SampleError> {
         let live = super::alloc::live();
         Ok(DeviceEvent {
             source: MemorySource::Allocator,
@@ -187,13 +202,16 @@ pub fn host_memory_total() -> Option<u64> {
 /// Scripted readings, for tests and for replaying a device's behaviour without one.
 pub struct FakeSource {
     source: MemorySource,
-    readings: VecDeque<Result<DeviceEvent, String>>,
-    last: Option<Result<DeviceEvent, String>>,
+    readings: VecDeque<Result<DeviceEvent, SampleError>>,
+    last: Option<Result<DeviceEvent, SampleError>>,
 }
 
 impl FakeSource {
     /// Gives `readings` in order, then repeats the last one.
-    pub fn new(source: MemorySource, readings: Vec<Result<DeviceEvent, String>>) -> FakeSource {
+    pub fn new(
+        source: MemorySource,
+        readings: Vec<Result<DeviceEvent, SampleError>>,
+    ) -> FakeSource {
         FakeSource {
             source,
             readings: readings.into(),
@@ -207,14 +225,14 @@ impl GpuSource for FakeSource {
         self.source
     }
 
-    fn sample(&mut self) -> Result<DeviceEvent, String> {
+    fn sample(&mut self) -> Result<DeviceEvent, SampleError> {
         if let Some(next) = self.readings.pop_front() {
             self.last = Some(next);
         }
         let mut reading = self
             .last
             .clone()
-            .unwrap_or_else(|| Err("no readings scripted".into()))?;
+            .unwrap_or_else(|| Err(SampleError::Scripted("no readings scripted".into())))?;
         reading.source = self.source;
         Ok(reading)
     }
@@ -228,6 +246,7 @@ pub struct NvmlMeter {
 }
 
 impl NvmlMeter {
+    /// A meter on NVML's GPU `index`.
     pub fn new(index: u32) -> NvmlMeter {
         NvmlMeter::of(NvmlSource::new(index))
     }
@@ -356,6 +375,7 @@ pub struct SamplerHandle {
 }
 
 impl SamplerHandle {
+    /// Stop the sampler and wait for its thread.
     pub fn stop(&mut self) {
         self.stop.take();
         if let Some(t) = self.thread.take() {
@@ -384,7 +404,7 @@ pub fn start_sampler_with(
 ) -> SamplerHandle {
     let (stop, stopped) = channel::<()>();
     let started = Instant::now();
-    let mut reported: Vec<Option<String>> = vec![None; sources.len()];
+    let mut reported: Vec<Option<SampleError>> = vec![None; sources.len()];
     let mut sample = move |sources: &mut Vec<Box<dyn GpuSource>>| {
         let t_ms = started.elapsed().as_millis() as u64;
         for (source, last_error) in sources.iter_mut().zip(&mut reported) {
@@ -426,7 +446,7 @@ pub fn start_sampler_with(
 fn reading(
     source: &mut dyn GpuSource,
     t_ms: u64,
-    last_error: &mut Option<String>,
+    last_error: &mut Option<SampleError>,
 ) -> Option<DeviceEvent> {
     match source.sample() {
         Ok(mut event) => {
@@ -434,13 +454,14 @@ fn reading(
             event.t_ms = t_ms;
             Some(event)
         }
-        Err(reason) if last_error.as_deref() == Some(reason.as_str()) => None,
+        Err(reason) if last_error.as_ref() == Some(&reason) => None,
         Err(reason) => {
-            *last_error = Some(reason.clone());
+            let text = reason.to_string();
+            *last_error = Some(reason);
             Some(DeviceEvent {
                 t_ms,
                 source: source.source(),
-                unavailable: Some(reason),
+                unavailable: Some(text),
                 ..DeviceEvent::default()
             })
         }

@@ -17,30 +17,54 @@ const MAX_SIZE: u64 = 1 << 31;
 /// Why a `config.json` was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum HfConfigError {
+    /// The file cannot be read.
     #[error("{path}: cannot read: {source}")]
     Read {
+        /// The file.
         path: PathBuf,
+        /// What the operating system said.
         source: std::io::Error,
     },
+    /// The file is not JSON.
     #[error("{path}: not JSON: {source}")]
     Json {
+        /// The file.
         path: PathBuf,
+        /// Where parsing stopped.
         source: serde_json::Error,
     },
+    /// JSON, but not an object.
     #[error("{path}: the top level must be a JSON object")]
-    NotObject { path: PathBuf },
+    NotObject {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A `model_type` the planner does not know.
     #[error("{path}: model_type `{found}` is not supported; supported: {}", SUPPORTED.join(", "))]
-    UnknownType { path: PathBuf, found: String },
+    UnknownType {
+        /// The file.
+        path: PathBuf,
+        /// The type it names.
+        found: String,
+    },
+    /// A field the model type needs is absent.
     #[error("{path}: field `{field}` is missing (model_type {model_type} needs it)")]
     Missing {
+        /// The file.
         path: PathBuf,
+        /// The field.
         field: &'static str,
+        /// The model type that needs it.
         model_type: String,
     },
+    /// A field with a value that cannot be used.
     #[error("{path}: field `{field}`: {why}")]
     Bad {
+        /// The file.
         path: PathBuf,
+        /// The field.
         field: &'static str,
+        /// What is wrong with it.
         why: String,
     },
 }

@@ -15,6 +15,7 @@ use crate::tensors::{activation_bytes, grad_store_bytes, StorageSet};
 
 /// Measures the total the categories are checked against, with a peak that restarts per phase.
 pub trait TotalMeter: Send {
+    /// Which meter it is, for the events.
     fn source(&self) -> MemorySource;
     /// True when host and device are one memory (CPU runs): offloaded bytes count towards it.
     fn unified(&self) -> bool;
@@ -22,6 +23,7 @@ pub trait TotalMeter: Send {
     fn live(&self) -> u64;
     /// Highest `live` since the last `reset_peak`.
     fn peak(&self) -> u64;
+    /// Start a new peak from the current use.
     fn reset_peak(&self);
 }
 
@@ -57,13 +59,16 @@ struct Snapshot {
 /// What persists across the window, set by the trainer before it starts.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Persistent {
+    /// AdamW's moments on the device.
     pub optimizer_state: u64,
+    /// What offload holds in host memory.
     pub offloaded: u64,
     /// The accumulation buffer is in host memory (offload with `train.offload_grads = "host"`):
     /// its bytes are booked as `offloaded`, not `gradients`.
     pub gradients_on_host: bool,
 }
 
+/// Measures every window: bytes per category at the start and end of each phase, each phase's peak, and the events that report them.
 pub struct Ledger {
     meter: Box<dyn TotalMeter>,
     /// The model's f32 weights (`parameters`).
@@ -90,6 +95,7 @@ pub struct Ledger {
 }
 
 impl Ledger {
+    /// A ledger measuring totals with `meter`.
     pub fn new(meter: Box<dyn TotalMeter>) -> Ledger {
         Ledger {
             meter,
@@ -107,10 +113,12 @@ impl Ledger {
         }
     }
 
+    /// Where its totals come from.
     pub fn source(&self) -> MemorySource {
         self.meter.source()
     }
 
+    /// Whether host and device are one memory here.
     pub fn unified(&self) -> bool {
         self.meter.unified()
     }

@@ -16,8 +16,11 @@ use super::zero::{model_states, ModelStates, Offload, Zero};
 #[serde(rename_all = "lowercase")]
 #[strum(serialize_all = "lowercase")]
 pub enum Stack {
+    /// This engine's estimate.
     Engine,
+    /// The usual mixed-precision stack's.
     Reference,
+    /// Both, one after the other.
     Both,
 }
 
@@ -26,15 +29,18 @@ pub enum Stack {
 #[derive(Clone, Debug, Serialize)]
 pub struct StackReport {
     #[serde(flatten)]
+    /// This engine's estimate, when it can build the architecture.
     pub engine: Option<super::estimate::Report>,
     /// Why this engine has no answer (an architecture it cannot build), when it has none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine_unavailable: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// The reference stack's plan, when asked for.
     pub reference: Option<ReferencePlan>,
 }
 
 impl StackReport {
+    /// The report as the terminal shows it.
     pub fn render(&self) -> String {
         let mut parts = Vec::new();
         if let Some(e) = &self.engine {
@@ -78,24 +84,34 @@ pub fn engine_unavailable(arch: &Arch) -> String {
 /// One configuration of the reference stack.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Setup {
+    /// B.
     pub micro_batch: u64,
+    /// K.
     pub accum_steps: u64,
+    /// The attention kernel.
     pub attention: Attention,
+    /// What is recomputed in the backward.
     pub recompute: Recompute,
+    /// ZeRO stage, ranks and offload.
     pub zero: Zero,
 }
 
 /// Bytes and time of one setup.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Outcome {
+    /// The setup.
     pub setup: Setup,
+    /// Weights, gradients and optimizer state, placed.
     pub model_states: ModelStates,
+    /// Activations per micro-batch.
     pub activations: Activations,
     /// Bytes on each rank's device: model states and the micro-batch's activations.
     pub device: u64,
     /// Bytes in host memory, all ranks together.
     pub host: u64,
+    /// Whether the device bytes fit the budget.
     pub fits: bool,
+    /// The step's time and what bounds it.
     pub time: StepTime,
 }
 
@@ -129,17 +145,24 @@ pub fn outcome(arch: &Arch, setup: &Setup, rates: &Rates, budget: u64) -> Outcom
 /// One lever and where it leads.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LeverRow {
+    /// The lever, cumulatively ("+ offload optimizer").
     pub name: String,
+    /// Bytes and time with it.
     pub outcome: Outcome,
 }
 
 /// The reference stack's whole answer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReferencePlan {
+    /// The architecture planned.
     pub arch: Arch,
+    /// Its parameter count.
     pub params: u64,
+    /// The hardware rates the time model uses.
     pub rates: Rates,
+    /// Device bytes per rank judged against.
     pub budget: u64,
+    /// The setup as given.
     pub configured: Outcome,
     /// The largest micro-batch dividing B·K whose device bytes fit, with its K, everything else
     /// as configured.
@@ -149,6 +172,7 @@ pub struct ReferencePlan {
 }
 
 impl ReferencePlan {
+    /// The plan for `setup` on `arch` with `rates`, against `budget` device bytes.
     pub fn new(arch: &Arch, setup: &Setup, rates: &Rates, budget: u64) -> ReferencePlan {
         ReferencePlan {
             arch: arch.clone(),

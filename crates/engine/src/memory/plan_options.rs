@@ -27,21 +27,35 @@ pub const DEFAULT_CPU_TFLOPS: f64 = 0.0103;
 /// What the command line gave.
 #[derive(Clone, Debug, Default)]
 pub struct Options {
+    /// `--config`: a Hugging Face `config.json`.
     pub config: Option<PathBuf>,
+    /// `--shape`: a named shape.
     pub shape: Option<String>,
+    /// `--tied`: the head shares the token embedding.
     pub tied: bool,
+    /// `--seq-len`: the context to plan for.
     pub seq_len: Option<u64>,
+    /// `--zero`: the ZeRO stage.
     pub zero: u8,
+    /// `--ranks`: data-parallel ranks.
     pub ranks: u64,
     /// Comma-separated offload targets.
     pub offload: Option<String>,
+    /// `--attention`: flash or full.
     pub attention: Option<String>,
+    /// `--recompute`: none, selective or full.
     pub recompute: Option<String>,
+    /// `--gpu-model`: the device the times are for.
     pub gpu_model: Option<String>,
+    /// `--peak-tflops`: overrides the device's peak.
     pub peak_tflops: Option<f64>,
+    /// `--pcie-gbps`: overrides the host link's rate.
     pub pcie_gbps: Option<f64>,
+    /// `--link-gbps`: overrides the inter-rank link's rate.
     pub link_gbps: Option<f64>,
+    /// `--mfu`: the share of peak reached.
     pub mfu: Option<f64>,
+    /// `--cpu-adam-gbps`: the host AdamW's rate.
     pub cpu_adam_gbps: Option<f64>,
 }
 
@@ -49,24 +63,35 @@ pub struct Options {
 #[derive(Debug, thiserror::Error)]
 pub enum OptionsError {
     #[error(transparent)]
+    /// The `config.json` was refused.
     Config(#[from] HfConfigError),
     #[error(transparent)]
+    /// Bad ZeRO settings.
     Zero(#[from] ZeroError),
     #[error(transparent)]
+    /// Bad time-model settings.
     Time(#[from] TimeError),
     #[error("--shape {0}: unknown shape; shapes: {shapes}", shapes = arch::shape_names().join(", "))]
+    /// `--shape` names no known shape.
     Shape(String),
     #[error("--shape and --config both name a model; give one")]
+    /// Both `--shape` and `--config` were given.
     ShapeAndConfig,
     #[error("--{flag} {value}: expected one of {expected}")]
+    /// A flag's value is none of its choices.
     Choice {
+        /// The flag.
         flag: &'static str,
+        /// The value given.
         value: String,
+        /// The choices.
         expected: &'static str,
     },
     #[error("--seq-len 0: at least one token")]
+    /// `--seq-len 0`.
     SeqLen,
     #[error("the model is too large to plan (about {0} bytes); check its sizes and --seq-len")]
+    /// Sizes whose byte counts overflow.
     TooLarge(String),
 }
 

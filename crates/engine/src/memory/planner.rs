@@ -26,8 +26,33 @@ pub fn shape_names() -> Vec<&'static str> {
     SHAPES.iter().map(|s| s.0).collect()
 }
 
+/// A shape `gaccwb estimate` cannot work with.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ShapeError {
+    /// `--shape` names no published shape.
+    #[error("unknown shape `{name}`; shapes: {}", shape_names().join(", "))]
+    Unknown {
+        /// The name given.
+        name: String,
+    },
+    /// A size is zero.
+    #[error("{key} must be at least 1 (got 0)")]
+    Zero {
+        /// The field, as a preset spells it.
+        key: &'static str,
+    },
+    /// The heads do not divide the width.
+    #[error("model.d_model ({d_model}) must be divisible by model.heads ({heads})")]
+    HeadsDoNotDivide {
+        /// Model width.
+        d_model: usize,
+        /// Attention heads.
+        heads: usize,
+    },
+}
+
 /// The model of a named shape, or an error listing the names.
-pub fn named_shape(name: &str) -> Result<ModelConfig, String> {
+pub fn named_shape(name: &str) -> Result<ModelConfig, ShapeError> {
     SHAPES
         .iter()
         .find(|s| s.0 == name)
@@ -38,17 +63,14 @@ pub fn named_shape(name: &str) -> Result<ModelConfig, String> {
             heads,
             seq_len,
         })
-        .ok_or_else(|| {
-            format!(
-                "unknown shape `{name}`; shapes: {}",
-                shape_names().join(", ")
-            )
+        .ok_or_else(|| ShapeError::Unknown {
+            name: name.to_string(),
         })
 }
 
 /// The checks a shape needs to be estimated at all (the trainer's own limits, such as the byte
 /// vocabulary, are not among them): positive sizes, heads dividing d_model, B and K positive.
-pub fn check_shape(s: &crate::scenario::Scenario) -> Result<(), String> {
+pub fn check_shape(s: &crate::scenario::Scenario) -> Result<(), ShapeError> {
     let (m, t) = (&s.model, &s.train);
     let sizes = [
         ("model.vocab", m.vocab),
@@ -59,14 +81,14 @@ pub fn check_shape(s: &crate::scenario::Scenario) -> Result<(), String> {
         ("train.micro_batch", t.micro_batch),
         ("train.accum_steps", t.accum_steps),
     ];
-    if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-        return Err(format!("{key} must be at least 1 (got 0)"));
+    if let Some(&(key, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+        return Err(ShapeError::Zero { key });
     }
     if !m.d_model.is_multiple_of(m.heads) {
-        return Err(format!(
-            "model.d_model ({}) must be divisible by model.heads ({})",
-            m.d_model, m.heads
-        ));
+        return Err(ShapeError::HeadsDoNotDivide {
+            d_model: m.d_model,
+            heads: m.heads,
+        });
     }
     Ok(())
 }
@@ -92,12 +114,17 @@ pub fn human_bytes(bytes: u64) -> String {
 pub struct Lever {
     /// What was changed, cumulatively: "K at micro-batch 1", "+ offload", "+ bf16".
     pub name: String,
+    /// B.
     pub micro_batch: usize,
+    /// K.
     pub accum_steps: usize,
+    /// The precision.
     pub dtype: Dtype,
+    /// Whether the optimizer state is offloaded.
     pub offload: bool,
     /// Predicted peak in the measured memory (device, or everything on the CPU).
     pub peak: u64,
+    /// Whether the peak fits the budget.
     pub fits: bool,
 }
 
@@ -106,6 +133,7 @@ pub struct Lever {
 pub struct Blocker {
     /// A ledger category name (`parameters`, `activations`, …).
     pub category: String,
+    /// Its bytes at its peak phase.
     pub bytes: u64,
     /// The category alone is larger than the budget.
     pub alone_exceeds: bool,
@@ -114,8 +142,11 @@ pub struct Blocker {
 /// The answer for one budget.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Verdict {
+    /// The budget, bytes.
     pub budget: u64,
+    /// The predicted peak as configured.
     pub configured_peak: u64,
+    /// Whether that fits.
     pub configured_fits: bool,
     /// The largest micro-batch dividing the effective batch that fits, with its K.
     pub largest_fitting: Option<Row>,
@@ -126,6 +157,7 @@ pub struct Verdict {
 }
 
 impl Verdict {
+    /// The verdict for `cfg` at effective batch `effective` against `budget` bytes.
     pub fn new(cfg: &Config, effective: usize, budget: u64) -> Verdict {
         let configured_peak = estimate(cfg).peak();
         let levers = levers(cfg, effective, budget);
@@ -350,7 +382,10 @@ mod tests {
         let (tied, untied) = published_plus_head(&gpt3);
         assert!((174.0e9..176.0e9).contains(&(tied as f64)), "{tied}");
         assert_eq!(param_count(&gpt3), untied);
-        assert!(named_shape("gpt4").unwrap_err().contains("gpt2-medium"));
+        assert!(named_shape("gpt4")
+            .unwrap_err()
+            .to_string()
+            .contains("gpt2-medium"));
     }
 
     #[test]

@@ -28,6 +28,7 @@ pub enum Attention {
 #[serde(rename_all = "lowercase")]
 #[strum(serialize_all = "lowercase")]
 pub enum Recompute {
+    /// Nothing recomputed: every activation is kept.
     None,
     /// The attention core (QKᵀ, softmax, dropout, ·V): none of its s² tensors are kept.
     Selective,

@@ -13,6 +13,7 @@ use super::zero::Zero;
 /// One device's rates. Figures are the vendor's published ones (docs/PLANNER.md cites them).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Gpu {
+    /// The model name `--gpu-model` takes.
     pub name: String,
     /// Dense bf16 tensor-core peak, TFLOP/s.
     pub peak_tflops: f64,
@@ -45,10 +46,13 @@ pub fn gpu_names() -> Vec<&'static str> {
 #[derive(Debug, PartialEq, thiserror::Error)]
 pub enum TimeError {
     #[error("--gpu-model {0}: unknown GPU; models: {models}", models = gpu_names().join(", "))]
+    /// `--gpu-model` names no known GPU.
     UnknownGpu(String),
     #[error("--mfu {0}: expected a fraction in (0, 1]")]
+    /// `--mfu` outside (0, 1].
     Mfu(f64),
     #[error("--{0} {1}: expected a positive number")]
+    /// A rate that is not positive: the flag and the value.
     Rate(&'static str, f64),
 }
 
@@ -89,7 +93,9 @@ pub fn check_mfu(value: f64) -> Result<f64, TimeError> {
 /// Everything the time model reads besides the architecture.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Rates {
+    /// The device.
     pub gpu: Gpu,
+    /// The share of peak FLOP/s reached.
     pub mfu: f64,
     /// The host's AdamW: optimizer-state bytes per second (16 per parameter: the fp32 weight,
     /// gradient and two moments it walks).
@@ -103,20 +109,27 @@ pub struct StepTime {
     pub tokens: u64,
     /// FLOPs on each rank per step.
     pub flops: f64,
+    /// Seconds of compute.
     pub compute_s: f64,
     /// Host→device and device→host bytes per rank per step.
     pub h2d_bytes: u64,
+    /// Device→host bytes per rank per step.
     pub d2h_bytes: u64,
+    /// Seconds on the host link.
     pub pcie_s: f64,
     /// Bytes each rank sends over the inter-rank link per step.
     pub network_bytes: u64,
+    /// Seconds on the inter-rank link.
     pub network_s: f64,
     /// Optimizer-state bytes the host's AdamW walks per step (all ranks' partitions).
     pub cpu_adam_bytes: u64,
+    /// Seconds of host AdamW.
     pub cpu_adam_s: f64,
+    /// The step's seconds: the largest term.
     pub step_s: f64,
     /// `compute`, `pcie`, `network` or `cpu_optimizer`: the largest term.
     pub bound: &'static str,
+    /// Tokens per second, all ranks together.
     pub tokens_per_s: f64,
 }
 

@@ -38,12 +38,16 @@ pub const TARGETS: [&str; 4] = ["optimizer", "gradients", "parameters", "none"];
 #[derive(Debug, PartialEq, thiserror::Error)]
 pub enum ZeroError {
     #[error("--ranks 0: at least one rank")]
+    /// `--ranks 0`.
     NoRanks,
     #[error("--zero {0}: stages are 0, 1, 2 and 3")]
+    /// A stage other than 0–3.
     Stage(u8),
     #[error("--offload {0}: unknown target; targets: {targets}", targets = TARGETS.join(", "))]
+    /// An unknown offload target.
     Target(String),
     #[error("--offload parameters needs --zero 3 (only stage 3 partitions the weights)")]
+    /// Offloading parameters below stage 3.
     ParametersBelowStage3,
 }
 
@@ -68,12 +72,16 @@ impl Offload {
 /// A ZeRO configuration: stage, data-parallel ranks on one host, offload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Zero {
+    /// 0 (none) to 3 (weights partitioned too).
     pub stage: u8,
+    /// Data-parallel ranks.
     pub ranks: u64,
+    /// What lives in host memory.
     pub offload: Offload,
 }
 
 impl Zero {
+    /// A configuration, refused when the stage, ranks or offload do not go together.
     pub fn new(stage: u8, ranks: u64, offload: Offload) -> Result<Zero, ZeroError> {
         if ranks == 0 {
             return Err(ZeroError::NoRanks);
@@ -104,7 +112,9 @@ impl Zero {
 /// One piece of the model states: bytes on each rank's device and on the host (all ranks).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Placed {
+    /// Bytes on each rank's device.
     pub device: u64,
+    /// Bytes in host memory, all ranks together.
     pub host: u64,
 }
 
@@ -128,9 +138,13 @@ impl Placed {
 /// The model states of one configuration, piece by piece.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct ModelStates {
+    /// 16-bit weights.
     pub weights16: Placed,
+    /// 16-bit gradients.
     pub gradients16: Placed,
+    /// fp32 gradients.
     pub gradients32: Placed,
+    /// fp32 master weights and AdamW's moments.
     pub optimizer: Placed,
     /// On each device: the largest module's gathered weights and gradients (stage 3).
     pub gathered: u64,

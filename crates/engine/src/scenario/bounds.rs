@@ -38,16 +38,16 @@ pub fn check_scenario(s: &Scenario) -> Result<(), Invalid> {
         ("data.seed", d.seed, MAX_INTEGER),
     ];
     for (key, value, max) in bounded {
-        at_most(key, value, max).map_err(|e| Invalid::new(key, e))?;
+        at_most(key, value, max).map_err(|e| Invalid::new(key, e.to_string()))?;
     }
     for (key, value) in [
         ("data.min_doc_len", d.min_doc_len),
         ("data.max_doc_len", d.max_doc_len),
     ] {
-        at_most(key, value as u64, MAX_INTEGER).map_err(|e| Invalid::new(key, e))?;
+        at_most(key, value as u64, MAX_INTEGER).map_err(|e| Invalid::new(key, e.to_string()))?;
     }
     check_window(t.micro_batch, t.accum_steps, m.seq_len)
-        .map_err(|e| Invalid::new("train.accum_steps", e))?;
+        .map_err(|e| Invalid::new("train.accum_steps", e.to_string()))?;
     check_timeline_windows(s)
 }
 
@@ -105,7 +105,7 @@ pub fn check_schedule(
             Control::SetAccumSteps { value } => k = value,
             _ => continue,
         }
-        check_window(b, k, seq_len).map_err(|m| at(ControlError::Window(m)))?;
+        check_window(b, k, seq_len).map_err(|m| at(ControlError::Window(m.to_string())))?;
     }
     Ok(())
 }

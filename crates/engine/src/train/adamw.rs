@@ -12,17 +12,25 @@ use crate::ops::{
 };
 
 #[derive(Clone, Copy, Debug, PartialEq)]
+/// AdamW's hyper-parameters, fixed for the run.
 pub struct Hyper {
+    /// β₁, the first moment's decay.
     pub beta1: f64,
+    /// β₂, the second moment's decay.
     pub beta2: f64,
+    /// ε, added to the root of the second moment.
     pub eps: f64,
+    /// Decoupled weight decay, applied to matrices only (not biases or norm gains).
     pub weight_decay: f64,
 }
 
+/// AdamW's state for every parameter, on the weights' device or offloaded to the host.
 pub struct AdamW {
+    /// The hyper-parameters.
     pub hyper: Hyper,
     /// First and second moments, one per parameter, on `state_device`.
     pub m: Vec<Tensor>,
+    /// Second moments, one per parameter, beside `m`.
     pub v: Vec<Tensor>,
     /// Applied steps (for bias correction).
     pub t: u64,
@@ -31,12 +39,14 @@ pub struct AdamW {
     /// CPU too), or offload from a separate device. `None` when the state lives with the f32
     /// weights (no offload, or f32 on the CPU where host and device coincide).
     pub master: Option<Vec<Tensor>>,
+    /// Whether the state lives in host memory (`train.offload`).
     pub offloaded: bool,
     /// The gradients a step receives are already in host memory (`train.offload_grads = "host"`).
     pub grads_on_host: bool,
 }
 
 impl AdamW {
+    /// Zero moments for `params`, with the state on their device.
     pub fn new(params: &[Param], hyper: Hyper) -> Result<AdamW> {
         let zeros = || {
             params
@@ -62,6 +72,28 @@ impl AdamW {
         } else {
             params[0].var.device().clone()
         }
+    }
+
+    /// Replace the moments with saved ones (moved to where the state lives) and the step count
+    /// with `t`.
+    pub fn load_moments(
+        &mut self,
+        params: &[Param],
+        m: Vec<Tensor>,
+        v: Vec<Tensor>,
+        t: u64,
+    ) -> Result<()> {
+        let device = self.state_device(params);
+        self.m = m
+            .iter()
+            .map(|m| m.to_device(&device))
+            .collect::<Result<_>>()?;
+        self.v = v
+            .iter()
+            .map(|v| v.to_device(&device))
+            .collect::<Result<_>>()?;
+        self.t = t;
+        Ok(())
     }
 
     /// Bytes of the two moments.

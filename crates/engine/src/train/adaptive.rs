@@ -12,8 +12,11 @@ use crate::telemetry::StepEvent;
 /// The policy's limits (`train.accum_min`, `accum_max`, `accum_patience`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Limits {
+    /// The smallest K the policy chooses.
     pub min: usize,
+    /// The largest K the policy chooses.
     pub max: usize,
+    /// Windows the noise scale must stay on one side before K moves.
     pub patience: u64,
 }
 

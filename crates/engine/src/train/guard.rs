@@ -8,12 +8,11 @@ use candle_core::Device;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::{EventSink, Trainer};
+use crate::limits::BoundError;
 use crate::memory::estimate::{changes_memory, Config};
 use crate::memory::fit;
 use crate::scenario::Scenario;
-use crate::telemetry::{
-    Control, ControlMsg, EndEvent, EndReason, Event, Level, LogEvent, StepEvent,
-};
+use crate::telemetry::{Control, ControlMsg, EndEvent, EndReason, Event, StepEvent};
 
 /// `super::run`, turning a panic into an error log and an `end` event: without it the thread
 /// dies silently while the sampler keeps the event channel open, and the UI waits forever.
@@ -41,11 +40,7 @@ pub fn run_catching_panics(
 
 /// An error the user must see: the UI's event log, the recording, headless stderr.
 pub fn send_error(sink: &EventSink, step: u64, message: &str) {
-    sink.send(Event::Log(LogEvent {
-        step,
-        level: Level::Error,
-        message: message.to_string(),
-    }));
+    sink.send(Event::error(step, message));
 }
 
 /// Counts consecutive windows whose loss or gradient norm was not finite, and remembers the
@@ -111,26 +106,39 @@ fn budget(device: &Device) -> Option<u64> {
     }
 }
 
+/// A model or a knob change refused before anything is allocated for it.
+#[derive(Debug, thiserror::Error)]
+pub enum Refused {
+    /// The model and its first window need more memory than the machine has.
+    #[error("the model does not fit: {0}")]
+    Model(fit::FitError),
+    /// The change makes a window whose sizes overflow.
+    #[error(transparent)]
+    Window(#[from] BoundError),
+    /// The change's memory growth is more than the machine has left.
+    #[error("it does not fit: {0}")]
+    Growth(fit::FitError),
+}
+
 /// Refuse a model this machine cannot hold, before any weight is allocated.
-pub fn check_model_fits(scenario: &Scenario, device: &Device) -> Result<(), String> {
+pub fn check_model_fits(scenario: &Scenario, device: &Device) -> Result<(), Refused> {
     let cfg = Config::from_scenario(scenario, device.is_cpu());
-    fit::check_fits(&cfg, budget(device)).map_err(|e| format!("the model does not fit: {e}"))
+    fit::check_fits(&cfg, budget(device)).map_err(Refused::Model)
 }
 
 /// Refuse, at the boundary, a knob change whose window overflows or that would not fit.
-pub fn check_knob_change(trainer: &Trainer, c: &Control) -> Result<(), String> {
-    let mut next = trainer.knobs.clone();
+pub fn check_knob_change(trainer: &Trainer, c: &Control) -> Result<(), Refused> {
+    let mut next = trainer.knobs().clone();
     next.apply(c);
-    let model = &trainer.scenario.model;
+    let model = &trainer.scenario().model;
     crate::limits::check_window(next.micro_batch, next.accum_steps, model.seq_len)?;
     if !changes_memory(c) {
         return Ok(());
     }
-    let unified = trainer.memory.unified();
-    let current = Config::from_knobs(model, &trainer.knobs, unified);
+    let unified = trainer.memory().unified();
+    let current = Config::from_knobs(model, trainer.knobs(), unified);
     let wanted = Config::from_knobs(model, &next, unified);
-    fit::check_growth(Some(&current), &wanted, budget(&trainer.device))
-        .map_err(|e| format!("it does not fit: {e}"))
+    fit::check_growth(Some(&current), &wanted, budget(trainer.device())).map_err(Refused::Growth)
 }
 
 #[cfg(test)]

@@ -37,7 +37,7 @@ use crate::model::{Gpt, Param};
 use crate::scenario::{Scenario, TimelineEntry};
 use crate::telemetry::{
     BuildInfo, Control, ControlEvent, ControlMsg, EndEvent, EndReason, EvalEvent, Event, Header,
-    Level, LogEvent, Origin, PhaseMs, StepEvent, FORMAT_VERSION,
+    Origin, PhaseMs, StepEvent, FORMAT_VERSION,
 };
 pub use crate::telemetry::{EventSink, Knobs};
 use adamw::{AdamW, Hyper};
@@ -83,6 +83,37 @@ pub trait AfterStep: Send {
     fn at_end(&mut self, reason: EndReason) -> EndReason {
         reason
     }
+}
+
+/// A trainer's counters, as a checkpoint saves them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Optimizer steps taken, skipped ones included.
+    pub step: u64,
+    /// Steps the LR schedule has advanced.
+    pub lr_step: u64,
+    /// Index of the next training sample.
+    pub cursor: u64,
+    /// Steps skipped because their gradients were not finite.
+    pub overflow_count: u64,
+}
+
+/// A saved run's state, for [`Trainer::resume`].
+pub struct Saved {
+    /// One tensor per parameter, in parameter order.
+    pub weights: Vec<Tensor>,
+    /// AdamW's first moments, in parameter order.
+    pub m: Vec<Tensor>,
+    /// AdamW's second moments, in parameter order.
+    pub v: Vec<Tensor>,
+    /// AdamW's step count (its bias correction).
+    pub adam_t: u64,
+    /// The loss scaler as it was.
+    pub scaler: LossScaler,
+    /// The knobs in force when it was saved.
+    pub knobs: Knobs,
+    /// The counters.
+    pub progress: Progress,
 }
 
 /// What the step event takes from a finished window (every rank's, under data parallel).
@@ -131,42 +162,45 @@ fn run_after_step(trainer: &mut Trainer, sink: &EventSink) -> Option<EndReason> 
     end
 }
 
+/// The training state of one run: model, optimizer, loss scaler, data stream, knobs in force,
+/// counters and the observers of its windows. Its fields are private: the run loop, the guard,
+/// checkpoints and tests act through the methods below.
 pub struct Trainer {
-    pub scenario: Scenario,
-    pub device: Device,
-    pub model: Gpt,
-    pub opt: AdamW,
-    pub scaler: LossScaler,
-    pub corpus: Corpus,
-    pub knobs: Knobs,
+    scenario: Scenario,
+    device: Device,
+    model: Gpt,
+    opt: AdamW,
+    scaler: LossScaler,
+    corpus: Corpus,
+    knobs: Knobs,
     /// Optimizer steps taken, skipped ones included.
-    pub step: u64,
+    step: u64,
     /// Steps the LR schedule has advanced (skipped steps do not advance it).
-    pub lr_step: u64,
+    lr_step: u64,
     /// Index of the next training sample.
-    pub cursor: u64,
-    pub overflow_count: u64,
+    cursor: u64,
+    overflow_count: u64,
     /// Bytes per category, per step and phase; its events leave with each step.
-    pub memory: Ledger,
+    memory: Ledger,
     /// Runs after every optimizer step; `--checkpoint-every` installs a saver
     /// (`checkpoint::Policy::after_step`).
-    pub after_step: Option<Box<dyn AfterStep>>,
+    after_step: Option<Box<dyn AfterStep>>,
     /// Controls given with `--control STEP:KIND=VALUE`: a timeline reported with origin `cli`.
-    pub cli_controls: Vec<TimelineEntry>,
+    cli_controls: Vec<TimelineEntry>,
     /// Run the composite ops (CUDA's code path) even where the fused CPU kernels apply; from
     /// `GACCWB_KERNELS=composite` (see `ops::KERNELS_ENV`).
-    pub composite: bool,
+    composite: bool,
     /// The memory guard: budget, out-of-memory retries, changes queued for the boundary.
-    pub guard: oom_guard::Guard,
+    guard: oom_guard::Guard,
     /// Smoothed gradient noise scale.
-    pub noise: noise::NoiseTracker,
+    noise: noise::NoiseTracker,
     /// The adaptive accumulation policy's memory.
-    pub adaptive: adaptive::AdaptiveK,
+    adaptive: adaptive::AdaptiveK,
     /// Whether the CPU's fused ops use the thread pool, window by window (`run` consults it).
-    pub pool: pool_governor::PoolGovernor,
+    pool: pool_governor::PoolGovernor,
     /// Other processes' load on this process's CPUs, read for the governor between windows
     /// (from the trainer's start, so the first reading covers building the model).
-    pub cpu_load: crate::ops::cpu_load::OthersLoad,
+    cpu_load: crate::ops::cpu_load::OthersLoad,
     /// Watch every window after the ledger (`observe_windows`; tests inject faults this way).
     window_observers: Vec<Box<dyn WindowObserver + Send>>,
     /// The data-parallel ranks this trainer is one of (alone by default; [`Trainer::join`]).
@@ -179,10 +213,11 @@ pub struct Trainer {
 }
 
 impl Trainer {
+    /// Build the model, optimizer and data stream for `scenario` on `device`, after checking that the scenario is valid and fits; with a budget, the guard plans the first split.
     pub fn new(mut scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
         let cpu_load = crate::ops::cpu_load::OthersLoad::start();
         scenario.validate().map_err(anyhow::Error::msg)?;
-        guard::check_model_fits(&scenario, &device).map_err(anyhow::Error::msg)?;
+        guard::check_model_fits(&scenario, &device)?;
         let corpus = Corpus::open_sizing(&mut scenario)?;
         let mut model = Gpt::new(&scenario.model, scenario.train.seed, &device)
             .context("building the model")?;
@@ -199,12 +234,11 @@ impl Trainer {
             &mut model,
         )?;
         let memory = Ledger::new(crate::memory::gpu::meter_for(&device));
-        let composite = crate::ops::kernels_from_env().map_err(anyhow::Error::msg)?;
-        let pool_choice = pool_governor::choice_from_env().map_err(anyhow::Error::msg)?;
+        let composite = crate::ops::kernels_from_env()?;
+        let pool_choice = pool_governor::choice_from_env()?;
         let budget = t
             .memory_budget
-            .resolve(crate::memory::gpu::device_total(&device))
-            .map_err(anyhow::Error::msg)?;
+            .resolve(crate::memory::gpu::device_total(&device))?;
         let guard = oom_guard::Guard::new(budget, t.guard_retries);
         let mut trainer = Trainer {
             composite,
@@ -233,12 +267,147 @@ impl Trainer {
             zero: None,
             started: Instant::now(),
         };
-        oom_guard::plan_start(&mut trainer)?;
+        let unified = trainer.memory.unified();
+        trainer.guard.plan_start(
+            &trainer.scenario.model,
+            &trainer.knobs,
+            unified,
+            trainer.step,
+        )?;
         Ok(trainer)
     }
 
+    /// The model's parameters, in the order of the optimizer's state and of checkpoints.
     pub fn params(&self) -> &[Param] {
         &self.model.params
+    }
+
+    /// The scenario the run was built from (its knobs' first values; `knobs` has those in force).
+    pub fn scenario(&self) -> &Scenario {
+        &self.scenario
+    }
+
+    /// The device the model and its gradients live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &Gpt {
+        &self.model
+    }
+
+    /// The optimizer, with its moments (for checkpoints and tests).
+    pub fn optimizer(&self) -> &AdamW {
+        &self.opt
+    }
+
+    /// The f16 loss scaler's state.
+    pub fn scaler(&self) -> &LossScaler {
+        &self.scaler
+    }
+
+    /// The data source the windows and the validation set are drawn from.
+    pub fn corpus(&self) -> &Corpus {
+        &self.corpus
+    }
+
+    /// The knobs in force for the next window.
+    pub fn knobs(&self) -> &Knobs {
+        &self.knobs
+    }
+
+    /// Optimizer steps taken, skipped ones included.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Steps the LR schedule has advanced (skipped steps do not advance it).
+    pub fn lr_step(&self) -> u64 {
+        self.lr_step
+    }
+
+    /// Index of the next training sample.
+    pub fn cursor(&self) -> u64 {
+        self.cursor
+    }
+
+    /// Steps skipped because their gradients were not finite.
+    pub fn overflow_count(&self) -> u64 {
+        self.overflow_count
+    }
+
+    /// The memory ledger: what the windows measured so far.
+    pub fn memory(&self) -> &Ledger {
+        &self.memory
+    }
+
+    /// The memory events of the last step, taken once (the run loop sends them; tests read them).
+    pub fn take_memory_events(&mut self) -> Vec<crate::telemetry::MemoryEvent> {
+        self.memory.take_events()
+    }
+
+    /// Measure later windows with `meter` instead of the device's own (a test's fake meter).
+    pub fn measure_with(&mut self, meter: Box<dyn crate::memory::TotalMeter>) {
+        self.memory = Ledger::new(meter);
+    }
+
+    /// Run the composite ops (CUDA's code path) even where the fused CPU kernels apply, as
+    /// `GACCWB_KERNELS=composite` does from the start.
+    pub fn force_composite_ops(&mut self, on: bool) {
+        self.composite = on;
+    }
+
+    /// The `--control STEP:KIND=VALUE` timeline, reported with origin `cli`.
+    pub fn cli_controls(&self) -> &[TimelineEntry] {
+        &self.cli_controls
+    }
+
+    /// Apply `entries` at their steps with origin `cli` (`--control`).
+    pub fn set_cli_controls(&mut self, entries: Vec<TimelineEntry>) {
+        self.cli_controls = entries;
+    }
+
+    /// Run `hook` after every optimizer step (`--checkpoint-every` installs a saver).
+    pub fn set_after_step(&mut self, hook: Box<dyn AfterStep>) {
+        self.after_step = Some(hook);
+    }
+
+    /// The counters a checkpoint saves.
+    pub fn progress(&self) -> Progress {
+        Progress {
+            step: self.step,
+            lr_step: self.lr_step,
+            cursor: self.cursor,
+            overflow_count: self.overflow_count,
+        }
+    }
+
+    /// Continue a saved run: its weights, optimizer moments (`m`, `v`, in parameter order, on
+    /// any device), AdamW's step count, loss scaler, knobs and counters replace this trainer's.
+    pub fn resume(&mut self, saved: Saved) -> Result<()> {
+        // Load into the plain placement (f32 weights and state on the device, no host copies),
+        // then place as the saved knobs say: host copies are taken from the loaded weights.
+        let plain = Knobs {
+            offload: false,
+            dtype: crate::telemetry::Dtype::F32,
+            ..saved.knobs.clone()
+        };
+        self.place_state(&plain)?;
+        for (p, w) in self.model.params.iter().zip(&saved.weights) {
+            p.var.set(&w.to_device(p.var.device())?)?;
+        }
+        self.opt
+            .load_moments(&self.model.params, saved.m, saved.v, saved.adam_t)?;
+        self.place_state(&saved.knobs)?;
+        self.scaler = saved.scaler;
+        self.knobs = saved.knobs;
+        let p = saved.progress;
+        (self.step, self.lr_step) = (p.step, p.lr_step);
+        (self.cursor, self.overflow_count) = (p.cursor, p.overflow_count);
+        // The restored tensors were written on this thread's stream; the trainer's thread must
+        // see them complete before its first kernel reads them.
+        self.device.synchronize()
     }
 
     /// Train as one rank of `group` (data parallel): every rank must join a trainer built from
@@ -571,12 +740,23 @@ impl Trainer {
                 Err(e) if self.group.is_parallel() => return Err(e),
                 Err(e) => {
                     self.cursor = cursor;
-                    match oom_guard::after_failure(self, e, &mut failures_at_one) {
-                        oom_guard::AfterFailure::Retry => continue,
+                    let after =
+                        self.guard
+                            .after_failure(&self.knobs, self.step, e, &mut failures_at_one);
+                    match after {
+                        oom_guard::AfterFailure::Retry(now) => self.apply_at_once(&now),
                         oom_guard::AfterFailure::GiveUp(e) => return Err(e),
                     }
                 }
             }
+        }
+    }
+
+    /// Knob changes that cannot wait for the boundary: the guard's smaller split for the retry
+    /// of a window that ran out of memory (already checked by the guard, announced by it).
+    fn apply_at_once(&mut self, controls: &[Control]) {
+        for c in controls {
+            self.knobs.apply(c);
         }
     }
 
@@ -755,7 +935,7 @@ impl Trainer {
         self.check_under_zero(c)?;
         crate::scenario::validate_control(c).map_err(anyhow::Error::msg)?;
         crate::scenario::check_needs(c, self.knobs.noise).map_err(anyhow::Error::msg)?;
-        guard::check_knob_change(self, c).map_err(anyhow::Error::msg)?;
+        guard::check_knob_change(self, c)?;
         match *c {
             Control::SetOffload { .. } | Control::SetDtype { .. } => {
                 let mut next = self.knobs.clone();
@@ -839,12 +1019,15 @@ impl Trainer {
 
 /// A trainer running on its own thread.
 pub struct TrainerHandle {
+    /// Controls for the trainer; they act at the next window boundary (Stop between micro-batches).
     pub controls: UnboundedSender<ControlMsg>,
+    /// Everything the trainer reports, in order.
     pub events: UnboundedReceiver<Event>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl TrainerHandle {
+    /// Send `control` with `origin`; a trainer that has ended ignores it.
     pub fn send(&self, control: Control, origin: Origin) {
         let _ = self.controls.send(ControlMsg { control, origin });
     }
@@ -917,11 +1100,7 @@ pub fn run_returning(
     };
     sink.send(Event::Header(trainer.header()));
     if let Some(line) = trainer.corpus.provenance() {
-        sink.send(Event::Log(LogEvent {
-            step: 0,
-            level: Level::Info,
-            message: line.to_string(),
-        }));
+        sink.send(Event::info(0, line));
     }
     send_estimate(&trainer, &sink);
     let mut divergence = guard::Divergence::new(trainer.scenario.train.max_nonfinite_windows);
@@ -1047,11 +1226,7 @@ fn after_window(
     let n = step.step;
     let positions = step.micro_batch * step.accum_steps * trainer.scenario.model.seq_len;
     if let Some(line) = trainer.pool.observe(serial, step.step_ms, positions as u64) {
-        sink.send(Event::Log(LogEvent {
-            step: n,
-            level: Level::Info,
-            message: line,
-        }));
+        sink.send(Event::info(n, line));
     }
     let diverged = divergence.observe(&step);
     flow.pending.extend(trainer.policy_control(&step));
@@ -1062,7 +1237,9 @@ fn after_window(
         flow.stop = true;
     }
     let memory = trainer.memory.take_events();
-    let guard_log = oom_guard::after_step(trainer, &memory);
+    let guard_log = trainer
+        .guard
+        .after_step(&trainer.knobs, trainer.step, &memory);
     send_all(sink, memory.into_iter().map(Event::Memory).chain(guard_log));
     let hook_end = run_after_step(trainer, sink);
     if let Some(end) = diverged.or(hook_end) {
@@ -1137,14 +1314,13 @@ fn share_pending(
             )
         });
     for m in pausing {
-        sink.send(Event::Log(LogEvent {
-            step: trainer.step,
-            level: Level::Warn,
-            message: format!(
+        sink.send(Event::warn(
+            trainer.step,
+            format!(
                 "{} ignored: ranks cannot pause (the others would wait in a collective)",
                 m.control.describe()
             ),
-        }));
+        ));
     }
     flow.pending = trainer.group.share_controls(shared)?;
     Ok(())
@@ -1205,11 +1381,7 @@ fn apply_due(trainer: &mut Trainer, flow: &mut Flow, sink: &EventSink) {
                 }
                 if let Err(e) = applied {
                     let message = format!("control {} rejected: {e}", msg.control.describe());
-                    sink.send(Event::Log(LogEvent {
-                        step,
-                        level: Level::Warn,
-                        message,
-                    }));
+                    sink.send(Event::warn(step, message));
                     continue;
                 }
                 memory_changed |= crate::memory::estimate::changes_memory(&msg.control);
@@ -1247,11 +1419,7 @@ fn choose_pool(trainer: &mut Trainer, sink: &EventSink) -> bool {
     if let Some(reading) = reading {
         let cpus = trainer.cpu_load.cpus();
         if let Some(message) = trainer.pool.load(reading.others, cpus) {
-            sink.send(Event::Log(LogEvent {
-                step: trainer.step,
-                level: Level::Info,
-                message,
-            }));
+            sink.send(Event::info(trainer.step, message));
         }
     }
     trainer.pool.next_serial(applies)
@@ -1264,10 +1432,6 @@ fn maybe_evaluate(trainer: &Trainer, step: u64, sink: &EventSink) {
     }
     match trainer.evaluate() {
         Ok(val_loss) => sink.send(Event::Eval(EvalEvent { step, val_loss })),
-        Err(e) => sink.send(Event::Log(LogEvent {
-            step,
-            level: Level::Warn,
-            message: format!("evaluation failed: {e}"),
-        })),
+        Err(e) => sink.send(Event::warn(step, format!("evaluation failed: {e}"))),
     };
 }

@@ -33,6 +33,7 @@ pub struct MicroNorm {
 /// The squared norms of one window: what the estimator needs, nothing more.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct WindowNorms {
+    /// Each micro-batch's squared gradient norm and size.
     pub micro: Vec<MicroNorm>,
     /// |G_big|² of the (correct) window gradient: the token-mean over the whole window.
     pub window_sq_norm: f64,
@@ -43,7 +44,9 @@ pub struct WindowNorms {
 /// Unbiased single-window estimates of |G|² and tr(Σ), with batch sizes in one unit.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Raw {
+    /// Estimated squared norm of the true gradient, |G|².
     pub g2: f64,
+    /// Estimated trace of the per-sample gradient covariance, tr(Σ).
     pub trace: f64,
 }
 
@@ -120,6 +123,7 @@ pub struct Ema {
 }
 
 impl Ema {
+    /// An empty average that forgets at rate `beta` per update.
     pub fn new(beta: f64) -> Ema {
         Ema {
             beta,
@@ -128,6 +132,7 @@ impl Ema {
         }
     }
 
+    /// Fold in one value.
     pub fn update(&mut self, x: f64) {
         self.sum = self.beta * self.sum + (1.0 - self.beta) * x;
         self.weight = self.beta * self.weight + (1.0 - self.beta);

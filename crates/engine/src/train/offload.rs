@@ -27,6 +27,7 @@ pub struct Placement {
 }
 
 impl Placement {
+    /// The placement the knobs in force ask for.
     pub fn of(k: &Knobs) -> Placement {
         Placement {
             offload: k.offload,
@@ -59,6 +60,7 @@ pub fn tensor_bytes(t: &Tensor) -> u64 {
 /// Bytes that crossed between host and device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Traffic {
+    /// Model-state bytes moved so far in this step.
     pub bytes: u64,
 }
 

@@ -14,30 +14,32 @@
 //!
 //! Every change is a `Control` with origin `guard`, logged with the figure that caused it.
 
-use super::{Interrupt, Trainer};
+use super::{Interrupt, Knobs};
 use crate::memory::estimate::{estimate, largest_micro_batch, Config};
 use crate::memory::planner::{human_bytes, Verdict};
-use crate::telemetry::{Control, ControlEvent, Event, Level, LogEvent, MemoryEvent, Origin, Phase};
+use crate::scenario::ModelConfig;
+use crate::telemetry::{Control, ControlEvent, Event, MemoryEvent, Origin, Phase};
 
 /// The guard's state on the trainer.
 #[derive(Debug, Default)]
 pub struct Guard {
     /// The budget in bytes (resolved against the device's total); `None`: no budget.
-    pub budget: Option<u64>,
+    budget: Option<u64>,
     /// Out-of-memory failures tolerated at micro-batch 1 (`train.guard_retries`).
-    pub retries: u32,
+    retries: u32,
     /// Changes for the next boundary (origin `guard`).
     queued: Vec<Control>,
     /// Events describing what the guard did inside the last window (applied retries).
     announcements: Vec<Event>,
     /// The micro-batch in force before the guard first split it, while its split stands: the
     /// adaptive policy counts K against it (`adaptive::AdaptiveK::decide`).
-    pub split_from: Option<usize>,
+    split_from: Option<usize>,
     /// Whether "already at micro-batch 1" was logged since the guard last had B to trade.
     said_nothing_left: bool,
 }
 
 impl Guard {
+    /// A guard for `budget` bytes (`None`: none) that retries out-of-memory at B=1 `retries` times.
     pub fn new(budget: Option<u64>, retries: u32) -> Guard {
         Guard {
             budget,
@@ -108,92 +110,151 @@ fn split_controls(micro_batch: usize, effective: usize) -> [Control; 2] {
     ]
 }
 
-/// Before the run: fit the configured micro-batch to the budget by the estimate, or refuse.
-pub fn plan_start(trainer: &mut Trainer) -> anyhow::Result<()> {
-    let Some(budget) = trainer.guard.budget else {
-        return Ok(());
-    };
-    let cfg = Config::from_knobs(
-        &trainer.scenario.model,
-        &trainer.knobs,
-        trainer.memory.unified(),
-    );
-    let effective = trainer.knobs.effective_batch();
-    let peak = estimate(&cfg).peak();
-    if peak <= budget {
-        return Ok(());
+impl Guard {
+    /// Before the run: fit the configured micro-batch to the budget by the estimate (the split
+    /// is queued for the first boundary), or refuse the run.
+    pub fn plan_start(
+        &mut self,
+        model: &ModelConfig,
+        knobs: &Knobs,
+        unified: bool,
+        step: u64,
+    ) -> anyhow::Result<()> {
+        let Some(budget) = self.budget else {
+            return Ok(());
+        };
+        let cfg = Config::from_knobs(model, knobs, unified);
+        let effective = knobs.effective_batch();
+        let peak = estimate(&cfg).peak();
+        if peak <= budget {
+            return Ok(());
+        }
+        let Some(row) = largest_micro_batch(&cfg, effective, budget) else {
+            anyhow::bail!(
+                "the memory budget ({}) cannot hold this run at any micro-batch:\n{}",
+                human_bytes(budget),
+                Verdict::new(&cfg, effective, budget).render(effective)
+            );
+        };
+        self.queued
+            .extend(split_controls(row.micro_batch, effective));
+        self.announcements.push(Event::warn(
+            step,
+            format!(
+                "guard: predicted peak {} at B={} exceeds the budget {}; starting at B={} K={} \
+                 (predicted {})",
+                human_bytes(peak),
+                cfg.micro_batch,
+                human_bytes(budget),
+                row.micro_batch,
+                row.accum_steps,
+                human_bytes(row.peak)
+            ),
+        ));
+        Ok(())
     }
-    let Some(row) = largest_micro_batch(&cfg, effective, budget) else {
-        anyhow::bail!(
-            "the memory budget ({}) cannot hold this run at any micro-batch:\n{}",
-            human_bytes(budget),
-            Verdict::new(&cfg, effective, budget).render(effective)
-        );
-    };
-    trainer
-        .guard
-        .queued
-        .extend(split_controls(row.micro_batch, effective));
-    trainer.guard.announcements.push(log(
-        trainer.step,
-        Level::Warn,
-        format!(
-            "guard: predicted peak {} at B={} exceeds the budget {}; starting at B={} K={} \
-             (predicted {})",
-            human_bytes(peak),
-            cfg.micro_batch,
-            human_bytes(budget),
-            row.micro_batch,
-            row.accum_steps,
-            human_bytes(row.peak)
-        ),
-    ));
-    Ok(())
-}
 
-/// After a step: compare the measured phase peaks with the budget; over it, queue half the
-/// micro-batch (and K to match) for the next boundary. Returns the log to send, if any.
-pub fn after_step(trainer: &mut Trainer, memory: &[MemoryEvent]) -> Option<Event> {
-    let budget = trainer.guard.budget?;
-    let worst = memory
-        .iter()
-        .filter(|m| m.phase != Phase::Step)
-        .max_by_key(|m| m.peak)?;
-    if worst.peak <= budget {
-        return None;
-    }
-    let (b, effective) = (trainer.knobs.micro_batch, trainer.knobs.effective_batch());
-    let (peak, limit) = distinct_sizes(worst.peak, budget);
-    let measured = format!(
-        "measured {:?} peak {peak} ({:?}) at step {} exceeds the budget {limit}",
-        worst.phase, worst.source, worst.step,
-    );
-    if b == 1 {
-        // Said once: every later step at B=1 would say the same.
-        if std::mem::replace(&mut trainer.guard.said_nothing_left, true) {
+    /// After step `step`: compare the measured phase peaks with the budget; over it, queue half
+    /// the micro-batch (and K to match) for the next boundary. Returns the log to send, if any.
+    pub fn after_step(
+        &mut self,
+        knobs: &Knobs,
+        step: u64,
+        memory: &[MemoryEvent],
+    ) -> Option<Event> {
+        let budget = self.budget?;
+        let worst = memory
+            .iter()
+            .filter(|m| m.phase != Phase::Step)
+            .max_by_key(|m| m.peak)?;
+        if worst.peak <= budget {
             return None;
         }
-        return Some(log(
-            trainer.step,
-            Level::Warn,
-            format!("guard: {measured}; already at micro-batch 1, nothing left to trade for K"),
-        ));
+        let (b, effective) = (knobs.micro_batch, knobs.effective_batch());
+        let (peak, limit) = distinct_sizes(worst.peak, budget);
+        let measured = format!(
+            "measured {:?} peak {peak} ({:?}) at step {} exceeds the budget {limit}",
+            worst.phase, worst.source, worst.step,
+        );
+        if b == 1 {
+            // Said once: every later step at B=1 would say the same.
+            if std::mem::replace(&mut self.said_nothing_left, true) {
+                return None;
+            }
+            return Some(Event::warn(
+                step,
+                format!("guard: {measured}; already at micro-batch 1, nothing left to trade for K"),
+            ));
+        }
+        self.said_nothing_left = false;
+        let smaller = smaller_micro_batch(b, effective);
+        self.queued.extend(split_controls(smaller, effective));
+        Some(Event::warn(
+            step,
+            format!(
+                "guard: {measured}; B {b}→{smaller}, K {}→{} at the next boundary",
+                knobs.accum_steps,
+                effective / smaller
+            ),
+        ))
     }
-    trainer.guard.said_nothing_left = false;
-    let smaller = smaller_micro_batch(b, effective);
-    trainer
-        .guard
-        .queued
-        .extend(split_controls(smaller, effective));
-    Some(log(
-        trainer.step,
-        Level::Warn,
-        format!(
-            "guard: {measured}; B {b}→{smaller}, K {}→{} at the next boundary",
-            trainer.knobs.accum_steps,
-            effective / smaller
-        ),
-    ))
+
+    /// The window of step `step + 1` failed under `knobs`: on an out-of-memory error, halve B
+    /// (doubling K) and retry, or at B=1 retry up to `retries` times; anything else ends the
+    /// window as before.
+    pub(super) fn after_failure(
+        &mut self,
+        knobs: &Knobs,
+        step: u64,
+        failure: Interrupt,
+        failures_at_one: &mut u32,
+    ) -> AfterFailure {
+        let Interrupt::Failed(e) = failure else {
+            return AfterFailure::GiveUp(failure);
+        };
+        if !is_out_of_memory(&e) {
+            return AfterFailure::GiveUp(Interrupt::Failed(e));
+        }
+        let (b, effective) = (knobs.micro_batch, knobs.effective_batch());
+        if b == 1 {
+            *failures_at_one += 1;
+            if *failures_at_one > self.retries {
+                return AfterFailure::GiveUp(Interrupt::Failed(candle_core::Error::Msg(format!(
+                    "out of memory at micro-batch 1 after {} retries (train.guard_retries); the \
+                     run cannot go smaller: {e}",
+                    self.retries
+                ))));
+            }
+            self.announcements.push(Event::warn(
+                step,
+                format!(
+                    "guard: out of memory at micro-batch 1 (retry {} of {}): {e}",
+                    failures_at_one, self.retries
+                ),
+            ));
+            return AfterFailure::Retry(Vec::new());
+        }
+        let smaller = smaller_micro_batch(b, effective);
+        self.split_from.get_or_insert(b);
+        let now = split_controls(smaller, effective);
+        for control in &now {
+            self.announcements.push(Event::Control(ControlEvent {
+                step,
+                origin: Origin::Guard,
+                control: control.clone(),
+            }));
+        }
+        self.announcements.push(Event::warn(
+            step,
+            format!(
+                "guard: out of memory inside the window of step {}: {e}; partial gradients dropped, \
+                 cursor rewound, the same samples retried at B={smaller} K={}",
+                step + 1,
+                effective / smaller
+            ),
+        ));
+        AfterFailure::Retry(now.into())
+    }
 }
 
 /// Two sizes as the log shows them, in bytes when the rounded figures would look equal
@@ -206,86 +267,56 @@ fn distinct_sizes(a: u64, b: u64) -> (String, String) {
     (ha, hb)
 }
 
-/// Out-of-memory errors as Candle reports them (cudarc's `CUDA_ERROR_OUT_OF_MEMORY`, "out of
-/// memory").
+/// Whether `e` is an out-of-memory error. By type where Candle keeps one: with the `cuda`
+/// feature, the driver's `CUDA_ERROR_OUT_OF_MEMORY` or cuBLAS's `CUBLAS_STATUS_ALLOC_FAILED`,
+/// under any backtrace, context or path Candle wrapped around it. Errors that carry only text
+/// (`Error::Msg`, `Error::Wrapped`, a backend without typed errors) are judged by
+/// [`says_out_of_memory`].
 pub fn is_out_of_memory(e: &candle_core::Error) -> bool {
-    let text = e.to_string().to_ascii_lowercase();
+    use candle_core::Error as E;
+    match e {
+        E::WithBacktrace { inner, .. } | E::Context { inner, .. } | E::WithPath { inner, .. } => {
+            is_out_of_memory(inner)
+        }
+        #[cfg(feature = "cuda")]
+        E::Cuda(inner) => match inner.downcast_ref::<candle_core::cuda::CudaError>() {
+            Some(cuda) => cuda_out_of_memory(cuda),
+            None => says_out_of_memory(&inner.to_string()),
+        },
+        _ => says_out_of_memory(&e.to_string()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_out_of_memory(e: &candle_core::cuda::CudaError) -> bool {
+    use candle_core::cuda::cudarc::{cublas, driver};
+    use candle_core::cuda::CudaError as C;
+    match e {
+        C::Cuda(driver::DriverError(code))
+        | C::Load {
+            cuda: driver::DriverError(code),
+            ..
+        } => *code == driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        C::Cublas(cublas::result::CublasError(status)) => {
+            *status == cublas::sys::cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED
+        }
+        _ => false,
+    }
+}
+
+/// The one place an out-of-memory error is recognised by its words, for errors that reach the
+/// trainer as text only: cudarc's `CUDA_ERROR_OUT_OF_MEMORY`, or "out of memory".
+pub fn says_out_of_memory(text: &str) -> bool {
+    let text = text.to_ascii_lowercase();
     text.contains("out of memory") || text.contains("out_of_memory")
 }
 
 /// What to do after a window failed.
 pub(super) enum AfterFailure {
-    /// Retry the window's samples with the knobs now in force.
-    Retry,
+    /// Apply these controls at once (the guard's smaller split), then retry the window's samples.
+    Retry(Vec<Control>),
+    /// End the window with this interrupt.
     GiveUp(Interrupt),
-}
-
-/// A window failed: on an out-of-memory error, halve B (doubling K) and retry, or at B=1 retry
-/// up to `retries` times; anything else ends the window as before.
-pub(super) fn after_failure(
-    trainer: &mut Trainer,
-    failure: Interrupt,
-    failures_at_one: &mut u32,
-) -> AfterFailure {
-    let Interrupt::Failed(e) = failure else {
-        return AfterFailure::GiveUp(failure);
-    };
-    if !is_out_of_memory(&e) {
-        return AfterFailure::GiveUp(Interrupt::Failed(e));
-    }
-    let (b, effective) = (trainer.knobs.micro_batch, trainer.knobs.effective_batch());
-    let step = trainer.step;
-    if b == 1 {
-        *failures_at_one += 1;
-        if *failures_at_one > trainer.guard.retries {
-            return AfterFailure::GiveUp(Interrupt::Failed(candle_core::Error::Msg(format!(
-                "out of memory at micro-batch 1 after {} retries (train.guard_retries); the \
-                 run cannot go smaller: {e}",
-                trainer.guard.retries
-            ))));
-        }
-        trainer.guard.announcements.push(log(
-            step,
-            Level::Warn,
-            format!(
-                "guard: out of memory at micro-batch 1 (retry {} of {}): {e}",
-                failures_at_one, trainer.guard.retries
-            ),
-        ));
-        return AfterFailure::Retry;
-    }
-    let smaller = smaller_micro_batch(b, effective);
-    trainer.guard.split_from.get_or_insert(b);
-    for control in split_controls(smaller, effective) {
-        trainer.knobs.apply(&control);
-        trainer
-            .guard
-            .announcements
-            .push(Event::Control(ControlEvent {
-                step,
-                origin: Origin::Guard,
-                control,
-            }));
-    }
-    trainer.guard.announcements.push(log(
-        step,
-        Level::Warn,
-        format!(
-            "guard: out of memory inside the window of step {}: {e}; partial gradients dropped, \
-             cursor rewound, the same samples retried at B={smaller} K={}",
-            step + 1,
-            effective / smaller
-        ),
-    ));
-    AfterFailure::Retry
-}
-
-fn log(step: u64, level: Level, message: String) -> Event {
-    Event::Log(LogEvent {
-        step,
-        level,
-        message,
-    })
 }
 
 #[cfg(test)]
@@ -293,6 +324,7 @@ mod tests {
     use super::*;
     use crate::budget::MemoryBudget;
     use crate::scenario::{DataConfig, ModelConfig, Scenario, TrainConfig};
+    use crate::train::Trainer;
     use candle_core::Device;
 
     fn scenario(micro_batch: usize, accum_steps: usize) -> Scenario {
@@ -395,7 +427,7 @@ mod tests {
             peak: 1_950_001,
             unified: true,
         };
-        let Some(Event::Log(first)) = after_step(&mut t, &[over(1)]) else {
+        let Some(Event::Log(first)) = t.guard.after_step(&t.knobs, t.step, &[over(1)]) else {
             panic!("no log at the first step over the budget");
         };
         assert!(
@@ -406,8 +438,38 @@ mod tests {
             first.message
         );
         for step in 2..5 {
-            assert!(after_step(&mut t, &[over(step)]).is_none());
+            assert!(t
+                .guard
+                .after_step(&t.knobs, t.step, &[over(step)])
+                .is_none());
         }
+    }
+
+    /// Candle's wrappers (context, path, backtrace) do not hide an out-of-memory error.
+    #[test]
+    fn out_of_memory_is_found_inside_candles_wrappers() {
+        let oom = candle_core::Error::Msg("out of memory".into());
+        let wrapped = candle_core::Error::WithPath {
+            inner: Box::new(oom),
+            path: "weights.safetensors".into(),
+        };
+        assert!(is_out_of_memory(&wrapped));
+        let other = candle_core::Error::WithPath {
+            inner: Box::new(candle_core::Error::Msg("shape mismatch".into())),
+            path: "out_of_memory.safetensors".into(),
+        };
+        assert!(!is_out_of_memory(&other), "judged by the path's name");
+    }
+
+    /// With the `cuda` feature the driver's code is read, not the message.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_cuda_out_of_memory_is_recognised_by_its_code() {
+        use candle_core::cuda::cudarc::driver::{sys::CUresult, DriverError};
+        use candle_core::cuda::CudaError;
+        let of = |code| candle_core::Error::from(CudaError::Cuda(DriverError(code)));
+        assert!(is_out_of_memory(&of(CUresult::CUDA_ERROR_OUT_OF_MEMORY)));
+        assert!(!is_out_of_memory(&of(CUresult::CUDA_ERROR_INVALID_VALUE)));
     }
 
     #[test]

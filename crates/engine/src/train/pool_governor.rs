@@ -30,21 +30,27 @@ fn fix_hint() -> String {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What `GACCWB_CPU_POOL` asks for.
 pub enum PoolChoice {
+    /// Time both and keep the faster (the default).
     Auto,
+    /// Always the thread pool.
     Pool,
+    /// Always the calling thread alone.
     Serial,
 }
 
 /// `GACCWB_CPU_POOL` parsed; unset or empty is `auto`.
-pub fn choice_from_env() -> Result<PoolChoice, String> {
+pub fn choice_from_env() -> Result<PoolChoice, crate::ops::BadEnvValue> {
     match std::env::var(POOL_ENV).as_deref().map(str::trim) {
         Err(_) | Ok("" | "auto") => Ok(PoolChoice::Auto),
         Ok("pool") => Ok(PoolChoice::Pool),
         Ok("serial") => Ok(PoolChoice::Serial),
-        Ok(other) => Err(format!(
-            "{POOL_ENV}={other:?}: expected \"auto\" (the default), \"pool\" or \"serial\""
-        )),
+        Ok(other) => Err(crate::ops::BadEnvValue {
+            var: POOL_ENV,
+            value: other.to_string(),
+            expected: "\"auto\" (the default), \"pool\" or \"serial\"",
+        }),
     }
 }
 
@@ -71,6 +77,7 @@ const CONTENDED_BELOW: f64 = 1.5;
 const FREE_ABOVE: f64 = 1.75;
 
 #[derive(Clone, Debug)]
+/// Chooses, window by window, whether the fused CPU ops use the thread pool, from their measured cost and other processes' load.
 pub struct PoolGovernor {
     choice: PoolChoice,
     serial: bool,
@@ -90,6 +97,7 @@ pub struct PoolGovernor {
 }
 
 impl PoolGovernor {
+    /// A governor following `choice`, starting on the pool.
     pub fn new(choice: PoolChoice) -> PoolGovernor {
         PoolGovernor {
             choice,

@@ -5,8 +5,11 @@
 //! (`exhausted`) instead of halving towards zero.
 
 #[derive(Clone, Debug, PartialEq)]
+/// The f16 loss scale and the counters that move it.
 pub struct LossScaler {
+    /// The factor the loss is multiplied by before backward.
     pub scale: f64,
+    /// Clean steps in a row after which the scale doubles.
     pub growth_interval: u64,
     /// Consecutive clean steps since the last change of scale.
     pub clean_steps: u64,
@@ -15,13 +18,16 @@ pub struct LossScaler {
 }
 
 impl LossScaler {
+    /// The factor applied on overflow.
     pub const BACKOFF: f64 = 0.5;
+    /// The factor applied after `growth_interval` clean steps.
     pub const GROWTH: f64 = 2.0;
     /// The smallest scale backing off reaches (1: no scaling at all).
     pub const FLOOR: f64 = 1.0;
     /// Overflows in a row at the floor that end the run.
     pub const FLOOR_PATIENCE: u64 = 3;
 
+    /// A scaler starting at `scale`, growing after `growth_interval` clean steps.
     pub fn new(scale: f64, growth_interval: u64) -> Self {
         LossScaler {
             scale,

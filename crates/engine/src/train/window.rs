@@ -27,8 +27,11 @@ pub struct WindowGrads {
     pub reference: Option<Vec<Tensor>>,
     /// Window loss under the configured normalisation, unscaled.
     pub loss: f64,
+    /// Counted (loss-carrying) tokens of the window.
     pub tokens: u64,
+    /// Forward time summed over the micro-batches, in ms.
     pub forward_ms: f64,
+    /// Backward time summed over the micro-batches, in ms.
     pub backward_ms: f64,
     /// Squared norms for the gradient noise scale (K ≥ 2 with `knobs.noise`).
     pub noise: Option<noise::WindowNorms>,
@@ -48,7 +51,9 @@ impl WindowGrads {
 
 /// Why a window did not finish.
 pub enum Interrupt {
+    /// A stop arrived between micro-batches.
     Stop,
+    /// A micro-batch failed (out of memory among others).
     Failed(candle_core::Error),
 }
 
@@ -62,7 +67,9 @@ impl From<candle_core::Error> for Interrupt {
 /// correct one (per counted token of the window).
 #[derive(Clone, Copy, Debug)]
 pub struct LossWeights {
+    /// The weight `train.loss_norm` gives the micro-batch's token sum.
     pub applied: f64,
+    /// The weight the correct normalisation gives it (1 / the window's counted tokens).
     pub correct: f64,
 }
 
@@ -88,6 +95,7 @@ pub struct Share<'g> {
     pub window_tokens: u64,
     /// Counted tokens of this rank's slice.
     pub rank_tokens: u64,
+    /// How this rank's loss is weighted against the whole window's tokens.
     pub rank_loss_norm: RankLossNorm,
     /// With `MicroBatch`, each micro-batch's gradients are summed over the ranks before they
     /// are folded; with `Window`, the caller sums the buffer once the window is done.
@@ -95,6 +103,7 @@ pub struct Share<'g> {
     /// ZeRO-2 with `zero2_accumulate = "reduce-scatter"`: each micro-batch's gradients are
     /// reduce-scattered and only this rank's pieces are folded.
     pub scatter: Option<&'g super::zero::Shard>,
+    /// The ranks this one trains with.
     pub group: &'g mut Group,
 }
 
@@ -123,13 +132,17 @@ impl Share<'_> {
 /// The end of a micro-batch's forward: `loss` (weighted and scaled) roots the graph kept for
 /// backward; `buffer` is every accumulation buffer the window holds so far.
 pub struct ForwardEnd<'a> {
+    /// The micro-batch's weighted, scaled loss: the root of the graph kept for backward.
     pub loss: &'a Tensor,
+    /// The weights in the compute dtype (half-precision copies on bf16/f16).
     pub compute_weights: &'a [Tensor],
+    /// Every accumulation buffer the window holds so far.
     pub buffer: &'a [&'a Tensor],
 }
 
 /// The end of a micro-batch's backward, before its gradients are folded into the buffer.
 pub struct BackwardEnd<'a> {
+    /// The gradients backward returned, before they are folded.
     pub store: &'a GradStore,
     /// Bytes of the graph activation checkpointing rebuilt inside this backward.
     pub recomputed_bytes: u64,
@@ -137,11 +150,15 @@ pub struct BackwardEnd<'a> {
 
 /// A micro-batch's parameter gradients (× its loss weight × the loss scale), about to be folded.
 pub struct MicroGradients<'a> {
+    /// One per parameter.
     pub grads: &'a [Tensor],
+    /// The micro-batch's loss weights.
     pub weights: LossWeights,
+    /// The loss scale they carry.
     pub scale: f64,
     /// Counted (loss-carrying) tokens and samples of the micro-batch.
     pub tokens: u64,
+    /// Samples in the micro-batch.
     pub samples: usize,
 }
 
@@ -154,18 +171,23 @@ pub trait WindowObserver {
     fn window_start(&mut self, _step: u64) -> Result<()> {
         Ok(())
     }
+    /// A micro-batch's forward begins.
     fn forward_start(&mut self) -> Result<()> {
         Ok(())
     }
+    /// Its forward has built the loss.
     fn forward_end(&mut self, _at: &ForwardEnd) -> Result<()> {
         Ok(())
     }
+    /// Its backward begins.
     fn backward_start(&mut self) -> Result<()> {
         Ok(())
     }
+    /// Its backward has returned the gradient store.
     fn backward_end(&mut self, _at: &BackwardEnd) -> Result<()> {
         Ok(())
     }
+    /// Its parameter gradients, before they are folded into the buffer.
     fn gradients(&mut self, _micro: &MicroGradients) -> Result<()> {
         Ok(())
     }

@@ -503,6 +503,7 @@ fn for_ranges(n: usize, f: impl Fn(Range<usize>) + Sync) {
 // ---------------------------------------------------------------------------------------------
 // Masked token NLL
 
+/// Summed token NLL of `logits` against `targets`, counting only positions where `mask` is 1, as one fused op with its own backward.
 pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
     logits
         .contiguous()?

@@ -11,8 +11,11 @@ use crate::ops::vmath;
 /// One AdamW update's scalars (the caller's `AdamW::step` documents the maths).
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWStep {
+    /// β₁, the first moment's decay.
     pub beta1: f32,
+    /// β₂, the second moment's decay.
     pub beta2: f32,
+    /// ε, added to the root of the second moment.
     pub eps: f32,
     /// lr / (1 − β₁ᵗ).
     pub step_size: f32,
@@ -24,10 +27,15 @@ pub struct AdamWStep {
 
 /// One parameter's AdamW update: its weight, moments, gradient and scalars.
 pub struct AdamWJob<'a> {
+    /// The weight, updated in place.
     pub w: &'a Tensor,
+    /// The first moment, updated in place.
     pub m: &'a Tensor,
+    /// The second moment, updated in place.
     pub v: &'a Tensor,
+    /// The (unscaled, clipped) gradient.
     pub g: Tensor,
+    /// The update's scalars.
     pub step: AdamWStep,
 }
 
