@@ -174,6 +174,61 @@ impl LrRule {
     }
 }
 
+/// When the ranks sum their gradients.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::VariantNames,
+)]
+#[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case")]
+pub enum SyncEvery {
+    /// Once, at the end of the window (PyTorch's `no_sync` for the first K − 1 micro-batches).
+    #[default]
+    Window,
+    /// After every micro-batch's backward: DDP without `no_sync`, K× the bytes.
+    MicroBatch,
+}
+
+impl SyncEvery {
+    /// What one gradient all-reduce covers: "window" or "micro-batch".
+    pub fn noun(self) -> &'static str {
+        match self {
+            SyncEvery::Window => "window",
+            SyncEvery::MicroBatch => "micro-batch",
+        }
+    }
+}
+
+/// How the ranks' losses are normalised.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::VariantNames,
+)]
+#[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case")]
+pub enum RankLossNorm {
+    /// Per counted token of the whole window, all ranks together (correct).
+    #[default]
+    Tokens,
+    /// Each rank's own per-token mean, averaged over the ranks: over-weights the tokens of a
+    /// rank whose slice holds fewer (a pitfall, measured as `grad_error`).
+    MeanOfMeans,
+}
+
+/// Where ZeRO-2 sums the window's gradient.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::VariantNames,
+)]
+#[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case")]
+pub enum Zero2Accumulate {
+    /// A whole local buffer until the window ends, then one reduce-scatter: memory for
+    /// bandwidth.
+    #[default]
+    Buffer,
+    /// A reduce-scatter after every micro-batch, accumulating only this rank's piece: 1/W of
+    /// the buffer, K× the gradient traffic.
+    ReduceScatter,
+}
+
 /// How per-token losses are turned into the window's loss.
 #[derive(
     Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::VariantNames,
@@ -272,6 +327,18 @@ pub enum Control {
     SetAccumPolicy {
         value: AccumPolicy,
     },
+    /// Data parallel: sum gradients once per window or after every micro-batch.
+    SetSync {
+        value: SyncEvery,
+    },
+    /// Data parallel: the ZeRO stage (0, 1 or 2); the moments move with it.
+    SetZero {
+        value: u8,
+    },
+    /// ZeRO-2: a whole buffer and one reduce-scatter, or one per micro-batch.
+    SetZero2Accumulate {
+        value: Zero2Accumulate,
+    },
     Pause,
     Resume,
     /// While paused: run exactly one more window, then pause again.
@@ -337,6 +404,15 @@ pub struct Knobs {
     /// Measure the gradient noise scale in windows with K ≥ 2 (`train.noise`).
     #[serde(default = "measure_noise_by_default")]
     pub noise: bool,
+    /// Data parallel: when the ranks sum their gradients (`train.sync`).
+    #[serde(default)]
+    pub sync: SyncEvery,
+    /// Data parallel: the ZeRO stage, 0 to 2 (`train.zero`).
+    #[serde(default)]
+    pub zero: u8,
+    /// ZeRO-2: where the window's gradient is summed (`train.zero2_accumulate`).
+    #[serde(default)]
+    pub zero2_accumulate: Zero2Accumulate,
 }
 
 fn measure_noise_by_default() -> bool {
@@ -362,6 +438,9 @@ impl Knobs {
             Control::SetZeroGrad { value } => self.zero_grad = value,
             Control::SetCheckpointing { value } => self.checkpointing = value,
             Control::SetAccumPolicy { value } => self.accum_policy = value,
+            Control::SetSync { value } => self.sync = value,
+            Control::SetZero { value } => self.zero = value,
+            Control::SetZero2Accumulate { value } => self.zero2_accumulate = value,
             Control::SetLossScale { .. }
             | Control::Pause
             | Control::Resume
@@ -445,6 +524,9 @@ pub(crate) fn test_knobs() -> Knobs {
         checkpointing: Checkpointing::None,
         accum_policy: AccumPolicy::Fixed,
         noise: true,
+        sync: SyncEvery::Window,
+        zero: 0,
+        zero2_accumulate: Zero2Accumulate::Buffer,
     }
 }
 

@@ -25,59 +25,8 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
+pub use crate::control::{RankLossNorm, SyncEvery, Zero2Accumulate};
 pub use launch::{from_env, Launch};
-
-/// When the ranks sum their gradients.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::EnumIter,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum SyncEvery {
-    /// Once, at the end of the window (PyTorch's `no_sync` for the first K − 1 micro-batches).
-    #[default]
-    Window,
-    /// After every micro-batch's backward: DDP without `no_sync`, K× the bytes.
-    MicroBatch,
-}
-
-impl SyncEvery {
-    /// What one gradient all-reduce covers: "window" or "micro-batch".
-    pub fn noun(self) -> &'static str {
-        match self {
-            SyncEvery::Window => "window",
-            SyncEvery::MicroBatch => "micro-batch",
-        }
-    }
-}
-
-/// How the ranks' losses are normalised.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::EnumIter,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum RankLossNorm {
-    /// Per counted token of the whole window, all ranks together (correct).
-    #[default]
-    Tokens,
-    /// Each rank's own per-token mean, averaged over the ranks: over-weights the tokens of a
-    /// rank whose slice holds fewer (a pitfall, measured as `grad_error`).
-    MeanOfMeans,
-}
-
-/// Where ZeRO-2 sums the window's gradient.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, strum::EnumIter,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum Zero2Accumulate {
-    /// A whole local buffer until the window ends, then one reduce-scatter: memory for
-    /// bandwidth.
-    #[default]
-    Buffer,
-    /// A reduce-scatter after every micro-batch, accumulating only this rank's piece: 1/W of
-    /// the buffer, K× the gradient traffic.
-    ReduceScatter,
-}
 
 /// Why a collective failed.
 #[derive(Debug, thiserror::Error)]

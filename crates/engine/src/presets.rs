@@ -45,6 +45,11 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../presets/notes-table.toml"),
     ),
     ("oom-guard", include_str!("../../../presets/oom-guard.toml")),
+    (
+        "ddp-no-sync",
+        include_str!("../../../presets/ddp-no-sync.toml"),
+    ),
+    ("ddp-zero", include_str!("../../../presets/ddp-zero.toml")),
 ];
 
 /// The preset `gaccwb` runs with no arguments.

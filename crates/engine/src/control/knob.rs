@@ -9,7 +9,10 @@
 //! entry without macro expansion in the way. What a knob *does* (its `Control` variant, its
 //! `Knobs` field, the trainer's reaction) stays ordinary code.
 
-use super::{AccumPolicy, Checkpointing, Control, Dtype, Knobs, LossNorm, LrRule, ZeroGrad};
+use super::{
+    AccumPolicy, Checkpointing, Control, Dtype, Knobs, LossNorm, LrRule, SyncEvery,
+    Zero2Accumulate, ZeroGrad,
+};
 use crate::limits::{MAX_ACCUM_STEPS, MAX_MICRO_BATCH};
 
 /// One knob.
@@ -51,6 +54,8 @@ pub enum Values {
     PositiveOrOff,
     /// `true` or `false`, shown as on and off.
     OnOff,
+    /// An integer from 0 to `max` (a stage).
+    Stage { max: u8 },
     /// One of these names, as presets write them (`every-N`: a pattern).
     Names(&'static [&'static str]),
 }
@@ -79,7 +84,7 @@ pub struct KnobAction {
 }
 
 /// Every knob, in the order the help overlay, the footer and the Controls pane list them.
-pub static KNOBS: [Knob; 11] = [
+pub static KNOBS: [Knob; 14] = [
     Knob {
         key: "accum_steps",
         label: "K",
@@ -340,6 +345,62 @@ pub static KNOBS: [Knob; 11] = [
         moves_memory: true,
         actions: &[],
     },
+    Knob {
+        key: "sync",
+        label: "sync",
+        name: "sync",
+        what: "gradient sync",
+        kind: "set_sync",
+        values: Values::Names(<SyncEvery as strum::VariantNames>::VARIANTS),
+        csv: None,
+        grid: None,
+        pane: None,
+        moves_memory: false,
+        actions: &[KnobAction {
+            name: "sync_toggle",
+            keys: &["y"],
+            help: "grad sync window / micro",
+            turn: |k, _| Control::SetSync {
+                value: match k.sync {
+                    SyncEvery::Window => SyncEvery::MicroBatch,
+                    SyncEvery::MicroBatch => SyncEvery::Window,
+                },
+            },
+        }],
+    },
+    Knob {
+        key: "zero",
+        label: "ZeRO",
+        name: "ZeRO",
+        what: "ZeRO stage",
+        kind: "set_zero",
+        values: Values::Stage { max: 2 },
+        csv: None,
+        grid: None,
+        pane: None,
+        moves_memory: true,
+        actions: &[KnobAction {
+            name: "zero_cycle",
+            keys: &["w"],
+            help: "ZeRO stage 0 → 1 → 2",
+            turn: |k, _| Control::SetZero {
+                value: (k.zero + 1) % 3,
+            },
+        }],
+    },
+    Knob {
+        key: "zero2_accumulate",
+        label: "ZeRO-2 sums",
+        name: "ZeRO-2 accumulate",
+        what: "ZeRO-2 accumulation",
+        kind: "set_zero2_accumulate",
+        values: Values::Names(<Zero2Accumulate as strum::VariantNames>::VARIANTS),
+        csv: None,
+        grid: None,
+        pane: None,
+        moves_memory: true,
+        actions: &[],
+    },
 ];
 
 /// The clip a key turns clipping back on with: the run's configured clip, else 1.0.
@@ -421,6 +482,10 @@ impl Values {
                     Ok(())
                 }
             }
+            (Values::Stage { max }, Some(x)) if x > f64::from(max) => Err(OutOfBounds::AboveMax {
+                got: x as u64,
+                max: usize::from(max),
+            }),
             (Values::Rate, Some(x)) if !(x.is_finite() && x >= 0.0) => {
                 Err(OutOfBounds::Negative(x))
             }

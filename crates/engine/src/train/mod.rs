@@ -423,12 +423,11 @@ impl Trainer {
         }
         self.base_batch = self.scenario.base_batch() * group.ranks();
         self.group = group;
-        if self.scenario.train.zero > 0 {
+        if self.knobs.zero > 0 {
             if self.step > 0 {
                 anyhow::bail!("train.zero > 0 from a checkpoint: ZeRO starts with a run");
             }
-            let t = &self.scenario.train;
-            self.set_zero(t.zero, t.zero2_accumulate)?;
+            self.set_zero(self.knobs.zero, self.knobs.zero2_accumulate)?;
         }
         Ok(())
     }
@@ -473,8 +472,8 @@ impl Trainer {
             }
             (Some(shard), _) => self.zero = Some(shard),
         }
-        self.scenario.train.zero = stage;
-        self.scenario.train.zero2_accumulate = accumulate;
+        self.knobs.zero = stage;
+        self.knobs.zero2_accumulate = accumulate;
         Ok(())
     }
 
@@ -508,7 +507,7 @@ impl Trainer {
     /// The ZeRO stage in force (0 without sharding).
     fn zero_stage(&self) -> u8 {
         if self.zero.is_some() {
-            self.scenario.train.zero
+            self.knobs.zero
         } else {
             0
         }
@@ -517,7 +516,7 @@ impl Trainer {
     /// Whether ZeRO-2 reduce-scatters every micro-batch's gradients.
     fn scatters_micro_batches(&self) -> bool {
         self.zero_stage() == 2
-            && self.scenario.train.zero2_accumulate == crate::dist::Zero2Accumulate::ReduceScatter
+            && self.knobs.zero2_accumulate == crate::dist::Zero2Accumulate::ReduceScatter
     }
 
     /// This process's rank and the number of ranks.
@@ -673,7 +672,7 @@ impl Trainer {
             step_ms: started.elapsed().as_secs_f64() * 1e3,
         };
         let comm = self.group.is_parallel().then(|| {
-            let sync = self.scenario.train.sync;
+            let sync = self.knobs.sync;
             self.group.finish_window(sync, self.memory.last_step_peak())
         });
         Ok(self.step_event(summary, update, timing, scale, noise, comm))
@@ -696,7 +695,7 @@ impl Trainer {
             return Ok(());
         }
         let dist = |e: crate::dist::DistError| candle_core::Error::Msg(e.to_string());
-        if self.zero_stage() < 2 && self.scenario.train.sync == crate::dist::SyncEvery::Window {
+        if self.zero_stage() < 2 && self.knobs.sync == crate::dist::SyncEvery::Window {
             self.group
                 .sum_tensors(&mut window.grads, true)
                 .map_err(dist)?;
@@ -779,7 +778,7 @@ impl Trainer {
             window_tokens,
             rank_tokens,
             rank_loss_norm: self.scenario.train.rank_loss_norm,
-            sync: self.scenario.train.sync,
+            sync: self.knobs.sync,
             scatter,
             group: &mut self.group,
         };
@@ -872,7 +871,7 @@ impl Trainer {
         let Some(shard) = &self.zero else {
             return self.opt.step(&self.model.params, grads, lr);
         };
-        let pieces = match self.scenario.train.zero {
+        let pieces = match self.knobs.zero {
             2 => grads.to_vec(),
             _ => shard.pieces_of(grads)?,
         };
@@ -943,6 +942,8 @@ impl Trainer {
                 self.place_state(&next)?;
             }
             Control::SetLossScale { value } => self.scaler.force(value),
+            Control::SetZero { value } => self.set_zero(value, self.knobs.zero2_accumulate)?,
+            Control::SetZero2Accumulate { value } => self.set_zero(self.knobs.zero, value)?,
             _ => {}
         }
         self.knobs.apply(c);
