@@ -23,6 +23,7 @@ fn valid_recording() -> Vec<u8> {
         tokenizer: None,
         started_unix: 0,
         ranks: None,
+        memory_budget_bytes: None,
     })];
     for step in 1..=5u64 {
         events.push(Event::Step(StepEvent {

@@ -211,9 +211,7 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
         s.set(assignment).map_err(usage)?;
     }
     if let Some(budget) = &args.budget {
-        gaccwb::budget::MemoryBudget::parse(budget).context("--budget")?;
-        s.set(&format!("train.memory_budget=\"{budget}\""))
-            .map_err(usage)?;
+        s.train.memory_budget = gaccwb::budget::MemoryBudget::parse(budget).context("--budget")?;
     }
     s.validate().map_err(usage)?;
     Ok(s)

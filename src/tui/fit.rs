@@ -1,7 +1,7 @@
 //! The memory budget on the screen: key `F` (fit now) and the Controls pane's budget line.
 //!
-//! The budget is the run's `train.memory_budget`, resolved like the trainer does (a share uses
-//! the device total the sampler reports). "Fit now" asks the estimator for the largest
+//! The budget is the one the trainer resolved to bytes at its start (the header's
+//! `memory_budget_bytes`), so the screen and the guard never disagree. "Fit now" asks the estimator for the largest
 //! micro-batch dividing the effective batch whose predicted peak fits, and sends it with the K
 //! that keeps B·K.
 
@@ -13,9 +13,7 @@ use super::app::App;
 
 /// The budget in bytes, when the run has one and it can be resolved here.
 pub fn budget_bytes(app: &App) -> Option<u64> {
-    let budget = &app.run.header.as_ref()?.config.train.memory_budget;
-    let total = app.run.device.iter().rev().find_map(|d| d.total);
-    budget.resolve(total).ok().flatten()
+    app.run.header.as_ref()?.memory_budget_bytes
 }
 
 /// The controls that fit the budget now, or why there are none.
@@ -108,6 +106,7 @@ mod tests {
             .contains("no memory budget"));
 
         header.config.train.memory_budget = MemoryBudget::Bytes(budget);
+        header.memory_budget_bytes = Some(budget);
         let mut app = App::default();
         app.update(&Event::Header(header));
         assert_eq!(

@@ -27,6 +27,7 @@ pub fn header() -> Header {
         tokenizer: None,
         started_unix: 0,
         ranks: None,
+        memory_budget_bytes: None,
     }
 }
 

@@ -102,6 +102,10 @@ pub struct Header {
     /// samples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<usize>,
+    /// `train.memory_budget` resolved to bytes against this device's total, once, by the
+    /// trainer; absent without a budget (and in recordings made before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_budget_bytes: Option<u64>,
 }
 
 /// What the header records about the tokenizer a run used; replay needs nothing else.

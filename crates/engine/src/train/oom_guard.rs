@@ -48,6 +48,11 @@ impl Guard {
         }
     }
 
+    /// The budget in bytes, resolved once against the device's total; `None`: none.
+    pub fn budget(&self) -> Option<u64> {
+        self.budget
+    }
+
     /// Follow a control applied at the boundary (`b_before`: the micro-batch before it): the
     /// guard's own split keeps the micro-batch it started from; a split or K chosen by anyone
     /// but the guard or the policy ends the guard's split.
