@@ -6,6 +6,9 @@
 //!   and follows it with `headless::run_session` or the screen's `tui::run_live`;
 //! - keys: `tui/keymap.rs` maps a key to an `Action`, `tui/feed.rs` turns it into a `Control`;
 //! - the gradient noise scale: `crates/engine/src/train/noise.rs`;
+//! - data parallel: `crates/engine/src/dist.rs` (ranks, collectives, their counters) and
+//!   `cli/ranks.rs` (`run --ranks N` through mpirun);
+//! - knobs: one table, `crates/engine/src/control/knob.rs`;
 //! - recordings: `session.rs` starts the `record::Recorder` that headless and the screen both
 //!   write every event to; replay reads them back with `record::read_recording`.
 

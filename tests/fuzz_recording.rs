@@ -24,6 +24,7 @@ fn valid_recording() -> Vec<u8> {
         started_unix: 0,
         ranks: None,
         memory_budget_bytes: None,
+        unified_memory: Some(true),
     })];
     for step in 1..=5u64 {
         events.push(Event::Step(StepEvent {

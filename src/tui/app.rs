@@ -460,8 +460,13 @@ impl App {
     }
 
     /// The latest memory event says device and host memory are one (a CPU run).
+    /// Whether host and device are one memory: the trainer's ledger says so in the header (a
+    /// recording older than that field, in its memory events).
     pub fn unified_memory(&self) -> bool {
-        self.run.measured.as_ref().is_some_and(|m| m.unified)
+        match self.run.header.as_ref().and_then(|h| h.unified_memory) {
+            Some(unified) => unified,
+            None => self.run.measured.as_ref().is_some_and(|m| m.unified),
+        }
     }
 
     pub fn device_name(&self) -> &str {
@@ -618,7 +623,14 @@ mod tests {
         );
         assert_eq!(press(' '), vec![Control::Pause]);
         assert_eq!(press('n'), vec![Control::SingleStep]);
-        assert!(press('f').is_empty() && press('z').is_empty() && press('w').is_empty());
+        assert!(press('f').is_empty() && press('z').is_empty() && press('j').is_empty());
+        assert_eq!(
+            press('y'),
+            vec![Control::SetSync {
+                value: crate::dist::SyncEvery::MicroBatch
+            }]
+        );
+        assert_eq!(press('w'), vec![Control::SetZero { value: 1 }]);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 
 use crate::memory::estimate::{largest_micro_batch, Config};
 use crate::memory::planner::human_bytes;
-use crate::telemetry::{Control, MemorySource};
+use crate::telemetry::Control;
 
 use super::app::App;
 
@@ -26,8 +26,7 @@ pub fn fit_controls(app: &App) -> Result<Vec<Control>, String> {
     let budget = budget_bytes(app)
         .ok_or("fit: no memory budget (set train.memory_budget or run with --budget)")?;
     let k = app.target_knobs();
-    let unified = app.run.memory_source != Some(MemorySource::Nvml)
-        && app.run.memory_source != Some(MemorySource::CudaPool);
+    let unified = app.unified_memory();
     let cfg = Config::from_knobs(&header.config.model, &k, unified);
     let effective = k.effective_batch();
     let row = largest_micro_batch(&cfg, effective, budget).ok_or_else(|| {

@@ -28,6 +28,7 @@ pub fn header() -> Header {
         started_unix: 0,
         ranks: None,
         memory_budget_bytes: None,
+        unified_memory: Some(true),
     }
 }
 

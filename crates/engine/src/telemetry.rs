@@ -106,6 +106,10 @@ pub struct Header {
     /// trainer; absent without a budget (and in recordings made before it existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_budget_bytes: Option<u64>,
+    /// Whether host and device are one memory (the CPU), as the trainer's memory ledger says;
+    /// absent in recordings made before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unified_memory: Option<bool>,
 }
 
 /// What the header records about the tokenizer a run used; replay needs nothing else.

@@ -548,6 +548,7 @@ impl Trainer {
                 .unwrap_or(0),
             ranks: self.group.is_parallel().then(|| self.group.ranks()),
             memory_budget_bytes: self.guard.budget(),
+            unified_memory: Some(self.memory.unified()),
         }
     }
 
