@@ -14,9 +14,12 @@ pub use knob::{Grid, Knob, KnobAction, OutOfBounds, Values, KNOBS};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(try_from = "String", into = "String")]
 pub enum Checkpointing {
+    /// Keep every block's graph for the backward: nothing is recomputed.
     #[default]
     None,
+    /// Keep each block's input and recompute the block in the backward.
     Blocks,
+    /// Keep one input per segment of N blocks and recompute the segment (`every-N`).
     Every(usize),
 }
 
@@ -33,6 +36,7 @@ impl Checkpointing {
     /// The values presets write, `every-N` standing for its pattern.
     pub const NAMES: &'static [&'static str] = &["none", "blocks", "every-N"];
 
+    /// Its value as presets and `--set train.checkpointing` write it (`every-2`).
     pub fn name(self) -> String {
         match self {
             Checkpointing::None => "none".into(),
@@ -87,13 +91,17 @@ impl From<Checkpointing> for String {
 #[serde(rename_all = "lowercase")]
 #[strum(serialize_all = "lowercase")]
 pub enum Dtype {
+    /// 32-bit floats throughout.
     #[default]
     F32,
+    /// bfloat16: f32's exponent range (no loss scaling needed), fewer mantissa bits.
     Bf16,
+    /// IEEE half precision: a narrow exponent range, so the loss is scaled dynamically.
     F16,
 }
 
 impl Dtype {
+    /// Bytes one tensor element takes in this precision.
     pub fn size_in_bytes(self) -> usize {
         match self {
             Dtype::F32 => 4,
@@ -101,6 +109,7 @@ impl Dtype {
         }
     }
 
+    /// The Candle dtype the forward and backward compute in.
     pub fn candle(self) -> candle_core::DType {
         match self {
             Dtype::F32 => candle_core::DType::F32,
@@ -114,6 +123,7 @@ impl Dtype {
         self == Dtype::F16
     }
 
+    /// The precision the `p` key moves to: f32 → bf16 → f16 → f32.
     pub fn next(self) -> Dtype {
         match self {
             Dtype::F32 => Dtype::Bf16,
@@ -122,6 +132,7 @@ impl Dtype {
         }
     }
 
+    /// Its name in presets, recordings and on screen (`bf16`).
     pub fn name(self) -> &'static str {
         self.into()
     }
@@ -144,13 +155,17 @@ impl Dtype {
 #[serde(rename_all = "lowercase")]
 #[strum(serialize_all = "lowercase")]
 pub enum LrRule {
+    /// The LR as given, whatever the effective batch.
     #[default]
     None,
+    /// The LR times effective batch ÷ base batch.
     Linear,
+    /// The LR times the square root of effective batch ÷ base batch.
     Sqrt,
 }
 
 impl LrRule {
+    /// The rule the `l` key moves to: none → linear → sqrt → none.
     pub fn next(self) -> LrRule {
         match self {
             LrRule::None => LrRule::Linear,
@@ -169,6 +184,7 @@ impl LrRule {
         }
     }
 
+    /// Its name in presets and on screen (`sqrt`).
     pub fn name(self) -> &'static str {
         self.into()
     }
@@ -273,6 +289,7 @@ pub enum OffloadGrads {
 }
 
 impl OffloadGrads {
+    /// Its value in `train.offload_grads` (`device` or `host`).
     pub fn name(self) -> &'static str {
         self.into()
     }
@@ -288,61 +305,88 @@ impl OffloadGrads {
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 #[strum(serialize_all = "snake_case")]
 pub enum Control {
+    /// Set accumulation steps K: micro-batches summed per optimizer step.
     SetAccumSteps {
+        /// K, at least 1.
         value: usize,
     },
+    /// Set micro-batch B: samples per forward/backward pass.
     SetMicroBatch {
+        /// B, at least 1.
         value: usize,
     },
     /// `None` turns clipping off.
     SetClip {
+        /// The global-norm threshold.
         value: Option<f64>,
     },
+    /// Set the base learning rate (before the schedule and the LR rule).
     SetLr {
+        /// The base LR, finite and ≥ 0.
         value: f64,
     },
+    /// Set how the LR follows the effective batch.
     SetLrRule {
+        /// The rule from the next window on.
         value: LrRule,
     },
+    /// Set the compute precision of the forward and backward.
     SetDtype {
+        /// The precision from the next window on.
         value: Dtype,
     },
+    /// Turn optimizer offload on or off: AdamW's state and update in host memory.
     SetOffload {
+        /// `true`: offload on.
         value: bool,
     },
     /// Force the fp16 loss scale (e.g. 2^24 to demonstrate an overflow).
     SetLossScale {
+        /// The fp16 loss scale, from the next window on.
         value: f64,
     },
+    /// Set how per-token losses become the window's loss.
     SetLossNorm {
+        /// The normalisation from the next window on.
         value: LossNorm,
     },
+    /// Set when the accumulation buffer is cleared.
     SetZeroGrad {
+        /// The clearing rule from the next window on.
         value: ZeroGrad,
     },
+    /// Set which block inputs the forward keeps for the backward.
     SetCheckpointing {
+        /// The checkpointing from the next window on.
         value: Checkpointing,
     },
     /// Who chooses K: fixed, or the measured gradient noise scale.
     SetAccumPolicy {
+        /// The policy from the next window on.
         value: AccumPolicy,
     },
     /// Data parallel: sum gradients once per window or after every micro-batch.
     SetSync {
+        /// When gradients are summed from the next window on.
         value: SyncEvery,
     },
     /// Data parallel: the ZeRO stage (0, 1 or 2); the moments move with it.
     SetZero {
+        /// The stage from the next window on.
         value: u8,
     },
     /// ZeRO-2: a whole buffer and one reduce-scatter, or one per micro-batch.
     SetZero2Accumulate {
+        /// Where ZeRO-2 sums from the next window on.
         value: Zero2Accumulate,
     },
+    /// Hold the run at the next window boundary until `Resume`.
     Pause,
+    /// Let a paused run go on.
     Resume,
     /// While paused: run exactly one more window, then pause again.
     SingleStep,
+    /// End the run between micro-batches, without finishing the window.
     Stop,
 }
 
@@ -384,21 +428,31 @@ impl Control {
 /// The knobs a control can turn: the trainer's live configuration, and the UI's picture of it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Knobs {
+    /// Accumulation steps K: micro-batches per optimizer step.
     pub accum_steps: usize,
+    /// Samples per forward/backward pass (B).
     pub micro_batch: usize,
+    /// Global-norm clip threshold; `None`: no clipping.
     pub clip: Option<f64>,
     /// Base learning rate (before schedule and LR rule).
     pub lr: f64,
+    /// How the LR follows the effective batch.
     pub lr_rule: LrRule,
+    /// Compute precision of the forward and backward.
     pub dtype: Dtype,
+    /// Optimizer offload: AdamW's state and update in host memory.
     pub offload: bool,
     /// Where gradients accumulate while offload is on (`train.offload_grads`; set at the start).
     #[serde(default)]
     pub offload_grads: OffloadGrads,
+    /// How per-token losses become the window's loss.
     pub loss_norm: LossNorm,
+    /// When the accumulation buffer is cleared.
     pub zero_grad: ZeroGrad,
+    /// Which block inputs the forward keeps; the rest is recomputed in the backward.
     #[serde(default)]
     pub checkpointing: Checkpointing,
+    /// Who chooses K: fixed, or the measured gradient noise scale.
     #[serde(default)]
     pub accum_policy: AccumPolicy,
     /// Measure the gradient noise scale in windows with K ≥ 2 (`train.noise`).
@@ -420,6 +474,7 @@ fn measure_noise_by_default() -> bool {
 }
 
 impl Knobs {
+    /// Samples per optimizer step: B × K.
     pub fn effective_batch(&self) -> usize {
         self.accum_steps * self.micro_batch
     }
@@ -454,8 +509,11 @@ impl Knobs {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Origin {
+    /// The user, live: a key in the workbench, a control line on stdin, an interrupt.
     Key,
+    /// The preset's timeline.
     Scenario,
+    /// A `--control` argument.
     Cli,
     /// The memory guard (`train::oom_guard`): a budget or an out-of-memory error moved B and K.
     Guard,
@@ -466,7 +524,9 @@ pub enum Origin {
 /// A control on its way to the trainer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ControlMsg {
+    /// The change asked for.
     pub control: Control,
+    /// Who asked, as the event log and `controls.csv` report it.
     pub origin: Origin,
 }
 
@@ -495,6 +555,7 @@ pub enum AccumPolicy {
 }
 
 impl AccumPolicy {
+    /// The policy the `a` key switches to.
     pub fn toggled(self) -> AccumPolicy {
         match self {
             AccumPolicy::Fixed => AccumPolicy::NoiseScale,
@@ -502,6 +563,7 @@ impl AccumPolicy {
         }
     }
 
+    /// Its name in presets and on screen (`noise-scale`).
     pub fn name(self) -> &'static str {
         self.into()
     }

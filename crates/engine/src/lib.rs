@@ -14,8 +14,6 @@
 
 pub mod budget;
 pub mod checkpoint;
-// `control` and `scenario` are not yet documented item by item.
-#[allow(missing_docs)]
 pub mod control;
 pub mod data;
 pub mod device;
@@ -28,7 +26,6 @@ pub mod ops;
 pub mod presets;
 pub mod record;
 pub mod safe_write;
-#[allow(missing_docs)]
 pub mod scenario;
 pub mod telemetry;
 pub mod tensors;

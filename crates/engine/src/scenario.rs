@@ -17,9 +17,12 @@ mod knobs;
 
 pub use bounds::{check_needs, check_schedule, ScheduleError};
 
+/// A run's whole configuration as a preset writes it: the model, the data, the training knobs
+/// and a timeline of controls.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct Scenario {
+    /// The preset's name; a file without one takes its file stem.
     #[serde(default)]
     pub name: String,
     /// One line shown by `gaccwb presets`.
@@ -28,12 +31,16 @@ pub struct Scenario {
     /// The story this preset tells, shown in the UI.
     #[serde(default)]
     pub explanation: String,
+    /// The transformer's shape (`[model]`).
     #[serde(default)]
     pub model: ModelConfig,
+    /// The text it trains on and how it is tokenized (`[data]`).
     #[serde(default)]
     pub data: DataConfig,
+    /// The optimizer, batch, precision, memory and data-parallel settings (`[train]`).
     #[serde(default)]
     pub train: TrainConfig,
+    /// Controls applied at given optimizer steps (`[[timeline]]`).
     #[serde(default)]
     pub timeline: Vec<TimelineEntry>,
     /// What `gaccwb compare PRESET` runs when no `--grid` is given.
@@ -45,18 +52,26 @@ pub struct Scenario {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct CompareSpec {
+    /// The configurations to run, as `--grid` writes them.
     pub grid: String,
+    /// Optimizer steps per configuration, unless `--steps` is given.
     #[serde(default)]
     pub steps: Option<u64>,
 }
 
+/// `[model]`: the transformer's shape.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
+    /// Tokens the embedding and the head cover; a BPE tokenizer sets it to its own size.
     pub vocab: usize,
+    /// Width of the residual stream.
     pub d_model: usize,
+    /// Transformer blocks.
     pub layers: usize,
+    /// Attention heads per block; they must divide `d_model`.
     pub heads: usize,
+    /// Tokens per sample: the context length.
     pub seq_len: usize,
 }
 
@@ -72,6 +87,7 @@ impl Default for ModelConfig {
     }
 }
 
+/// Where the training text comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum DataSource {
@@ -96,11 +112,15 @@ pub enum TokenizerKind {
     Bpe,
 }
 
+/// `[data]`: the text the model trains on and how it is tokenized.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
+    /// Synthetic documents, a file, or the project's own docs.
     pub source: DataSource,
+    /// The file read when `source = "file"`.
     pub path: Option<PathBuf>,
+    /// Seed of the data stream: the same seed gives the same samples in the same order.
     pub seed: u64,
     /// Shortest synthetic document, in tokens after the delimiter.
     pub min_doc_len: usize,
@@ -135,16 +155,21 @@ impl Default for DataConfig {
     }
 }
 
+/// `[train]`: the optimizer, the batch, precision, memory and data-parallel settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
     /// Optimizer steps to run; 0 runs until stopped.
     pub steps: u64,
+    /// Seed of the model's initial weights.
     pub seed: u64,
+    /// Samples per forward/backward pass (B).
     pub micro_batch: usize,
+    /// Micro-batches summed per optimizer step (K).
     pub accum_steps: usize,
     /// Peak learning rate at the base effective batch.
     pub lr: f64,
+    /// How the LR follows the effective batch against `base_batch`.
     pub lr_rule: LrRule,
     /// Effective batch the LR is tuned for; 0 means the starting micro_batch × accum_steps.
     pub base_batch: usize,
@@ -153,16 +178,25 @@ pub struct TrainConfig {
     /// Steps of the cosine decay to `min_lr_ratio` × lr; 0 means `steps` (or no decay when steps is 0).
     /// Counted in applied steps: steps skipped on overflow do not advance the schedule.
     pub decay_steps: u64,
+    /// Where the cosine decay ends, as a fraction of `lr`.
     pub min_lr_ratio: f64,
     /// Global-norm clip threshold; absent means off.
     pub clip: Option<f64>,
+    /// How per-token losses become the window's loss.
     pub loss_norm: LossNorm,
+    /// When the accumulation buffer is cleared.
     pub zero_grad: ZeroGrad,
+    /// AdamW's decoupled weight decay (none on biases and norm gains).
     pub weight_decay: f64,
+    /// AdamW's decay of the first moment (the gradient's running mean).
     pub beta1: f64,
+    /// AdamW's decay of the second moment (the squared gradient's running mean).
     pub beta2: f64,
+    /// Added to AdamW's denominator so a zero second moment cannot divide by zero.
     pub eps: f64,
+    /// Compute precision of the forward and backward; master weights stay f32.
     pub dtype: Dtype,
+    /// Optimizer offload: AdamW's state and update in host memory.
     pub offload: bool,
     /// Where a window's gradients accumulate while offload is on: "device" (one f32 buffer
     /// there, one transfer per window) or "host" (none there, one transfer per micro-batch).
@@ -192,8 +226,9 @@ pub struct TrainConfig {
     pub noise_ema: f64,
     /// Who chooses K: "fixed" or "noise-scale".
     pub accum_policy: AccumPolicy,
-    /// Smallest and largest K the noise-scale policy may choose.
+    /// Smallest K the noise-scale policy may choose.
     pub accum_min: usize,
+    /// Largest K the noise-scale policy may choose.
     pub accum_max: usize,
     /// Windows a new K must be asked for (and at least held) before the policy changes it.
     pub accum_patience: u64,
@@ -265,21 +300,42 @@ impl Default for TrainConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TimelineEntry {
+    /// Optimizer steps done when it applies (0: before the first window).
     pub step: u64,
+    /// The change it makes.
     pub control: Control,
 }
 
 /// A problem with a scenario, written for the user.
 #[derive(Debug, thiserror::Error)]
 pub enum ScenarioError {
+    /// A preset file that cannot be read.
     #[error("{path}: {message}")]
-    Io { path: String, message: String },
+    Io {
+        /// The file.
+        path: String,
+        /// Why it cannot be read.
+        message: String,
+    },
+    /// A preset that is not valid TOML or fails a check.
     #[error("{location}: {message}")]
-    Parse { location: String, message: String },
+    Parse {
+        /// `file:line:col` of the offending value (the file alone when it is not found).
+        location: String,
+        /// What is wrong and the fix.
+        message: String,
+    },
+    /// A preset name that is neither built in nor a file; the message lists the built-in ones.
     #[error("{0}")]
     Invalid(String),
+    /// A `--set` override that cannot be applied.
     #[error("--set {key}: {message}")]
-    Set { key: String, message: String },
+    Set {
+        /// The `section.key` given.
+        key: String,
+        /// What is wrong and the fix.
+        message: String,
+    },
 }
 
 /// A check serde cannot express, failed: the key it concerns (`train.clip`,
@@ -288,7 +344,9 @@ pub enum ScenarioError {
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 #[error("{message}")]
 pub struct Invalid {
+    /// The dotted key concerned, so a file error can point at its line.
     pub key: String,
+    /// What is wrong, naming the key and the fix.
     pub message: String,
 }
 
@@ -305,15 +363,21 @@ impl Invalid {
 /// positive, a window too large, or a policy that needs a measurement the run has off.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum ControlError {
+    /// A knob value outside its bounds.
     #[error("{what} {bound}")]
     Bounds {
+        /// The knob, in words (`accumulation steps`).
         what: &'static str,
+        /// The bound it breaks.
         bound: OutOfBounds,
     },
+    /// A loss scale that is 0, negative or not finite.
     #[error("loss scale must be positive")]
     LossScale,
+    /// A window (B, K, B × K × seq_len) beyond `crate::limits`; the message says which.
     #[error("{0}")]
     Window(String),
+    /// The noise-scale K policy while `train.noise` is off.
     #[error(
         "set_accum_policy=noise-scale needs train.noise = true (the policy reads the gradient \
          noise scale); drop it or --set train.noise=true"
@@ -325,15 +389,19 @@ pub enum ControlError {
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 #[error("--control {arg}: {message}")]
 pub struct ControlArgError {
+    /// The argument as given.
     pub arg: String,
+    /// What is wrong with it and the fix.
     pub message: String,
 }
 
 /// A `--set` or `--control` value TOML cannot hold.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum BadValue {
+    /// A number too large for an f64.
     #[error("bad value `{0}`: beyond the largest number (about 1.8e308)")]
     BeyondFloat(String),
+    /// An integer beyond `limits::MAX_INTEGER`.
     #[error("bad value `{0}`: beyond the largest integer ({max})", max = crate::limits::MAX_INTEGER)]
     BeyondInteger(String),
 }
@@ -344,6 +412,7 @@ pub enum BadValue {
 pub struct Assignment {
     /// `section.key`, e.g. `train.accum_steps`.
     pub key: String,
+    /// The value, as TOML reads it.
     pub value: toml::Value,
 }
 
@@ -400,6 +469,7 @@ impl Scenario {
         Ok(scenario)
     }
 
+    /// Read a preset file (size-bounded); a preset without a `name` takes the file's stem.
     pub fn from_file(path: &Path) -> Result<Scenario, ScenarioError> {
         let limit = crate::limits::MAX_CONFIG_BYTES;
         let text = crate::limits::read_bounded_text(path, limit, "preset").map_err(|e| {
@@ -756,6 +826,7 @@ pub fn validate_control(c: &Control) -> Result<(), ControlError> {
     }
 }
 
+/// The sections a `--set` key may name (`section.key`).
 pub const SECTIONS: [&str; 3] = ["model", "data", "train"];
 
 /// The keys a section accepts, in declaration order: read from the section's `Deserialize`

@@ -47,7 +47,10 @@ pub struct Knob {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Values {
     /// An integer from 1 to `max`.
-    Count { max: usize },
+    Count {
+        /// The largest count allowed.
+        max: usize,
+    },
     /// A finite number ≥ 0, shown as `3.00e-3`.
     Rate,
     /// A positive number, or none: off.
@@ -55,7 +58,10 @@ pub enum Values {
     /// `true` or `false`, shown as on and off.
     OnOff,
     /// An integer from 0 to `max` (a stage).
-    Stage { max: u8 },
+    Stage {
+        /// The highest stage.
+        max: u8,
+    },
     /// One of these names, as presets write them (`every-N`: a pattern).
     Names(&'static [&'static str]),
 }
@@ -65,7 +71,9 @@ pub enum Values {
 pub enum Grid {
     /// `ITEM=VALUE`; `ITEM` alone means `bare`, when there is one.
     Item {
+        /// The item's name (`K`, `ckpt`).
         item: &'static str,
+        /// The value the bare item stands for (`ckpt` alone: `blocks`); `None`: a value is needed.
         bare: Option<&'static str>,
     },
     /// Each of the knob's value names is an item on its own (`bf16`).
@@ -77,9 +85,14 @@ pub enum Grid {
 /// run was configured with (what a toggle turns back on).
 #[derive(Debug)]
 pub struct KnobAction {
+    /// Its name in `keys.toml` (`accum_up`).
     pub name: &'static str,
+    /// The keys bound to it unless `keys.toml` says otherwise.
     pub keys: &'static [&'static str],
+    /// Its line in the help overlay.
     pub help: &'static str,
+    /// The control it sends, from the knobs it will apply to and the knobs the run was
+    /// configured with.
     pub turn: fn(now: &Knobs, configured: &Knobs) -> Control,
 }
 
@@ -442,12 +455,21 @@ impl Knob {
 /// A knob value outside its bounds.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum OutOfBounds {
+    /// A count of 0.
     #[error("must be at least 1 (got {0})")]
     BelowOne(u64),
+    /// A value above the knob's largest.
     #[error("must be at most {max} (got {got})")]
-    AboveMax { got: u64, max: usize },
+    AboveMax {
+        /// The value given.
+        got: u64,
+        /// The largest allowed.
+        max: usize,
+    },
+    /// A rate that is negative or not finite.
     #[error("must be a finite number ≥ 0 (got {0})")]
     Negative(f64),
+    /// A value that must be positive or left out (off), given as 0, negative or not finite.
     #[error("must be positive (got {0}); leave it out to turn it off")]
     NotPositive(f64),
 }

@@ -79,7 +79,9 @@ pub fn check_needs(control: &Control, noise: bool) -> Result<(), ControlError> {
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 #[error("entry {index}: {error}")]
 pub struct ScheduleError {
+    /// Index of the failing entry in the slice given.
     pub index: usize,
+    /// Why it cannot be applied.
     pub error: ControlError,
 }
 
