@@ -85,8 +85,11 @@ run_presets() {
     : >"$dir/runs.tsv"
     for preset in $presets; do
         start=$SECONDS
+        # --ranks 1: one process each, the data-parallel presets too (their own `train.ranks`
+        # would start mpirun, which this table does not measure).
         timeout --kill-after=10 "$PRESET_LIMIT_S" "$bin" run "$preset" --headless --steps "$steps" \
-            --device "$device" --record "$dir/$preset.jsonl" "$@" </dev/null >"$dir/$preset.log" 2>&1
+            --ranks 1 --device "$device" --record "$dir/$preset.jsonl" "$@" </dev/null \
+            >"$dir/$preset.log" 2>&1
         status=$?
         printf '%s\t%s\t%s\n' "$preset" "$status" "$((SECONDS - start))" >>"$dir/runs.tsv"
         printf '  %-24s exit %-3s %4ss  %s\n' "$preset" "$status" "$((SECONDS - start))" \
