@@ -44,7 +44,9 @@ fn one_window_of_f32_gradients_matches_the_cpu() {
     let cuda = gpu("one_window_of_f32_gradients_matches_the_cpu");
     let s = tiny();
     let cpu = Trainer::new(s.clone(), Device::Cpu).unwrap();
-    let samples: Vec<_> = (0..8).map(|i| cpu.corpus().sample(Split::Train, i)).collect();
+    let samples: Vec<_> = (0..8)
+        .map(|i| cpu.corpus().sample(Split::Train, i))
+        .collect();
     let knobs = Knobs::from_scenario(&s);
     let on = |model: &Gpt, device: &Device| {
         let w = window_gradients(model, &samples, &knobs, 1.0, device, || true);
@@ -78,7 +80,9 @@ fn lean_ops_match_the_plain_composite_ops_on_the_gpu() {
     let cuda = gpu("lean_ops_match_the_plain_composite_ops_on_the_gpu");
     let s = tiny();
     let cpu = Trainer::new(s.clone(), Device::Cpu).unwrap();
-    let samples: Vec<_> = (0..4).map(|i| cpu.corpus().sample(Split::Train, i)).collect();
+    let samples: Vec<_> = (0..4)
+        .map(|i| cpu.corpus().sample(Split::Train, i))
+        .collect();
     let model = Gpt::new(&s.model, s.train.seed, &cuda).unwrap();
     let grads = |dtype: Dtype, plain: bool| {
         let mut knobs = Knobs::from_scenario(&s);
@@ -238,9 +242,18 @@ fn half_precision_offload_keeps_only_bf16_weights_on_the_gpu() {
                 "{grads}: bytes counted"
             );
         }
-        assert!(on_gpu.optimizer().m.iter().all(|m| m.device().is_cpu()), "{grads}");
+        assert!(
+            on_gpu.optimizer().m.iter().all(|m| m.device().is_cpu()),
+            "{grads}"
+        );
         let (gpu_master, cpu_master) = (on_gpu.master_weights(), on_cpu.master_weights());
-        for ((p, g), c) in on_gpu.model().params.iter().zip(&gpu_master).zip(&cpu_master) {
+        for ((p, g), c) in on_gpu
+            .model()
+            .params
+            .iter()
+            .zip(&gpu_master)
+            .zip(&cpu_master)
+        {
             assert!(
                 !p.var.device().is_cpu(),
                 "{grads} {}: device weights",
