@@ -324,6 +324,23 @@ pub struct Categories {
 }
 
 impl Categories {
+    /// These categories with an accumulation buffer of `bytes` booked where it lives:
+    /// `offloaded` in host memory (`on_host`), else `gradients`. The ledger and the estimator
+    /// both book it by this one rule.
+    pub fn with_gradient_buffer(self, bytes: u64, on_host: bool) -> Categories {
+        if on_host {
+            Categories {
+                offloaded: self.offloaded + bytes,
+                ..self
+            }
+        } else {
+            Categories {
+                gradients: self.gradients + bytes,
+                ..self
+            }
+        }
+    }
+
     /// The categories' names as recordings and CSV spell them, in ledger order.
     pub const NAMES: [&'static str; 8] = [
         "parameters",

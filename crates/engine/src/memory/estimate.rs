@@ -718,17 +718,7 @@ pub fn estimate(cfg: &Config) -> Estimate {
 /// `c` with the window's gradient buffer of `bytes` where it lives: `gradients` on the device,
 /// `offloaded` in host memory.
 fn buffer_at(cfg: &Config, c: Categories, bytes: u64) -> Categories {
-    if cfg.grads_on_host() {
-        Categories {
-            offloaded: c.offloaded + bytes,
-            ..c
-        }
-    } else {
-        Categories {
-            gradients: c.gradients + bytes,
-            ..c
-        }
-    }
+    c.with_gradient_buffer(bytes, cfg.grads_on_host())
 }
 
 /// Model states (weights, the gradient buffer at the optimizer step, optimizer state) in bytes,

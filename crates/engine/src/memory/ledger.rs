@@ -257,17 +257,7 @@ impl Ledger {
     /// `c` with the accumulation buffer's `bytes` booked where the buffer is: `gradients` on the
     /// device, `offloaded` in host memory.
     fn with_buffer(&self, c: Categories, bytes: u64) -> Categories {
-        if self.persistent.gradients_on_host {
-            Categories {
-                offloaded: c.offloaded + bytes,
-                ..c
-            }
-        } else {
-            Categories {
-                gradients: c.gradients + bytes,
-                ..c
-            }
-        }
+        c.with_gradient_buffer(bytes, self.persistent.gradients_on_host)
     }
 
     /// Categories alive at the end of a forward: parameters, compute weights, the accumulation
