@@ -12,6 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::ops;
+use crate::ops::fused::{Branch, GradSink};
 use crate::scenario::ModelConfig;
 use crate::telemetry::Checkpointing;
 
@@ -119,8 +120,9 @@ pub struct Forward {
     pub head: Tensor,
     /// The low-precision weight copies made for this forward (empty in f32).
     pub compute_weights: Vec<Tensor>,
-    /// Gradients of the checkpointed blocks' parameters: they fill during the backward (the
-    /// blocks are recomputed outside the loss's graph) and are empty without checkpointing.
+    /// Parameter gradients computed outside the loss's graph, filled during the backward: those
+    /// of the blocks' fused CPU steps (`ops::fused::branch`: the weights are not graph
+    /// inputs) and of checkpointed blocks (recomputed outside the graph).
     pub recomputed: ParamGrads,
 }
 
@@ -129,18 +131,45 @@ pub struct Forward {
 pub struct Weights {
     dtype: DType,
     track: bool,
+    /// Where gradients computed outside the graph go (a graph is wanted).
+    grads: Option<ParamGrads>,
     /// The casts made so far (the forward's compute weights).
     casts: Vec<Tensor>,
 }
 
 impl Weights {
-    /// Weights for a forward in `dtype`; `track` keeps them in the graph (training) or detaches them (evaluation).
-    pub fn new(dtype: DType, track: bool) -> Weights {
+    /// Weights for a forward in `dtype`. With `grads` they stay in the graph (training), and
+    /// gradients computed outside it are left there; without, they are detached (evaluation).
+    pub fn new(dtype: DType, grads: Option<&ParamGrads>) -> Weights {
         Weights {
             dtype,
-            track,
+            track: grads.is_some(),
+            grads: grads.cloned(),
             casts: Vec::new(),
         }
+    }
+
+    /// `vars` as this forward computes with them, and the sink a fused step hands their
+    /// gradients to (none when the weights are detached). A gradient lands in the `Var`'s dtype.
+    fn branch(&mut self, vars: [&Var; 6]) -> Result<([Tensor; 6], Option<GradSink>)> {
+        let tensors = [
+            self.get(vars[0])?,
+            self.get(vars[1])?,
+            self.get(vars[2])?,
+            self.get(vars[3])?,
+            self.get(vars[4])?,
+            self.get(vars[5])?,
+        ];
+        let sink = self.grads.clone().map(|grads| {
+            let vars = vars.map(Var::clone);
+            Box::new(move |g: Vec<Tensor>| {
+                for (var, g) in vars.iter().zip(g) {
+                    grads.add(var, g.to_dtype(var.dtype())?)?;
+                }
+                Ok(())
+            }) as GradSink
+        });
+        Ok((tensors, sink))
     }
 
     /// `var` as this forward computes with it.
@@ -216,10 +245,40 @@ impl Block {
 
     /// `x` `[B·T, D]` → `x + attn(ln1(x))`, then `+ mlp(ln2(·))`.
     pub fn forward(&self, x: &Tensor, shape: Dims, w: &mut Weights) -> Result<Tensor> {
-        let a = self.ln1.forward(x, w)?;
-        let x = (x + self.attn.forward(&a, shape, w)?)?;
-        let m = self.ln2.forward(&x, w)?;
-        &x + self.mlp.forward(&m, w)?
+        let x = self.attention_step(x, shape, w)?;
+        self.mlp_step(&x, w)
+    }
+
+    /// `x + attn(ln1(x))`: on the CPU one fused op (`ops::fused::branch`), else op by op.
+    fn attention_step(&self, x: &Tensor, s: Dims, w: &mut Weights) -> Result<Tensor> {
+        let (a, ln) = (&self.attn, &self.ln1);
+        let vars = [&ln.g, &ln.b, &a.qkv.w, &a.qkv.b, &a.proj.w, &a.proj.b];
+        let (ws, sink) = w.branch(vars)?;
+        if fused_branch(x, &ws) {
+            let kind = Branch::Attention {
+                batch: s.batch,
+                t: s.tokens,
+                heads: s.heads,
+            };
+            return ops::fused::branch(x, kind, ws, LN_EPS, sink);
+        }
+        let normed = ops::layer_norm(x, &ws[0], &ws[1], LN_EPS)?;
+        let qkv = ops::linear(&normed, &ws[2], &ws[3])?;
+        let y = ops::causal_attention(&qkv, s.batch, s.tokens, s.heads)?;
+        x + ops::linear(&y, &ws[4], &ws[5])?
+    }
+
+    /// `x + mlp(ln2(x))`: on the CPU one fused op, else op by op.
+    fn mlp_step(&self, x: &Tensor, w: &mut Weights) -> Result<Tensor> {
+        let (m, ln) = (&self.mlp, &self.ln2);
+        let vars = [&ln.g, &ln.b, &m.fc.w, &m.fc.b, &m.proj.w, &m.proj.b];
+        let (ws, sink) = w.branch(vars)?;
+        if fused_branch(x, &ws) {
+            return ops::fused::branch(x, Branch::Mlp, ws, LN_EPS, sink);
+        }
+        let normed = ops::layer_norm(x, &ws[0], &ws[1], LN_EPS)?;
+        let hidden = ops::linear(&normed, &ws[2], &ws[3])?;
+        x + ops::gelu_linear(&hidden, &ws[4], &ws[5])?
     }
 
     /// The block's parameters, in creation order.
@@ -242,19 +301,12 @@ impl Block {
     }
 }
 
-impl Attention {
-    fn forward(&self, a: &Tensor, s: Dims, w: &mut Weights) -> Result<Tensor> {
-        let qkv = ops::linear(a, &w.get(&self.qkv.w)?, &w.get(&self.qkv.b)?)?;
-        let y = ops::causal_attention(&qkv, s.batch, s.tokens, s.heads)?;
-        ops::linear(&y, &w.get(&self.proj.w)?, &w.get(&self.proj.b)?)
-    }
-}
-
-impl Mlp {
-    fn forward(&self, m: &Tensor, w: &mut Weights) -> Result<Tensor> {
-        let hidden = ops::linear(m, &w.get(&self.fc.w)?, &w.get(&self.fc.b)?)?;
-        ops::gelu_linear(&hidden, &w.get(&self.proj.w)?, &w.get(&self.proj.b)?)
-    }
+/// Whether a residual step of `x` with weights `ws` runs as one fused op: on the CPU, unless this
+/// thread asked for the composite ops (`ops::force_composite`).
+fn fused_branch(x: &Tensor, ws: &[Tensor; 6]) -> bool {
+    let mut all = vec![x];
+    all.extend(ws);
+    ops::fused_model_domain(&all)
 }
 
 impl Gpt {
@@ -356,8 +408,8 @@ impl Gpt {
             tokens: t,
             heads: self.cfg.heads,
         };
-        let mut w = Weights::new(dtype, track);
         let recomputed = ParamGrads::default();
+        let mut w = Weights::new(dtype, track.then_some(&recomputed));
         let mut x = self.embed(ids, &mut w)?;
         match checkpointing.segment().filter(|_| track) {
             None => {
@@ -458,4 +510,70 @@ fn gaussian(rng: &mut ChaCha8Rng) -> f64 {
     let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
     let u2: f64 = rng.random::<f64>();
     (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block on the CPU joins the graph as two nodes (its residual steps, one op each) with no
+    /// weight among their inputs, so the backward crosses Candle's add in the compute dtype
+    /// twice per block (an `[N, D]` tensor each) and never for a weight; every weight still gets
+    /// its gradient, in its own dtype. Op by op (the composite kernels) the same block is nine
+    /// ops and twelve weight casts.
+    #[test]
+    fn a_cpu_block_is_two_graph_nodes_and_its_weights_get_gradients() {
+        let cfg = ModelConfig {
+            vocab: 16,
+            d_model: 16,
+            layers: 1,
+            heads: 2,
+            seq_len: 8,
+        };
+        let gpt = Gpt::new(&cfg, 3, &Device::Cpu).unwrap();
+        let dims = Dims {
+            batch: 2,
+            tokens: 8,
+            heads: 2,
+        };
+        let block = &gpt.blocks[0];
+        for (composite, dtype) in [
+            (false, DType::F32),
+            (false, DType::BF16),
+            (true, DType::F32),
+        ] {
+            let _kernels = ops::force_composite(composite);
+            let x = Tensor::randn(0f32, 1.0, (16, 16), &Device::Cpu).unwrap();
+            let x = Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();
+            let grads = ParamGrads::default();
+            let mut w = Weights::new(dtype, Some(&grads));
+            let y = block.forward(x.as_tensor(), dims, &mut w).unwrap();
+            // The input, then the nodes the block made.
+            let made = y.sorted_nodes().len() - 1;
+            if composite {
+                assert!(made > 2, "op by op: {made} nodes");
+                continue;
+            }
+            assert_eq!(made, 2, "{dtype:?}");
+            let store = y.to_dtype(DType::F32).unwrap().sum_all().unwrap();
+            let store = store.backward().unwrap();
+            assert_eq!(store.get(x.as_tensor()).unwrap().dtype(), dtype);
+            for var in block.vars() {
+                assert!(store.get(var.as_tensor()).is_none());
+                let g = grads
+                    .get(&store, var)
+                    .expect("every weight gets a gradient");
+                assert_eq!((g.dtype(), g.dims()), (var.dtype(), var.dims()));
+                assert!(
+                    g.abs()
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap()
+                        > 0.0
+                );
+            }
+        }
+    }
 }

@@ -313,16 +313,18 @@ impl Ledger {
         Self::keep_highest(&mut self.forward, snap);
     }
 
-    /// The backward is done and its gradient store not yet folded into the buffer; activation
-    /// checkpointing rebuilt a graph of `recomputed` bytes inside it.
+    /// The backward is done and its gradient store not yet folded into the buffer; `beside` are
+    /// the parameter gradients it computed outside the graph (the store's share of them);
+    /// activation checkpointing rebuilt a graph of `recomputed` bytes inside it.
     ///
     /// The graph and buffers are those of the forward; what backward adds is measured as its
     /// peak over the figure it started from (the store, the gradients in flight, and the
     /// upstream gradients Candle keeps referenced from f32 weight gradients until the store
     /// is dropped).
-    pub fn backward_done(&mut self, store: &GradStore, recomputed: u64) {
+    pub fn backward_done(&mut self, store: &GradStore, beside: &[Tensor], recomputed: u64) {
         let peak = self.meter.peak();
-        self.last_store_bytes = grad_store_bytes(store, &mut StorageSet::default());
+        let mut seen = StorageSet::default();
+        self.last_store_bytes = grad_store_bytes(store, &mut seen) + seen.add_all(beside);
         let added = peak.saturating_sub(self.backward_start);
         // A recomputed block's graph is activations held at the backward's peak, not gradients.
         let snap = Snapshot {

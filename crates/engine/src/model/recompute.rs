@@ -45,6 +45,17 @@ impl ParamGrads {
         }
     }
 
+    /// Add `grad` to what is held for `var` (a gradient computed outside the loss's graph).
+    pub(super) fn add(&self, var: &Var, grad: Tensor) -> Result<()> {
+        let mut held = self.lock();
+        let sum = match held.remove(&var.id()) {
+            Some(before) => (before + grad)?,
+            None => grad,
+        };
+        held.insert(var.id(), sum);
+        Ok(())
+    }
+
     /// The gradients held here, not yet taken.
     pub fn tensors(&self) -> Vec<Tensor> {
         self.lock().values().cloned().collect()
@@ -70,7 +81,7 @@ pub(super) fn segment(
     grads: &ParamGrads,
 ) -> Result<Tensor> {
     // The casts made here are transient: the recompute makes its own.
-    let mut weights = Weights::new(dtype, false);
+    let mut weights = Weights::new(dtype, None);
     let mut y = x.detach();
     for block in blocks {
         y = block.forward(&y, dims, &mut weights)?;
@@ -149,7 +160,7 @@ impl CustomOp1 for Recompute {
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let input = Var::from_tensor(&x.detach())?;
-        let mut weights = Weights::new(self.dtype, true);
+        let mut weights = Weights::new(self.dtype, Some(&self.grads));
         let mut y = input.as_tensor().clone();
         for block in &self.blocks {
             y = block.forward(&y, self.dims, &mut weights)?;

@@ -144,6 +144,9 @@ pub struct ForwardEnd<'a> {
 pub struct BackwardEnd<'a> {
     /// The gradients backward returned, before they are folded.
     pub store: &'a GradStore,
+    /// The parameter gradients computed outside the graph, held beside the store
+    /// (`Forward::recomputed`).
+    pub beside: &'a [Tensor],
     /// Bytes of the graph activation checkpointing rebuilt inside this backward.
     pub recomputed_bytes: u64,
 }
@@ -278,12 +281,15 @@ pub fn rank_window_gradients(
         watch.each(|o| o.backward_start())?;
         let store = loss.backward()?;
         let recomputed_bytes = fwd.recomputed.recomputed_graph_bytes();
+        let beside = fwd.recomputed.tensors();
         watch.each(|o| {
             o.backward_end(&BackwardEnd {
                 store: &store,
+                beside: &beside,
                 recomputed_bytes,
             })
         })?;
+        drop(beside);
         drop(loss);
         let recomputed = fwd.recomputed.clone();
         drop(fwd);
@@ -457,7 +463,7 @@ impl WindowObserver for Ledger {
         Ok(())
     }
     fn backward_end(&mut self, at: &BackwardEnd) -> Result<()> {
-        self.backward_done(at.store, at.recomputed_bytes);
+        self.backward_done(at.store, at.beside, at.recomputed_bytes);
         Ok(())
     }
 }

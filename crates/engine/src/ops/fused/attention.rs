@@ -24,7 +24,7 @@ pub fn causal_attention(qkv: &Tensor, batch: usize, t: usize, heads: usize) -> R
 }
 
 #[derive(Clone, Copy)]
-struct Attention {
+pub(super) struct Attention {
     batch: usize,
     t: usize,
     heads: usize,
@@ -32,6 +32,11 @@ struct Attention {
 }
 
 impl Attention {
+    /// Attention over `batch` sequences of `t` tokens, `heads` heads, model width `d`.
+    pub(super) fn new(batch: usize, t: usize, heads: usize, d: usize) -> Attention {
+        Attention { batch, t, heads, d }
+    }
+
     fn head_dim(&self) -> usize {
         self.d / self.heads
     }
@@ -76,19 +81,12 @@ impl Attention {
     fn units(&self) -> usize {
         self.batch * self.heads
     }
-}
 
-impl CustomOp1 for Attention {
-    fn name(&self) -> &'static str {
-        "gaccwb-causal-attention"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let qkv = storage::input(s, l, self.name())?;
-        let qkv = &qkv[..];
+    /// `y` (`[B·T, D]`) from `qkv` (`[B·T, 3·D]`), in f32.
+    pub(super) fn forward_rows(&self, qkv: &[f32]) -> Vec<f32> {
         let (n, d, t) = (self.batch * self.t, self.d, self.t);
         // Every (sequence, head) writes its T×hd block of y: all of it.
-        let y = filled(n * d, |out| {
+        filled(n * d, |out| {
             for_each_unit(self.units(), |units| {
                 let mut p = vec![0f32; t * t];
                 for unit in units {
@@ -102,41 +100,17 @@ impl CustomOp1 for Attention {
                     unsafe { super::matmul(dst, Mat::rows(&p, t), v, false, false) };
                 }
             })
-        });
-        Ok((storage::stored(y, s)?, Shape::from((n, d))))
+        })
     }
 
-    fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let op = AttentionBackward(*self);
-        Ok(Some(qkv.apply_op2_no_bwd(&grad.contiguous()?, &op)?))
-    }
-}
-
-/// The backward: `(qkv, dy)` to `dqkv`.
-struct AttentionBackward(Attention);
-
-impl CustomOp2 for AttentionBackward {
-    fn name(&self) -> &'static str {
-        "gaccwb-causal-attention-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        qs: &CpuStorage,
-        ql: &Layout,
-        gs: &CpuStorage,
-        gl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (qkv, dy) = (
-            storage::input(qs, ql, self.name())?,
-            storage::input(gs, gl, self.name())?,
-        );
-        let (qkv, dy) = (&qkv[..], &dy[..]);
-        let a = &self.0;
+    /// `dqkv` (`[B·T, 3·D]`) from `qkv` and the output gradient `dy`, in f32: the probabilities
+    /// are recomputed from `qkv`.
+    pub(super) fn backward_rows(&self, qkv: &[f32], dy: &[f32]) -> Vec<f32> {
+        let a = self;
         let (n, d, t, hd) = (a.batch * a.t, a.d, a.t, a.head_dim());
         let scale = a.scale();
         // Every (sequence, head) writes its dQ, dK and dV blocks: all of dqkv.
-        let dqkv = filled(n * 3 * d, |out| {
+        filled(n * 3 * d, |out| {
             for_each_unit(a.units(), |units| {
                 let (mut p, mut ds) = (vec![0f32; t * t], vec![0f32; t * t]);
                 for unit in units {
@@ -175,7 +149,51 @@ impl CustomOp2 for AttentionBackward {
                     }
                 }
             })
-        });
-        Ok((storage::stored(dqkv, qs)?, Shape::from((n, 3 * d))))
+        })
+    }
+}
+
+impl CustomOp1 for Attention {
+    fn name(&self) -> &'static str {
+        "gaccwb-causal-attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let qkv = storage::input(s, l, self.name())?;
+        let y = self.forward_rows(&qkv);
+        Ok((
+            storage::stored(y, s)?,
+            Shape::from((self.batch * self.t, self.d)),
+        ))
+    }
+
+    fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let op = AttentionBackward(*self);
+        Ok(Some(qkv.apply_op2_no_bwd(&grad.contiguous()?, &op)?))
+    }
+}
+
+/// The backward: `(qkv, dy)` to `dqkv`.
+struct AttentionBackward(Attention);
+
+impl CustomOp2 for AttentionBackward {
+    fn name(&self) -> &'static str {
+        "gaccwb-causal-attention-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (qkv, dy) = (
+            storage::input(qs, ql, self.name())?,
+            storage::input(gs, gl, self.name())?,
+        );
+        let dqkv = self.0.backward_rows(&qkv, &dy);
+        let n = self.0.batch * self.0.t;
+        Ok((storage::stored(dqkv, qs)?, Shape::from((n, 3 * self.0.d))))
     }
 }

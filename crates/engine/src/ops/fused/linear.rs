@@ -88,6 +88,37 @@ fn gelu_of(h: &[f32]) -> Vec<f32> {
     })
 }
 
+/// `x·w + b` (`gelu(x)·w + b` with `gelu_input`), plus `residual` (`[N, O]`) when given, in
+/// f32 (`w` `[I, O]` with `O = b.len()`). The residual is added where the bias is: no extra pass.
+pub(super) fn linear_rows(
+    x: &[f32],
+    w: &[f32],
+    b: &[f32],
+    gelu_input: bool,
+    residual: Option<&[f32]>,
+) -> Vec<f32> {
+    let layer = Linear {
+        gelu_input,
+        bias: true,
+    };
+    layer.forward(x, w, Some(b), b.len(), residual)
+}
+
+/// `[dx; dw; db]` of `linear_rows` at `x` (rows of `i`) for the output gradient `dy`, in f32.
+pub(super) fn linear_backward_rows(
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+    i: usize,
+    gelu_input: bool,
+) -> Vec<f32> {
+    let layer = Linear {
+        gelu_input,
+        bias: true,
+    };
+    LinearBackward(layer).packed(x, w, dy, i)
+}
+
 #[derive(Clone, Copy)]
 struct Linear {
     /// The input is `h` and the layer multiplies `gelu(h)`.
@@ -97,7 +128,14 @@ struct Linear {
 
 impl Linear {
     /// `input·w (+ b)` with `input` = `x` or `gelu(x)`.
-    fn forward(&self, x: &[f32], w: &[f32], b: Option<&[f32]>, o: usize) -> Vec<f32> {
+    fn forward(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        b: Option<&[f32]>,
+        o: usize,
+        residual: Option<&[f32]>,
+    ) -> Vec<f32> {
         let i = w.len() / o;
         let n = x.len() / i;
         let gelu;
@@ -107,16 +145,18 @@ impl Linear {
         } else {
             x
         };
-        // With a bias, every row starts as the bias and the product adds to it; without, the
-        // product writes every value.
+        // With a bias, every row starts as the bias (plus the residual's row) and the product
+        // adds to it; without, the product writes every value.
         filled(n * o, |out| {
             if let Some(b) = b {
                 for_units(n, o, |_, rows| {
                     // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
                     let dst = unsafe { out.uninit_rows(&rows, o) };
-                    for row in dst.chunks_exact_mut(o) {
-                        row.iter_mut().zip(b).for_each(|(d, &b)| {
-                            d.write(b);
+                    let res = residual.map(|r| &r[rows.start * o..rows.end * o]);
+                    for (r, row) in dst.chunks_exact_mut(o).enumerate() {
+                        let res = res.map(|res| &res[r * o..(r + 1) * o]);
+                        row.iter_mut().enumerate().for_each(|(j, d)| {
+                            d.write(b[j] + res.map_or(0.0, |res| res[j]));
                         });
                     }
                 });
@@ -165,7 +205,7 @@ impl CustomOp2 for Linear {
         let x = storage::input(xs, xl, CustomOp2::name(self))?;
         let w = storage::input(ws, wl, CustomOp2::name(self))?;
         let (n, o) = (xl.dims()[0], wl.dims()[1]);
-        let y = self.forward(&x, &w, None, o);
+        let y = self.forward(&x, &w, None, o, None);
         drop((x, w));
         Ok((storage::stored(y, xs)?, Shape::from((n, o))))
     }
@@ -204,7 +244,7 @@ impl CustomOp3 for Linear {
         let w = storage::input(ws, wl, CustomOp3::name(self))?;
         let b = storage::input(bs, bl, CustomOp3::name(self))?;
         let (n, o) = (xl.dims()[0], b.len());
-        let y = self.forward(&x, &w, Some(&b), o);
+        let y = self.forward(&x, &w, Some(&b), o, None);
         drop((x, w, b));
         Ok((storage::stored(y, xs)?, Shape::from((n, o))))
     }

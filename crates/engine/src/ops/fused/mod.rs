@@ -16,12 +16,14 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use crate::ops::vmath;
 
 mod attention;
+mod branch;
 mod head;
 mod linear;
 mod optim;
 mod storage;
 
 pub use attention::causal_attention;
+pub use branch::{branch, Branch, GradSink};
 pub use head::{chunk_rows as head_chunk_rows, linear_nll_sum};
 
 pub use linear::{gelu_linear, linear, project};
@@ -291,6 +293,31 @@ struct LayerNorm {
     eps: f32,
 }
 
+/// Layer norm of the rows of `x` (rows of `g.len()`), in f32.
+fn layer_norm_rows(x: &[f32], g: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
+    let d = g.len();
+    let n = x.len() / d;
+    output(n * d, |out| {
+        for_units(n, d, |_, rows| {
+            // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
+            let dst = unsafe { out.rows(&rows, d) };
+            let src = &x[rows.start * d..rows.end * d];
+            let mut centred = vec![0f32; d];
+            vmath::widest(
+                #[inline(always)]
+                || {
+                    for (yr, xr) in dst.chunks_exact_mut(d).zip(src.chunks_exact(d)) {
+                        let (_, rstd) = row_stats(xr, eps, &mut centred);
+                        for (((y, &c), &g), &b) in yr.iter_mut().zip(&centred).zip(g).zip(b) {
+                            *y = c * rstd * g + b;
+                        }
+                    }
+                },
+            )
+        })
+    })
+}
+
 /// Mean and 1/std of one row (two passes, like the composite version).
 #[inline(always)]
 fn row_stats(row: &[f32], eps: f32, centred: &mut [f32]) -> (f32, f32) {
@@ -322,29 +349,11 @@ impl CustomOp3 for LayerNorm {
         let g = storage::input(gs, gl, self.name())?;
         let b = storage::input(bs, bl, self.name())?;
         let (g, b) = (&g[..], &b[..]);
-        let (n, d) = last_dim(xl.shape())?;
+        let d = last_dim(xl.shape())?.1;
         if g.len() != d || b.len() != d {
             candle_core::bail!("layer norm: gain/bias of {} for rows of {d}", g.len());
         }
-        let y = output(n * d, |out| {
-            for_units(n, d, |_, rows| {
-                // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
-                let dst = unsafe { out.rows(&rows, d) };
-                let src = &x[rows.start * d..rows.end * d];
-                let mut centred = vec![0f32; d];
-                vmath::widest(
-                    #[inline(always)]
-                    || {
-                        for (yr, xr) in dst.chunks_exact_mut(d).zip(src.chunks_exact(d)) {
-                            let (_, rstd) = row_stats(xr, self.eps, &mut centred);
-                            for (((y, &c), &g), &b) in yr.iter_mut().zip(&centred).zip(g).zip(b) {
-                                *y = c * rstd * g + b;
-                            }
-                        }
-                    },
-                )
-            })
-        });
+        let y = layer_norm_rows(&x, g, b, self.eps);
         drop(x);
         Ok((storage::stored(y, xs)?, xl.shape().clone()))
     }
@@ -376,6 +385,76 @@ struct LayerNormBackward {
     eps: f32,
 }
 
+/// `[dx; dgain; dbias]` (`n + 2` rows of `g.len()`) of layer norm at `x` for the output
+/// gradient `dy`, in f32; `residual` (`[n, d]`), when given, is added to dx as it is written.
+fn layer_norm_backward_rows(
+    x: &[f32],
+    g: &[f32],
+    dy: &[f32],
+    eps: f32,
+    residual: Option<&[f32]>,
+) -> Vec<f32> {
+    let d = g.len();
+    let n = x.len() / d;
+    let units = n.div_ceil(unit_rows(d));
+    // Per-unit partial sums of dgain and dbias, added in unit order (deterministic).
+    let mut partial = vec![0f32; units * 2 * d];
+    let partial_ptr = Shared(partial.as_mut_ptr());
+    let mut out = output((n + 2) * d, |out| {
+        for_units(n, d, |unit, rows| {
+            // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
+            let dx = unsafe { out.rows(&rows, d) };
+            // SAFETY: unit `unit` is this call's alone; `partial` holds `units` rows of 2·d.
+            let acc = unsafe { partial_ptr.rows(&(unit..unit + 1), 2 * d) };
+            let (dg, db) = acc.split_at_mut(d);
+            let xs = &x[rows.start * d..rows.end * d];
+            let dys = &dy[rows.start * d..rows.end * d];
+            let (mut xhat, mut dxhat) = (vec![0f32; d], vec![0f32; d]);
+            vmath::widest(
+                #[inline(always)]
+                || {
+                    for ((dxr, xr), dyr) in dx
+                        .chunks_exact_mut(d)
+                        .zip(xs.chunks_exact(d))
+                        .zip(dys.chunks_exact(d))
+                    {
+                        let (_, rstd) = row_stats(xr, eps, &mut xhat);
+                        xhat.iter_mut().for_each(|v| *v *= rstd);
+                        for (((dh, &dy), &g), ((dg, db), &xh)) in dxhat
+                            .iter_mut()
+                            .zip(dyr)
+                            .zip(g)
+                            .zip(dg.iter_mut().zip(db.iter_mut()).zip(&xhat))
+                        {
+                            *dh = dy * g;
+                            *dg += dy * xh;
+                            *db += dy;
+                        }
+                        let m1 = vmath::sum(&dxhat) / d as f32;
+                        let m2 = vmath::dot(&dxhat, &xhat) / d as f32;
+                        for ((dx, &dh), &xh) in dxr.iter_mut().zip(&dxhat).zip(&xhat) {
+                            *dx = rstd * (dh - m1 - xh * m2);
+                        }
+                    }
+                    // The unit's rows are still in cache.
+                    if let Some(r) = residual {
+                        let r = &r[rows.start * d..rows.end * d];
+                        dx.iter_mut().zip(r).for_each(|(dx, &r)| *dx += r);
+                    }
+                },
+            )
+        })
+    });
+    let (dg, db) = out[n * d..].split_at_mut(d);
+    for unit in partial.chunks_exact(2 * d) {
+        for i in 0..d {
+            dg[i] += unit[i];
+            db[i] += unit[d + i];
+        }
+    }
+    out
+}
+
 impl CustomOp3 for LayerNormBackward {
     fn name(&self) -> &'static str {
         "gaccwb-layer-norm-backward"
@@ -393,59 +472,8 @@ impl CustomOp3 for LayerNormBackward {
         let x = storage::input(xs, xl, self.name())?;
         let g = storage::input(gs, gl, self.name())?;
         let dy = storage::input(dys, dyl, self.name())?;
-        let (x, g, dy) = (&x[..], &g[..], &dy[..]);
         let (n, d) = last_dim(xl.shape())?;
-        let units = n.div_ceil(unit_rows(d));
-        // Per-unit partial sums of dgain and dbias, added in unit order (deterministic).
-        let mut partial = vec![0f32; units * 2 * d];
-        let partial_ptr = Shared(partial.as_mut_ptr());
-        let mut out = output((n + 2) * d, |out| {
-            for_units(n, d, |unit, rows| {
-                // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
-                let dx = unsafe { out.rows(&rows, d) };
-                // SAFETY: unit `unit` is this call's alone; `partial` holds `units` rows of 2·d.
-                let acc = unsafe { partial_ptr.rows(&(unit..unit + 1), 2 * d) };
-                let (dg, db) = acc.split_at_mut(d);
-                let xs = &x[rows.start * d..rows.end * d];
-                let dys = &dy[rows.start * d..rows.end * d];
-                let (mut xhat, mut dxhat) = (vec![0f32; d], vec![0f32; d]);
-                vmath::widest(
-                    #[inline(always)]
-                    || {
-                        for ((dxr, xr), dyr) in dx
-                            .chunks_exact_mut(d)
-                            .zip(xs.chunks_exact(d))
-                            .zip(dys.chunks_exact(d))
-                        {
-                            let (_, rstd) = row_stats(xr, self.eps, &mut xhat);
-                            xhat.iter_mut().for_each(|v| *v *= rstd);
-                            for (((dh, &dy), &g), ((dg, db), &xh)) in dxhat
-                                .iter_mut()
-                                .zip(dyr)
-                                .zip(g)
-                                .zip(dg.iter_mut().zip(db.iter_mut()).zip(&xhat))
-                            {
-                                *dh = dy * g;
-                                *dg += dy * xh;
-                                *db += dy;
-                            }
-                            let m1 = vmath::sum(&dxhat) / d as f32;
-                            let m2 = vmath::dot(&dxhat, &xhat) / d as f32;
-                            for ((dx, &dh), &xh) in dxr.iter_mut().zip(&dxhat).zip(&xhat) {
-                                *dx = rstd * (dh - m1 - xh * m2);
-                            }
-                        }
-                    },
-                )
-            })
-        });
-        let (dg, db) = out[n * d..].split_at_mut(d);
-        for unit in partial.chunks_exact(2 * d) {
-            for i in 0..d {
-                dg[i] += unit[i];
-                db[i] += unit[d + i];
-            }
-        }
+        let out = layer_norm_backward_rows(&x, &g, &dy, self.eps, None);
         Ok((storage::stored(out, xs)?, Shape::from((n + 2, d))))
     }
 }

@@ -9,7 +9,7 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Layout, Result};
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
 
@@ -49,6 +49,25 @@ pub(super) fn input<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<Cow<'
 /// ties to even).
 pub(super) fn stored(values: Vec<f32>, like: &CpuStorage) -> Result<CpuStorage> {
     in_dtype(values, like.dtype())
+}
+
+/// `values` as a CPU tensor of `shape` stored in `dtype`, each rounded once.
+pub(super) fn tensor(values: Vec<f32>, dtype: DType, shape: impl Into<Shape>) -> Result<Tensor> {
+    let dev = &Device::Cpu;
+    match in_dtype(values, dtype)? {
+        CpuStorage::F32(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::F16(v) => Tensor::from_vec(v, shape, dev),
+        other => candle_core::bail!("fused ops store f32, bf16 or f16, not {:?}", other.dtype()),
+    }
+}
+
+/// The CPU storage of a tensor's guard, for `input`.
+pub(super) fn cpu<'a>(s: &'a Storage, op: &str) -> Result<&'a CpuStorage> {
+    match s {
+        Storage::Cpu(c) => Ok(c),
+        _ => candle_core::bail!("{op}: expects a CPU tensor"),
+    }
 }
 
 fn in_dtype(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
