@@ -242,13 +242,6 @@ fn build_trainer(
     group: gaccwb::dist::Group,
 ) -> anyhow::Result<Trainer> {
     refuse_with_resume(args)?;
-    if scenario.train.zero > 0 && args.checkpoint_every.is_some() {
-        return Err(usage(
-            "--checkpoint-every with train.zero > 0: each rank holds only its piece of the \
-             optimizer state, which a checkpoint does not save yet; use train.zero = 0",
-        )
-        .into());
-    }
     let saves = args.checkpoint_every.filter(|_| group.rank() == 0);
     // Held by the checkpoint hook, so for as long as the trainer lives.
     let lock = match saves {
@@ -267,6 +260,10 @@ fn build_trainer(
         None => Trainer::new(scenario, device)?,
     };
     trainer.join(group).map_err(|e| usage(format!("{e:#}")))?;
+    // Every rank takes part in gathering what rank 0 saves (ZeRO's sharded moments).
+    if let Some(every) = args.checkpoint_every {
+        trainer.gather_state_every(every);
+    }
     let controls = args
         .controls
         .iter()

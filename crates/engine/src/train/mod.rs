@@ -208,6 +208,11 @@ pub struct Trainer {
     /// Under ZeRO (`train.zero` ≥ 1): this rank's block of the parameters, whose moments `opt`
     /// holds.
     zero: Option<zero::Shard>,
+    /// Under ZeRO, every rank gathers the moments whole after each step that is a multiple of
+    /// this (`--checkpoint-every`; 0: never), so rank 0's checkpoint holds them all.
+    gather_every: u64,
+    /// Those whole moments (`m`, `v`), from the step's end until its after-step hook has run.
+    gathered: Option<(Vec<Tensor>, Vec<Tensor>)>,
     base_batch: usize,
     started: Instant,
 }
@@ -249,7 +254,7 @@ impl Trainer {
             memory,
             knobs: Knobs::from_scenario(&scenario),
             scaler: LossScaler::new(t.loss_scale, t.scale_growth_interval),
-            base_batch: scenario.base_batch(),
+            base_batch: scenario.base_batch(1),
             scenario,
             device,
             model,
@@ -265,6 +270,8 @@ impl Trainer {
             window_observers: Vec::new(),
             group: crate::dist::Group::solo(),
             zero: None,
+            gather_every: 0,
+            gathered: None,
             started: Instant::now(),
         };
         let unified = trainer.memory.unified();
@@ -421,12 +428,10 @@ impl Trainer {
                 group.ranks()
             );
         }
-        self.base_batch = self.scenario.base_batch() * group.ranks();
+        self.base_batch = self.scenario.base_batch(group.ranks());
         self.group = group;
         if self.knobs.zero > 0 {
-            if self.step > 0 {
-                anyhow::bail!("train.zero > 0 from a checkpoint: ZeRO starts with a run");
-            }
+            // From the whole moments a fresh model or a checkpoint holds: this rank's pieces.
             self.set_zero(self.knobs.zero, self.knobs.zero2_accumulate)?;
         }
         Ok(())
@@ -517,6 +522,35 @@ impl Trainer {
     fn scatters_micro_batches(&self) -> bool {
         self.zero_stage() == 2
             && self.knobs.zero2_accumulate == crate::dist::Zero2Accumulate::ReduceScatter
+    }
+
+    /// Under ZeRO, gather the moments whole on every rank after each `every`-th step (a
+    /// checkpoint is saved then); every rank must call it alike, as the gather is a collective.
+    pub fn gather_state_every(&mut self, every: u64) {
+        self.gather_every = every;
+    }
+
+    /// AdamW's moments whole (`m`, `v`, in parameter order): the optimizer's own, or under
+    /// ZeRO the copies gathered at this step's end (`gather_state_every`); `None` under ZeRO at
+    /// any other step.
+    pub fn whole_moments(&self) -> Option<(&[Tensor], &[Tensor])> {
+        match (&self.zero, &self.gathered) {
+            (None, _) => Some((&self.opt.m, &self.opt.v)),
+            (Some(_), Some((m, v))) => Some((m, v)),
+            (Some(_), None) => None,
+        }
+    }
+
+    /// At a step's end under ZeRO, when a checkpoint is due: the whole moments, on every rank
+    /// (counted in this step's bytes).
+    fn gather_if_due(&mut self) -> Result<()> {
+        let due = self.gather_every > 0 && self.step.is_multiple_of(self.gather_every);
+        if let (Some(shard), true) = (&self.zero, due) {
+            let params = &self.model.params;
+            let whole = zero::whole_moments(&self.opt, shard, params, &mut self.group)?;
+            self.gathered = Some(whole);
+        }
+        Ok(())
     }
 
     /// This process's rank and the number of ranks.
@@ -673,6 +707,7 @@ impl Trainer {
             optimizer_ms: optimizer_started.elapsed().as_secs_f64() * 1e3,
             step_ms: started.elapsed().as_secs_f64() * 1e3,
         };
+        self.gather_if_due()?;
         let comm = self.group.is_parallel().then(|| {
             let sync = self.knobs.sync;
             self.group.finish_window(sync, self.memory.last_step_peak())
@@ -1245,6 +1280,8 @@ fn after_window(
         .after_step(&trainer.knobs, trainer.step, &memory);
     send_all(sink, memory.into_iter().map(Event::Memory).chain(guard_log));
     let hook_end = run_after_step(trainer, sink);
+    // The checkpoint has the whole moments it needed; under ZeRO they would undo the savings.
+    trainer.gathered = None;
     if let Some(end) = diverged.or(hook_end) {
         return ControlFlow::Break(end);
     }
