@@ -231,6 +231,11 @@ impl StepEvent {
     pub fn effective_batch(&self) -> usize {
         self.accum_steps * self.micro_batch
     }
+
+    /// W·K·B, the samples of the window over every rank: what one update averages over.
+    pub fn global_batch(&self) -> usize {
+        self.effective_batch() * self.comm.as_ref().map_or(1, |c| c.ranks.max(1))
+    }
 }
 
 /// What a `step` event says about the noise scale.
