@@ -403,6 +403,8 @@ fn run_ranks_headless_starts_the_ranks_itself() {
     assert!(out.contains("2 ranks (sync per window)"), "{out}");
     let all = events(&dir.path().join("ranks.jsonl"));
     assert_eq!(all[0]["ranks"], 2);
+    // CPU ranks: MPI carries the gradients.
+    assert_eq!(all[0]["collectives"], "mpi");
     assert_eq!(steps(&dir.path().join("ranks.jsonl")).len(), 3);
 }
 
@@ -427,7 +429,7 @@ fn run_ranks_on_the_screen_shows_communication_and_quits_the_ranks() {
     );
     tmux.send(&[&command, "Enter"]);
     let s = tmux.wait_for("communication", Duration::from_secs(120), |s| {
-        s.contains("Comm · 2 ranks · sync per window") && s.contains("sent/rank")
+        s.contains("Comm · 2 mpi ranks · per window") && s.contains("sent/rank")
     });
     assert!(s.contains("W 2") && s.contains("FOLLOWING"), "{s}");
     tmux.send(&["+"]);

@@ -149,7 +149,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         // both say it before anything starts, as a usage error.
         gaccwb::safe_write::check(record, "recording", &overwrite).map_err(usage)?;
     }
-    let device = args.device.open()?;
+    let device = match group.is_parallel() {
+        true => args
+            .device
+            .open_for_rank(gaccwb::dist::launch::local_rank(|n| std::env::var(n).ok()))?,
+        false => args.device.open()?,
+    };
+    let group = group.adopt_device(&device)?;
+    if lead && group.gradients_cross_the_host(&device) {
+        eprintln!(
+            "gaccwb: the ranks' gradients cross the host on every reduce (this build has no \
+             NCCL); `cargo build --release --features nccl` keeps them on the GPUs"
+        );
+    }
     let trainer = build_trainer(&args, scenario, device, group)?;
     if keys.is_some() && args.controls_from.is_some() {
         return Err(

@@ -581,6 +581,7 @@ impl Trainer {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             ranks: self.group.is_parallel().then(|| self.group.ranks()),
+            collectives: self.group.is_parallel().then(|| self.group.collectives()),
             memory_budget_bytes: self.guard.budget(),
             unified_memory: Some(self.memory.unified()),
         }
