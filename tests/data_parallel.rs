@@ -456,9 +456,14 @@ fn run_ranks_on_the_screen_shows_communication_and_quits_the_ranks() {
     };
     tmux.wait_for("steps after the change", Duration::from_secs(60), later);
     tmux.send(&["q"]);
+    // The status may follow a prompt on its line ("e2e$ EXIT=0"); the typed command's
+    // "EXIT=$?" is not one.
     let exit = |s: &str| {
-        s.lines()
-            .find_map(|l| l.trim().strip_prefix("EXIT=").map(str::to_string))
+        s.split_whitespace().find_map(|w| {
+            let code = w.strip_prefix("EXIT=")?;
+            let digits = !code.is_empty() && code.bytes().all(|b| b.is_ascii_digit());
+            digits.then(|| code.to_string())
+        })
     };
     let s = tmux.wait_for("the end", Duration::from_secs(60), |s| exit(s).is_some());
     assert_eq!(exit(&s).as_deref(), Some("0"), "{s}");
