@@ -192,11 +192,53 @@ fn two_ranks_at_k2_train_what_one_process_trains_at_k4() {
                 "{name}: step {}: {la} vs {lb}",
                 a["step"]
             );
+            // The noise scale pools the ranks: both ranks' micro-batches are the small batches.
+            for field in ["raw_g2", "raw_trace"] {
+                let (na, nb) = (&a["noise"][field], &b["noise"][field]);
+                let (na, nb) = (na.as_f64().unwrap(), nb.as_f64().unwrap());
+                assert!(
+                    close(na, nb, 1e-5),
+                    "{name}: step {}: noise {field} {na} vs {nb}",
+                    a["step"]
+                );
+            }
         }
         let (e, at) = largest_difference(&dir.path().join("one"), &dir.path().join(name), "param/");
         eprintln!("{name} against one process: largest relative L2 of the weights {e:e} ({at})");
         assert!(e <= 1e-6, "{name}: {at} differs by {e:e}");
     }
+}
+
+/// Two ranks at K = 1 measure the noise scale (each rank's micro-batch is a small batch), and
+/// the noise-scale policy decides for both: rank 0's change of K reaches rank 1 at the same
+/// boundary (a rank left behind would fail the next boundary's knob check).
+#[test]
+fn the_noise_scale_policy_steers_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = run_args(
+        4,
+        &[
+            "--set",
+            "train.micro_batch=2",
+            "--set",
+            "train.accum_steps=1",
+            "--set",
+            "train.accum_policy=noise-scale",
+            "--record",
+            "policy.jsonl",
+        ],
+    );
+    let (code, text) = mpirun(dir.path(), 2, &args);
+    assert_eq!(code, 0, "{text}");
+    let all = steps(&dir.path().join("policy.jsonl"));
+    assert_eq!(all.len(), 4);
+    assert!(all[0]["noise"]["raw_g2"].is_f64(), "{}", all[0]);
+    // K = 1 is below accum_min (2): the policy raises it at the first boundary.
+    let ks: Vec<u64> = all
+        .iter()
+        .map(|s| s["accum_steps"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ks, [1, 2, 2, 2]);
 }
 
 /// Bytes per window under the ring rule: the gradients once (4 bytes per parameter) with

@@ -400,6 +400,15 @@ impl Group {
         self.collective("gathering the updated weights", |t| t.gather_f32(block))
     }
 
+    /// Every rank's `values` (the same length on each), in rank order: measurements such as
+    /// the noise scale's norms. Not counted: workbench traffic, like the telemetry.
+    pub fn gather_measurements(&mut self, values: &[u64]) -> Vec<u64> {
+        if !self.is_parallel() {
+            return values.to_vec();
+        }
+        self.collective("gathering measurements", |t| t.gather_u64(values))
+    }
+
     /// At a boundary: rank 0's controls (the screen's keys reach rank 0 only) on every rank, so
     /// every rank applies the same changes at the same boundary. Not counted: workbench traffic.
     pub fn share_controls(

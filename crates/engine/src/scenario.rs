@@ -220,7 +220,8 @@ pub struct TrainConfig {
     pub memory_budget: crate::budget::MemoryBudget,
     /// Out-of-memory failures tolerated at micro-batch 1 before the run ends.
     pub guard_retries: u32,
-    /// Measure the gradient noise scale in windows with K ≥ 2 (docs/NOISE.md).
+    /// Measure the gradient noise scale in windows of two micro-batches or more, every rank's
+    /// counted (docs/NOISE.md).
     pub noise: bool,
     /// EMA factor smoothing |G|² and tr(Σ) of the noise scale.
     pub noise_ema: f64,

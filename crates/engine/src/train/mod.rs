@@ -420,14 +420,6 @@ impl Trainer {
     /// Train as one rank of `group` (data parallel): every rank must join a trainer built from
     /// the same scenario, before the first step.
     pub fn join(&mut self, group: crate::dist::Group) -> anyhow::Result<()> {
-        if group.is_parallel() && self.knobs.accum_policy != crate::telemetry::AccumPolicy::Fixed {
-            anyhow::bail!(
-                "train.accum_policy = {:?} with {} ranks: the noise-scale policy is measured per \
-                 rank and the ranks must agree on K; use accum_policy = \"fixed\"",
-                self.knobs.accum_policy,
-                group.ranks()
-            );
-        }
         self.base_batch = self.scenario.base_batch(group.ranks());
         self.group = group;
         if self.knobs.zero > 0 {
@@ -695,6 +687,7 @@ impl Trainer {
         let scale = self.loss_scale();
         let (mut window, window_tokens) = self.window_with_retries(scale, &mut between)?;
         self.sum_over_ranks(&mut window)?;
+        self.pool_noise_over_ranks(&mut window, scale)?;
         let optimizer_started = Instant::now();
         self.memory.optimizer_start(&window.buffer());
         let norms = window.noise.take();
@@ -744,6 +737,42 @@ impl Trainer {
         let mut loss = [window.loss];
         self.group.sum_scalars(&mut loss);
         window.loss = loss[0];
+        Ok(())
+    }
+
+    /// Under data parallel, the noise scale's norms of every rank: each rank's micro-batches
+    /// are small batches and the summed window the big one, so W ranks at K measure what one
+    /// process measures at W·K (and every rank holds the same estimate). The big batch's norm
+    /// is the whole window's, read after the sums.
+    fn pool_noise_over_ranks(&mut self, window: &mut WindowGrads, scale: f64) -> Result<()> {
+        if !self.group.is_parallel() {
+            return Ok(());
+        }
+        let Some(norms) = window.noise.as_mut() else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let whole = match &window.reference {
+            Some(reference) => global_norm(reference)?,
+            None => self.grad_norm(&window.grads)?,
+        };
+        norms.window_sq_norm = (whole / scale).powi(2);
+        let mine: Vec<u64> = norms
+            .micro
+            .iter()
+            .flat_map(|m| [m.sq_norm.to_bits(), m.tokens, m.seqs as u64])
+            .collect();
+        norms.micro = self
+            .group
+            .gather_measurements(&mine)
+            .chunks(3)
+            .map(|c| noise::MicroNorm {
+                sq_norm: f64::from_bits(c[0]),
+                tokens: c[1],
+                seqs: c[2] as usize,
+            })
+            .collect();
+        norms.cost_ms += started.elapsed().as_secs_f64() * 1e3;
         Ok(())
     }
 
@@ -998,9 +1027,10 @@ impl Trainer {
             patience: t.accum_patience,
         };
         let reference = self.guard.reference_micro_batch(self.knobs.micro_batch);
+        let ranks = self.group.ranks();
         let Some(k) = self
             .adaptive
-            .decide(self.knobs.accum_policy, limits, step, reference)
+            .decide(self.knobs.accum_policy, limits, step, reference, ranks)
         else {
             return Vec::new();
         };
