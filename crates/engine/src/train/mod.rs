@@ -697,11 +697,12 @@ impl Trainer {
         let noise = self.noise.observe(norms.as_ref(), update.skipped);
         self.memory
             .finish_window(self.step, self.persistent_memory());
+        // Inside the step's time, as its bytes and collective time are.
+        self.gather_if_due()?;
         let timing = StepTiming {
             optimizer_ms: optimizer_started.elapsed().as_secs_f64() * 1e3,
             step_ms: started.elapsed().as_secs_f64() * 1e3,
         };
-        self.gather_if_due()?;
         let comm = self.group.is_parallel().then(|| {
             let sync = self.knobs.sync;
             self.group.finish_window(sync, self.memory.last_step_peak())
