@@ -157,6 +157,47 @@ fn resumed_run_continues_bit_identically() {
     assert!(sa.knobs.offload && sa.knobs.dtype == Dtype::F16);
 }
 
+/// A trainer under ZeRO stage `zero`, alone (its shard is every element, the moments still
+/// cut into 1-D pieces), gathering its state whole at every save.
+fn zero_trainer(trainer: anyhow::Result<Trainer>, every: u64) -> Trainer {
+    let mut t = trainer.unwrap();
+    t.join(gaccwb::dist::Group::solo()).unwrap();
+    t.gather_state_every(every);
+    t
+}
+
+/// Under ZeRO the checkpoint holds the moments whole, as ZeRO-0's does (the same tensors, bit
+/// for bit), and a run resumed from it continues bit-identically.
+#[test]
+fn a_zero_run_saves_whole_moments_and_resumes_bit_identically() {
+    let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+    let at = |zero: u8, steps: u64| {
+        let mut s = TINY.scenario();
+        (s.train.micro_batch, s.train.accum_steps) = (2, 2);
+        (s.train.steps, s.train.decay_steps, s.train.zero) = (steps, TOTAL, zero);
+        Trainer::new(s, Device::Cpu)
+    };
+    let plain = run(zero_trainer(at(0, TOTAL), TOTAL), dirs[0].path(), TOTAL);
+    let sharded = run(zero_trainer(at(1, TOTAL), TOTAL), dirs[1].path(), TOTAL);
+    let head = run(zero_trainer(at(1, SPLIT), SPLIT), dirs[2].path(), SPLIT);
+    let resumed = checkpoint::resume(dirs[2].path(), Device::Cpu, |s| s.train.steps = TOTAL);
+    let tail = run(zero_trainer(resumed, TOTAL), dirs[3].path(), TOTAL);
+
+    let expected: Vec<_> = plain.iter().map(numbers).collect();
+    assert_eq!(sharded.iter().map(numbers).collect::<Vec<_>>(), expected);
+    let joined: Vec<_> = head.iter().chain(&tail).map(numbers).collect();
+    assert_eq!(joined, expected);
+    let reference = tensors(dirs[0].path());
+    for dir in [&dirs[1], &dirs[3]] {
+        let saved = tensors(dir.path());
+        assert_eq!(saved.len(), reference.len());
+        for (name, t) in &reference {
+            assert_eq!(t.shape(), saved[name].shape(), "{name}");
+            assert!(bits(t) == bits(&saved[name]), "{name} differs");
+        }
+    }
+}
+
 #[test]
 fn a_torn_save_leaves_the_previous_checkpoint_readable() {
     let dir = tempfile::tempdir().unwrap();

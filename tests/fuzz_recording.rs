@@ -23,6 +23,7 @@ fn valid_recording() -> Vec<u8> {
         tokenizer: None,
         started_unix: 0,
         ranks: None,
+        collectives: None,
         memory_budget_bytes: None,
         unified_memory: Some(true),
     })];

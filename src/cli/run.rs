@@ -149,7 +149,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         // both say it before anything starts, as a usage error.
         gaccwb::safe_write::check(record, "recording", &overwrite).map_err(usage)?;
     }
-    let device = args.device.open()?;
+    let device = match group.is_parallel() {
+        true => args
+            .device
+            .open_for_rank(gaccwb::dist::launch::local_rank(|n| std::env::var(n).ok()))?,
+        false => args.device.open()?,
+    };
+    let group = group.adopt_device(&device)?;
+    if lead && group.gradients_cross_the_host(&device) {
+        eprintln!(
+            "gaccwb: the ranks' gradients cross the host on every reduce (this build has no \
+             NCCL); `cargo build --release --features nccl` keeps them on the GPUs"
+        );
+    }
     let trainer = build_trainer(&args, scenario, device, group)?;
     if keys.is_some() && args.controls_from.is_some() {
         return Err(
@@ -242,13 +254,6 @@ fn build_trainer(
     group: gaccwb::dist::Group,
 ) -> anyhow::Result<Trainer> {
     refuse_with_resume(args)?;
-    if scenario.train.zero > 0 && args.checkpoint_every.is_some() {
-        return Err(usage(
-            "--checkpoint-every with train.zero > 0: each rank holds only its piece of the \
-             optimizer state, which a checkpoint does not save yet; use train.zero = 0",
-        )
-        .into());
-    }
     let saves = args.checkpoint_every.filter(|_| group.rank() == 0);
     // Held by the checkpoint hook, so for as long as the trainer lives.
     let lock = match saves {
@@ -267,6 +272,10 @@ fn build_trainer(
         None => Trainer::new(scenario, device)?,
     };
     trainer.join(group).map_err(|e| usage(format!("{e:#}")))?;
+    // Every rank takes part in gathering what rank 0 saves (ZeRO's sharded moments).
+    if let Some(every) = args.checkpoint_every {
+        trainer.gather_state_every(every);
+    }
     let controls = args
         .controls
         .iter()

@@ -27,6 +27,7 @@ pub fn header() -> Header {
         tokenizer: None,
         started_unix: 0,
         ranks: None,
+        collectives: None,
         memory_budget_bytes: None,
         unified_memory: Some(true),
     }

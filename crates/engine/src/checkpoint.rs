@@ -193,11 +193,20 @@ fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<P
 fn tensor_map(trainer: &Trainer) -> anyhow::Result<HashMap<String, Tensor>> {
     let mut map = HashMap::new();
     let master = trainer.master_weights();
-    let opt = trainer.optimizer();
+    // Under ZeRO each rank holds a piece of the moments; the ranks gathered them whole at the
+    // end of a step the policy saves at, so the file is the one a ZeRO-0 run writes.
+    let (m, v) = trainer.whole_moments().with_context(|| {
+        format!(
+            "step {}: under train.zero = {} the optimizer state was not gathered whole at \
+             this step",
+            trainer.step(),
+            trainer.knobs().zero
+        )
+    })?;
     for (i, p) in trainer.params().iter().enumerate() {
         map.insert(format!("param/{}", p.name), master[i].clone());
-        map.insert(format!("adam_m/{}", p.name), opt.m[i].clone());
-        map.insert(format!("adam_v/{}", p.name), opt.v[i].clone());
+        map.insert(format!("adam_m/{}", p.name), m[i].clone());
+        map.insert(format!("adam_v/{}", p.name), v[i].clone());
     }
     Ok(map)
 }

@@ -41,6 +41,13 @@ impl DeviceChoice {
         self.open_with(open_cuda)
     }
 
+    /// Open the device as the rank with `local_rank` on its host: one GPU per rank, so the
+    /// CUDA ordinal moves up by the local rank (`cuda:N` opens N + local rank; `auto` the
+    /// local rank's GPU, else the CPU). The CPU is shared.
+    pub fn open_for_rank(self, local_rank: usize) -> anyhow::Result<Device> {
+        self.open_with(|n| open_cuda(n + local_rank))
+    }
+
     /// The selection rules, with the CUDA opener passed in so they are tested without a GPU.
     pub fn open_with(
         self,
@@ -124,5 +131,11 @@ mod tests {
         assert!(err.contains("built without CUDA"), "{err}");
         assert!(err.contains("--features cuda"), "{err}");
         assert!(DeviceChoice::Auto.open().unwrap().is_cpu());
+        // One GPU per rank: the third rank on a host asks for the third GPU.
+        let err = DeviceChoice::Cuda(0)
+            .open_for_rank(2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cannot open cuda:2"), "{err}");
     }
 }

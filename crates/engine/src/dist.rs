@@ -10,14 +10,18 @@
 //!   sum, K× the bytes;
 //! - every rank then takes the same AdamW step on the same sum, so the weights never differ.
 //!
-//! Ranks run on an existing engine, not a home-made transport: MPI (the `mpi` feature, over
-//! the system's Open MPI or MPICH). [`Group`] counts what each collective moves under the ring
-//! rule and times it; a watchdog ends a rank that waits on its peers past the timeout, so
-//! nothing hangs in a collective.
+//! Ranks run on existing engines, not a home-made transport: MPI (the `mpi` feature, over the
+//! system's Open MPI or MPICH), and on CUDA devices NCCL for the gradients (the `nccl`
+//! feature: the gradient all-reduce stays on the device; scalars, controls and ZeRO's pieces
+//! still go over MPI). [`Group`] counts what each collective moves under the ring rule and
+//! times it; a watchdog ends a rank that waits on its peers past the timeout, so nothing hangs
+//! in a collective.
 
 pub mod launch;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod watchdog;
 
 use std::time::{Duration, Instant};
@@ -63,6 +67,27 @@ pub enum DistError {
     /// Flattening or rebuilding the gradients failed.
     #[error("gradients for data parallel: {0}")]
     Tensor(#[from] candle_core::Error),
+    /// NCCL refused to start or to reduce.
+    #[error("NCCL on rank {rank}: {what}")]
+    Nccl {
+        /// This process's rank.
+        rank: usize,
+        /// What failed, with NCCL's error.
+        what: String,
+    },
+}
+
+/// What carries the ranks' gradients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, strum::Display)]
+#[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
+pub enum Collectives {
+    /// One process: nothing to carry.
+    Solo,
+    /// MPI, through host memory.
+    Mpi,
+    /// NCCL on the CUDA devices (the rest over MPI).
+    Nccl,
 }
 
 /// What each rank can do with the others. Every rank calls the same collectives in the same
@@ -89,6 +114,15 @@ pub trait Transport: Send {
     fn reduce_scatter_f32(&mut self, values: &[f32]) -> Vec<f32>;
     /// Rank 0's `bytes` on every rank (the others' are replaced).
     fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>);
+    /// What carries [`Transport::sum_tensor`].
+    fn collectives(&self) -> Collectives;
+    /// The element-wise sum over the ranks of a flat f32 tensor, on its device. By default
+    /// through host memory ([`Transport::sum_f32`]); NCCL sums CUDA tensors where they are.
+    fn sum_tensor(&mut self, flat: &Tensor) -> Result<Tensor, DistError> {
+        let mut host = flat.to_vec1::<f32>()?;
+        self.sum_f32(&mut host);
+        Ok(Tensor::from_vec(host, flat.elem_count(), flat.device())?)
+    }
 }
 
 /// One process alone: every collective is the identity.
@@ -115,6 +149,9 @@ impl Transport for Solo {
         values.to_vec()
     }
     fn broadcast_bytes(&mut self, _: &mut Vec<u8>) {}
+    fn collectives(&self) -> Collectives {
+        Collectives::Solo
+    }
 }
 
 /// Bytes one rank sends (and receives) in a ring all-reduce of `bytes` over `ranks`: the
@@ -226,6 +263,54 @@ impl Group {
         self.ranks() > 1
     }
 
+    /// What carries the gradients.
+    pub fn collectives(&self) -> Collectives {
+        self.transport.collectives()
+    }
+
+    /// On a CUDA device, moves the gradient all-reduce onto NCCL (built with the `nccl`
+    /// feature); MPI keeps everything else. Otherwise the group stays as it is: on the CPU,
+    /// or in a build without NCCL, where CUDA gradients cross the host (see
+    /// [`Group::gradients_cross_the_host`]).
+    pub fn adopt_device(self, device: &candle_core::Device) -> Result<Group, DistError> {
+        if !self.is_parallel() || !device.is_cuda() {
+            return Ok(self);
+        }
+        self.adopt_cuda(device)
+    }
+
+    #[cfg(feature = "nccl")]
+    fn adopt_cuda(self, device: &candle_core::Device) -> Result<Group, DistError> {
+        let Group {
+            mut transport,
+            window,
+            watchdog,
+        } = self;
+        if let Some(w) = &watchdog {
+            w.enter("starting NCCL");
+        }
+        let nccl = nccl::Nccl::start(transport.as_mut(), device);
+        if let Some(w) = &watchdog {
+            w.leave();
+        }
+        Ok(Group {
+            transport: Box::new(nccl::OverMpi::new(transport, nccl?)),
+            window,
+            watchdog,
+        })
+    }
+
+    #[cfg(not(feature = "nccl"))]
+    fn adopt_cuda(self, _device: &candle_core::Device) -> Result<Group, DistError> {
+        Ok(self)
+    }
+
+    /// Whether this rank's gradients live on a CUDA device but are summed through host memory
+    /// (a build without the `nccl` feature): correct, and slower by two copies per reduce.
+    pub fn gradients_cross_the_host(&self, device: &candle_core::Device) -> bool {
+        self.is_parallel() && device.is_cuda() && self.collectives() != Collectives::Nccl
+    }
+
     /// Runs a collective under the watchdog and the window's clock.
     fn collective<R>(&mut self, what: &'static str, f: impl FnOnce(&mut dyn Transport) -> R) -> R {
         if let Some(w) = &self.watchdog {
@@ -273,20 +358,26 @@ impl Group {
         if !self.is_parallel() {
             return Ok(());
         }
-        let mut flat = Vec::with_capacity(tensors.iter().map(Tensor::elem_count).sum());
-        for t in tensors.iter() {
-            flat.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
-        }
-        self.count(4 * flat.len() as u64);
+        let pieces = tensors
+            .iter()
+            .map(|t| t.flatten_all()?.to_dtype(DType::F32))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let flat = Tensor::cat(&pieces, 0)?;
+        drop(pieces);
+        self.count(4 * flat.elem_count() as u64);
         if gradients {
             self.window.gradient_reduces += 1;
         }
-        self.collective("summing gradients", |t| t.sum_f32(&mut flat));
+        let summed = self.collective("summing gradients", |t| t.sum_tensor(&flat))?;
         let mut at = 0;
         for t in tensors.iter_mut() {
             let n = t.elem_count();
-            let summed = Tensor::from_slice(&flat[at..at + n], t.shape(), t.device())?;
-            *t = summed.to_dtype(t.dtype())?;
+            let piece = summed.narrow(0, at, n)?.reshape(t.shape())?;
+            // A storage of its own for each gradient: later steps update them in place.
+            *t = match t.dtype() {
+                DType::F32 => piece.copy()?,
+                dtype => piece.to_dtype(dtype)?,
+            };
             at += n;
         }
         Ok(())
@@ -307,6 +398,15 @@ impl Group {
         let whole = 4 * (block.len() * self.ranks()) as u64;
         self.count_moved(ring_half_bytes(whole, self.ranks()));
         self.collective("gathering the updated weights", |t| t.gather_f32(block))
+    }
+
+    /// Every rank's `values` (the same length on each), in rank order: measurements such as
+    /// the noise scale's norms. Not counted: workbench traffic, like the telemetry.
+    pub fn gather_measurements(&mut self, values: &[u64]) -> Vec<u64> {
+        if !self.is_parallel() {
+            return values.to_vec();
+        }
+        self.collective("gathering measurements", |t| t.gather_u64(values))
     }
 
     /// At a boundary: rank 0's controls (the screen's keys reach rank 0 only) on every rank, so
@@ -413,6 +513,62 @@ mod tests {
         let e = g.finish_window(SyncEvery::Window, 5);
         assert_eq!(e.sent_bytes(), 0);
         assert_eq!(e.peak_bytes, [5]);
+    }
+
+    /// Two ranks where the other rank always holds what this one holds: every sum doubles.
+    struct Twin;
+
+    impl Transport for Twin {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn ranks(&self) -> usize {
+            2
+        }
+        fn sum_f32(&mut self, values: &mut [f32]) {
+            values.iter_mut().for_each(|v| *v *= 2.0);
+        }
+        fn sum_f64(&mut self, _: &mut [f64]) {}
+        fn sum_u64(&mut self, _: &mut [u64]) {}
+        fn max_u64(&mut self, _: &mut [u64]) {}
+        fn gather_u64(&mut self, values: &[u64]) -> Vec<u64> {
+            [values, values].concat()
+        }
+        fn gather_f32(&mut self, values: &[f32]) -> Vec<f32> {
+            [values, values].concat()
+        }
+        fn reduce_scatter_f32(&mut self, values: &[f32]) -> Vec<f32> {
+            values[..values.len() / 2].iter().map(|v| v * 2.0).collect()
+        }
+        fn broadcast_bytes(&mut self, _: &mut Vec<u8>) {}
+        fn collectives(&self) -> Collectives {
+            Collectives::Mpi
+        }
+    }
+
+    #[test]
+    fn summed_tensors_keep_their_shapes_and_dtypes_in_one_reduce() {
+        let mut g = Group::new(Box::new(Twin), None);
+        let cpu = Device::Cpu;
+        let mut t = vec![
+            Tensor::new(&[[1f32, 2.0], [3.0, 4.0]], &cpu).unwrap(),
+            Tensor::new(&[0.5f32, -1.0, 8.0], &cpu)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap(),
+        ];
+        let before = t[0].clone();
+        g.sum_tensors(&mut t, true).unwrap();
+        assert_eq!(t[0].dims(), [2, 2]);
+        assert_eq!(t[0].to_vec2::<f32>().unwrap(), [[2.0, 4.0], [6.0, 8.0]]);
+        assert_eq!(t[1].dtype(), DType::BF16);
+        let second = t[1].to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(second, [1.0, -2.0, 16.0]);
+        assert_eq!(before.to_vec2::<f32>().unwrap(), [[1.0, 2.0], [3.0, 4.0]]);
+        let e = g.finish_window(SyncEvery::Window, 0);
+        assert_eq!(e.per_rank[0].gradient_reduces, 1);
+        // Seven f32 values, all-reduced over two ranks: 2·(W−1)/W·28 bytes.
+        assert_eq!(e.per_rank[0].sent_bytes, 28);
     }
 
     #[test]

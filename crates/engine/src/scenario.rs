@@ -220,7 +220,8 @@ pub struct TrainConfig {
     pub memory_budget: crate::budget::MemoryBudget,
     /// Out-of-memory failures tolerated at micro-batch 1 before the run ends.
     pub guard_retries: u32,
-    /// Measure the gradient noise scale in windows with K ≥ 2 (docs/NOISE.md).
+    /// Measure the gradient noise scale in windows of two micro-batches or more, every rank's
+    /// counted (docs/NOISE.md).
     pub noise: bool,
     /// EMA factor smoothing |G|² and tr(Σ) of the noise scale.
     pub noise_ema: f64,
@@ -643,12 +644,15 @@ impl Scenario {
         Ok(())
     }
 
-    /// The effective batch the LR is tuned for.
-    pub fn base_batch(&self) -> usize {
+    /// The effective batch the LR is tuned for, over `ranks` ranks: `train.base_batch` as
+    /// given (a batch of every rank's samples together), else the starting W·K·B. The LR
+    /// rules compare it with the window's W·K·B, so adding ranks scales the LR as adding
+    /// micro-batches does.
+    pub fn base_batch(&self, ranks: usize) -> usize {
         if self.train.base_batch > 0 {
             self.train.base_batch
         } else {
-            self.train.micro_batch * self.train.accum_steps
+            self.train.micro_batch * self.train.accum_steps * ranks
         }
     }
 }
@@ -951,6 +955,23 @@ fn check_bpe(d: &DataConfig) -> Result<(), Invalid> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The LR rules see W·K·B: with the LR tuned at 4 samples (B = 2), two ranks at K = 2 get
+    /// the factor one process gets at K = 4, twice that of K = 2; unset, the base is the
+    /// starting W·K·B, so a run starts at its LR however many ranks it has.
+    #[test]
+    fn the_lr_rules_count_every_ranks_samples() {
+        let linear = |ranks: usize, k: usize, base: usize| {
+            let mut s = Scenario::default();
+            (s.train.micro_batch, s.train.accum_steps) = (2, k);
+            s.train.base_batch = base;
+            LrRule::Linear.factor(ranks * k * 2, s.base_batch(ranks))
+        };
+        assert_eq!(linear(2, 2, 4), 2.0);
+        assert_eq!(linear(1, 4, 4), 2.0);
+        assert_eq!(linear(1, 2, 4), 1.0);
+        assert_eq!(linear(2, 2, 0), 1.0);
+    }
 
     #[test]
     fn set_overrides_and_rejects_unknown_keys() {

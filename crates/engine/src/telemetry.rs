@@ -102,6 +102,9 @@ pub struct Header {
     /// samples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<usize>,
+    /// What carried the ranks' gradients (`mpi` or `nccl`); absent for a run of one process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collectives: Option<crate::dist::Collectives>,
     /// `train.memory_budget` resolved to bytes against this device's total, once, by the
     /// trainer; absent without a budget (and in recordings made before it existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -230,6 +233,11 @@ impl StepEvent {
     /// B·K, the samples of the window.
     pub fn effective_batch(&self) -> usize {
         self.accum_steps * self.micro_batch
+    }
+
+    /// W·K·B, the samples of the window over every rank: what one update averages over.
+    pub fn global_batch(&self) -> usize {
+        self.effective_batch() * self.comm.as_ref().map_or(1, |c| c.ranks.max(1))
     }
 }
 

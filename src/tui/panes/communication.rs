@@ -58,7 +58,11 @@ pub fn lines(step: &StepEvent, c: &CommEvent) -> Vec<Line<'static>> {
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     let latest = app.last().and_then(|s| s.comm.as_ref().map(|c| (s, c)));
     let title = match latest {
-        Some((_, c)) => format!(" Comm · {} ranks · sync per {} ", c.ranks, c.sync.noun()),
+        Some((_, c)) => {
+            let over = app.run.header.as_ref().and_then(|h| h.collectives);
+            let kind = over.map(|c| format!("{c} ")).unwrap_or_default();
+            format!(" Comm · {} {kind}ranks · per {} ", c.ranks, c.sync.noun())
+        }
         None => " Communication ".into(),
     };
     let block = block(title, app, PaneId::LossScale, theme);

@@ -1,5 +1,6 @@
 //! The grad-norm pane's second mode (`g`): the smoothed critical batch B_simple over steps with
-//! the effective batch B·K beside it, and a verdict in words. Also the Controls pane's line.
+//! the effective batch beside it (B·K; W·K·B, every rank's samples, over several ranks), and a
+//! verdict in words. Also the Controls pane's line.
 
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};
@@ -34,9 +35,16 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
             Some((s.step as f64, b))
         })
         .collect();
+    // Every rank's samples: the critical batch is a property of the update, not of a rank.
     let effective: Vec<(f64, f64)> = steps_in_view(app)
-        .map(|s| (s.step as f64, s.effective_batch() as f64))
+        .map(|s| (s.step as f64, s.global_batch() as f64))
         .collect();
+    let ranks = app.run.steps.back().and_then(|s| s.comm.as_ref());
+    let batch_name = if ranks.is_some_and(|c| c.ranks > 1) {
+        "W·K·B"
+    } else {
+        "B·K"
+    };
     let series = [
         Series {
             name: "critical B".into(),
@@ -45,7 +53,7 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
             scatter: false,
         },
         Series {
-            name: "B·K".into(),
+            name: batch_name.into(),
             points: effective,
             style: theme.fg(Color::Cyan),
             scatter: false,
@@ -97,7 +105,7 @@ pub fn verdict(app: &App, theme: Theme) -> (String, Style) {
             theme.dim(),
         );
     };
-    let eff = last.effective_batch();
+    let eff = last.global_batch();
     let b_text = fmt_num(b);
     if (eff as f64) < b / 2.0 {
         (
@@ -192,5 +200,23 @@ mod tests {
         assert!(k1.starts_with("needs K ≥ 2"), "{k1}");
         let (none, _) = verdict(&app_at(2, None), theme);
         assert!(none.starts_with("no estimate yet"), "{none}");
+    }
+
+    /// Over two ranks the update averages W·K·B samples: 2 × 8 × 4 = 64, near a critical batch
+    /// of 100 that one rank's 32 is below.
+    #[test]
+    fn over_ranks_the_verdict_counts_every_ranks_samples() {
+        let theme = Theme { color: false };
+        let mut app = App::default();
+        let mut s = crate::tui::testing::step(1, 2.0);
+        s.accum_steps = 4;
+        s.noise = Some(noise(Some(100.0)));
+        s.comm = Some(crate::dist::CommEvent {
+            ranks: 2,
+            ..Default::default()
+        });
+        app.update(&Event::Step(s));
+        let (text, _) = verdict(&app, theme);
+        assert!(text.starts_with("effective batch 64 is near"), "{text}");
     }
 }

@@ -21,6 +21,24 @@ pub struct Launch {
 const SIZE_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
 const RANK_VARS: [&str; 3] = ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"];
 
+/// Launcher variables for a rank's place among the ranks on its own host: Open MPI's, MPICH's,
+/// Slurm's and PMIx's.
+const LOCAL_RANK_VARS: [&str; 4] = [
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "SLURM_LOCALID",
+    "PMIX_LOCAL_RANK",
+];
+
+/// This process's rank among the ranks on its host (which GPU it takes), as `var` says; 0
+/// when no launcher says (started alone, or a launcher that does not tell).
+pub fn local_rank(var: impl Fn(&str) -> Option<String>) -> usize {
+    LOCAL_RANK_VARS
+        .iter()
+        .find_map(|&n| var(n)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// The launch `var` describes (`std::env::var` in a run; a map in tests). `None`: started alone.
 pub fn read(var: impl Fn(&str) -> Option<String>) -> Result<Option<Launch>, DistError> {
     let first = |names: &[&'static str]| names.iter().find_map(|&n| var(n).map(|v| (n, v)));
@@ -101,6 +119,13 @@ mod tests {
         assert_eq!(read(open_mpi).unwrap(), Some(Launch { rank: 3, ranks: 4 }));
         let pmi = env(&[("PMI_SIZE", "2"), ("PMI_RANK", "1")]);
         assert_eq!(read(pmi).unwrap(), Some(Launch { rank: 1, ranks: 2 }));
+    }
+
+    #[test]
+    fn the_local_rank_comes_from_whichever_launcher_ran() {
+        assert_eq!(local_rank(env(&[])), 0);
+        assert_eq!(local_rank(env(&[("OMPI_COMM_WORLD_LOCAL_RANK", "3")])), 3);
+        assert_eq!(local_rank(env(&[("SLURM_LOCALID", "1")])), 1);
     }
 
     #[test]

@@ -4,7 +4,7 @@ use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
 use mpi::traits::{Communicator, CommunicatorCollectives, Root};
 
-use super::{DistError, Transport};
+use super::{Collectives, DistError, Transport};
 
 /// MPI's world. The universe finalises MPI when dropped, after the last collective.
 pub(super) struct Mpi {
@@ -85,6 +85,10 @@ impl Transport for Mpi {
         root.broadcast_into(&mut len);
         bytes.resize(len as usize, 0);
         root.broadcast_into(&mut bytes[..]);
+    }
+
+    fn collectives(&self) -> Collectives {
+        Collectives::Mpi
     }
 
     fn reduce_scatter_f32(&mut self, values: &[f32]) -> Vec<f32> {

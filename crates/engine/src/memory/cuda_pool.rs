@@ -17,6 +17,7 @@ use sys::CUmemPool_attribute::{
     CU_MEMPOOL_ATTR_USED_MEM_HIGH as USED_HIGH,
 };
 
+/// The default memory pool of one CUDA device, read for its used, reserved and peak bytes.
 pub struct CudaPool {
     ctx: Arc<CudaContext>,
     pool: sys::CUmemoryPool,
@@ -27,6 +28,8 @@ pub struct CudaPool {
 unsafe impl Send for CudaPool {}
 
 impl CudaPool {
+    /// The pool of `device`; an error when it is not a CUDA device or does not allocate from
+    /// a pool.
     pub fn for_device(device: &Device) -> Result<CudaPool, SampleError> {
         let ctx = device
             .as_cuda_device()

@@ -36,13 +36,15 @@ impl AdaptiveK {
     /// After a window: the K to switch to at this boundary, if any. The policy chooses the
     /// effective batch B·K; the memory guard chooses how it is split. So K is counted against
     /// `reference_b`, the micro-batch before the guard split it (else the one in force): a guard
-    /// split, B halved and K doubled, is no change of K here and moves no limit.
+    /// split, B halved and K doubled, is no change of K here and moves no limit. With `ranks`
+    /// W, the effective batch is W·B·K, so the K that meets the critical batch is W× smaller.
     pub fn decide(
         &mut self,
         policy: AccumPolicy,
         limits: Limits,
         step: &StepEvent,
         reference_b: usize,
+        ranks: usize,
     ) -> Option<usize> {
         let reference_b = reference_b.max(1);
         let k = (step.micro_batch * step.accum_steps / reference_b).max(1);
@@ -61,7 +63,7 @@ impl AdaptiveK {
         self.since_change += 1;
         // Windows without an estimate (overflow, no positive |G|² yet) neither count nor reset.
         let b_simple = step.noise.as_ref().and_then(|n| n.b_simple_seqs)?;
-        let wanted = b_simple / reference_b as f64;
+        let wanted = b_simple / (reference_b * ranks.max(1)) as f64;
         let up = wanted >= 2.0 * k as f64 && k * 2 <= limits.max;
         let down = wanted <= k as f64 / 2.0 && k / 2 >= limits.min;
         self.above = if up { self.above + 1 } else { 0 };
@@ -131,17 +133,40 @@ mod tests {
         let mut p = AdaptiveK::default();
         // B_simple 40 sequences / B 4 = 10 ≥ 2·K(2).
         let policy = AccumPolicy::NoiseScale;
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), Some(4));
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4, 1), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4, 1), None);
+        assert_eq!(
+            p.decide(policy, LIMITS, &step(2, Some(40.0)), 4, 1),
+            Some(4)
+        );
         // At K = 4 the count starts again.
-        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0)), 4), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0)), 4), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0)), 4), Some(8));
+        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0)), 4, 1), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(4, Some(40.0)), 4, 1), None);
+        assert_eq!(
+            p.decide(policy, LIMITS, &step(4, Some(40.0)), 4, 1),
+            Some(8)
+        );
         // 10 is within [K/2, 2K) for K = 8: stay.
         for _ in 0..5 {
-            assert_eq!(p.decide(policy, LIMITS, &step(8, Some(40.0)), 4), None);
+            assert_eq!(p.decide(policy, LIMITS, &step(8, Some(40.0)), 4, 1), None);
         }
+    }
+
+    #[test]
+    fn ranks_count_in_the_effective_batch() {
+        // B_simple 40 sequences: one rank at B 4 wants K 10 (doubles from 2); five ranks at
+        // B 4 want K 2 (stay); ten want K 1 (halve from 4).
+        let policy = AccumPolicy::NoiseScale;
+        let decide = |k, ranks| {
+            let mut p = AdaptiveK::default();
+            (0..3)
+                .map(|_| p.decide(policy, LIMITS, &step(k, Some(40.0)), 4, ranks))
+                .last()
+                .flatten()
+        };
+        assert_eq!(decide(2, 1), Some(4));
+        assert_eq!(decide(2, 5), None);
+        assert_eq!(decide(4, 10), Some(2));
     }
 
     #[test]
@@ -149,20 +174,23 @@ mod tests {
         let mut p = AdaptiveK::default();
         let policy = AccumPolicy::NoiseScale;
         let low = |k| step(k, Some(4.0));
-        assert_eq!(p.decide(policy, LIMITS, &low(8), 4), None);
-        assert_eq!(p.decide(policy, LIMITS, &low(8), 4), None);
-        assert_eq!(p.decide(policy, LIMITS, &low(8), 4), Some(4));
+        assert_eq!(p.decide(policy, LIMITS, &low(8), 4, 1), None);
+        assert_eq!(p.decide(policy, LIMITS, &low(8), 4, 1), None);
+        assert_eq!(p.decide(policy, LIMITS, &low(8), 4, 1), Some(4));
         for _ in 0..3 {
-            p.decide(policy, LIMITS, &low(4), 4);
+            p.decide(policy, LIMITS, &low(4), 4, 1);
         }
         // Never below accum_min.
         for _ in 0..5 {
-            assert_eq!(p.decide(policy, LIMITS, &low(2), 4), None);
+            assert_eq!(p.decide(policy, LIMITS, &low(2), 4, 1), None);
         }
-        assert_eq!(p.decide(policy, LIMITS, &step(1, None), 4), Some(2));
+        assert_eq!(p.decide(policy, LIMITS, &step(1, None), 4, 1), Some(2));
         let mut fixed = AdaptiveK::default();
         for _ in 0..5 {
-            assert_eq!(fixed.decide(AccumPolicy::Fixed, LIMITS, &low(8), 4), None);
+            assert_eq!(
+                fixed.decide(AccumPolicy::Fixed, LIMITS, &low(8), 4, 1),
+                None
+            );
         }
     }
 
@@ -196,11 +224,11 @@ mod tests {
             ..step(4, Some(b_simple))
         };
         for _ in 0..10 {
-            assert_eq!(p.decide(policy, LIMITS, &split(0.5), 2), None);
+            assert_eq!(p.decide(policy, LIMITS, &split(0.5), 2, 1), None);
         }
         let mut p = AdaptiveK::default();
         let asked: Vec<_> = (0..3)
-            .map(|_| p.decide(policy, LIMITS, &split(40.0), 2))
+            .map(|_| p.decide(policy, LIMITS, &split(40.0), 2, 1))
             .collect();
         assert_eq!(asked, [None, None, Some(4)], "K=4 at B=2: B·K 8");
     }
@@ -209,11 +237,14 @@ mod tests {
     fn an_interrupted_streak_starts_over() {
         let mut p = AdaptiveK::default();
         let policy = AccumPolicy::NoiseScale;
-        p.decide(policy, LIMITS, &step(2, Some(40.0)), 4);
-        p.decide(policy, LIMITS, &step(2, Some(40.0)), 4);
-        p.decide(policy, LIMITS, &step(2, Some(8.0)), 4);
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), None);
-        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4), Some(4));
+        p.decide(policy, LIMITS, &step(2, Some(40.0)), 4, 1);
+        p.decide(policy, LIMITS, &step(2, Some(40.0)), 4, 1);
+        p.decide(policy, LIMITS, &step(2, Some(8.0)), 4, 1);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4, 1), None);
+        assert_eq!(p.decide(policy, LIMITS, &step(2, Some(40.0)), 4, 1), None);
+        assert_eq!(
+            p.decide(policy, LIMITS, &step(2, Some(40.0)), 4, 1),
+            Some(4)
+        );
     }
 }

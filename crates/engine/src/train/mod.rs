@@ -208,6 +208,11 @@ pub struct Trainer {
     /// Under ZeRO (`train.zero` ≥ 1): this rank's block of the parameters, whose moments `opt`
     /// holds.
     zero: Option<zero::Shard>,
+    /// Under ZeRO, every rank gathers the moments whole after each step that is a multiple of
+    /// this (`--checkpoint-every`; 0: never), so rank 0's checkpoint holds them all.
+    gather_every: u64,
+    /// Those whole moments (`m`, `v`), from the step's end until its after-step hook has run.
+    gathered: Option<(Vec<Tensor>, Vec<Tensor>)>,
     base_batch: usize,
     started: Instant,
 }
@@ -249,7 +254,7 @@ impl Trainer {
             memory,
             knobs: Knobs::from_scenario(&scenario),
             scaler: LossScaler::new(t.loss_scale, t.scale_growth_interval),
-            base_batch: scenario.base_batch(),
+            base_batch: scenario.base_batch(1),
             scenario,
             device,
             model,
@@ -265,6 +270,8 @@ impl Trainer {
             window_observers: Vec::new(),
             group: crate::dist::Group::solo(),
             zero: None,
+            gather_every: 0,
+            gathered: None,
             started: Instant::now(),
         };
         let unified = trainer.memory.unified();
@@ -413,20 +420,10 @@ impl Trainer {
     /// Train as one rank of `group` (data parallel): every rank must join a trainer built from
     /// the same scenario, before the first step.
     pub fn join(&mut self, group: crate::dist::Group) -> anyhow::Result<()> {
-        if group.is_parallel() && self.knobs.accum_policy != crate::telemetry::AccumPolicy::Fixed {
-            anyhow::bail!(
-                "train.accum_policy = {:?} with {} ranks: the noise-scale policy is measured per \
-                 rank and the ranks must agree on K; use accum_policy = \"fixed\"",
-                self.knobs.accum_policy,
-                group.ranks()
-            );
-        }
-        self.base_batch = self.scenario.base_batch() * group.ranks();
+        self.base_batch = self.scenario.base_batch(group.ranks());
         self.group = group;
         if self.knobs.zero > 0 {
-            if self.step > 0 {
-                anyhow::bail!("train.zero > 0 from a checkpoint: ZeRO starts with a run");
-            }
+            // From the whole moments a fresh model or a checkpoint holds: this rank's pieces.
             self.set_zero(self.knobs.zero, self.knobs.zero2_accumulate)?;
         }
         Ok(())
@@ -519,6 +516,35 @@ impl Trainer {
             && self.knobs.zero2_accumulate == crate::dist::Zero2Accumulate::ReduceScatter
     }
 
+    /// Under ZeRO, gather the moments whole on every rank after each `every`-th step (a
+    /// checkpoint is saved then); every rank must call it alike, as the gather is a collective.
+    pub fn gather_state_every(&mut self, every: u64) {
+        self.gather_every = every;
+    }
+
+    /// AdamW's moments whole (`m`, `v`, in parameter order): the optimizer's own, or under
+    /// ZeRO the copies gathered at this step's end (`gather_state_every`); `None` under ZeRO at
+    /// any other step.
+    pub fn whole_moments(&self) -> Option<(&[Tensor], &[Tensor])> {
+        match (&self.zero, &self.gathered) {
+            (None, _) => Some((&self.opt.m, &self.opt.v)),
+            (Some(_), Some((m, v))) => Some((m, v)),
+            (Some(_), None) => None,
+        }
+    }
+
+    /// At a step's end under ZeRO, when a checkpoint is due: the whole moments, on every rank
+    /// (counted in this step's bytes).
+    fn gather_if_due(&mut self) -> Result<()> {
+        let due = self.gather_every > 0 && self.step.is_multiple_of(self.gather_every);
+        if let (Some(shard), true) = (&self.zero, due) {
+            let params = &self.model.params;
+            let whole = zero::whole_moments(&self.opt, shard, params, &mut self.group)?;
+            self.gathered = Some(whole);
+        }
+        Ok(())
+    }
+
     /// This process's rank and the number of ranks.
     pub fn rank(&self) -> (usize, usize) {
         (self.group.rank(), self.group.ranks())
@@ -547,6 +573,7 @@ impl Trainer {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             ranks: self.group.is_parallel().then(|| self.group.ranks()),
+            collectives: self.group.is_parallel().then(|| self.group.collectives()),
             memory_budget_bytes: self.guard.budget(),
             unified_memory: Some(self.memory.unified()),
         }
@@ -660,6 +687,7 @@ impl Trainer {
         let scale = self.loss_scale();
         let (mut window, window_tokens) = self.window_with_retries(scale, &mut between)?;
         self.sum_over_ranks(&mut window)?;
+        self.pool_noise_over_ranks(&mut window, scale)?;
         let optimizer_started = Instant::now();
         self.memory.optimizer_start(&window.buffer());
         let norms = window.noise.take();
@@ -669,6 +697,8 @@ impl Trainer {
         let noise = self.noise.observe(norms.as_ref(), update.skipped);
         self.memory
             .finish_window(self.step, self.persistent_memory());
+        // Inside the step's time, as its bytes and collective time are.
+        self.gather_if_due()?;
         let timing = StepTiming {
             optimizer_ms: optimizer_started.elapsed().as_secs_f64() * 1e3,
             step_ms: started.elapsed().as_secs_f64() * 1e3,
@@ -708,6 +738,42 @@ impl Trainer {
         let mut loss = [window.loss];
         self.group.sum_scalars(&mut loss);
         window.loss = loss[0];
+        Ok(())
+    }
+
+    /// Under data parallel, the noise scale's norms of every rank: each rank's micro-batches
+    /// are small batches and the summed window the big one, so W ranks at K measure what one
+    /// process measures at W·K (and every rank holds the same estimate). The big batch's norm
+    /// is the whole window's, read after the sums.
+    fn pool_noise_over_ranks(&mut self, window: &mut WindowGrads, scale: f64) -> Result<()> {
+        if !self.group.is_parallel() {
+            return Ok(());
+        }
+        let Some(norms) = window.noise.as_mut() else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let whole = match &window.reference {
+            Some(reference) => global_norm(reference)?,
+            None => self.grad_norm(&window.grads)?,
+        };
+        norms.window_sq_norm = (whole / scale).powi(2);
+        let mine: Vec<u64> = norms
+            .micro
+            .iter()
+            .flat_map(|m| [m.sq_norm.to_bits(), m.tokens, m.seqs as u64])
+            .collect();
+        norms.micro = self
+            .group
+            .gather_measurements(&mine)
+            .chunks(3)
+            .map(|c| noise::MicroNorm {
+                sq_norm: f64::from_bits(c[0]),
+                tokens: c[1],
+                seqs: c[2] as usize,
+            })
+            .collect();
+        norms.cost_ms += started.elapsed().as_secs_f64() * 1e3;
         Ok(())
     }
 
@@ -962,9 +1028,10 @@ impl Trainer {
             patience: t.accum_patience,
         };
         let reference = self.guard.reference_micro_batch(self.knobs.micro_batch);
+        let ranks = self.group.ranks();
         let Some(k) = self
             .adaptive
-            .decide(self.knobs.accum_policy, limits, step, reference)
+            .decide(self.knobs.accum_policy, limits, step, reference, ranks)
         else {
             return Vec::new();
         };
@@ -1245,6 +1312,8 @@ fn after_window(
         .after_step(&trainer.knobs, trainer.step, &memory);
     send_all(sink, memory.into_iter().map(Event::Memory).chain(guard_log));
     let hook_end = run_after_step(trainer, sink);
+    // The checkpoint has the whole moments it needed; under ZeRO they would undo the savings.
+    trainer.gathered = None;
     if let Some(end) = diverged.or(hook_end) {
         return ControlFlow::Break(end);
     }

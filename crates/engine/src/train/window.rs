@@ -33,7 +33,8 @@ pub struct WindowGrads {
     pub forward_ms: f64,
     /// Backward time summed over the micro-batches, in ms.
     pub backward_ms: f64,
-    /// Squared norms for the gradient noise scale (K ≥ 2 with `knobs.noise`).
+    /// Squared norms for the gradient noise scale (with `knobs.noise`, when the window has two
+    /// micro-batches or more, every rank's counted).
     pub noise: Option<noise::WindowNorms>,
     /// Gradient bytes sent to the host as the micro-batches finished (`offload::land`).
     pub transferred: u64,
@@ -337,7 +338,9 @@ impl<'a, 'b> Watchers<'a, 'b> {
         Watchers {
             clock: PhaseClock::new(device),
             outside,
-            noise: (knobs.noise && k >= 2).then(|| NoiseNorms(noise::WindowNorms::default())),
+            // Two micro-batches make two batch sizes: this rank's K, or every rank's together.
+            noise: (knobs.noise && k * share.group.ranks() >= 2)
+                .then(|| NoiseNorms(noise::WindowNorms::default())),
             reference: pitfall.then(PitfallReference::default),
         }
     }

@@ -173,9 +173,20 @@ pub fn gather_moments(
     params: &[Param],
     group: &mut Group,
 ) -> Result<()> {
-    opt.m = shard.gather_whole(&opt.m, params, group)?;
-    opt.v = shard.gather_whole(&opt.v, params, group)?;
+    (opt.m, opt.v) = whole_moments(opt, shard, params, group)?;
     Ok(())
+}
+
+/// Whole copies of the AdamW moments (`m`, then `v`), shaped like `params`, from every rank's
+/// pieces, leaving `opt` sharded: what a checkpoint saves. Two all-gathers, on every rank.
+pub fn whole_moments(
+    opt: &AdamW,
+    shard: &Shard,
+    params: &[Param],
+    group: &mut Group,
+) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+    let m = shard.gather_whole(&opt.m, params, group)?;
+    Ok((m, shard.gather_whole(&opt.v, params, group)?))
 }
 
 /// One AdamW update of this rank's pieces from their gradients (`grads`: one piece per
