@@ -150,7 +150,8 @@ impl Weights {
     }
 
     /// `vars` as this forward computes with them, and the sink a fused step hands their
-    /// gradients to (none when the weights are detached). A gradient lands in the `Var`'s dtype.
+    /// gradients to (none when the weights are detached). A gradient arrives in the compute
+    /// dtype and lands in the `Var`'s (exactly: widening is exact).
     fn branch(&mut self, vars: [&Var; 6]) -> Result<([Tensor; 6], Option<GradSink>)> {
         let tensors = [
             self.get(vars[0])?,
@@ -520,7 +521,7 @@ mod tests {
     /// weight among their inputs, so the backward crosses Candle's add in the compute dtype
     /// twice per block (an `[N, D]` tensor each) and never for a weight; every weight still gets
     /// its gradient, in its own dtype. Op by op (the composite kernels) the same block is nine
-    /// ops and twelve weight casts.
+    /// ops with the twelve weights among their inputs.
     #[test]
     fn a_cpu_block_is_two_graph_nodes_and_its_weights_get_gradients() {
         let cfg = ModelConfig {

@@ -10,7 +10,7 @@
 //! `layer_norm_backward_rows`, which adds the residual's gradient as it writes) with the
 //! gradients between them in f32, and rounds only the input's gradient to the storage dtype:
 //! two adds per block remain, where each step's input gradient joins the graph. The weights
-//! are not graph inputs either: their f32 gradients go to a `GradSink`.
+//! are not graph inputs either: their gradients go to a `GradSink`.
 //!
 //! The forward rounds each intermediate to the storage dtype as the single ops do (the second
 //! layer's output with the residual added: one rounding, not two), and keeps what the single
@@ -21,7 +21,7 @@
 
 use std::borrow::Cow;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::attention::Attention;
 use super::linear::{linear_backward_rows, linear_rows};
@@ -29,8 +29,10 @@ use super::{layer_norm_backward_rows, layer_norm_rows, storage};
 
 const NAME: &str = "gaccwb-block-branch";
 
-/// Takes a branch's six weight gradients (f32, in the order of its weights) during the
-/// backward.
+/// Takes a branch's six weight gradients (in the order of its weights) during the backward.
+/// Each is summed in f32 and rounded once to the storage dtype, as a single op's is: the value
+/// the weight's cast received from Candle's graph, so an f32 master weight and a half-precision
+/// one under offload get the same gradient.
 pub type GradSink = Box<dyn Fn(Vec<Tensor>) -> Result<()> + Send + Sync>;
 
 /// Which branch.
@@ -99,10 +101,10 @@ fn with_all_f32<R>(ts: &[Tensor], f: impl FnOnce(&[Cow<[f32]>]) -> R) -> Result<
     Ok(f(&values))
 }
 
-/// Rows `at..at + len` of a packed gradient as an f32 tensor of `shape`.
-fn part(packed: &[f32], at: usize, shape: &[usize]) -> Result<Tensor> {
+/// The `shape`-sized part of a packed gradient from `at`, rounded once to `dtype`.
+fn part(packed: &[f32], at: usize, shape: &[usize], dtype: DType) -> Result<Tensor> {
     let len = shape.iter().product::<usize>();
-    Tensor::from_slice(&packed[at..at + len], shape, &Device::Cpu)
+    storage::tensor(packed[at..at + len].to_vec(), dtype, shape)
 }
 
 impl Op {
@@ -136,7 +138,7 @@ impl Op {
         })?
     }
 
-    /// The input's gradient (in the storage dtype) and the weights' (f32, in their order).
+    /// The input's gradient and the weights' (in their order), in the storage dtype.
     fn backward(
         &self,
         x: &Tensor,
@@ -178,13 +180,14 @@ impl Op {
             })?;
             // Each packed gradient ends with the layer's weight, then its bias.
             let second_w = second.len() - w[4].elem_count() - d;
+            let dt = self.dtype;
             let grads = vec![
-                part(&norm, n * d, &[d])?,
-                part(&norm, n * d + d, &[d])?,
-                part(&first, n * d, w[2].dims())?,
-                part(&first, n * d + w[2].elem_count(), &[width])?,
-                part(&second, second_w, w[4].dims())?,
-                part(&second, second.len() - d, &[d])?,
+                part(&norm, n * d, &[d], dt)?,
+                part(&norm, n * d + d, &[d], dt)?,
+                part(&first, n * d, w[2].dims(), dt)?,
+                part(&first, n * d + w[2].elem_count(), &[width], dt)?,
+                part(&second, second_w, w[4].dims(), dt)?,
+                part(&second, second.len() - d, &[d], dt)?,
             ];
             norm.truncate(n * d);
             Ok((storage::tensor(norm, self.dtype, (n, d))?, grads))
@@ -196,7 +199,7 @@ impl Op {
 mod tests {
     use std::sync::{Arc, Mutex, PoisonError};
 
-    use candle_core::Var;
+    use candle_core::{Device, Var};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
