@@ -252,7 +252,8 @@ mod tests {
 
     const TOL: f64 = 1e-5;
 
-    fn random(shape: &[usize], std: f32, seed: u64) -> Tensor {
+    /// Uniform values in ±`std`, seeded (also used by the fused ops' tests).
+    pub(crate) fn random(shape: &[usize], std: f32, seed: u64) -> Tensor {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n)
@@ -261,20 +262,20 @@ mod tests {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
-    /// Relative L2 error of `a` against `reference`.
-    fn rel_err(a: &Tensor, reference: &Tensor) -> f64 {
+    /// Relative L2 error of `a` against `reference`, in f64 whatever their dtypes (also used
+    /// by the fused ops' tests).
+    pub(crate) fn rel_err(a: &Tensor, reference: &Tensor) -> f64 {
+        let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
         let norm = |t: &Tensor| {
-            t.to_dtype(DType::F64)
-                .unwrap()
-                .sqr()
+            t.sqr()
                 .unwrap()
                 .sum_all()
                 .unwrap()
                 .to_scalar::<f64>()
                 .unwrap()
-                .sqrt()
         };
-        norm(&(a - reference).unwrap()) / norm(reference).max(f64::MIN_POSITIVE)
+        let diff = (f64s(a) - f64s(reference)).unwrap();
+        (norm(&diff) / norm(&f64s(reference)).max(f64::MIN_POSITIVE)).sqrt()
     }
 
     /// Value and gradients (w.r.t. `inputs`) of `sum(f(inputs) * weights)`.

@@ -199,38 +199,13 @@ impl Op {
 mod tests {
     use std::sync::{Arc, Mutex, PoisonError};
 
-    use candle_core::{Device, Var};
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
+    use candle_core::Var;
 
     use super::*;
     use crate::ops::fused;
+    use crate::ops::tests::{random, rel_err};
 
     const EPS: f64 = 1e-5;
-
-    fn random(shape: &[usize], std: f32, seed: u64) -> Tensor {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|_| (rng.random::<f32>() * 2.0 - 1.0) * std)
-            .collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    /// Relative L2 error of `a` against `reference`.
-    fn rel_err(a: &Tensor, reference: &Tensor) -> f64 {
-        let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
-        let norm = |t: &Tensor| {
-            t.sqr()
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .to_scalar::<f64>()
-                .unwrap()
-        };
-        let diff = (f64s(a) - f64s(reference)).unwrap();
-        (norm(&diff) / norm(&f64s(reference)).max(f64::MIN_POSITIVE)).sqrt()
-    }
 
     /// The output, the input's gradient and the six weights' gradients of `sum(out · r)`.
     type Results = (Tensor, Tensor, Vec<Tensor>);
