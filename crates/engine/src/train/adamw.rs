@@ -45,6 +45,39 @@ pub struct AdamW {
     pub grads_on_host: bool,
 }
 
+/// One step's scalars: the hyper-parameters, the learning rate and both bias corrections.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StepScalars {
+    hyper: Hyper,
+    lr: f64,
+    /// 1 − β1^t.
+    bc1: f64,
+    /// 1 − β2^t.
+    bc2: f64,
+}
+
+impl StepScalars {
+    /// The factor decoupled weight decay multiplies `p` by (1 where it does not decay).
+    fn decay(&self, p: &Param) -> f64 {
+        match p.decay {
+            true => 1.0 - self.lr * self.hyper.weight_decay,
+            false => 1.0,
+        }
+    }
+
+    /// The fused kernel's scalars for `p`.
+    pub(crate) fn fused(&self, p: &Param) -> AdamWStep {
+        AdamWStep {
+            beta1: self.hyper.beta1 as f32,
+            beta2: self.hyper.beta2 as f32,
+            eps: self.hyper.eps as f32,
+            step_size: (self.lr / self.bc1) as f32,
+            inv_bc2: (1.0 / self.bc2) as f32,
+            decay: self.decay(p) as f32,
+        }
+    }
+}
+
 impl AdamW {
     /// Zero moments for `params`, with the state on their device.
     pub fn new(params: &[Param], hyper: Hyper) -> Result<AdamW> {
@@ -162,17 +195,11 @@ impl AdamW {
     /// master weights the device's weights are then overwritten by their casts. Returns the bytes
     /// that crossed between host and device while offloaded (`train::offload`).
     pub fn step(&mut self, params: &[Param], grads: &[Tensor], lr: f64) -> Result<u64> {
+        let step = self.begin_step(lr);
         let Hyper {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
+            beta1, beta2, eps, ..
         } = self.hyper;
-        self.t += 1;
-        // Past i32::MAX steps β^t is 0 in any float; a wrapped exponent would make it huge.
-        let t = i32::try_from(self.t).unwrap_or(i32::MAX);
-        let bc1 = 1.0 - beta1.powi(t);
-        let bc2 = 1.0 - beta2.powi(t);
+        let (bc1, bc2) = (step.bc1, step.bc2);
         let state_device = self.state_device(params);
         let mut traffic = Traffic::default();
         let mut fused = Vec::new();
@@ -182,25 +209,13 @@ impl AdamW {
             } else {
                 grads[i].to_device(&state_device)?
             };
-            let decay = if p.decay {
-                1.0 - lr * weight_decay
-            } else {
-                1.0
-            };
+            let decay = step.decay(p);
             let w = match &self.master {
                 Some(master) => master[i].clone(),
                 None => p.var.as_tensor().clone(),
             };
             if ops::fused_domain(&[&w, &self.m[i], &self.v[i], &g]) {
-                let step = AdamWStep {
-                    beta1: beta1 as f32,
-                    beta2: beta2 as f32,
-                    eps: eps as f32,
-                    step_size: (lr / bc1) as f32,
-                    inv_bc2: (1.0 / bc2) as f32,
-                    decay: decay as f32,
-                };
-                fused.push((i, g, step));
+                fused.push((i, g, step.fused(p)));
                 continue;
             }
             self.m[i] = (self.m[i].affine(beta1, 0.0)? + g.affine(1.0 - beta1, 0.0)?)?;
@@ -228,6 +243,20 @@ impl AdamW {
         drop(jobs);
         self.copy_back(params, &mut traffic)?;
         Ok(traffic.bytes)
+    }
+
+    /// Counts one more step and returns its scalars: the one rule for the unsharded step and
+    /// ZeRO's step on pieces, so both update each element alike.
+    pub(crate) fn begin_step(&mut self, lr: f64) -> StepScalars {
+        self.t += 1;
+        // Past i32::MAX steps β^t is 0 in any float; a wrapped exponent would make it huge.
+        let t = i32::try_from(self.t).unwrap_or(i32::MAX);
+        StepScalars {
+            hyper: self.hyper,
+            lr,
+            bc1: 1.0 - self.hyper.beta1.powi(t),
+            bc2: 1.0 - self.hyper.beta2.powi(t),
+        }
     }
 
     /// While offloaded, the updated weights cross back to the device: cast from the host master

@@ -12,10 +12,10 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::adamw::{AdamW, Hyper};
+use super::adamw::AdamW;
 use crate::dist::Group;
 use crate::model::Param;
-use crate::ops::fused::{adamw_update_all, AdamWJob, AdamWStep};
+use crate::ops::fused::{adamw_update_all, AdamWJob};
 
 /// This rank's block of the flattened parameters.
 #[derive(Clone, Debug, PartialEq)]
@@ -200,15 +200,7 @@ pub fn step(
     lr: f64,
     group: &mut Group,
 ) -> Result<()> {
-    let Hyper {
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-    } = opt.hyper;
-    opt.t += 1;
-    let t = i32::try_from(opt.t).unwrap_or(i32::MAX);
-    let (bc1, bc2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
+    let scalars = opt.begin_step(lr);
     let weights: Vec<Tensor> = params.iter().map(|p| p.var.as_tensor().clone()).collect();
     let views = shard.pieces_of(&weights)?;
     let mut jobs = Vec::new();
@@ -216,24 +208,12 @@ pub fn step(
         if views[i].elem_count() == 0 {
             continue;
         }
-        let decay = if p.decay {
-            1.0 - lr * weight_decay
-        } else {
-            1.0
-        };
         jobs.push(AdamWJob {
             w: &views[i],
             m: &opt.m[i],
             v: &opt.v[i],
             g: grads[i].contiguous()?,
-            step: AdamWStep {
-                beta1: beta1 as f32,
-                beta2: beta2 as f32,
-                eps: eps as f32,
-                step_size: (lr / bc1) as f32,
-                inv_bc2: (1.0 / bc2) as f32,
-                decay: decay as f32,
-            },
+            step: scalars.fused(p),
         });
     }
     adamw_update_all(&jobs)?;
