@@ -187,15 +187,52 @@ fn a_zero_run_saves_whole_moments_and_resumes_bit_identically() {
     assert_eq!(sharded.iter().map(numbers).collect::<Vec<_>>(), expected);
     let joined: Vec<_> = head.iter().chain(&tail).map(numbers).collect();
     assert_eq!(joined, expected);
-    let reference = tensors(dirs[0].path());
     for dir in [&dirs[1], &dirs[3]] {
-        let saved = tensors(dir.path());
-        assert_eq!(saved.len(), reference.len());
-        for (name, t) in &reference {
-            assert_eq!(t.shape(), saved[name].shape(), "{name}");
-            assert!(bits(t) == bits(&saved[name]), "{name} differs");
-        }
+        assert_same_tensors(dirs[0].path(), dir.path());
     }
+}
+
+/// The last checkpoints in `reference` and `dir` hold the same tensors, bit for bit.
+fn assert_same_tensors(reference: &Path, dir: &Path) {
+    let (reference, saved) = (tensors(reference), tensors(dir));
+    assert_eq!(saved.len(), reference.len());
+    for (name, t) in &reference {
+        assert_eq!(t.shape(), saved[name].shape(), "{name}");
+        assert!(bits(t) == bits(&saved[name]), "{name} differs");
+    }
+}
+
+/// On the composite ops (a GPU's code path, here on the CPU) ZeRO updates its pieces by the
+/// Candle ops the unsharded step uses, not the fused CPU kernel: the same steps and the same
+/// checkpoint as ZeRO-0 on those ops, bit for bit, in f32 and in bf16.
+#[test]
+fn zero_on_the_composite_ops_takes_zero_0s_steps() {
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+        let at = |zero: u8| {
+            let mut s = TINY.scenario();
+            (s.train.micro_batch, s.train.accum_steps, s.train.dtype) = (2, 2, dtype);
+            (s.train.steps, s.train.decay_steps, s.train.zero) = (SPLIT, SPLIT, zero);
+            let mut t = zero_trainer(Trainer::new(s, Device::Cpu), SPLIT);
+            t.force_composite_ops(true);
+            t
+        };
+        let plain = run(at(0), dirs[0].path(), SPLIT);
+        let sharded = run(at(1), dirs[1].path(), SPLIT);
+        let numbers_of = |r: &[StepEvent]| r.iter().map(numbers).collect::<Vec<_>>();
+        assert_eq!(numbers_of(&sharded), numbers_of(&plain), "{dtype:?}");
+        assert_same_tensors(dirs[0].path(), dirs[1].path());
+    }
+}
+
+/// ZeRO shards the optimizer state; offloading it too is refused with the fix.
+#[test]
+fn zero_with_offload_is_refused_with_the_fix() {
+    let mut s = TINY.scenario();
+    (s.train.zero, s.train.offload) = (1, true);
+    let mut t = Trainer::new(s, Device::Cpu).unwrap();
+    let err = t.join(gaccwb::dist::Group::solo()).unwrap_err().to_string();
+    assert!(err.contains("set train.offload = false"), "{err}");
 }
 
 #[test]

@@ -56,6 +56,16 @@ pub(crate) struct StepScalars {
     bc2: f64,
 }
 
+/// A parameter's weights and moments after one update by Candle ops.
+pub(crate) struct Updated {
+    /// The updated weights.
+    pub(crate) w: Tensor,
+    /// The updated first moment.
+    pub(crate) m: Tensor,
+    /// The updated second moment.
+    pub(crate) v: Tensor,
+}
+
 impl StepScalars {
     /// The factor decoupled weight decay multiplies `p` by (1 where it does not decay).
     fn decay(&self, p: &Param) -> f64 {
@@ -63,6 +73,27 @@ impl StepScalars {
             true => 1.0 - self.lr * self.hyper.weight_decay,
             false => 1.0,
         }
+    }
+
+    /// One update of `w` with moments `m`, `v` and gradient `g` by Candle ops (any device, the
+    /// maths of the fused kernel): the new weights and moments, as new tensors.
+    pub(crate) fn update_by_ops(
+        &self,
+        p: &Param,
+        w: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+    ) -> Result<Updated> {
+        let Hyper {
+            beta1, beta2, eps, ..
+        } = self.hyper;
+        let m = (m.affine(beta1, 0.0)? + g.affine(1.0 - beta1, 0.0)?)?;
+        let v = (v.affine(beta2, 0.0)? + g.sqr()?.affine(1.0 - beta2, 0.0)?)?;
+        let denom = (v.affine(1.0 / self.bc2, 0.0)?.sqrt()? + eps)?;
+        let update = m.affine(self.lr / self.bc1, 0.0)?.div(&denom)?;
+        let w = (w.affine(self.decay(p), 0.0)? - update)?;
+        Ok(Updated { w, m, v })
     }
 
     /// The fused kernel's scalars for `p`.
@@ -196,10 +227,6 @@ impl AdamW {
     /// that crossed between host and device while offloaded (`train::offload`).
     pub fn step(&mut self, params: &[Param], grads: &[Tensor], lr: f64) -> Result<u64> {
         let step = self.begin_step(lr);
-        let Hyper {
-            beta1, beta2, eps, ..
-        } = self.hyper;
-        let (bc1, bc2) = (step.bc1, step.bc2);
         let state_device = self.state_device(params);
         let mut traffic = Traffic::default();
         let mut fused = Vec::new();
@@ -209,7 +236,6 @@ impl AdamW {
             } else {
                 grads[i].to_device(&state_device)?
             };
-            let decay = step.decay(p);
             let w = match &self.master {
                 Some(master) => master[i].clone(),
                 None => p.var.as_tensor().clone(),
@@ -218,14 +244,11 @@ impl AdamW {
                 fused.push((i, g, step.fused(p)));
                 continue;
             }
-            self.m[i] = (self.m[i].affine(beta1, 0.0)? + g.affine(1.0 - beta1, 0.0)?)?;
-            self.v[i] = (self.v[i].affine(beta2, 0.0)? + g.sqr()?.affine(1.0 - beta2, 0.0)?)?;
-            let denom = (self.v[i].affine(1.0 / bc2, 0.0)?.sqrt()? + eps)?;
-            let update = self.m[i].affine(lr / bc1, 0.0)?.div(&denom)?;
-            let updated = (w.affine(decay, 0.0)? - update)?;
+            let updated = step.update_by_ops(p, &w, &self.m[i], &self.v[i], &g)?;
+            (self.m[i], self.v[i]) = (updated.m, updated.v);
             match &mut self.master {
-                Some(master) => master[i] = updated,
-                None => p.var.set(&updated.to_device(p.var.device())?)?,
+                Some(master) => master[i] = updated.w,
+                None => p.var.set(&updated.w.to_device(p.var.device())?)?,
             }
         }
         let masters = self.master_weights(params);

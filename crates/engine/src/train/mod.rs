@@ -441,8 +441,10 @@ impl Trainer {
         if stage > 2 {
             return Err(refuse("stages are 0, 1 and 2"));
         }
-        if stage > 0 && (!self.device.is_cpu() || self.knobs.offload) {
-            return Err(refuse("ZeRO runs on the CPU, without offload"));
+        if stage > 0 && self.knobs.offload {
+            return Err(refuse(
+                "ZeRO shards the optimizer state instead of offloading it; set train.offload = false",
+            ));
         }
         if stage == 2 && self.pitfall_on() {
             return Err(refuse(

@@ -16,6 +16,7 @@ use super::adamw::AdamW;
 use crate::dist::Group;
 use crate::model::Param;
 use crate::ops::fused::{adamw_update_all, AdamWJob};
+use crate::ops::fused_domain;
 
 /// This rank's block of the flattened parameters.
 #[derive(Clone, Debug, PartialEq)]
@@ -139,10 +140,9 @@ impl Shard {
         whole
     }
 
-    /// Every rank's updated block gathered into the whole weights.
-    fn gather_weights(&self, params: &[Param], group: &mut Group) -> Result<()> {
-        let weights: Vec<Tensor> = params.iter().map(|p| p.var.as_tensor().clone()).collect();
-        let whole = self.gather_whole(&self.pieces_of(&weights)?, params, group)?;
+    /// Every rank's updated pieces (`pieces`: this rank's) gathered into the whole weights.
+    fn gather_weights(&self, pieces: &[Tensor], params: &[Param], group: &mut Group) -> Result<()> {
+        let whole = self.gather_whole(pieces, params, group)?;
         for (p, w) in params.iter().zip(&whole) {
             p.var.set(w)?;
         }
@@ -190,8 +190,10 @@ pub fn whole_moments(
 }
 
 /// One AdamW update of this rank's pieces from their gradients (`grads`: one piece per
-/// parameter, unscaled and clipped), in place in the weights, then the all-gather. The scalars
-/// are `AdamW::step`'s, so each element is updated as the unsharded step would update it.
+/// parameter, unscaled and clipped), then the all-gather. The scalars are `AdamW::step`'s, so
+/// each element is updated as the unsharded step would update it: on the CPU in f32 by the
+/// fused kernel, in place in the weights; elsewhere (a GPU, or the composite kernels) by the
+/// same Candle ops as the unsharded step, into new pieces that the all-gather assembles.
 pub fn step(
     opt: &mut AdamW,
     shard: &Shard,
@@ -202,23 +204,36 @@ pub fn step(
 ) -> Result<()> {
     let scalars = opt.begin_step(lr);
     let weights: Vec<Tensor> = params.iter().map(|p| p.var.as_tensor().clone()).collect();
-    let views = shard.pieces_of(&weights)?;
-    let mut jobs = Vec::new();
+    let mut pieces = shard.pieces_of(&weights)?;
+    let grads = grads
+        .iter()
+        .map(|g| g.contiguous())
+        .collect::<Result<Vec<_>>>()?;
+    let mut fused = Vec::new();
     for (i, p) in params.iter().enumerate() {
-        if views[i].elem_count() == 0 {
+        if pieces[i].elem_count() == 0 {
             continue;
         }
-        jobs.push(AdamWJob {
-            w: &views[i],
+        if fused_domain(&[&pieces[i], &opt.m[i], &opt.v[i], &grads[i]]) {
+            fused.push(i);
+            continue;
+        }
+        let updated = scalars.update_by_ops(p, &pieces[i], &opt.m[i], &opt.v[i], &grads[i])?;
+        (opt.m[i], opt.v[i], pieces[i]) = (updated.m, updated.v, updated.w);
+    }
+    let jobs: Vec<AdamWJob> = fused
+        .into_iter()
+        .map(|i| AdamWJob {
+            w: &pieces[i],
             m: &opt.m[i],
             v: &opt.v[i],
-            g: grads[i].contiguous()?,
-            step: scalars.fused(p),
-        });
-    }
+            g: grads[i].clone(),
+            step: scalars.fused(&params[i]),
+        })
+        .collect();
     adamw_update_all(&jobs)?;
     drop(jobs);
-    shard.gather_weights(params, group)
+    shard.gather_weights(&pieces, params, group)
 }
 
 #[cfg(test)]
