@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build the prebuilt bundle that `scripts/gpu-smoke.sh --prebuilt DIR` runs on a GPU machine
 # with no Rust toolchain and no network: the CUDA release binary and the CUDA test binaries,
-# stripped and xz-compressed, with a manifest. Runs here, without a GPU.
+# stripped and xz-compressed, with a manifest. Runs here, without a GPU. The NCCL test binary
+# (`--features nccl`) also needs Open MPI and libclang to build (Debian: libopenmpi-dev
+# libclang-dev); NCCL itself comes from PyPI to link against.
 #
 # The compiler is CUDA 13.0 from PyPI, not CI's newer one: Candle embeds PTX, and a driver loads
 # PTX only from a toolkit no newer than itself, so 13.0 PTX loads on any driver of CUDA 13.0
@@ -24,13 +26,17 @@ CUDA_WHEELS=(nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.
     nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35 nvidia-cuda-nvrtc==13.0.88)
 CUDA_DIR=$CACHE/cuda-13.0.88
 LIMIT_MIB=${BUNDLE_LIMIT_MIB:-60}
-# The integration tests to run on the GPU without cargo (the CPU ones already ran here).
-TESTS=(gpu)
+# The integration tests to run on the GPU without cargo (the CPU ones already ran here), each
+# as TEST:FEATURES. gpu_nccl needs libnccl on the GPU machine, so it is a binary of its own.
+TESTS=(gpu:cuda gpu_nccl:nccl)
+# NCCL to link gpu_nccl against (the GPU machine supplies its own libnccl.so.2 at run time).
+NCCL_WHEEL=nvidia-nccl-cu13==2.32.6
+NCCL_DIR=$CACHE/nccl-2.32.6
 
 while [ $# -gt 0 ]; do
     case $1 in
         --out) OUT=${2:?--out needs a folder}; shift 2 ;;
-        -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
         *) echo "gpu-bundle: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -46,6 +52,13 @@ if [ ! -x "$nvcc" ]; then
     python3 -m pip install --quiet --no-input --disable-pip-version-check --no-deps \
         --target "$CUDA_DIR.partial" "${CUDA_WHEELS[@]}"
     mv "$CUDA_DIR.partial" "$CUDA_DIR"
+fi
+if [ ! -e "$NCCL_DIR/nvidia/nccl/lib/libnccl.so.2" ]; then
+    echo "installing NCCL from PyPI into $NCCL_DIR (to link against)"
+    rm -rf "$NCCL_DIR.partial"
+    python3 -m pip install --quiet --no-input --disable-pip-version-check --no-deps \
+        --target "$NCCL_DIR.partial" "$NCCL_WHEEL"
+    mv "$NCCL_DIR.partial" "$NCCL_DIR"
 fi
 cu13=$CUDA_DIR/nvidia/cu13
 export CUDA_HOME=$cu13 CUDA_PATH=$cu13 PATH=$cu13/bin:$PATH
@@ -68,6 +81,7 @@ if [ ! -e "$link_dir/libcuda.so" ]; then
         sed -E 's/^\s*fn //; s/\($//' | sort -u | sed 's/.*/void &(void) {}/' >"$link_dir/cuda_stub.c"
     cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$link_dir/libcuda.so" "$link_dir/cuda_stub.c"
 fi
+ln -sf "$NCCL_DIR/nvidia/nccl/lib/libnccl.so.2" "$link_dir/libnccl.so"
 export LIBRARY_PATH=$link_dir${LIBRARY_PATH:+:$LIBRARY_PATH}
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$CACHE/target-bundle}
@@ -76,16 +90,14 @@ export CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols
 echo "nvcc: $(nvcc --version | tail -n 1); compute capability $CUDA_COMPUTE_CAP"
 
 cargo build --locked --release --features cuda --bin gaccwb
-test_args=()
-for t in "${TESTS[@]}"; do test_args+=(--test "$t"); done
-tests_json=$(cargo test --locked --release --features cuda --no-run --message-format=json \
-    "${test_args[@]}")
 
 rm -rf "$OUT"
 mkdir -p "$OUT/tests"
 cp "$CARGO_TARGET_DIR/release/gaccwb" "$OUT/gaccwb"
-for t in "${TESTS[@]}"; do
-    exe=$(printf '%s\n' "$tests_json" | python3 -c '
+for entry in "${TESTS[@]}"; do
+    t=${entry%%:*} features=${entry#*:}
+    exe=$(cargo test --locked --release --features "$features" --no-run --message-format=json \
+        --test "$t" | python3 -c '
 import json, sys
 name = sys.argv[1]
 for line in sys.stdin:
@@ -105,7 +117,7 @@ xz -9 -T0 "$OUT/gaccwb" "$OUT"/tests/*
     echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"
     echo "toolkit $(nvcc --version | tail -n 1)"
     echo "compute capability $CUDA_COMPUTE_CAP"
-    echo "tests ${TESTS[*]}"
+    echo "tests ${TESTS[*]} (test:features)"
 } >"$OUT/manifest.txt"
 (cd "$OUT" && find . -type f -name '*.xz' -exec ls -l {} + | awk '{print $5, $9}') >>"$OUT/manifest.txt"
 cat "$OUT/manifest.txt"

@@ -2,7 +2,8 @@
 # GPU smoke test: on a machine with an NVIDIA GPU and the CUDA toolkit, build gaccwb with the
 # `cuda` feature, run the test suite with it, run every built-in preset headless on cuda:0 with
 # --record, and print a table (tokens/s, NVML peak memory, trainer peak, measured categories vs
-# the estimate, NVML vs trainer agreement). Everything lands in one folder.
+# the estimate, NVML vs trainer agreement). Everything lands in one folder. From the bundle it
+# also runs tests/gpu_nccl.rs: a world of one sums gradients through NCCL (needs libnccl.so.2).
 #
 # Usage:
 #   scripts/gpu-smoke.sh [--steps N] [--out DIR]   the smoke test (default: 40 steps, gpu-smoke-out/)
@@ -182,7 +183,7 @@ presets_and_verdict() {
 # packages (PyTorch's cu13 build carries cuBLAS, cuRAND and NVRTC there).
 cuda_lib_dirs() {
     local d
-    for d in ${CUDA_LIB_DIRS//:/ }; do [ -d "$d" ] && echo "$d"; done
+    for d in ${CUDA_LIB_DIRS:+${CUDA_LIB_DIRS//:/ }}; do [ -d "$d" ] && echo "$d"; done
     command -v python3 >/dev/null || return 0
     python3 - <<'PY' 2>/dev/null
 import glob, os, site, sys
@@ -217,7 +218,18 @@ print_environment() {
     ldd "$bin" 2>&1 | sed 's/^/  /'
     # NVML is opened at run time (dlopen), so ldd cannot list it: look it up as the loader will.
     printf 'opened at run time: %s %s\n' libnvidia-ml.so.1 "$(find_library libnvidia-ml.so.1)"
-    if ldd "$bin" 2>&1 | grep -q 'not found'; then
+    local missing=0 t
+    ldd "$bin" 2>&1 | grep -q 'not found' && missing=1
+    # The test binaries may need more (gpu_nccl: libnccl.so.2, from PyTorch's nvidia-nccl wheel).
+    for t in "$(dirname "$bin")"/tests/*; do
+        [ -x "$t" ] || continue
+        if ldd "$t" 2>&1 | grep -q 'not found'; then
+            echo "ldd tests/$(basename "$t"), missing:"
+            ldd "$t" 2>&1 | grep 'not found' | sed 's/^/  /'
+            missing=1
+        fi
+    done
+    if [ $missing -eq 1 ]; then
         echo "MISSING LIBRARIES: set CUDA_LIB_DIRS to the folders that hold them"
     fi
 }
@@ -225,7 +237,7 @@ print_environment() {
 # Where the loader would find library $1, or "NOT FOUND".
 find_library() {
     local d
-    for d in ${LD_LIBRARY_PATH//:/ }; do
+    for d in ${LD_LIBRARY_PATH:+${LD_LIBRARY_PATH//:/ }}; do
         [ -e "$d/$1" ] && { echo "$d/$1"; return; }
     done
     ldconfig -p 2>/dev/null | awk -v lib="$1" '$1 == lib {print $NF; found=1; exit} END {if (!found) print "NOT FOUND"}'
@@ -266,7 +278,7 @@ smoke_prebuilt() {
         [ -x "$t" ] || continue
         # The tests read presets and fixtures relative to the repository root (this folder).
         phase "test-$(basename "$t")" "$TEST_LIMIT_S" "$t" --include-ignored --test-threads=1 --nocapture || failed=1
-        grep -E '^test |skipped|rel\. error|^(NVML|fp16|f32)' "$OUT/test-$(basename "$t").log" |
+        grep -E '^test |skipped|rel\. error|^(NVML|NCCL|ZeRO|fp16|f32)' "$OUT/test-$(basename "$t").log" |
             sed 's/^/   /'
     done
 
@@ -282,7 +294,7 @@ while [ $# -gt 0 ]; do
         --prebuilt) PREBUILT=${2:?--prebuilt needs the bundle folder}; shift 2 ;;
         --table) build_table "${2:?--table needs a folder}"; exit ;;
         --self-test) self_test "${2:?--self-test needs the gaccwb binary}"; exit ;;
-        -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
         *) fail "unknown argument '$1' (see --help)" ;;
     esac
 done

@@ -294,10 +294,20 @@ impl Group {
             w.leave();
         }
         Ok(Group {
-            transport: Box::new(nccl::OverMpi::new(transport, nccl?)),
+            transport: Box::new(nccl::WithNccl::new(transport, nccl?)),
             window,
             watchdog,
         })
+    }
+
+    /// A world of one whose gradient sums run through NCCL on `device` all the same: what a
+    /// one-GPU machine can check of the NCCL path (the communicator on Candle's stream, the
+    /// reduce as a Candle op, the buckets cut back into gradients). Training alone never sums.
+    #[cfg(feature = "nccl")]
+    pub fn solo_on_nccl(device: &candle_core::Device) -> Result<Group, DistError> {
+        let mut solo: Box<dyn Transport> = Box::new(Solo);
+        let nccl = nccl::Nccl::start(solo.as_mut(), device)?;
+        Ok(Group::new(Box::new(nccl::WithNccl::new(solo, nccl)), None))
     }
 
     #[cfg(not(feature = "nccl"))]
@@ -355,7 +365,8 @@ impl Group {
         tensors: &mut [Tensor],
         gradients: bool,
     ) -> Result<(), DistError> {
-        if !self.is_parallel() {
+        // Alone there is nothing to sum, except through NCCL (`Group::solo_on_nccl`).
+        if !self.is_parallel() && self.collectives() != Collectives::Nccl {
             return Ok(());
         }
         let pieces = tensors

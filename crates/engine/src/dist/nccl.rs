@@ -25,7 +25,8 @@ pub(super) struct Nccl {
 unsafe impl Send for Nccl {}
 
 impl Nccl {
-    /// Joins the ranks of `mpi` in one NCCL communicator on `device` (a CUDA device).
+    /// Joins the ranks of `mpi` in one NCCL communicator on `device` (a CUDA device); `mpi`
+    /// carries rank 0's id to the others (alone, there are none).
     pub(super) fn start(mpi: &mut dyn Transport, device: &Device) -> Result<Nccl, DistError> {
         let rank = mpi.rank();
         let failed = |what: String| DistError::Nccl { rank, what };
@@ -101,19 +102,19 @@ impl CustomOp1 for AllReduceSum<'_> {
     }
 }
 
-/// MPI for everything, NCCL for the CUDA gradients.
-pub(super) struct OverMpi {
+/// Another transport (MPI; alone, `Solo`) for everything, NCCL for the CUDA gradients.
+pub(super) struct WithNccl {
     mpi: Box<dyn Transport>,
     nccl: Nccl,
 }
 
-impl OverMpi {
-    pub(super) fn new(mpi: Box<dyn Transport>, nccl: Nccl) -> OverMpi {
-        OverMpi { mpi, nccl }
+impl WithNccl {
+    pub(super) fn new(mpi: Box<dyn Transport>, nccl: Nccl) -> WithNccl {
+        WithNccl { mpi, nccl }
     }
 }
 
-impl Transport for OverMpi {
+impl Transport for WithNccl {
     fn rank(&self) -> usize {
         self.mpi.rank()
     }
