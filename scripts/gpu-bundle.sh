@@ -45,21 +45,19 @@ for tool in python3 xz strip cargo; do
     command -v $tool >/dev/null || { echo "gpu-bundle: $tool is needed" >&2; exit 1; }
 done
 
-nvcc=$CUDA_DIR/nvidia/cu13/bin/nvcc
-if [ ! -x "$nvcc" ]; then
-    echo "installing the CUDA 13.0 compiler from PyPI into $CUDA_DIR"
-    rm -rf "$CUDA_DIR.partial"
+# install_wheels DIR READY WHAT WHEEL...: the wheels into DIR (once; READY is a file they bring).
+install_wheels() {
+    local dir=$1 ready=$2 what=$3
+    shift 3
+    [ -e "$dir/$ready" ] && return
+    echo "installing $what from PyPI into $dir"
+    rm -rf "$dir.partial"
     python3 -m pip install --quiet --no-input --disable-pip-version-check --no-deps \
-        --target "$CUDA_DIR.partial" "${CUDA_WHEELS[@]}"
-    mv "$CUDA_DIR.partial" "$CUDA_DIR"
-fi
-if [ ! -e "$NCCL_DIR/nvidia/nccl/lib/libnccl.so.2" ]; then
-    echo "installing NCCL from PyPI into $NCCL_DIR (to link against)"
-    rm -rf "$NCCL_DIR.partial"
-    python3 -m pip install --quiet --no-input --disable-pip-version-check --no-deps \
-        --target "$NCCL_DIR.partial" "$NCCL_WHEEL"
-    mv "$NCCL_DIR.partial" "$NCCL_DIR"
-fi
+        --target "$dir.partial" "$@"
+    mv "$dir.partial" "$dir"
+}
+install_wheels "$CUDA_DIR" nvidia/cu13/bin/nvcc "the CUDA 13.0 compiler" "${CUDA_WHEELS[@]}"
+install_wheels "$NCCL_DIR" nvidia/nccl/lib/libnccl.so.2 "NCCL (to link against)" "$NCCL_WHEEL"
 cu13=$CUDA_DIR/nvidia/cu13
 export CUDA_HOME=$cu13 CUDA_PATH=$cu13 PATH=$cu13/bin:$PATH
 

@@ -25,10 +25,10 @@ pub(super) struct Nccl {
 unsafe impl Send for Nccl {}
 
 impl Nccl {
-    /// Joins the ranks of `mpi` in one NCCL communicator on `device` (a CUDA device); `mpi`
-    /// carries rank 0's id to the others (alone, there are none).
-    pub(super) fn start(mpi: &mut dyn Transport, device: &Device) -> Result<Nccl, DistError> {
-        let rank = mpi.rank();
+    /// Joins the ranks of `bootstrap` in one NCCL communicator on `device` (a CUDA device);
+    /// `bootstrap` (MPI) carries rank 0's id to the others (alone, there are none).
+    pub(super) fn start(bootstrap: &mut dyn Transport, device: &Device) -> Result<Nccl, DistError> {
+        let rank = bootstrap.rank();
         let failed = |what: String| DistError::Nccl { rank, what };
         let Device::Cuda(cuda) = device else {
             return Err(failed("NCCL needs a CUDA device".into()));
@@ -40,7 +40,7 @@ impl Nccl {
             }
             _ => Vec::new(),
         };
-        mpi.broadcast_bytes(&mut id_bytes);
+        bootstrap.broadcast_bytes(&mut id_bytes);
         let internal: [std::ffi::c_char; 128] = id_bytes
             .iter()
             .map(|&b| b as std::ffi::c_char)
@@ -49,8 +49,13 @@ impl Nccl {
             .map_err(|v: Vec<_>| {
                 failed(format!("rank 0 sent an id of {} bytes, not 128", v.len()))
             })?;
-        let comm = Comm::from_rank(cuda.cuda_stream(), rank, mpi.ranks(), Id::uninit(internal))
-            .map_err(|e| failed(format!("joining {} ranks: {e:?}", mpi.ranks())))?;
+        let comm = Comm::from_rank(
+            cuda.cuda_stream(),
+            rank,
+            bootstrap.ranks(),
+            Id::uninit(internal),
+        )
+        .map_err(|e| failed(format!("joining {} ranks: {e:?}", bootstrap.ranks())))?;
         Ok(Nccl {
             comm,
             device: device.clone(),
@@ -104,46 +109,46 @@ impl CustomOp1 for AllReduceSum<'_> {
 
 /// Another transport (MPI; alone, `Solo`) for everything, NCCL for the CUDA gradients.
 pub(super) struct WithNccl {
-    mpi: Box<dyn Transport>,
+    rest: Box<dyn Transport>,
     nccl: Nccl,
 }
 
 impl WithNccl {
-    pub(super) fn new(mpi: Box<dyn Transport>, nccl: Nccl) -> WithNccl {
-        WithNccl { mpi, nccl }
+    pub(super) fn new(rest: Box<dyn Transport>, nccl: Nccl) -> WithNccl {
+        WithNccl { rest, nccl }
     }
 }
 
 impl Transport for WithNccl {
     fn rank(&self) -> usize {
-        self.mpi.rank()
+        self.rest.rank()
     }
     fn ranks(&self) -> usize {
-        self.mpi.ranks()
+        self.rest.ranks()
     }
     fn sum_f32(&mut self, values: &mut [f32]) {
-        self.mpi.sum_f32(values)
+        self.rest.sum_f32(values)
     }
     fn sum_f64(&mut self, values: &mut [f64]) {
-        self.mpi.sum_f64(values)
+        self.rest.sum_f64(values)
     }
     fn sum_u64(&mut self, values: &mut [u64]) {
-        self.mpi.sum_u64(values)
+        self.rest.sum_u64(values)
     }
     fn max_u64(&mut self, values: &mut [u64]) {
-        self.mpi.max_u64(values)
+        self.rest.max_u64(values)
     }
     fn gather_u64(&mut self, values: &[u64]) -> Vec<u64> {
-        self.mpi.gather_u64(values)
+        self.rest.gather_u64(values)
     }
     fn gather_f32(&mut self, values: &[f32]) -> Vec<f32> {
-        self.mpi.gather_f32(values)
+        self.rest.gather_f32(values)
     }
     fn reduce_scatter_f32(&mut self, values: &[f32]) -> Vec<f32> {
-        self.mpi.reduce_scatter_f32(values)
+        self.rest.reduce_scatter_f32(values)
     }
     fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>) {
-        self.mpi.broadcast_bytes(bytes)
+        self.rest.broadcast_bytes(bytes)
     }
     fn collectives(&self) -> Collectives {
         Collectives::Nccl
