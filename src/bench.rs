@@ -281,6 +281,7 @@ mod tests {
                 layers: 1,
                 heads: 2,
                 seq_len: 8,
+                path: None,
             },
             ..Default::default()
         };
@@ -303,6 +304,7 @@ mod tests {
                 layers: 1,
                 heads: 2,
                 seq_len: 8,
+                path: None,
             },
             ..Default::default()
         };

@@ -31,7 +31,17 @@ pub struct RunArgs {
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "auto")]
     device: DeviceChoice,
-    /// Train on FILE instead of the preset's data: its bytes, or BPE tokens with --set data.tokenizer=bpe.
+    /// Fine-tune a Hugging Face model instead of the preset's GPT: a directory holding
+    /// config.json, model.safetensors and tokenizer.json, or ORG/NAME[@REVISION] from the local
+    /// Hugging Face cache (nothing is downloaded). Sets model.path.
+    #[arg(long, value_name = "PATH")]
+    model: Option<String>,
+    /// At the end of the run, save the model in Hugging Face's layout into DIR (never into
+    /// the directory it was read from); `S` on the screen saves it there at the next boundary.
+    #[arg(long, value_name = "DIR")]
+    save_model: Option<PathBuf>,
+    /// Train on FILE instead of the preset's data: its bytes, or BPE tokens with --set
+    /// data.tokenizer=bpe (with --model, the model's tokenizer; a .jsonl file's `text` fields).
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
     /// Override a preset field, e.g. --set train.accum_steps=4 (repeatable).
@@ -205,6 +215,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 /// The preset with every command-line override applied.
 fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     let mut s = presets::resolve(args.preset()).map_err(usage)?;
+    if let Some(model) = &args.model {
+        s.model.path = Some(PathBuf::from(model));
+    }
     if let Some(path) = &args.data {
         s.data.source = DataSource::File;
         s.data.path = Some(path.clone());
@@ -225,6 +238,7 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     if let Some(budget) = &args.budget {
         s.train.memory_budget = gaccwb::budget::MemoryBudget::parse(budget).context("--budget")?;
     }
+    gaccwb::model::hf::prepare(&mut s)?;
     s.validate().map_err(usage)?;
     Ok(s)
 }

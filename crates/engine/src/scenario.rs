@@ -73,6 +73,11 @@ pub struct ModelConfig {
     pub heads: usize,
     /// Tokens per sample: the context length.
     pub seq_len: usize,
+    /// A Hugging Face model directory (or `ORG/NAME[@REVISION]` in the local cache) to
+    /// fine-tune instead of this engine's GPT; its `config.json` then sets the other fields
+    /// but `seq_len`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
 }
 
 impl Default for ModelConfig {
@@ -83,6 +88,7 @@ impl Default for ModelConfig {
             layers: 4,
             heads: 4,
             seq_len: 128,
+            path: None,
         }
     }
 }
@@ -136,6 +142,20 @@ pub struct DataConfig {
     pub vocab: usize,
     /// A `tokenizer.json` to load instead of training one.
     pub tokenizer_file: Option<PathBuf>,
+    /// The order training windows come in: seeded random offsets, or consecutive windows of
+    /// `seq_len + 1` tokens from the file's start (to compare with another trainer's stream).
+    pub order: DataOrder,
+}
+
+/// The order training windows of a text come in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DataOrder {
+    /// Each sample at a seeded random offset of the training split.
+    #[default]
+    Random,
+    /// Sample i is the i-th window of `seq_len + 1` tokens in file order (wrapping around).
+    Sequential,
 }
 
 impl Default for DataConfig {
@@ -151,6 +171,7 @@ impl Default for DataConfig {
             tokenizer: TokenizerKind::Bytes,
             vocab: 8192,
             tokenizer_file: None,
+            order: DataOrder::Random,
         }
     }
 }
@@ -578,7 +599,8 @@ impl Scenario {
         }
         check_knobs(t)?;
         bounds::check_scenario(self)?;
-        if !m.d_model.is_multiple_of(m.heads) {
+        // A model from a directory takes its head width from its config.
+        if m.path.is_none() && !m.d_model.is_multiple_of(m.heads) {
             return Err(Invalid::new(
                 "model.heads",
                 format!(
@@ -594,7 +616,7 @@ impl Scenario {
                 "data.tokenizer_file",
                 "data.tokenizer_file needs data.tokenizer = \"bpe\"".into(),
             ));
-        } else if m.vocab > 256 {
+        } else if m.vocab > 256 && m.path.is_none() {
             return Err(Invalid::new(
                 "model.vocab",
                 format!(

@@ -19,6 +19,7 @@ fn scenario(micro_batch: usize, accum_steps: usize, budget: MemoryBudget) -> Sce
             layers: 2,
             heads: 4,
             seq_len: 64,
+            path: None,
         },
         data: DataConfig {
             alphabet: 16,

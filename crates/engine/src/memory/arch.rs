@@ -152,6 +152,7 @@ pub fn named(name: &str) -> Option<Arch> {
             layers: l as usize,
             heads: h as usize,
             seq_len: t as usize,
+            path: None,
         };
         return Some(Arch {
             tied: true,
@@ -237,6 +238,7 @@ impl Arch {
             layers: self.layers as usize,
             heads: self.heads as usize,
             seq_len: self.seq_len as usize,
+            path: None,
         })
     }
 

@@ -968,6 +968,7 @@ mod tests {
                 layers: 2,
                 heads: 2,
                 seq_len: 32,
+                path: None,
             },
             micro_batch: b,
             accum_steps: k,

@@ -62,6 +62,7 @@ pub fn named_shape(name: &str) -> Result<ModelConfig, ShapeError> {
             layers,
             heads,
             seq_len,
+            path: None,
         })
         .ok_or_else(|| ShapeError::Unknown {
             name: name.to_string(),
@@ -463,6 +464,7 @@ mod tests {
                 layers: 2,
                 heads: 2,
                 seq_len: 32,
+                path: None,
             },
             micro_batch: 8,
             accum_steps: 2,
@@ -497,6 +499,7 @@ mod tests {
                 layers: 4,
                 heads: 4,
                 seq_len: 1024,
+                path: None,
             },
             micro_batch: 8,
             accum_steps: 1,

@@ -221,11 +221,13 @@ impl Trainer {
     /// Build the model, optimizer and data stream for `scenario` on `device`, after checking that the scenario is valid and fits; with a budget, the guard plans the first split.
     pub fn new(mut scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
         let cpu_load = crate::ops::cpu_load::OthersLoad::start();
+        crate::model::hf::prepare(&mut scenario)?;
         scenario.validate().map_err(anyhow::Error::msg)?;
         guard::check_model_fits(&scenario, &device)?;
         let corpus = Corpus::open_sizing(&mut scenario)?;
-        let mut model = Gpt::new(&scenario.model, scenario.train.seed, &device)
-            .context("building the model")?;
+        let available = crate::memory::gpu::device_total(&device)
+            .map(|total| (total, if device.is_cpu() { "host" } else { "GPU" }));
+        let mut model = crate::model::open(&scenario, &device, available, &mut |_, _| {})?;
         let t = &scenario.train;
         let hyper = Hyper {
             beta1: t.beta1,

@@ -340,6 +340,7 @@ mod tests {
                 layers: 2,
                 heads: 2,
                 seq_len: 16,
+                path: None,
             },
             data: DataConfig {
                 alphabet: 8,
