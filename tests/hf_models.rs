@@ -269,3 +269,343 @@ fn perplexity_equals_transformers_over_the_eval_text() {
         assert!(rel(p.ppl, ppl) <= 1e-4, "{name}: ppl {} vs {ppl}", p.ppl);
     }
 }
+
+fn ops_fixture() -> Value {
+    let text = std::fs::read_to_string(fixtures().join("ops.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    serde_json::from_value(v.clone()).unwrap()
+}
+
+#[test]
+fn rms_norm_rounds_before_its_gain_as_transformers_does() {
+    use gaccwb::ops::{fused, lean};
+    let f = &ops_fixture()["rms_norm_bf16"];
+    let [rows, d]: [usize; 2] = serde_json::from_value(f["shape"].clone()).unwrap();
+    let bf16 = |v: Vec<f32>, shape: &[usize]| {
+        Tensor::from_vec(v, shape, &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    };
+    let x = bf16(floats(&f["input"]), &[rows, d]);
+    let gain = bf16(floats(&f["weight"]), &[d]);
+    let eps = f["eps"].as_f64().unwrap();
+    let want = floats(&f["output"]);
+    let wrong = floats(&f["wrong_order"]);
+    assert_ne!(want, wrong, "the fixture's two orders differ");
+    for (path, y) in [
+        ("fused", fused::rms_norm(&x, &gain, eps).unwrap()),
+        ("lean", lean::rms_norm(&x, &gain, eps).unwrap()),
+    ] {
+        let got: Vec<f32> = y
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(got, want, "{path}: transformers' bf16 output, to the bit");
+    }
+}
+
+#[test]
+fn rotary_frequencies_and_rotation_are_transformers_half_split() {
+    use gaccwb::ops::rope::{Llama3Scaling, Rope};
+    let f = ops_fixture();
+    let rope = Rope {
+        theta: 10_000.0,
+        head_dim: 16,
+        scaling: Some(Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_positions: 64.0,
+        }),
+    };
+    let close = |a: &[f32], b: &[f32], what: &str| {
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= 1e-6 * y.abs(), "{what}: {x} vs {y}");
+        }
+    };
+    close(
+        &rope.inv_freq(),
+        &floats(&f["rope_llama3_inv_freq"]["scaled"]),
+        "scaled",
+    );
+    let plain = Rope {
+        scaling: None,
+        ..rope.clone()
+    };
+    close(
+        &plain.inv_freq(),
+        &floats(&f["rope_llama3_inv_freq"]["unscaled"]),
+        "unscaled",
+    );
+    let tensors =
+        candle_core::safetensors::load(fixtures().join("ops.safetensors"), &Device::Cpu).unwrap();
+    let q = &tensors["rope.q"];
+    let t = q.dim(2).unwrap();
+    let turned = gaccwb::ops::composite::rotate(q, &rope.table(t)).unwrap();
+    let err = |a: &Tensor, b: &Tensor| rel_l2(a, b);
+    assert!(err(&turned, &tensors["rope.half_split"]) < 1e-6);
+    assert!(
+        err(&turned, &tensors["rope.interleaved"]) > 1e-2,
+        "interleaved is another rotation"
+    );
+}
+
+/// A copy of fixture `name` in a temporary directory, for a test to break.
+fn copy_of(name: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixtures().join(name)).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), tmp.path().join(entry.file_name())).unwrap();
+        }
+    }
+    tmp
+}
+
+/// The error loading `dir` at 16 tokens gives.
+fn load_error(dir: &Path) -> String {
+    match ModelDir::open(dir).and_then(|d| d.load(16, &Device::Cpu, None, &mut |_, _| {})) {
+        Ok(_) => panic!("{} loaded", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, Value>)) {
+    let path = dir.join("config.json");
+    let mut config: serde_json::Map<String, Value> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, serde_json::to_string(&config).unwrap()).unwrap();
+}
+
+/// `tensors` (name → tensor) written as `model.safetensors` in `dir`.
+fn write_weights(dir: &Path, tensors: &std::collections::HashMap<String, Tensor>) {
+    candle_core::safetensors::save(tensors, dir.join("model.safetensors")).unwrap();
+}
+
+fn weights(dir: &Path) -> std::collections::HashMap<String, Tensor> {
+    candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn a_broken_model_directory_is_refused_naming_the_file_and_the_fix() {
+    let expect = |dir: &Path, parts: &[&str]| {
+        let e = load_error(dir);
+        for part in parts {
+            assert!(e.contains(part), "`{part}` not in: {e}");
+        }
+    };
+    let dir = copy_of("llama-tied");
+    std::fs::remove_file(dir.path().join("config.json")).unwrap();
+    expect(dir.path(), &["no config.json"]);
+
+    let dir = copy_of("llama-tied");
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    expect(dir.path(), &["no model.safetensors"]);
+
+    // A sharded model whose second shard is missing.
+    let dir = copy_of("llama-tied");
+    let names: Vec<String> = weights(dir.path()).into_keys().collect();
+    std::fs::rename(
+        dir.path().join("model.safetensors"),
+        dir.path().join("model-00001-of-00002.safetensors"),
+    )
+    .unwrap();
+    let map: serde_json::Map<String, Value> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let shard = if i == 0 { 2 } else { 1 };
+            (
+                n.clone(),
+                Value::from(format!("model-0000{shard}-of-00002.safetensors")),
+            )
+        })
+        .collect();
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    expect(
+        dir.path(),
+        &["model-00002-of-00002.safetensors", "missing shard"],
+    );
+
+    // The config and the tensors disagree on a width.
+    let dir = copy_of("llama-tied");
+    edit_config(dir.path(), |c| {
+        c.insert("intermediate_size".into(), Value::from(40));
+    });
+    expect(
+        dir.path(),
+        &["model.safetensors", "mlp.gate_proj.weight", "shape"],
+    );
+
+    // A tensor missing, one that is no weight of the family, one stored as integers.
+    let dir = copy_of("llama-tied");
+    let mut w = weights(dir.path());
+    w.remove("model.norm.weight");
+    write_weights(dir.path(), &w);
+    expect(dir.path(), &["model.norm.weight", "missing"]);
+    let mut w = weights(dir.path());
+    w.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(32, DType::F32, &Device::Cpu).unwrap(),
+    );
+    w.insert(
+        "model.layers.0.extra.weight".into(),
+        Tensor::ones(4, DType::F32, &Device::Cpu).unwrap(),
+    );
+    write_weights(dir.path(), &w);
+    expect(
+        dir.path(),
+        &[
+            "model.layers.0.extra.weight",
+            "not a weight of a llama model",
+        ],
+    );
+    let mut w = weights(dir.path());
+    w.remove("model.layers.0.extra.weight");
+    w.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(32, DType::U32, &Device::Cpu).unwrap(),
+    );
+    write_weights(dir.path(), &w);
+    expect(dir.path(), &["model.norm.weight", "dtype"]);
+
+    // A header that is not safetensors.
+    let dir = copy_of("llama-tied");
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        b"\xff\xff\xff\x7f garbage",
+    )
+    .unwrap();
+    expect(
+        dir.path(),
+        &["model.safetensors", "not a valid safetensors file"],
+    );
+}
+
+#[test]
+fn families_and_features_the_engine_does_not_train_are_refused_with_the_alternative() {
+    let cases: [(&str, fn(&mut serde_json::Map<String, Value>), &str); 5] = [
+        (
+            "gpt2-tied",
+            |c| {
+                c.insert("model_type".into(), Value::from("t5"));
+            },
+            "t5",
+        ),
+        (
+            "llama-tied",
+            |c| {
+                c.insert("num_local_experts".into(), Value::from(8));
+            },
+            "mixture-of-experts",
+        ),
+        (
+            "llama-tied",
+            |c| {
+                c.insert(
+                    "rope_parameters".into(),
+                    serde_json::json!({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+                );
+            },
+            "yarn",
+        ),
+        (
+            "llama-tied",
+            |c| {
+                c.insert("hidden_act".into(), Value::from("gelu"));
+            },
+            "hidden_act",
+        ),
+        (
+            "gpt2-tied",
+            |c| {
+                c.insert("activation_function".into(), Value::from("relu"));
+            },
+            "activation_function",
+        ),
+    ];
+    for (fixture, edit, word) in cases {
+        let dir = copy_of(fixture);
+        edit_config(dir.path(), edit);
+        let e = load_error(dir.path());
+        assert!(e.contains("config.json") && e.contains(word), "{e}");
+    }
+}
+
+#[test]
+fn weights_beyond_the_device_memory_are_refused_before_loading() {
+    let dir = ModelDir::open(&fixtures().join("llama-tied")).unwrap();
+    let e = dir
+        .load(16, &Device::Cpu, Some((4096, "host")), &mut |_, _| {
+            panic!("nothing is read")
+        })
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("parameters × 4 bytes") && e.contains("host"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_sliding_window_shorter_than_the_sequence_is_refused() {
+    let mut s = gaccwb::scenario::Scenario::default();
+    s.model.path = Some(fixtures().join("mistral-window"));
+    s.model.seq_len = 64;
+    let e = gaccwb::model::hf::prepare(&mut s).unwrap_err().to_string();
+    assert!(
+        e.contains("sliding window") && e.contains("model.seq_len"),
+        "{e}"
+    );
+    s.model.seq_len = 16;
+    let (_, spec) = gaccwb::model::hf::prepare(&mut s).unwrap().unwrap();
+    assert_eq!(spec.arch.family, "mistral");
+    assert_eq!(
+        (s.model.d_model, s.model.vocab, s.model.seq_len),
+        (32, 360, 16)
+    );
+}
+
+#[test]
+fn a_model_not_in_the_cache_says_where_it_looked_and_how_to_fetch_it() {
+    let cache = tempfile::tempdir().unwrap();
+    std::env::set_var("HF_HUB_CACHE", cache.path());
+    let e = gaccwb::model::hf::resolve("SomeOrg/no-such-model@v2")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("models--SomeOrg--no-such-model"), "{e}");
+    assert!(
+        e.contains("hf download SomeOrg/no-such-model --revision v2"),
+        "{e}"
+    );
+    // A cache laid out as huggingface_hub lays it out resolves offline.
+    let repo = cache.path().join("models--SomeOrg--tiny");
+    let snapshot = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
+    std::fs::copy(
+        fixtures().join("llama-tied/config.json"),
+        snapshot.join("config.json"),
+    )
+    .unwrap();
+    assert_eq!(
+        gaccwb::model::hf::resolve("SomeOrg/tiny").unwrap(),
+        snapshot
+    );
+    std::env::remove_var("HF_HUB_CACHE");
+}
