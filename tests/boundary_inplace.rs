@@ -74,13 +74,13 @@ fn the_estimator_names_the_copies_only_where_the_boundary_makes_them() {
     s.set("train.offload=true").unwrap();
     let (v, d) = (s.model.vocab as u64, s.model.d_model as u64);
     let largest = (v * d).max(4 * d * d) * 4;
-    let cpu = estimate(&Config::from_scenario(&s, true));
+    let cpu = estimate(&Config::from_scenario(&s, true).unwrap());
     assert_eq!(cpu.optimizer.gradients_transient, 0, "CPU: in place");
     assert_eq!(
         cpu.optimizer.offloaded, cpu.step.offloaded,
         "CPU: no host copy"
     );
-    let gpu = estimate(&Config::from_scenario(&s, false));
+    let gpu = estimate(&Config::from_scenario(&s, false).unwrap());
     assert_eq!(gpu.optimizer.gradients_transient, largest);
     // The gradient copied to the host, and the updated weight's f16 cast on its way back.
     assert_eq!(
@@ -89,7 +89,7 @@ fn the_estimator_names_the_copies_only_where_the_boundary_makes_them() {
     );
     s.set("train.dtype=f32").unwrap();
     s.train.clip = None;
-    let unscaled = estimate(&Config::from_scenario(&s, false));
+    let unscaled = estimate(&Config::from_scenario(&s, false).unwrap());
     assert_eq!(
         unscaled.optimizer.gradients_transient, 0,
         "nothing to scale"

@@ -144,7 +144,7 @@ fn the_lean_graph_keeps_no_score_tensor_and_exactly_what_the_estimator_books() {
             assert!(squares.is_empty(), "{dtype:?}: T×T nodes kept: {squares:?}");
             let kept = graph_bytes(&loss, &mut seen);
             // A device apart from the host: the lean ops' booking.
-            let booked = activation_bytes(&Config::from_scenario(&s, false));
+            let booked = activation_bytes(&Config::from_scenario(&s, false).unwrap());
             assert_eq!(
                 kept, booked,
                 "{dtype:?} B={b}: graph keeps {kept}, estimate {booked}"
@@ -162,7 +162,7 @@ fn the_fused_half_graph_keeps_half_of_f32s_activations_and_what_the_estimator_bo
         s.train.dtype = dtype;
         let (loss, mut seen) = training_graph(&s, dtype.candle());
         let kept = graph_bytes(&loss, &mut seen);
-        let booked = activation_bytes(&Config::from_scenario(&s, true));
+        let booked = activation_bytes(&Config::from_scenario(&s, true).unwrap());
         assert_eq!(
             kept, booked,
             "{dtype:?}: graph keeps {kept}, estimate {booked}"

@@ -154,7 +154,7 @@ fn parameters_are_the_parameter_count_times_four_bytes() {
 /// the estimator predicts (cache size × threads), give or take 5% of the measured total.
 fn other_is_the_matmul_workspace_within_five_percent_at_the_default_presets_backward_peak() {
     let s = default_preset();
-    let workspace = Config::from_scenario(&s, true).workspace;
+    let workspace = Config::from_scenario(&s, true).unwrap().workspace;
     let e = at(&measure(s), Phase::Backward);
     let other = e.categories.other;
     let unexplained = (other as f64 - workspace as f64).abs() / e.peak as f64;
@@ -212,7 +212,7 @@ fn the_estimator_is_within_ten_percent_of_measured_for_every_category() {
         let _guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let mut t = warm_trainer(s);
         // From the trainer's scenario: a tokenizer sets the vocabulary when the data opens.
-        let cfg = Config::from_scenario(t.scenario(), true);
+        let cfg = Config::from_scenario(t.scenario(), true).unwrap();
         let predicted = estimate(&cfg);
         let head = head_bytes(&cfg);
         println!(

@@ -541,7 +541,7 @@ fn the_guard_split_does_not_move_the_policys_effective_batch() {
     use gaccwb::memory::estimate::{estimate, Config};
     let dir = tempfile::tempdir().unwrap();
     let preset = gaccwb::presets::resolve("adaptive-k").unwrap();
-    let cfg = Config::from_scenario(&preset, true);
+    let cfg = Config::from_scenario(&preset, true).unwrap();
     let peak = |micro_batch, accum_steps| {
         estimate(&Config {
             micro_batch,

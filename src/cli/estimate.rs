@@ -210,7 +210,7 @@ fn engine_report(
         // The vocabulary is the tokenizer's: train it (or hit the cache) to know it.
         gaccwb::data::Corpus::open_sizing(scenario)?;
     }
-    let cfg = Config::from_scenario(scenario, !args.gpu);
+    let cfg = Config::from_scenario(scenario, !args.gpu)?;
     if args.effective == Some(0) {
         anyhow::bail!(UsageError(
             "--effective 0: the effective batch is at least 1 sequence".into()

@@ -27,7 +27,8 @@ pub fn fit_controls(app: &App) -> Result<Vec<Control>, String> {
         .ok_or("fit: no memory budget (set train.memory_budget or run with --budget)")?;
     let k = app.target_knobs();
     let unified = app.unified_memory();
-    let cfg = Config::from_knobs(&header.config.model, &k, unified);
+    let cfg =
+        Config::from_knobs(&header.config.model, &k, unified).map_err(|e| format!("fit: {e}"))?;
     let effective = k.effective_batch();
     let row = largest_micro_batch(&cfg, effective, budget).ok_or_else(|| {
         format!(
@@ -86,7 +87,8 @@ mod tests {
             &header.config.model,
             &Knobs::from_scenario(&header.config),
             true,
-        );
+        )
+        .unwrap();
         let budget = estimate(&Config {
             micro_batch: 4,
             accum_steps: 4,

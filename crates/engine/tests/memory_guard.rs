@@ -93,12 +93,8 @@ fn the_guard_backs_off_keeps_the_effective_batch_and_matches_a_run_at_the_final_
     // Start at the split that fits (the start plan, by the estimate, leaves it alone); after
     // step 1 the preset-like timeline asks for B=16, K=1, which only the measurement catches.
     let mut s = scenario(8, 2, MemoryBudget::Bytes(budget));
-    let predicted = estimate(&Config::from_knobs(
-        &s.model,
-        &Knobs::from_scenario(&s),
-        true,
-    ))
-    .peak();
+    let predicted =
+        estimate(&Config::from_knobs(&s.model, &Knobs::from_scenario(&s), true).unwrap()).peak();
     assert!(
         predicted <= budget,
         "predicted {predicted} > budget {budget}"

@@ -1,46 +1,54 @@
 //! The analytic estimator: bytes per ledger category for a configuration, derived by counting
-//! the tensors this model's forward creates (`model.rs`, `ops.rs`) and what Candle's backward
-//! keeps; no measurement goes in.
+//! the tensors the model's forward creates (`model.rs`, `ops::step`) and what its backward
+//! holds; no measurement goes in. It describes every family the engine trains (`Arch`: this
+//! engine's GPT, GPT-2, Llama, Mistral, Qwen2; tied or untied), on the fused CPU ops and on the
+//! lean ops (CUDA, or the CPU under `GACCWB_KERNELS=composite`).
 //!
-//! Activations. Candle keeps every tensor of the graph alive until the loss is dropped (each op
-//! holds its inputs), so activations are every new storage the forward's graph holds; views
-//! (reshape, permute, transpose, narrow, broadcast) add none. With N = B·T tokens, d model
-//! width, H heads, V vocab and c the compute dtype's bytes, one block keeps 14·N·d·c on the
-//! lean ops' path (`ops::lean`: CUDA), which add f32 row figures (each norm's mean and reciprocal
-//! std, attention's log-sum-exp: 4·N·4 + B·H·T·4), and 12·N·d·c on the fused CPU ops' (any
-//! storage dtype), whose residual steps are one op each and keep no branch output; no T² term.
-//! In the transformer form of Korthikanti et al. 2022, "Reducing Activation Recomputation in
-//! Large Transformer Models", s·b·h·(α + β·a·s/h) per layer, that is α = 14·c (28 bytes in
-//! bf16; 12·c, 24 bytes, fused) and β = 0, against their 34 and 5 for a 16-bit Megatron block: attention's
-//! probabilities and the GELU are recomputed in the backward, as in their "selective
-//! recomputation". The head and loss keep no logits on either path.
+//! Activations (`graph`). Candle keeps every tensor of the graph alive until the loss is
+//! dropped (each op holds its inputs), so activations are every new storage the forward's graph
+//! holds; views add none. With N = B·T tokens, D the model width, H heads of width hd, KV
+//! key/value heads, F the MLP's intermediate size and c the compute dtype's bytes, a block's
+//! two residual steps (one op each) keep (4·D + (H + 2·KV)·hd + H·hd + mlp)·N·c, mlp being F
+//! for the GELU MLP and 2F for SwiGLU's gate and up: 12·N·D·c for this engine's GPT. The lean
+//! ops add f32 row statistics (each norm's mean and reciprocal std, or RMS norm's reciprocal
+//! root mean square; attention's log-sum-exp). In the transformer form of Korthikanti et al.
+//! 2022, "Reducing Activation Recomputation in Large Transformer Models", s·b·h·(α + β·a·s/h)
+//! per layer, α = 12·c for the GPT (24 bytes in bf16) and β = 0, against their 34 and 5 for a
+//! 16-bit Megatron block: attention's probabilities and the activation are recomputed in the
+//! backward, as in their "selective recomputation". The head and loss keep no logits.
 //!
-//! Transient gradients: the store one backward returns, one f32 gradient per parameter (in the
-//! compute dtype under offload in half precision, whose weights are that dtype; no constant is a
-//! graph input, and both paths return gradients computed from detached tensors,
-//! which reference nothing). The measured figure is the backward's peak over its start, so the
-//! estimate takes the largest of three peaks: block 0's MLP (the store so far plus what is in
-//! flight there, `in_flight_bytes`, less what only exists after it, `after_peak_bytes`), the loss
-//! head at the very start (`head_peak_bytes`) and the token embedding's gradient at the very
-//! end (`embedding_peak_bytes`).
+//! Transient gradients (`peaks`): the backward is played op by op, its parameter gradients kept
+//! once made; the measured figure is the backward's peak over its start.
 
 use serde::Serialize;
 
+use crate::memory::arch::Arch;
+use crate::model::hf::{HfError, ModelDir};
 use crate::scenario::{ModelConfig, Scenario};
 use crate::telemetry::{
     Categories, Checkpointing, Control, Dtype, EstimateEvent, Knobs, LossNorm, OffloadGrads, Phase,
     ZeroGrad,
 };
 
-use super::planner::{aligned, human_bytes, Verdict};
+mod graph;
+mod peaks;
+mod report;
+
+pub use graph::{
+    activation_bytes, checkpointed, checkpointed_forward_excess_bytes, recomputed_bytes, Segments,
+};
+pub use peaks::{embedding_peak_bytes, grad_store_bytes, head_peak_bytes, transient_bytes};
+pub use report::Report;
 
 const F32: u64 = 4;
 
 /// Everything the estimate depends on.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Config {
-    /// The model's shape.
+    /// The model as the scenario records it (its `seq_len` is the run's T).
     pub model: ModelConfig,
+    /// The model's architecture: widths, heads, norm, MLP, biases, tied head, positions.
+    pub arch: Arch,
     /// B.
     pub micro_batch: usize,
     /// K.
@@ -55,6 +63,9 @@ pub struct Config {
     pub pitfall: bool,
     /// Host and device are one memory (CPU): offload keeps no separate master copy.
     pub unified: bool,
+    /// The model runs on the fused CPU ops (`ops::fused`); else on the lean ops (`ops::lean`:
+    /// CUDA, or the CPU under `GACCWB_KERNELS=composite`).
+    pub fused: bool,
     /// The boundary multiplies the gradients: f16 unscaling, or a clip threshold is set.
     pub scales_gradients: bool,
     /// Workspace outside any tensor (`other`): on CPU, `gemm`'s packing slab on every thread
@@ -64,11 +75,26 @@ pub struct Config {
     pub checkpointing: Checkpointing,
 }
 
+/// The architecture a scenario's model has: the `config.json` of the Hugging Face model
+/// `model.path` names, else this engine's GPT of `model`'s shape.
+pub fn arch_of(model: &ModelConfig) -> Result<Arch, HfError> {
+    match &model.path {
+        None => Ok(Arch::engine(model)),
+        Some(path) => {
+            let dir = crate::model::hf::resolve(&path.to_string_lossy())?;
+            Ok(ModelDir::open(&dir)?.spec()?.arch)
+        }
+    }
+}
+
 impl Config {
-    /// The configuration the knobs `k` give for `model`; `unified` when host and device are one memory.
-    pub fn from_knobs(model: &ModelConfig, k: &Knobs, unified: bool) -> Config {
+    /// The configuration the knobs `k` give for a model of architecture `arch` recorded as
+    /// `model` (whose `seq_len` is the run's); `unified` when host and device are one memory.
+    /// The fused CPU ops run there unless `GACCWB_KERNELS=composite` asks for the lean ones.
+    pub fn for_arch(arch: &Arch, model: &ModelConfig, k: &Knobs, unified: bool) -> Config {
         Config {
             model: model.clone(),
+            arch: arch.clone(),
             micro_batch: k.micro_batch,
             accum_steps: k.accum_steps,
             dtype: k.dtype,
@@ -76,6 +102,7 @@ impl Config {
             offload_grads: k.offload_grads,
             pitfall: k.loss_norm != LossNorm::Tokens || k.zero_grad != ZeroGrad::PerWindow,
             unified,
+            fused: unified && !crate::ops::composite_from_env(),
             scales_gradients: k.dtype.needs_loss_scaling() || k.clip.is_some(),
             workspace: if unified {
                 crate::ops::workspace::bytes()
@@ -86,8 +113,14 @@ impl Config {
         }
     }
 
+    /// [`Config::for_arch`] for `model`'s architecture (`arch_of`: a model directory's
+    /// `config.json` is read when `model.path` names one).
+    pub fn from_knobs(model: &ModelConfig, k: &Knobs, unified: bool) -> Result<Config, HfError> {
+        Ok(Config::for_arch(&arch_of(model)?, model, k, unified))
+    }
+
     /// [`Config::from_knobs`] with the scenario's first knobs.
-    pub fn from_scenario(s: &Scenario, unified: bool) -> Config {
+    pub fn from_scenario(s: &Scenario, unified: bool) -> Result<Config, HfError> {
         Config::from_knobs(&s.model, &Knobs::from_scenario(s), unified)
     }
 
@@ -178,403 +211,29 @@ pub fn changes_memory(c: &Control) -> bool {
     c.knob().is_some_and(|k| k.moves_memory)
 }
 
-/// Shape figures the formulas share.
-struct Shape {
-    n: u64,
-    d: u64,
-    v: u64,
-    t: u64,
-    layers: u64,
-    /// Batch × heads × T × T: one attention score tensor.
-    scores: u64,
-    /// Heads × T × T: one sequence's share of `scores`.
-    sequence_scores: u64,
-    /// Compute dtype bytes.
-    c: u64,
-    /// The compute dtype differs from f32 (casts make copies).
-    cast: bool,
-}
-
-impl Shape {
-    fn new(cfg: &Config) -> Shape {
-        let m = &cfg.model;
-        let (b, t) = (cfg.micro_batch as u64, m.seq_len as u64);
-        Shape {
-            n: b * t,
-            d: m.d_model as u64,
-            v: m.vocab as u64,
-            t,
-            layers: m.layers as u64,
-            scores: b * m.heads as u64 * t * t,
-            sequence_scores: m.heads as u64 * t * t,
-            c: cfg.dtype.size_in_bytes() as u64,
-            cast: cfg.dtype != Dtype::F32,
-        }
-    }
-}
-
-/// Trainable parameters of the model.
+/// Trainable parameters of this engine's GPT of shape `m` (`Arch::param_count` counts any
+/// family's).
 pub fn param_count(m: &ModelConfig) -> u64 {
-    let (v, d, t, l) = (
-        m.vocab as u64,
-        m.d_model as u64,
-        m.seq_len as u64,
-        m.layers as u64,
-    );
-    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
-    v * d + t * d + l * block + 2 * d + d * v
+    Arch::engine(m).param_count()
 }
 
-/// `crate::ops` runs its fused CPU kernels on the host (f32 arithmetic, any storage dtype);
-/// elsewhere the lean ops.
-fn fused(cfg: &Config) -> bool {
-    cfg.unified
-}
-
-/// Bytes one `ops::layer_norm` keeps (input dtype = compute dtype): its output; the lean op
-/// (`ops::lean::layer_norm`) also an f32 mean and reciprocal std per row.
-fn layer_norm_bytes(s: &Shape, fused: bool) -> u64 {
-    let output = s.n * s.d * s.c;
-    if fused {
-        output
-    } else {
-        output + 2 * s.n * F32
-    }
-}
-
-/// The scalars at the end of the loss (its sum and the scaled loss): the part of the
-/// activations that does not grow with the micro-batch.
-fn loss_scalar_bytes() -> u64 {
-    2 * F32
-}
-
-/// Bytes the graph of one micro-batch keeps for backward. With checkpointing each segment of
-/// blocks keeps only its output (the next segment's input): `checkpointed`.
-pub fn activation_bytes(cfg: &Config) -> u64 {
-    let s = Shape::new(cfg);
-    let (n, d, c) = (s.n, s.d, s.c);
-    let embedding = 2 * n * d * c;
-    let ln = layer_norm_bytes(&s, fused(cfg));
-    let blocks = match checkpointed(cfg) {
-        Some(segments) => segments.kept * n * d * c,
-        None => s.layers * block_bytes(cfg),
-    };
-    embedding + blocks + ln + loss_head_activation_bytes()
-}
-
-/// How checkpointing splits the blocks: segment outputs kept through the forward, and the
-/// blocks of the largest segment, recomputed at once in the backward.
-pub struct Segments {
-    /// Block outputs kept through the forward.
-    pub kept: u64,
-    /// Blocks in the largest segment, recomputed together.
-    pub largest: u64,
-}
-
-/// The segments `cfg`'s checkpointing makes, or `None` without checkpointing.
-pub fn checkpointed(cfg: &Config) -> Option<Segments> {
-    let per = cfg.checkpointing.segment()? as u64;
-    let layers = cfg.model.layers as u64;
-    Some(Segments {
-        kept: layers.div_ceil(per),
-        largest: per.min(layers),
-    })
-}
-
-/// Bytes the backward's recompute adds to the activations at its peak: the saved input's
-/// copy (a `Var` to differentiate against), the largest segment's graph, the `y · grad` product
-/// and its sum. 0 without checkpointing.
-pub fn recomputed_bytes(cfg: &Config) -> u64 {
-    let Some(segments) = checkpointed(cfg) else {
-        return 0;
-    };
-    let s = Shape::new(cfg);
-    2 * s.n * s.d * s.c + segments.largest * block_bytes(cfg) + s.c
-}
-
-/// Bytes the checkpointed forward holds at its peak beyond what its end keeps (`other` at the
-/// forward's peak). A segment runs without a graph, but each block's intermediates live until
-/// the block returns, so the forward peaks inside the last block: beside the embeddings, the
-/// outputs of the segments before it and (when its segment has more than one block) the previous
-/// block's output, that block holds (`checkpointed_block_peak_bytes`). The end instead keeps
-/// every segment's output, the final norm and the loss head. 0 without checkpointing.
-pub fn checkpointed_forward_excess_bytes(cfg: &Config) -> u64 {
-    let Some(segments) = checkpointed(cfg) else {
-        return 0;
-    };
-    let s = Shape::new(cfg);
-    let (n, d, c) = (s.n, s.d, s.c);
-    let per = segments.largest;
-    // The last block of segment `i` (of `size` blocks): the largest over the segments, as a
-    // shorter last segment casts fewer weights than a full one before it.
-    let present = (0..segments.kept)
-        .map(|i| {
-            let size = per.min(s.layers - i * per);
-            let held = (i + u64::from(size > 1)) * n * d * c;
-            2 * n * d * c + held + checkpointed_block_peak_bytes(cfg, size)
-        })
-        .max()
-        .unwrap_or(0);
-    present.saturating_sub(activation_bytes(cfg))
-}
-
-/// What one block holds at its forward's peak without a graph, its input not counted, as the
-/// `blocks`-th block of its segment.
-///
-/// Fused ops (CPU): inside the GELU-linear, ln1's output, the residual, ln2's output, the
-/// hidden layer, its GELU and the product (12·N·d) and `gemm`'s packed weight on each thread;
-/// with half storage the first seven N·d in c bytes, the GELU and product in f32 beside the
-/// op's f32 copies of h and W (9·N·d + 4·d²), plus the segment's weight casts.
-///
-/// Lean ops: the larger of attention's softmax (ln1's output, qkv, the q/k/v copies: 7·N·d,
-/// and three f32 score tensors of one chunk of sequences with two per-row reductions) and the
-/// MLP's output layer or
-/// ln2 (13·N·d: ln1's output, the residual, ln2's output, the hidden layer before and after its
-/// bias or GELU, the product and its bias; ln2's f32 copies weigh the same), plus the compute
-/// dtype's copies of the segment's weights so far (`blocks` blocks: they are made per segment).
-fn checkpointed_block_peak_bytes(cfg: &Config, blocks: u64) -> u64 {
-    let s = Shape::new(cfg);
-    let (n, d, c) = (s.n, s.d, s.c);
-    let casts = if s.cast && !cfg.half_weights() {
-        blocks * block_params(&cfg.model) * c
-    } else {
-        0
-    };
-    if fused(cfg) {
-        let (per_thread, units) =
-            crate::ops::fused::rhs_packing(n as usize, 4 * d as usize, d as usize);
-        let threads = crate::ops::pool::cpu_threads().min(units) as u64;
-        let packing = threads * per_thread;
-        if !s.cast {
-            return 12 * n * d * F32 + packing;
-        }
-        // Half storage: the block's tensors in c bytes, the op's f32 copies of h and W, the
-        // GELU and the product in f32.
-        return 7 * n * d * c + (9 * n * d + 4 * d * d) * F32 + packing + casts;
-    }
-    let attention = 7 * n * d * c + (3 * attention_chunk(&s) + 2 * (s.scores / s.t)) * F32;
-    let mlp = 13 * n * d * c;
-    attention.max(mlp) + casts
-}
-
-/// Bytes one block's graph keeps for backward. The lean ops keep two norms' outputs (2), qkv
-/// (3), attention's output (1: the probabilities are recomputed in the backward), proj (1),
-/// residual (1), fc (4), the GELU-linear's output (1: the GELU is recomputed), residual (1):
-/// 14·N·d, and f32 row figures beside their nodes: each norm's mean and reciprocal std (2·N
-/// each) and attention's log-sum-exp (B·H·T). The fused ops run each residual step as one op
-/// (`ops::fused::branch`), which keeps the same but the two branch outputs (proj and the
-/// GELU-linear's, which only Candle's residual add held): 12·N·d.
-fn block_bytes(cfg: &Config) -> u64 {
-    let s = Shape::new(cfg);
-    let nd = s.n * s.d * s.c;
-    if fused(cfg) {
-        12 * nd
-    } else {
-        14 * nd + 4 * s.n * F32 + (s.scores / s.t) * F32
-    }
-}
-
-/// The activations of the loss head: on both paths the head and loss are one op that keeps
-/// only its input (the final norm's output) and weight, never the logits
-/// (`ops::fused::linear_nll_sum`, `ops::lean::linear_nll_sum`): only the loss's scalars remain.
-fn loss_head_activation_bytes() -> u64 {
-    loss_scalar_bytes()
-}
-
-/// What the vocabulary costs at the backward's start: the head's activations (logits and the
-/// loss's copies) and the logits' gradient in flight. It grows with N·V, so at a subword
+/// The scalars the loss leaves and what the vocabulary costs at the backward's start: the
+/// logits' gradient in flight in the head and loss. It grows with N·V, so at a subword
 /// vocabulary it is the share a smaller micro-batch cuts most.
 pub fn head_bytes(cfg: &Config) -> u64 {
-    loss_head_activation_bytes() + head_peak_bytes(cfg)
+    2 * F32 + head_peak_bytes(cfg)
 }
 
-/// Bytes of the gradient store one backward returns: one gradient per parameter, f32 (compute
-/// dtype under offload in half precision). Neither
-/// path gives constants a gradient (the causal mask and the loss mask are not graph inputs), and
-/// both return gradients computed from detached tensors, which reference nothing.
-pub fn grad_store_bytes(cfg: &Config) -> u64 {
-    param_count(&cfg.model) * cfg.grad_elem_bytes()
-}
-
-/// Bytes in flight at the backward's block-0 peak, when the store is largest.
-///
-/// Lean ops (CUDA): the peak falls in block 0's GELU-linear backward
-/// (`ops::lean::gelu_linear`), while it rebuilds the GELU's slope in f32: four f32 tensors of the
-/// hidden layer's size at once (4 × 4·N·d·4; the gradient's f32 copy is made after), and in the
-/// compute dtype the hidden layer's gradient (4·N·d), the output's gradient and the residual
-/// stream's pending one (2·N·d).
-///
-/// Fused ops (CPU): the peak falls inside block 0's GELU-linear backward, which holds its
-/// packed result (dh, 4·N·d, and dW, db: 4·d² + d) and its recomputed GELU and slope (2 × 4·N·d),
-/// all f32, beside the output's gradient and the residual stream's pending one (2·N·d·c):
-/// 14·N·d + 4·d² + d in f32, and, while its dx product (`dy·Wᵀ`) runs, `gemm`'s copy of Wᵀ
-/// packed on each thread (`ops::fused::rhs_packing`; timing decides how many overlap, so every
-/// thread is counted). With half storage the op also holds f32 copies of its inputs h (4·N·d),
-/// W (4·d²) and the incoming gradient (N·d).
-pub fn in_flight_bytes(cfg: &Config) -> u64 {
-    let s = Shape::new(cfg);
-    if fused(cfg) {
-        let (d, n) = (s.d as usize, s.n as usize);
-        let (per_thread, blocks) = crate::ops::fused::rhs_packing(n, d, 4 * d);
-        let threads = crate::ops::pool::cpu_threads().min(blocks) as u64;
-        let (nd, dd) = (s.n * s.d, s.d * s.d);
-        // Packed result, GELU and slope (f32), then the output's and the residual's gradients.
-        let f32_work = (4 * nd + 4 * dd + s.d) + 8 * nd;
-        let graph = 2 * nd * s.c;
-        // Half storage: the op's f32 copies of h, W and the incoming gradient.
-        let widened = if s.cast { 4 * nd + 4 * dd + nd } else { 0 };
-        return (f32_work + widened) * F32 + graph + threads * per_thread;
-    }
-    (4 * 4 * F32 + 6 * s.c) * s.n * s.d
-}
-
-/// Bytes of the end-of-backward figure that do not exist yet at the block-0 peak: the
-/// gradients still to come (lean: block 0's parameters before its MLP output and the
-/// embeddings; fused: all of block 0's and the embeddings).
-pub fn after_peak_bytes(cfg: &Config) -> u64 {
-    let s = Shape::new(cfg);
-    let d = s.d;
-    let embeddings = s.v * d + s.t * d;
-    if fused(cfg) {
-        return (12 * d * d + 13 * d + embeddings) * F32;
-    }
-    (8 * d * d + 12 * d + embeddings) * cfg.grad_elem_bytes()
-}
-
-/// Bytes in flight at the top of the backward, in the head and loss's backward. Lean
-/// (`ops::lean::linear_nll_sum`): inside one chunk of `r = min(chunk_rows(V), N)` rows, the
-/// softmax, the one-hot targets and their difference (3·r·V·4), beside the f32 sum of dW over
-/// the chunks before it (d·V·4, when there are several) and the rows of dx made so far (N·d·c). The
-/// fused head (CPU): see `fused_head_peak_bytes`.
-pub fn head_peak_bytes(cfg: &Config) -> u64 {
-    let s = Shape::new(cfg);
-    if fused(cfg) {
-        return fused_head_peak_bytes(&s);
-    }
-    let chunk = fused_head_chunk(&s);
-    let dw_sum = if chunk < s.n * s.v { s.d * s.v } else { 0 };
-    (3 * chunk + dw_sum) * F32 + s.n * s.d * s.c
-}
-
-/// The fused head and loss's backward (`ops::fused::linear_nll_sum`) peaks at the larger of two
-/// moments. Inside it: its packed result (dx, N·d, and dW, d·V) and one chunk of logits turned
-/// into their gradient (`chunk_rows(V)` rows of V, or N when fewer). After it, when the store
-/// adds its results (a zero tensor, then the sum, per input): beside the packed buffer, x's zero
-/// tensor and sum (3·N·d + d·V), then x's sum with W's zero tensor and sum (2·N·d + 3·d·V).
-///
-/// With half storage the inside also holds f32 copies of x and W (N·d + d·V), the packed result
-/// is rounded into a half copy while the f32 one lives (N·d + d·V of each), and the store adds
-/// half gradients (c bytes each).
-fn fused_head_peak_bytes(s: &Shape) -> u64 {
-    let (n, d, v) = (s.n, s.d, s.v);
-    let packed = n * d + d * v;
-    if s.cast {
-        let inside = (2 * packed + fused_head_chunk(s)) * F32;
-        let rounding = packed * (F32 + s.c);
-        let adding = (2 * n * d + 3 * d * v).max(3 * n * d + d * v) * s.c;
-        return inside.max(rounding).max(adding);
-    }
-    let inside = packed + fused_head_chunk(s);
-    let adding_dx = 3 * n * d + d * v;
-    let adding_dw = 2 * n * d + 3 * d * v;
-    inside.max(adding_dx).max(adding_dw) * F32
-}
-
-/// What the end of the forward holds only while it runs, beyond the activations it leaves: no
-/// category holds it, so the forward's measured peak shows it in `other`.
-///
-/// Fused head and loss (CPU): one chunk of logits and each row's loss (the backward reuses
-/// its chunk inside `head_peak_bytes`); with half storage the f32 copies the ops make of their
-/// inputs, the largest in the last block's GELU-linear. Lean ops: the larger of the final norm's f32 work (the
-/// input's f32 copy when cast, the normalised rows, ×gain and +bias: 3 or 4 × N·d·4, the result
-/// and its copy into the graph: 2·N·d·c) and one chunk of the head's logits with the shifted and
-/// exponentiated copies the log-sum-exp makes (3 × chunk · 4).
-fn head_forward_transient_bytes(cfg: &Config) -> u64 {
-    let s = Shape::new(cfg);
-    if fused(cfg) {
-        let head = (fused_head_chunk(&s) + s.n) * F32;
-        if !s.cast {
-            return head;
-        }
-        // Half storage: the head's f32 copies of x and W; and the last block's GELU-linear,
-        // which holds f32 copies of h and W, the GELU and its f32 result (9·N·d + 4·d² + d)
-        // before that block's output, its residual and the final norm (3·N·d·c) exist.
-        let (nd, dd) = (s.n * s.d, s.d * s.d);
-        let head = head + (nd + s.d * s.v) * F32;
-        let mlp = ((9 * nd + 4 * dd + s.d) * F32).saturating_sub(3 * nd * s.c);
-        return head.max(mlp);
-    }
-    let f32_copies = if s.cast { 4 } else { 3 };
-    let final_norm = (f32_copies * F32 + 2 * s.c) * s.n * s.d;
-    final_norm.max(3 * fused_head_chunk(&s) * F32)
-}
-
-/// Score elements of one chunk of the lean attention (`ops::lean::sequences_per_chunk`).
-fn attention_chunk(s: &Shape) -> u64 {
-    let heads = (s.sequence_scores / (s.t * s.t).max(1)) as usize;
-    let per = crate::ops::lean::sequences_per_chunk(s.t as usize, heads) as u64;
-    s.scores.min(per * s.sequence_scores)
-}
-
-/// Floats of one chunk of the fused head's logits.
-fn fused_head_chunk(s: &Shape) -> u64 {
-    (crate::ops::fused::head_chunk_rows(s.v as usize) as u64).min(s.n) * s.v
-}
-
-/// Bytes at the backward's very end, in the token embedding's gradient: every other gradient is
-/// in the store (and retained). In f32 Candle's `index_select` backward holds the table's zero
-/// tensor and the `index_add` result (2·V·d) beside the tokens' gradient (N·d). In half
-/// precision the largest moment comes after `ops::half::embedding` (whose f32 sum is rounded to
-/// the table's dtype): the cast's backward adds the table's half gradient (V·d·c, still held)
-/// into the f32 weight's store, its f32 copy, the zero tensor and the sum all live at once
-/// (3·V·d·4), the weight's own f32 gradient not yet in the store. Large once V·d is (a subword
-/// vocabulary). The half-precision moment is counted where it was measured, on the fused CPU
-/// path (`tests/memory_ledger.rs`, V = 8192); the lean path's estimate leaves it out.
-pub fn embedding_peak_bytes(cfg: &Config) -> u64 {
-    let s = Shape::new(cfg);
-    let (vd, nd) = (s.v * s.d, s.n * s.d);
-    if !s.cast {
-        return grad_store_bytes(cfg) + (vd + nd) * F32;
-    }
-    if !fused(cfg) {
-        return 0;
-    }
-    let casting = vd * s.c + 3 * vd * F32 - vd * F32;
-    let summing = vd * F32 + nd * (F32 + s.c);
-    grad_store_bytes(cfg) + casting.max(summing)
-}
-
-/// What backward holds at its peak on top of what it started from: the largest of the
-/// candidate peaks, the loss head (first), block 0's MLP (last, with everything retained) and
-/// the token embedding's gradient at the very end.
-pub fn transient_bytes(cfg: &Config) -> u64 {
-    let block0 = (grad_store_bytes(cfg) + in_flight_bytes(cfg) + recompute_in_flight_bytes(cfg))
-        .saturating_sub(after_peak_bytes(cfg));
-    block0
-        .max(head_peak_bytes(cfg))
-        .max(embedding_peak_bytes(cfg))
-}
-
-/// Gradients the checkpointed backward holds at block 0's peak beyond the plain one: the outer
-/// backward's gradient of the segment's output, held while the recompute runs, the gradient
-/// Candle's `Mul` backward computes and keeps in the recompute's store for the detached `grad_y`
-/// side of `y · grad_y` (never a node, so never removed), and three more N·d·c measured and not
-/// yet attributed (`tests/checkpointing_memory.rs`: 5.0 N·d·4 of slope over the micro-batch at
-/// d 48 and 64 on the fused path; on the lean ops' path the same 5·N·d·c brings the one gap over
-/// 5%, the `notes-table` model at B 32, within). 0 without checkpointing.
-fn recompute_in_flight_bytes(cfg: &Config) -> u64 {
-    if checkpointed(cfg).is_none() {
-        return 0;
-    }
-    let s = Shape::new(cfg);
-    5 * s.n * s.d * s.c
-}
-
-/// Bytes of the largest parameter (f32): the token embedding or head (V·d), or an MLP matrix
-/// (4·d²).
-fn largest_param_bytes(m: &ModelConfig) -> u64 {
-    let (v, d) = (m.vocab as u64, m.d_model as u64);
-    (v * d).max(4 * d * d) * F32
+/// Bytes of the largest parameter (f32): the token embedding or head (V·D), the position
+/// table, or a block's largest matrix (the fused qkv, an MLP matrix).
+fn largest_param_bytes(a: &Arch) -> u64 {
+    let (d, q, kv, f) = (a.hidden, a.q_width(), a.kv_width(), a.intermediate);
+    let attention = if a.fused_qkv { d * (q + 2 * kv) } else { d * q };
+    [a.vocab * d, a.positions_table * d, attention, d * f]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+        * F32
 }
 
 /// Bytes the optimizer phase copies beyond the buffer. On the CPU (and on the host, where
@@ -586,7 +245,7 @@ pub fn boundary_copy_bytes(cfg: &Config) -> u64 {
     if cfg.unified || !cfg.scales_gradients || cfg.grads_on_host() {
         return 0;
     }
-    largest_param_bytes(&cfg.model)
+    largest_param_bytes(&cfg.arch)
 }
 
 /// Host bytes the optimizer phase adds while offloaded from a separate device: each gradient
@@ -596,7 +255,7 @@ pub fn offload_copy_bytes(cfg: &Config) -> u64 {
     if cfg.unified || !cfg.offload || cfg.grads_on_host() {
         return 0;
     }
-    largest_param_bytes(&cfg.model)
+    largest_param_bytes(&cfg.arch)
 }
 
 /// Bytes of the copy back of one updated weight in half precision under offload: the host
@@ -606,44 +265,36 @@ pub fn weight_copy_bytes(cfg: &Config) -> u64 {
     if !cfg.half_weights() {
         return 0;
     }
-    largest_param_bytes(&cfg.model) / F32 * cfg.dtype.size_in_bytes() as u64
+    largest_param_bytes(&cfg.arch) / F32 * cfg.dtype.size_in_bytes() as u64
 }
 
-/// Parameters whose compute-dtype copy lives through the micro-step: all of them, or with
-/// checkpointing only those outside the blocks (the blocks cast theirs transiently).
-fn kept_cast_params(cfg: &Config) -> u64 {
-    let all = param_count(&cfg.model);
-    match checkpointed(cfg) {
-        Some(_) => all - cfg.model.layers as u64 * block_params(&cfg.model),
-        None => all,
+/// Bytes the optimizer's update holds beyond the moments on the lean path without offload:
+/// AdamW by Candle ops (`AdamW::update_by_ops`), each making a new tensor, the largest
+/// parameter at a time: the new moments, the denominator, the update and the new weight with
+/// their temporaries, six tensors of the parameter's size at once. The fused update (the CPU,
+/// or the host under offload) works in place: 0.
+pub fn update_work_bytes(cfg: &Config) -> u64 {
+    if cfg.fused || cfg.offload {
+        return 0;
     }
+    6 * largest_param_bytes(&cfg.arch)
 }
 
-fn block_params(m: &ModelConfig) -> u64 {
-    let one = ModelConfig {
-        layers: 1,
-        ..m.clone()
-    };
-    let none = ModelConfig {
-        layers: 0,
-        ..m.clone()
-    };
-    param_count(&one) - param_count(&none)
-}
-
-/// The compute-dtype copies the backward's recompute makes of one segment's weights.
-fn recompute_casts(cfg: &Config) -> u64 {
+/// Compute-dtype copies the forward keeps through the micro-step: one of every parameter, or
+/// with checkpointing only of those outside the blocks (the blocks cast theirs transiently);
+/// a tied head is cast again from the token embedding for the head.
+fn kept_cast_params(cfg: &Config) -> u64 {
+    let a = &cfg.arch;
+    let all = a.param_count() + if a.tied { a.vocab * a.hidden } else { 0 };
     match checkpointed(cfg) {
-        Some(seg) if cfg.dtype != Dtype::F32 && !cfg.half_weights() => {
-            seg.largest * block_params(&cfg.model) * cfg.dtype.size_in_bytes() as u64
-        }
-        _ => 0,
+        Some(_) => all - a.layers * a.layer_params(),
+        None => all,
     }
 }
 
 /// The predicted ledger of one optimizer step under `cfg`.
 pub fn estimate(cfg: &Config) -> Estimate {
-    let p = param_count(&cfg.model) * F32;
+    let p = cfg.arch.param_count() * F32;
     let c = cfg.dtype.size_in_bytes() as u64;
     let buffers = if cfg.pitfall { 2 } else { 1 };
     let moments = 2 * p;
@@ -685,13 +336,14 @@ pub fn estimate(cfg: &Config) -> Estimate {
             compute_weights,
             activations: activation_bytes(cfg),
             other: cfg.workspace
-                + head_forward_transient_bytes(cfg).max(checkpointed_forward_excess_bytes(cfg)),
+                + peaks::head_forward_transient_bytes(cfg)
+                    .max(checkpointed_forward_excess_bytes(cfg)),
             ..persistent
         },
         in_window_buffer,
     );
     let backward = Categories {
-        gradients_transient: transient_bytes(cfg) + recompute_casts(cfg),
+        gradients_transient: transient_bytes(cfg),
         activations: forward.activations + recomputed_bytes(cfg),
         other: persistent.other,
         ..forward
@@ -704,7 +356,7 @@ pub fn estimate(cfg: &Config) -> Estimate {
             offloaded: persistent.offloaded
                 + offload_copy_bytes(cfg)
                 + if cfg.unified { 0 } else { copy_back },
-            other: persistent.other + copy_back,
+            other: persistent.other + copy_back + update_work_bytes(cfg),
             ..persistent
         },
         buffers * p,
@@ -738,7 +390,7 @@ pub struct ModelStates {
 /// Where `cfg`'s model states live, from its estimate at the optimizer step.
 pub fn model_states(cfg: &Config) -> ModelStates {
     let e = estimate(cfg);
-    let buffer = if cfg.pitfall { 2 } else { 1 } * param_count(&cfg.model) * F32;
+    let buffer = if cfg.pitfall { 2 } else { 1 } * cfg.arch.param_count() * F32;
     let on_host = if cfg.grads_on_host() { buffer } else { 0 };
     let s = &e.step;
     ModelStates {
@@ -820,156 +472,22 @@ pub fn largest_micro_batch(cfg: &Config, effective: usize, budget: u64) -> Optio
         .max_by_key(|r| r.micro_batch)
 }
 
-/// What `gaccwb estimate` prints.
-#[derive(Clone, Debug, Serialize)]
-pub struct Report {
-    /// The preset's name.
-    pub preset: String,
-    /// The configuration estimated.
-    pub config: Config,
-    /// Trainable parameters.
-    pub params: u64,
-    /// The predicted ledger per phase.
-    pub estimate: Estimate,
-    /// The predicted peak.
-    pub peak: u64,
-    /// B·K, held fixed across the table.
-    pub effective_batch: usize,
-    /// Every split of the effective batch.
-    pub table: Vec<Row>,
-    /// The budget judged against, bytes.
-    pub budget: u64,
-    /// The largest micro-batch that fits the budget.
-    pub largest_fitting: Option<Row>,
-    /// Why this shape cannot be trained by this program (the estimate still holds for it).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub not_trainable_here: Option<String>,
-    /// What blocks, and what each lever reaches, for `budget`.
-    pub verdict: Verdict,
-}
-
-impl Report {
-    /// The report for `cfg` at effective batch `effective` against `budget` bytes.
-    pub fn new(preset: &str, cfg: &Config, effective: usize, budget: u64) -> Report {
-        let estimate = estimate(cfg);
-        Report {
-            preset: preset.to_string(),
-            config: cfg.clone(),
-            params: param_count(&cfg.model),
-            peak: estimate.peak(),
-            estimate,
-            effective_batch: effective,
-            table: micro_batch_table(cfg, effective),
-            budget,
-            largest_fitting: largest_micro_batch(cfg, effective, budget),
-            not_trainable_here: None,
-            verdict: Verdict::new(cfg, effective, budget),
-        }
-    }
-
-    /// Model states per parameter, device and host, beside DeepSpeed's way of counting them.
-    fn model_states_line(&self) -> String {
-        let m = model_states(&self.config);
-        let per = |b: u64| b as f64 / self.params.max(1) as f64;
-        format!(
-            "model states (weights, gradient buffer, optimizer state): {} on the device ({:.2} \
-             bytes/parameter), {} in host memory ({:.2} bytes/parameter)\n\n",
-            human_bytes(m.device),
-            per(m.device),
-            human_bytes(m.host),
-            per(m.host),
-        )
-    }
-
-    /// The report as the terminal shows it.
-    pub fn render(&self) -> String {
-        let c = &self.config;
-        let m = &c.model;
-        let mut out = format!(
-            "{}: d_model={} layers={} heads={} seq_len={} vocab={} ({} parameters, untied head {} of them)\n\
-             B={} K={} {} offload {}; {}\n",
-            self.preset,
-            m.d_model,
-            m.layers,
-            m.heads,
-            m.seq_len,
-            m.vocab,
-            self.params,
-            m.d_model as u64 * m.vocab as u64,
-            c.micro_batch,
-            c.accum_steps,
-            c.dtype.name(),
-            match (c.offload, c.offload_grads) {
-                (false, _) => "off",
-                (true, OffloadGrads::Device) => "on (gradients accumulate on the device)",
-                (true, OffloadGrads::Host) => "on (gradients accumulate in host memory)",
-            },
-            if c.unified {
-                "CPU: host and device are one memory"
-            } else {
-                "GPU: offloaded bytes live in host memory"
-            },
-        );
-        if let Some(why) = &self.not_trainable_here {
-            out += &format!("This shape cannot be trained here ({why}); the estimate is for this engine's stack (the reference stack is the usual one).\n");
-        }
-        out += "\n";
-        let phases = self.estimate.phases();
-        let mut rows = vec![["predicted", "forward", "backward", "optimizer", "step"]
-            .map(String::from)
-            .to_vec()];
-        for (i, name) in Categories::NAMES.iter().enumerate().take(7) {
-            let mut row = vec![name.to_string()];
-            row.extend(phases.iter().map(|(_, cats)| human_bytes(cats.values()[i])));
-            rows.push(row);
-        }
-        let mut total = vec!["total".to_string()];
-        total.extend(
-            phases
-                .iter()
-                .map(|(_, cats)| human_bytes(self.estimate.resident(cats))),
-        );
-        rows.push(total);
-        out += &aligned(&rows, &[false, true, true, true, true]);
-        out += &format!(
-            "peak {} (allocator workspace and CUDA context not included)\n",
-            human_bytes(self.peak)
-        );
-        out += &self.model_states_line();
-        out += &format!("At effective batch {}:\n", self.effective_batch);
-        let mut rows = vec![["B", "K", "activations", "grad transient", "peak"]
-            .map(String::from)
-            .to_vec()];
-        rows.extend(self.table.iter().map(|r| {
-            vec![
-                r.micro_batch.to_string(),
-                r.accum_steps.to_string(),
-                human_bytes(r.activations),
-                human_bytes(r.gradients_transient),
-                human_bytes(r.peak),
-            ]
-        }));
-        out += &aligned(&rows, &[true; 5]);
-        out += "\n";
-        out += &self.verdict.render(self.effective_batch);
-        out
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn tiny(b: usize, k: usize) -> Config {
+        let model = ModelConfig {
+            vocab: 256,
+            d_model: 32,
+            layers: 2,
+            heads: 2,
+            seq_len: 32,
+            path: None,
+        };
         Config {
-            model: ModelConfig {
-                vocab: 256,
-                d_model: 32,
-                layers: 2,
-                heads: 2,
-                seq_len: 32,
-                path: None,
-            },
+            arch: Arch::engine(&model),
+            model,
             micro_batch: b,
             accum_steps: k,
             dtype: Dtype::F32,
@@ -977,6 +495,7 @@ mod tests {
             offload_grads: OffloadGrads::Device,
             pitfall: false,
             unified: true,
+            fused: true,
             scales_gradients: false,
             workspace: 0,
             checkpointing: Checkpointing::None,
@@ -990,12 +509,95 @@ mod tests {
         assert_eq!(param_count(&cfg.model), model.param_count());
     }
 
+    /// The fixtures' model directories, one per family the engine trains.
+    fn fixture_specs() -> Vec<crate::model::Spec> {
+        let root =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/models");
+        [
+            "gpt2-tied",
+            "gpt2-untied",
+            "llama-gqa-llama3",
+            "llama-tied",
+            "qwen2-bias",
+            "mistral-window",
+        ]
+        .iter()
+        .map(|dir| ModelDir::open(&root.join(dir)).unwrap().spec().unwrap())
+        .collect()
+    }
+
+    #[test]
+    fn every_family_counts_the_parameters_its_model_has() {
+        for spec in fixture_specs() {
+            let (arch, cfg) = (spec.arch.clone(), spec.model_config(16));
+            let model = crate::model::Gpt::random(spec, cfg, 0, &candle_core::Device::Cpu).unwrap();
+            assert_eq!(arch.param_count(), model.param_count(), "{}", arch.family);
+        }
+    }
+
+    #[test]
+    fn the_lean_step_keeps_the_fused_figure_and_its_row_statistics() {
+        for spec in fixture_specs() {
+            let model = spec.model_config(32);
+            let a = spec.arch;
+            let fused = Config {
+                arch: a.clone(),
+                model: model.clone(),
+                ..tiny(4, 1)
+            };
+            let lean = Config {
+                fused: false,
+                ..fused.clone()
+            };
+            let (n, stats) = (
+                4 * 32,
+                if a.norm == crate::memory::arch::Norm::RmsNorm {
+                    1
+                } else {
+                    2
+                },
+            );
+            let per_block = (2 * stats * n + 4 * a.heads * 32) * F32;
+            let final_norm = stats * n * F32;
+            assert_eq!(
+                activation_bytes(&lean) - activation_bytes(&fused),
+                a.layers * per_block + final_norm,
+                "{}",
+                a.family
+            );
+            // The block's kept tensors: 4·D + qkv + H·hd + the MLP's first layer, per token.
+            let mlp = match a.mlp {
+                crate::memory::arch::Mlp::Gelu => a.intermediate,
+                crate::memory::arch::Mlp::SwiGlu => 2 * a.intermediate,
+            };
+            let width = 4 * a.hidden + a.q_width() + 2 * a.kv_width() + a.q_width() + mlp;
+            assert_eq!(graph::block_bytes(&fused), width * n * F32, "{}", a.family);
+        }
+    }
+
+    #[test]
+    fn a_tied_head_is_cast_again_from_the_token_embedding() {
+        let specs = fixture_specs();
+        let tied = specs.iter().find(|s| s.arch.tied).unwrap();
+        let cfg = Config {
+            arch: tied.arch.clone(),
+            model: tied.model_config(32),
+            dtype: Dtype::Bf16,
+            ..tiny(4, 1)
+        };
+        let a = &cfg.arch;
+        assert_eq!(
+            estimate(&cfg).forward.compute_weights,
+            (a.param_count() + a.vocab * a.hidden) * 2
+        );
+    }
+
     #[test]
     fn activations_grow_linearly_and_state_does_not() {
         let (a, b) = (estimate(&tiny(4, 8)), estimate(&tiny(32, 1)));
         assert_eq!(
             b.forward.activations,
-            8 * a.forward.activations - 7 * loss_scalar_bytes()
+            8 * a.forward.activations - 7 * 2 * F32
         );
         assert_eq!(a.optimizer.gradients, b.optimizer.gradients);
         assert_eq!(a.step.optimizer_state, b.step.optimizer_state);
@@ -1009,6 +611,7 @@ mod tests {
             dtype: Dtype::Bf16,
             offload: true,
             unified: false,
+            fused: false,
             ..tiny(4, 2)
         };
         let p = param_count(&cfg.model);
@@ -1036,6 +639,7 @@ mod tests {
         // On the CPU the same books, all in the one memory.
         let cpu = model_states(&Config {
             unified: true,
+            fused: true,
             ..host
         });
         assert_eq!(
@@ -1052,6 +656,7 @@ mod tests {
         let on = estimate(&Config {
             offload: true,
             unified: false,
+            fused: false,
             ..tiny(4, 1)
         });
         assert_eq!(on.step.optimizer_state, 0);

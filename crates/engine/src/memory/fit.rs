@@ -170,7 +170,7 @@ mod tests {
         s.model.heads = 2;
         s.model.seq_len = 16;
         s.train.micro_batch = 4;
-        Config::from_scenario(&s, true)
+        Config::from_scenario(&s, true).unwrap()
     }
 
     #[test]

@@ -427,14 +427,17 @@ mod tests {
     /// their f32 buffer blocks, with them on the host the bf16 weights do.
     #[test]
     fn gpt3_on_forty_gigabytes_is_blocked_by_its_model_states() {
+        let model = named_shape("gpt3-175b").unwrap();
         let cfg = Config {
-            model: named_shape("gpt3-175b").unwrap(),
+            arch: crate::memory::arch::Arch::engine(&model),
+            model,
             micro_batch: 1,
             accum_steps: 4,
             dtype: Dtype::Bf16,
             offload: true,
             pitfall: false,
             unified: false,
+            fused: false,
             scales_gradients: false,
             offload_grads: crate::telemetry::OffloadGrads::Device,
             workspace: 0,
@@ -457,21 +460,24 @@ mod tests {
 
     #[test]
     fn levers_only_lower_the_peak_down_to_micro_batch_one() {
+        let model = ModelConfig {
+            vocab: 256,
+            d_model: 32,
+            layers: 2,
+            heads: 2,
+            seq_len: 32,
+            path: None,
+        };
         let cfg = Config {
-            model: ModelConfig {
-                vocab: 256,
-                d_model: 32,
-                layers: 2,
-                heads: 2,
-                seq_len: 32,
-                path: None,
-            },
+            arch: crate::memory::arch::Arch::engine(&model),
+            model,
             micro_batch: 8,
             accum_steps: 2,
             dtype: Dtype::F32,
             offload: false,
             pitfall: false,
             unified: false,
+            fused: false,
             scales_gradients: false,
             offload_grads: crate::telemetry::OffloadGrads::Device,
             workspace: 0,
@@ -492,15 +498,17 @@ mod tests {
     fn bf16_is_offered_on_the_cpu_where_its_halved_activations_outweigh_its_casts() {
         // Long sequences on the CPU: at micro-batch 1 the activations still dominate, and the
         // fused ops keep them in 2 bytes (offload moves nothing in one memory, so it is skipped).
+        let model = ModelConfig {
+            vocab: 256,
+            d_model: 128,
+            layers: 4,
+            heads: 4,
+            seq_len: 1024,
+            path: None,
+        };
         let cfg = Config {
-            model: ModelConfig {
-                vocab: 256,
-                d_model: 128,
-                layers: 4,
-                heads: 4,
-                seq_len: 1024,
-                path: None,
-            },
+            arch: crate::memory::arch::Arch::engine(&model),
+            model,
             micro_batch: 8,
             accum_steps: 1,
             dtype: Dtype::F32,
@@ -508,6 +516,7 @@ mod tests {
             offload_grads: Default::default(),
             pitfall: false,
             unified: true,
+            fused: true,
             scales_gradients: false,
             workspace: 0,
             checkpointing: crate::telemetry::Checkpointing::None,
@@ -528,7 +537,7 @@ mod tests {
     fn a_lever_that_raises_the_peak_is_not_offered() {
         let model = named_shape("gpt3-175b").unwrap();
         let knobs = crate::telemetry::Knobs::from_scenario(&crate::scenario::Scenario::default());
-        let mut cfg = Config::from_knobs(&model, &knobs, true);
+        let mut cfg = Config::from_knobs(&model, &knobs, true).unwrap();
         cfg.micro_batch = 1;
         let (with, alone) = (
             estimate(&Config {

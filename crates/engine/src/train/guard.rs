@@ -9,6 +9,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::{EventSink, Trainer};
 use crate::limits::BoundError;
+use crate::memory::arch::Arch;
 use crate::memory::estimate::{changes_memory, Config};
 use crate::memory::fit;
 use crate::scenario::Scenario;
@@ -120,9 +121,11 @@ pub enum Refused {
     Growth(fit::FitError),
 }
 
-/// Refuse a model this machine cannot hold, before any weight is allocated.
-pub fn check_model_fits(scenario: &Scenario, device: &Device) -> Result<(), Refused> {
-    let cfg = Config::from_scenario(scenario, device.is_cpu());
+/// Refuse a model of architecture `arch` (the scenario's: a model directory's, or this
+/// engine's GPT) this machine cannot hold, before any weight is allocated.
+pub fn check_model_fits(scenario: &Scenario, arch: &Arch, device: &Device) -> Result<(), Refused> {
+    let knobs = crate::telemetry::Knobs::from_scenario(scenario);
+    let cfg = Config::for_arch(arch, &scenario.model, &knobs, device.is_cpu());
     fit::check_fits(&cfg, budget(device)).map_err(Refused::Model)
 }
 
@@ -135,9 +138,8 @@ pub fn check_knob_change(trainer: &Trainer, c: &Control) -> Result<(), Refused> 
     if !changes_memory(c) {
         return Ok(());
     }
-    let unified = trainer.memory().unified();
-    let current = Config::from_knobs(model, trainer.knobs(), unified);
-    let wanted = Config::from_knobs(model, &next, unified);
+    let current = trainer.estimate_config(trainer.knobs());
+    let wanted = trainer.estimate_config(&next);
     fit::check_growth(Some(&current), &wanted, budget(trainer.device())).map_err(Refused::Growth)
 }
 

@@ -221,9 +221,13 @@ impl Trainer {
     /// Build the model, optimizer and data stream for `scenario` on `device`, after checking that the scenario is valid and fits; with a budget, the guard plans the first split.
     pub fn new(mut scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
         let cpu_load = crate::ops::cpu_load::OthersLoad::start();
-        crate::model::hf::prepare(&mut scenario)?;
+        let prepared = crate::model::hf::prepare(&mut scenario)?;
         scenario.validate().map_err(anyhow::Error::msg)?;
-        guard::check_model_fits(&scenario, &device)?;
+        let arch = match &prepared {
+            Some((_, spec)) => spec.arch.clone(),
+            None => crate::memory::arch::Arch::engine(&scenario.model),
+        };
+        guard::check_model_fits(&scenario, &arch, &device)?;
         let corpus = Corpus::open_sizing(&mut scenario)?;
         let available = crate::memory::gpu::device_total(&device)
             .map(|total| (total, if device.is_cpu() { "host" } else { "GPU" }));
@@ -276,13 +280,8 @@ impl Trainer {
             gathered: None,
             started: Instant::now(),
         };
-        let unified = trainer.memory.unified();
-        trainer.guard.plan_start(
-            &trainer.scenario.model,
-            &trainer.knobs,
-            unified,
-            trainer.step,
-        )?;
+        let start = trainer.estimate_config(&trainer.knobs);
+        trainer.guard.plan_start(&start, trainer.step)?;
         Ok(trainer)
     }
 
@@ -583,11 +582,20 @@ impl Trainer {
         }
     }
 
+    /// The estimator's configuration of this run's model under the knobs `k`: its
+    /// architecture, this device's memory, the kernels it runs.
+    pub fn estimate_config(&self, k: &Knobs) -> crate::memory::estimate::Config {
+        let unified = self.memory.unified();
+        let arch = &self.model.spec.arch;
+        let mut cfg =
+            crate::memory::estimate::Config::for_arch(arch, &self.scenario.model, k, unified);
+        cfg.fused = unified && !self.composite;
+        cfg
+    }
+
     /// The analytic memory estimate for the knobs in force.
     pub fn memory_estimate(&self) -> crate::memory::estimate::Estimate {
-        let unified = self.memory.unified();
-        let cfg =
-            crate::memory::estimate::Config::from_knobs(&self.scenario.model, &self.knobs, unified);
+        let cfg = self.estimate_config(&self.knobs);
         crate::memory::estimate::per_rank(
             crate::memory::estimate::estimate(&cfg),
             self.group.ranks(),

@@ -17,7 +17,6 @@
 use super::{Interrupt, Knobs};
 use crate::memory::estimate::{estimate, largest_micro_batch, Config};
 use crate::memory::planner::{human_bytes, Verdict};
-use crate::scenario::ModelConfig;
 use crate::telemetry::{Control, ControlEvent, Event, MemoryEvent, Origin, Phase};
 
 /// The guard's state on the trainer.
@@ -116,29 +115,23 @@ fn split_controls(micro_batch: usize, effective: usize) -> [Control; 2] {
 }
 
 impl Guard {
-    /// Before the run: fit the configured micro-batch to the budget by the estimate (the split
-    /// is queued for the first boundary), or refuse the run.
-    pub fn plan_start(
-        &mut self,
-        model: &ModelConfig,
-        knobs: &Knobs,
-        unified: bool,
-        step: u64,
-    ) -> anyhow::Result<()> {
+    /// Before the run: fit the configured micro-batch of `cfg` (the estimate's configuration
+    /// of the model and its first knobs) to the budget by the estimate (the split is queued for
+    /// the first boundary), or refuse the run.
+    pub fn plan_start(&mut self, cfg: &Config, step: u64) -> anyhow::Result<()> {
         let Some(budget) = self.budget else {
             return Ok(());
         };
-        let cfg = Config::from_knobs(model, knobs, unified);
-        let effective = knobs.effective_batch();
-        let peak = estimate(&cfg).peak();
+        let effective = cfg.micro_batch * cfg.accum_steps;
+        let peak = estimate(cfg).peak();
         if peak <= budget {
             return Ok(());
         }
-        let Some(row) = largest_micro_batch(&cfg, effective, budget) else {
+        let Some(row) = largest_micro_batch(cfg, effective, budget) else {
             anyhow::bail!(
                 "the memory budget ({}) cannot hold this run at any micro-batch:\n{}",
                 human_bytes(budget),
-                Verdict::new(&cfg, effective, budget).render(effective)
+                Verdict::new(cfg, effective, budget).render(effective)
             );
         };
         self.queued
@@ -575,7 +568,7 @@ mod tests {
     #[test]
     fn the_start_plan_picks_the_largest_fitting_micro_batch_or_refuses() {
         let s = scenario(8, 2);
-        let cfg = Config::from_knobs(&s.model, &crate::train::Knobs::from_scenario(&s), true);
+        let cfg = Config::from_scenario(&s, true).unwrap();
         let fits_4 = estimate(&Config {
             micro_batch: 4,
             accum_steps: 4,

@@ -28,6 +28,16 @@ pub fn branch(
         eps: step.eps,
     };
     let xd = x.detach();
+    let detached = |d: &Dense| Dense {
+        w: d.w.detach(),
+        b: d.b.as_ref().map(Tensor::detach),
+    };
+    let weights = StepWeights {
+        gain: weights.gain.detach(),
+        shift: weights.shift.as_ref().map(Tensor::detach),
+        first: weights.first.iter().map(detached).collect(),
+        second: detached(&weights.second),
+    };
     let (normed, stats) = norm.forward(&xd, &weights.gain, weights.shift.as_ref())?;
     let parts = weights
         .first

@@ -1,0 +1,468 @@
+//! What a micro-step holds only while it runs: the backward's gradients in flight
+//! (`gradients_transient`, its peak over its start) and the forward's work beyond what its end
+//! keeps (shown in the forward's `other`).
+//!
+//! The backward is played op by op, as the ops allocate and free (`Tape`): the head and loss,
+//! the final norm, each block's two residual steps from the last block to the first, then the
+//! embeddings; the parameter gradients it has made stay in the store (or, for the blocks, in
+//! the sink beside it) to the end. Its peak is the highest point of that play. Every figure
+//! is read from the op's code (`ops::fused`, `ops::lean`) and Candle's backward, which adds
+//! each gradient reaching a graph node into a zeroed buffer of the node's dtype.
+
+use super::graph::{attention_chunk, checkpointed, recomputed_bytes, Shape};
+use super::{Config, F32};
+use crate::memory::arch::Mlp;
+use crate::telemetry::Dtype;
+
+/// Bytes live over a run of allocations and frees, from 0, and the highest point reached.
+#[derive(Default)]
+struct Tape {
+    live: u64,
+    peak: u64,
+}
+
+impl Tape {
+    fn add(&mut self, bytes: u64) {
+        self.live += bytes;
+        self.peak = self.peak.max(self.live);
+    }
+
+    fn free(&mut self, bytes: u64) {
+        self.live = self.live.saturating_sub(bytes);
+    }
+
+    /// `bytes` live for a moment: allocated and freed again.
+    fn touch(&mut self, bytes: u64) {
+        self.add(bytes);
+        self.free(bytes);
+    }
+}
+
+/// One residual step as the backward sees it.
+struct Step {
+    /// The first layer's parts: output width and whether it has a bias.
+    first: Vec<(u64, bool)>,
+    /// Columns of the second layer's input (attention's output, or the MLP's first layer).
+    second_in: u64,
+    /// Width of the second layer's product input (`second_in`, or F for SwiGLU).
+    product: u64,
+    /// The second layer has a bias.
+    second_bias: bool,
+    /// The step is attention (else the MLP).
+    attention: bool,
+}
+
+impl Step {
+    fn attention(cfg: &Config, s: &Shape) -> Step {
+        let a = &cfg.arch;
+        let first = if a.fused_qkv {
+            vec![(s.qkv, a.qkv_bias)]
+        } else {
+            let kv = a.kv_width();
+            vec![(s.att, a.qkv_bias), (kv, a.qkv_bias), (kv, a.qkv_bias)]
+        };
+        Step {
+            first,
+            second_in: s.att,
+            product: s.att,
+            second_bias: a.out_bias,
+            attention: true,
+        }
+    }
+
+    fn mlp(cfg: &Config, s: &Shape) -> Step {
+        let a = &cfg.arch;
+        let parts = match a.mlp {
+            Mlp::Gelu => 1,
+            Mlp::SwiGlu => 2,
+        };
+        Step {
+            first: vec![(s.f, a.mlp_bias); parts],
+            second_in: s.mlp,
+            product: s.f,
+            second_bias: a.mlp_bias,
+            attention: false,
+        }
+    }
+
+    /// Elements of the step's weights: the norm's, the first layer's and the second's.
+    fn params(&self, s: &Shape) -> u64 {
+        let norm = s.d * (1 + u64::from(s.norm_bias));
+        let first: u64 = self
+            .first
+            .iter()
+            .map(|&(o, b)| s.d * o + if b { o } else { 0 })
+            .sum();
+        norm + first + self.product * s.d + if self.second_bias { s.d } else { 0 }
+    }
+
+    /// Width of the first layer's output.
+    fn width(&self) -> u64 {
+        self.first.iter().map(|p| p.0).sum()
+    }
+}
+
+/// `gemm`'s packed copy of the right-hand matrix of a `rows × inner · inner × cols` product on
+/// each thread that takes part (`ops::fused::rhs_packing`).
+fn packing(rows: u64, inner: u64, cols: u64) -> u64 {
+    let (per_thread, units) =
+        crate::ops::fused::rhs_packing(rows as usize, inner as usize, cols as usize);
+    crate::ops::pool::cpu_threads().min(units) as u64 * per_thread
+}
+
+/// One residual step's backward on the fused path (`ops::fused::branch`), from the incoming
+/// gradient `dy` (`[N, D]`, in the graph) to the input's gradient added into the store. The
+/// weights' gradients are left live (they go to the sink).
+fn fused_step(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
+    let (n, d, c) = (s.n, s.d, s.c);
+    let params = step.params(s);
+    // Half storage: the op reads f32 copies of dy and of every weight for its whole run.
+    let widened = if s.cast { (n * d + params) * F32 } else { 0 };
+    t.add(widened);
+    // The second layer: its packed [input's gradient; weight's; bias's], beside the input's
+    // f32 copy (half storage) and the activation's recomputed value and slope (GELU) or
+    // value and the product's gradient (SwiGLU).
+    let input = if s.cast { n * step.second_in * F32 } else { 0 };
+    let activation = if step.attention {
+        0
+    } else {
+        2 * n * step.product * F32
+    };
+    let bias = if step.second_bias { d } else { 0 };
+    let packed = (n * step.second_in + step.product * d + bias) * F32;
+    t.add(input + activation + packed);
+    t.touch(packing(n, d, step.product));
+    t.free(input + activation);
+    // The middle: attention's qkv gradient (reading qkv's f32 copy), or the MLP's copy of
+    // the first layer's output gradient.
+    let width = step.width();
+    let qkv = if step.attention && s.cast {
+        n * width * F32
+    } else {
+        0
+    };
+    let dmid = n * width * F32;
+    t.add(qkv + dmid);
+    t.free(qkv);
+    // The first layer: dx, the bias gradients' buffer, then each part's [dW; db] (a part with
+    // a bias grows its buffer to twice the weight's size to take the bias).
+    let normed = if s.cast { n * d * F32 } else { 0 };
+    t.add(normed + n * d * F32 + width * F32);
+    let mut parts = 0;
+    for &(o, b) in &step.first {
+        t.add(d * o * F32);
+        if b {
+            t.add(2 * d * o * F32);
+            t.free(d * o * F32);
+            parts += 2 * d * o * F32;
+        } else {
+            parts += d * o * F32;
+        }
+    }
+    t.free(normed + width * F32);
+    // The norm: its input's f32 copy and [dx; dgain (; dbias)].
+    let x = if s.cast { n * d * F32 } else { 0 };
+    let norm = (n + 1 + u64::from(s.norm_bias)) * d * F32;
+    t.add(x + norm);
+    t.free(x);
+    // Each weight's gradient taken out of the f32 buffers in the storage dtype.
+    if s.cast {
+        t.touch(params * F32);
+    }
+    t.add(params * c);
+    // dx in the storage dtype.
+    if s.cast {
+        t.add(n * d * c);
+        t.free(norm);
+    }
+    let dx = if s.cast { n * d * c } else { norm };
+    t.free(packed + dmid + n * d * F32 + parts + widened);
+    keep_gradients(cfg, s, step, t);
+    // Candle adds dx into the input's gradient (a zeroed tensor, then the sum); dx and the
+    // incoming dy go.
+    t.add(2 * n * d * c);
+    t.free(n * d * c + dx + n * d * c);
+}
+
+/// One residual step's backward on the lean path (`ops::lean::branch`): Candle tensor ops on
+/// detached tensors, each making a new tensor. The weights' gradients are left live.
+fn lean_step(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
+    let (n, d, c) = (s.n, s.d, s.c);
+    let width = step.width();
+    let widen = u64::from(s.cast);
+    // The second layer: its input made again (the MLP's activation; attention's output is
+    // kept), then da, dW and db; all live to the step's end.
+    let remade = if step.attention {
+        0
+    } else {
+        n * step.product * c
+    };
+    let bias = if step.second_bias { d * c } else { 0 };
+    let second = remade + n * step.product * c + step.product * d * c + bias;
+    t.add(second);
+    // The middle's gradient at its peak, then dmid.
+    let middle = if step.attention {
+        lean_attention_backward(cfg, s)
+    } else {
+        let layer = n * s.f * F32;
+        match cfg.arch.mlp {
+            // The GELU's slope: four f32 tensors of the layer at once (the layer's own f32
+            // copy among them in half precision).
+            Mlp::Gelu => 4 * layer,
+            // SwiGLU: σ, the slope, d gate, d up and their concatenation (f32), beside the f32
+            // copies of [gate | up] and of da in half precision.
+            Mlp::SwiGlu => (6 + 3 * widen) * layer,
+        }
+    };
+    t.touch(middle);
+    t.add(n * width * c);
+    // The first layer's parts, each on its columns of dmid: dx (summed over the parts), dW, db.
+    for (i, &(o, b)) in step.first.iter().enumerate() {
+        let columns = if step.first.len() > 1 { n * o * c } else { 0 };
+        let part = d * o * c + if b { o * c } else { 0 };
+        t.add(columns + n * d * c + part);
+        if i > 0 {
+            t.add(n * d * c);
+            t.free(2 * n * d * c);
+        }
+        t.free(columns);
+    }
+    // The norm's backward: x̂, g, their centred difference and the products (f32, 4 + the
+    // statistics' count of `[N, D]` tensors at its peak; x's f32 copy in half precision), then
+    // dx in the compute dtype, and dx + dy.
+    t.touch((4 + s.stats + widen) * n * d * F32);
+    t.add(2 * n * d * c);
+    // The step's temporaries go; its gradients stay.
+    t.free(second - step.product * d * c - bias + n * width * c + 2 * n * d * c);
+    keep_gradients(cfg, s, step, t);
+    // Candle adds dx + dy into the input's gradient (a zeroed tensor, then the sum); dx + dy
+    // and the incoming dy go.
+    t.add(2 * n * d * c);
+    t.free(3 * n * d * c);
+}
+
+/// The sink keeps each of a step's gradients, made in the compute dtype, in its weight's dtype:
+/// converted to f32 (the weights are f32 under half-precision compute), or kept as made.
+fn keep_gradients(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
+    let kept = cfg.grad_elem_bytes();
+    if kept != s.c {
+        let params = step.params(s);
+        t.add(params * kept);
+        t.free(params * s.c);
+    }
+}
+
+/// The lean attention's backward at its peak (`ops::lean::attention`), for one chunk of
+/// sequences: the probabilities, dP and the three temporaries of dS (five score-sized f32
+/// tensors at once), beside the q, k, v head copies, the output's and its gradient's head
+/// copies and dV, in the compute dtype.
+fn lean_attention_backward(cfg: &Config, s: &Shape) -> u64 {
+    let copies = s.qkv + 2 * s.att + cfg.arch.kv_width();
+    5 * attention_chunk(s) * F32 + s.n * copies * s.c
+}
+
+/// Bytes in flight at the top of the backward, in the head and loss's backward. Lean
+/// (`ops::lean::linear_nll_sum`): inside one chunk of `r = min(chunk_rows(V), N)` rows, the
+/// softmax, the one-hot targets and their difference (3·r·V·4), beside the f32 sum of dW over
+/// the chunks before it (D·V·4, when there are several) and the rows of dx made so far
+/// (N·D·c). The fused head (CPU): see `fused_head_peak_bytes`.
+pub fn head_peak_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    let op = if cfg.fused {
+        fused_head_peak_bytes(&s)
+    } else {
+        let chunk = head_chunk(&s);
+        let dw_sum = if chunk < s.n * s.v { s.d * s.v } else { 0 };
+        (3 * chunk + dw_sum) * F32 + s.nd() * s.c
+    };
+    op.max(head_cast_bytes(cfg, &s))
+}
+
+/// In half precision the head's weight is a cast of its f32 weight (a tied head's, of the token
+/// embedding): after the op the cast's backward widens the half gradient and adds it into a
+/// zeroed f32 tensor, D·V·(c + 3·4) beside the features' gradient. 0 in f32, and under offload
+/// in half precision (the weights are half already).
+fn head_cast_bytes(cfg: &Config, s: &Shape) -> u64 {
+    if !s.cast || cfg.half_weights() {
+        return 0;
+    }
+    s.d * s.v * (s.c + 3 * F32) + s.nd() * s.c
+}
+
+/// The fused head and loss's backward (`ops::fused::linear_nll_sum`) peaks at the larger of two
+/// moments. Inside it: its packed result (dx, N·D, and dW, D·V) and one chunk of logits turned
+/// into their gradient (`chunk_rows(V)` rows of V, or N when fewer). After it, when the store
+/// adds its results (a zero tensor, then the sum, per input): beside the packed buffer, x's zero
+/// tensor and sum (3·N·D + D·V), then x's sum with W's zero tensor and sum (2·N·D + 3·D·V). A
+/// tied head's W is the token embedding: the same sizes.
+///
+/// With half storage the inside also holds f32 copies of x and W (N·D + D·V), the packed result
+/// is rounded into a half copy while the f32 one lives (N·D + D·V of each), and the store adds
+/// half gradients (c bytes each).
+fn fused_head_peak_bytes(s: &Shape) -> u64 {
+    let (n, d, v) = (s.n, s.d, s.v);
+    let packed = n * d + d * v;
+    if s.cast {
+        let inside = (2 * packed + head_chunk(s)) * F32;
+        let rounding = packed * (F32 + s.c);
+        let adding = (2 * n * d + 3 * d * v).max(3 * n * d + d * v) * s.c;
+        return inside.max(rounding).max(adding);
+    }
+    let inside = packed + head_chunk(s);
+    let adding_dx = 3 * n * d + d * v;
+    let adding_dw = 2 * n * d + 3 * d * v;
+    inside.max(adding_dx).max(adding_dw) * F32
+}
+
+/// Floats of one chunk of the head's logits (both paths chunk alike).
+fn head_chunk(s: &Shape) -> u64 {
+    (crate::ops::fused::head_chunk_rows(s.v as usize) as u64).min(s.n) * s.v
+}
+
+/// What the head and loss leave live when their backward is done: the head weight's gradient
+/// in the store (a tied head's is the token embedding's) and the features' gradient (`[N, D]`,
+/// in flight to the final norm).
+fn after_head(cfg: &Config, s: &Shape) -> u64 {
+    s.d * s.v * cfg.grad_elem_bytes() + s.nd() * s.c
+}
+
+/// The final norm's backward: its packed [dx; dgain (; dbias)] in the compute dtype, then the
+/// store adds each (a zeroed tensor and the sum). Leaves its gain's (and bias's) gradient and
+/// dx.
+fn final_norm(cfg: &Config, s: &Shape, t: &mut Tape) {
+    let norm = (1 + u64::from(s.norm_bias)) * s.d;
+    let packed = (s.nd() + norm) * s.c;
+    t.add(packed);
+    t.add(2 * s.nd() * s.c);
+    t.add(norm * cfg.grad_elem_bytes());
+    // The packed buffer, the zeroed tensor and the head's dx go.
+    t.free(packed + 2 * s.nd() * s.c);
+}
+
+/// Bytes of the gradient store one backward returns: one gradient per parameter, f32 (compute
+/// dtype under offload in half precision). Neither path gives constants a gradient (the causal
+/// mask and the loss mask are not graph inputs), and both return gradients computed from
+/// detached tensors, which reference nothing. A tied head's gradient is the token embedding's.
+pub fn grad_store_bytes(cfg: &Config) -> u64 {
+    cfg.arch.param_count() * cfg.grad_elem_bytes()
+}
+
+/// Bytes at the backward's very end, in the embeddings' gradients: every other gradient is
+/// in the store. In f32 Candle's `index_select` backward holds the table's zero tensor (or,
+/// for a tied head, the head's gradient already there) and the `index_add` result (2·V·D)
+/// beside the tokens' gradient (N·D). In half precision the largest moment comes after
+/// `ops::half::embedding` (whose f32 sum is rounded to the table's dtype): the cast's backward
+/// adds the table's half gradient (V·D·c, still held) into the f32 weight's store, its f32
+/// copy, the zero tensor and the sum all live at once (3·V·D·4), the weight's own f32 gradient
+/// not yet in the store. Large once V·D is (a subword vocabulary). The half-precision moment
+/// is counted where it was measured, on the fused CPU path (`tests/memory_ledger.rs`, V = 8192);
+/// the lean path's estimate leaves it out.
+pub fn embedding_peak_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    let (vd, nd) = (s.v * s.d, s.nd());
+    if !s.cast {
+        return grad_store_bytes(cfg) + (vd + nd) * F32;
+    }
+    if !cfg.fused {
+        return 0;
+    }
+    let casting = vd * s.c + 3 * vd * F32 - vd * F32;
+    let summing = vd * F32 + nd * (F32 + s.c);
+    grad_store_bytes(cfg) + casting.max(summing)
+}
+
+/// The highest point of the blocks' backward over its start, the head's and the final norm's
+/// gradients already made: each block's MLP step, then its attention step, last block first,
+/// with every block's gradients kept once made.
+fn blocks_peak(cfg: &Config, s: &Shape) -> u64 {
+    let mut t = Tape::default();
+    // The head's weight gradient and the features' gradient, then the final norm's.
+    t.add(after_head(cfg, s));
+    final_norm(cfg, s, &mut t);
+    let (mlp, attention) = (Step::mlp(cfg, s), Step::attention(cfg, s));
+    let recompute = recompute_in_flight_bytes(cfg);
+    for _ in 0..s.layers {
+        t.add(recompute);
+        for step in [&mlp, &attention] {
+            if cfg.fused {
+                fused_step(cfg, s, step, &mut t);
+            } else {
+                lean_step(cfg, s, step, &mut t);
+            }
+        }
+        t.free(recompute);
+    }
+    t.peak
+}
+
+/// What backward holds at its peak on top of what it started from, as the ledger books it: the
+/// largest of the loss head's backward (first), the blocks' (with every gradient made before
+/// kept, and with checkpointing the recompute's casts of a segment's weights) and the token
+/// embedding's gradient at the very end. With checkpointing the ledger books the largest
+/// recomputed graph as activations held at the peak, so a peak outside the blocks shows less
+/// that much here.
+pub fn transient_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    let graph = recomputed_bytes(cfg);
+    (blocks_peak(cfg, &s) + recompute_casts(cfg))
+        .max(head_peak_bytes(cfg).saturating_sub(graph))
+        .max(embedding_peak_bytes(cfg).saturating_sub(graph))
+}
+
+/// The compute-dtype copies the backward's recompute makes of one segment's weights.
+fn recompute_casts(cfg: &Config) -> u64 {
+    match checkpointed(cfg) {
+        Some(seg) if cfg.dtype != Dtype::F32 && !cfg.half_weights() => {
+            seg.largest * cfg.arch.layer_params() * cfg.dtype.size_in_bytes() as u64
+        }
+        _ => 0,
+    }
+}
+
+/// Gradients the checkpointed backward holds in a segment beyond the plain one: the outer
+/// backward's gradient of the segment's output, held while the recompute runs, the gradient
+/// Candle's `Mul` backward computes and keeps in the recompute's store for the detached `grad_y`
+/// side of `y · grad_y` (never a node, so never removed), and three more N·D·c measured and not
+/// yet attributed (`tests/checkpointing_memory.rs`). 0 without checkpointing.
+fn recompute_in_flight_bytes(cfg: &Config) -> u64 {
+    if checkpointed(cfg).is_none() {
+        return 0;
+    }
+    let s = Shape::new(cfg);
+    5 * s.nd() * s.c
+}
+
+/// What the end of the forward holds only while it runs, beyond the activations it leaves: no
+/// category holds it, so the forward's measured peak shows it in `other`.
+///
+/// Fused head and loss (CPU): one chunk of logits and each row's loss (the backward reuses
+/// its chunk inside `head_peak_bytes`); with half storage the f32 copies the ops make of their
+/// inputs, the largest in the last block's MLP step. Lean ops: the larger of the final norm's
+/// f32 work (the input's f32 copy when cast, the normalised rows, ×gain and +bias: 3 or 4 ×
+/// N·D·4, the result and its copy into the graph: 2·N·D·c) and one chunk of the head's logits
+/// with the shifted and exponentiated copies the log-sum-exp makes (3 × chunk · 4).
+pub(super) fn head_forward_transient_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    if cfg.fused {
+        let head = (head_chunk(&s) + s.n) * F32;
+        if !s.cast {
+            // Or the last block's MLP step: its activation, `gemm`'s packed second weight and
+            // the output, before the final norm exists (the output stays).
+            let mlp = (s.n * s.f * F32 + packing(s.n, s.f, s.d)).saturating_sub(s.nd() * F32);
+            return head.max(mlp);
+        }
+        // Half storage: the head's f32 copies of x and W; and the last block's MLP step, which
+        // holds f32 copies of its input, of every weight of the step and of its first layer's
+        // output, the activation and its f32 result, and `gemm`'s packed second weight, before
+        // that block's output and the final norm (2·N·D·c) exist.
+        let nd = s.nd();
+        let head = head + (nd + s.d * s.v) * F32;
+        let step = Step::mlp(cfg, &s);
+        let work = (2 * nd + s.n * (s.mlp + s.f) + step.params(&s)) * F32;
+        let mlp = (work + packing(s.n, s.f, s.d)).saturating_sub(2 * nd * s.c);
+        return head.max(mlp);
+    }
+    let f32_copies = if s.cast { 4 } else { 3 };
+    let final_norm = (f32_copies * F32 + 2 * s.c) * s.nd();
+    final_norm.max(3 * head_chunk(&s) * F32)
+}

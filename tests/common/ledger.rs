@@ -1,0 +1,237 @@
+//! Measuring one training step's ledger for the estimator's sweeps.
+
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::{mpsc, Mutex, OnceLock};
+
+use candle_core::Device;
+use gaccwb::scenario::Scenario;
+use gaccwb::telemetry::{MemoryEvent, Phase};
+use gaccwb::train::Trainer;
+
+/// Runs `job` on the one thread every measurement of this process runs on, and returns its
+/// result (or its panic). `gemm`'s workspace slab belongs to a thread and is freed when it ends,
+/// and `ops::workspace::bytes` counts a slab for every thread that reserved one: sweeps run by
+/// separate tests, each on its own harness thread, would be charged for slabs already gone.
+pub fn on_measuring_thread<R: Send + 'static>(job: impl FnOnce() -> R + Send + 'static) -> R {
+    type Job = Box<dyn FnOnce() + Send>;
+    static JOBS: OnceLock<Mutex<mpsc::Sender<Job>>> = OnceLock::new();
+    let jobs = JOBS.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::spawn(move || rx.into_iter().for_each(|job| job()));
+        Mutex::new(tx)
+    });
+    let (done, result) = mpsc::channel();
+    let run: Job = Box::new(move || {
+        let _ = done.send(catch_unwind(AssertUnwindSafe(job)));
+    });
+    jobs.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .send(run)
+        .unwrap();
+    match result.recv().unwrap() {
+        Ok(r) => r,
+        Err(panic) => resume_unwind(panic),
+    }
+}
+
+/// The memory events of the third step of `s` (the first two take the one-time allocations), on
+/// the lean ops when `lean`, and the bytes the process holds that are not the run's step: its
+/// own allocations from before the trainer was built (the test harness, a sweep's records of
+/// earlier points; not `gemm`'s workspace, which the estimate counts: call
+/// `gaccwb::ops::workspace::reserve` first so that it is held from the start), and the trainer's
+/// bookkeeping at rest (`bookkeeping`).
+pub fn third_step(s: Scenario, lean: bool) -> (Vec<MemoryEvent>, u64) {
+    let before = gaccwb::memory::alloc::live();
+    let mut t = Trainer::new(s, Device::Cpu).unwrap();
+    let built = gaccwb::memory::alloc::live() - before;
+    t.force_composite_ops(lean);
+    for _ in 0..2 {
+        t.train_step(|| true).ok().unwrap();
+        t.take_memory_events();
+    }
+    t.train_step(|| true).ok().unwrap();
+    let events = t.take_memory_events();
+    let fixed = before - gaccwb::ops::workspace::bytes() + bookkeeping(built, &events);
+    (events, fixed)
+}
+
+/// What a trainer holds at rest beyond its model states, from the bytes it held when built and
+/// the states the step's end reports (weights, moments, offloaded copies): Candle's host header
+/// of every tensor (about 250 bytes each), the parameters' names, the data stream. It is fixed
+/// from the start, the same in every phase, and on a GPU it lives in host memory.
+pub fn bookkeeping(built: u64, events: &[MemoryEvent]) -> u64 {
+    let rest = events.iter().find(|e| e.phase == Phase::Step).unwrap();
+    let states = rest.categories.sum() - rest.categories.other;
+    built.saturating_sub(states)
+}
+
+/// The Hugging Face fixtures' model directories (tiny random checkpoints, d = 32, two layers):
+/// GPT-2 tied and untied, Llama with grouped-query attention and Llama 3 rotary scaling, Llama
+/// tied, Qwen2 with q/k/v biases and a tied head, Mistral.
+pub const FIXTURES: [&str; 6] = [
+    "gpt2-tied",
+    "gpt2-untied",
+    "llama-gqa-llama3",
+    "llama-tied",
+    "qwen2-bias",
+    "mistral-window",
+];
+
+/// Categories the estimate matches to the byte (the others hold transients).
+const EXACT: [&str; 5] = [
+    "parameters",
+    "compute_weights",
+    "gradients",
+    "optimizer_state",
+    "activations",
+];
+
+/// The largest gap a sweep allows, as a share of the phase's measured figure.
+pub const TOLERANCE: f64 = 0.05;
+
+/// One point of a family sweep.
+#[derive(Clone, Debug)]
+pub struct FamilyPoint {
+    /// A fixture's directory, or this engine's GPT.
+    pub family: Option<&'static str>,
+    pub dtype: &'static str,
+    pub checkpointing: &'static str,
+    /// The lean ops (the GPU's path, on the CPU) instead of the fused CPU ops.
+    pub lean: bool,
+    pub micro_batch: usize,
+    pub accum_steps: usize,
+}
+
+impl FamilyPoint {
+    fn name(&self) -> &'static str {
+        self.family.unwrap_or("gaccwb")
+    }
+
+    fn label(&self) -> String {
+        format!(
+            "{} {} ckpt-{} {} B{} K{}",
+            self.name(),
+            self.dtype,
+            self.checkpointing,
+            if self.lean { "lean" } else { "fused" },
+            self.micro_batch,
+            self.accum_steps,
+        )
+    }
+
+    /// The scenario: a fixture loaded from its directory as a run loads it (`model.path`), or
+    /// this engine's GPT of the sweep's size; T = 32.
+    fn scenario(&self) -> gaccwb::scenario::Scenario {
+        let mut s = super::TestModel {
+            vocab: 64,
+            ..super::TINY
+        }
+        .scenario();
+        if let Some(dir) = self.family {
+            let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+            s.model.path = Some(root.join("tests/fixtures/hf/models").join(dir));
+        }
+        for set in [
+            format!("train.micro_batch={}", self.micro_batch),
+            format!("train.accum_steps={}", self.accum_steps),
+            format!("train.dtype={}", self.dtype),
+            format!("train.checkpointing=\"{}\"", self.checkpointing),
+        ] {
+            s.set(&set).unwrap();
+        }
+        s
+    }
+}
+
+/// Every family × f32 and bf16 × checkpointing off and `blocks` × (B, K) ∈ {(4, 1), (2, 3)},
+/// on the lean ops or the fused ones.
+pub fn family_grid(lean: bool) -> Vec<FamilyPoint> {
+    let families = std::iter::once(None).chain(FIXTURES.into_iter().map(Some));
+    let mut points = Vec::new();
+    for family in families {
+        for dtype in ["f32", "bf16"] {
+            for checkpointing in ["none", "blocks"] {
+                for (micro_batch, accum_steps) in [(4, 1), (2, 3)] {
+                    points.push(FamilyPoint {
+                        family,
+                        dtype,
+                        checkpointing,
+                        lean,
+                        micro_batch,
+                        accum_steps,
+                    });
+                }
+            }
+        }
+    }
+    points
+}
+
+/// Measures every point against the estimate of its scenario (`Config::from_scenario`, which
+/// reads a model directory's `config.json`) and prints, per family and phase, the largest gap
+/// and each point's activations and phase peaks. Returns the gaps over `TOLERANCE` and the
+/// exact categories that differ.
+pub fn family_sweep(points: &[FamilyPoint]) -> Vec<String> {
+    use gaccwb::memory::estimate::{estimate, Config};
+    use gaccwb::telemetry::Categories;
+    gaccwb::ops::workspace::reserve();
+    let mut worst = std::collections::BTreeMap::<(&str, usize), (f64, String)>::new();
+    let mut failures = Vec::new();
+    for point in points {
+        let s = point.scenario();
+        let mut cfg = Config::from_scenario(&s, true).unwrap();
+        cfg.fused = !point.lean;
+        let predicted = estimate(&cfg);
+        let (measured, fixed) = third_step(s, point.lean);
+        let mut peaks = Vec::new();
+        for (slot, (phase, estimated)) in predicted.phases().into_iter().enumerate() {
+            let event = measured.iter().find(|e| e.phase == phase).unwrap();
+            let total = if phase == Phase::Step {
+                event.total
+            } else {
+                event.peak
+            } - fixed;
+            peaks.push(total);
+            let mut got = event.categories;
+            got.other -= fixed;
+            let pairs = got.values().into_iter().zip(estimated.values());
+            for (category, (m, e)) in Categories::NAMES.iter().zip(pairs) {
+                let share = (m as f64 - e as f64).abs() / total as f64;
+                let what = format!(
+                    "{} {phase:?} {category}: measured {m} estimate {e} of {total} ({:+.2}%)",
+                    point.label(),
+                    100.0 * (e as f64 - m as f64) / total as f64
+                );
+                let w = worst.entry((point.name(), slot)).or_default();
+                if share > w.0 {
+                    *w = (share, what.clone());
+                }
+                if share > TOLERANCE || (EXACT.contains(category) && m != e) {
+                    failures.push(what);
+                }
+            }
+        }
+        let activations = predicted.backward.activations;
+        println!(
+            "{}: activations {activations} B; peaks forward {} backward {} optimizer {} step {}",
+            point.label(),
+            peaks[0],
+            peaks[1],
+            peaks[2],
+            peaks[3]
+        );
+    }
+    for ((_, slot), (_, what)) in &worst {
+        let phase = [
+            Phase::Forward,
+            Phase::Backward,
+            Phase::Optimizer,
+            Phase::Step,
+        ][*slot];
+        println!("worst {phase:?}: {what}");
+    }
+    for f in &failures {
+        println!("off: {f}");
+    }
+    failures
+}
