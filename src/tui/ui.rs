@@ -111,6 +111,9 @@ fn header_line(app: &App, theme: Theme) -> Line<'static> {
     let mut spans = vec![Span::styled(" gaccwb ", theme.bold())];
     if let Some(h) = &app.run.header {
         spans.push(Span::raw(format!("· {} · {} ", h.config.name, h.device)));
+        if let Some(family) = &h.family {
+            spans.push(Span::styled(model_label(h, family), theme.bold()));
+        }
     }
     let total = app
         .run
@@ -152,6 +155,25 @@ fn header_line(app: &App, theme: Theme) -> Line<'static> {
         theme.dim(),
     ));
     Line::from(spans)
+}
+
+/// A fine-tuned model in the header: family, parameters, directory and sequence length.
+fn model_label(h: &crate::telemetry::Header, family: &str) -> String {
+    let dir = h
+        .config
+        .model
+        .path
+        .as_ref()
+        .and_then(|p| p.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let params = h.params as f64;
+    let size = if params >= 1e9 {
+        format!("{:.1}B", params / 1e9)
+    } else {
+        format!("{:.1}M", params / 1e6)
+    };
+    format!("· {family} {size} {dir} T{} ", h.config.model.seq_len)
 }
 
 /// The most used keys, as many as fit: help, quit and pause, then replay's keys or each knob's

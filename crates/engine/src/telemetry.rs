@@ -91,6 +91,10 @@ pub struct Header {
     pub build: BuildInfo,
     /// Trainable parameter count.
     pub params: u64,
+    /// The family of a model loaded from a directory (`config.model.path`): gpt2, llama,
+    /// mistral or qwen2; absent for this engine's own GPT.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub family: Option<String>,
     /// Loss floor of the data source in nats/token, when it is known in closed form.
     pub entropy_floor: Option<f64>,
     /// The text's tokenizer (BPE runs only): kind, vocabulary and hash. Replay does not need it.

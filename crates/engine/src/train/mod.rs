@@ -570,6 +570,12 @@ impl Trainer {
             device: device_name(&self.device),
             build: BuildInfo::current(crate::ops::pool::cpu_threads()),
             params: self.model.param_count(),
+            family: self
+                .scenario
+                .model
+                .path
+                .as_ref()
+                .map(|_| self.model.spec.arch.family.clone()),
             entropy_floor: self.corpus.entropy_floor(),
             tokenizer: self.corpus.tokenizer().cloned(),
             started_unix: SystemTime::now()
