@@ -7,8 +7,8 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::memory::arch::{Arch, Mlp, Norm, Positions};
-use crate::memory::hf_config;
+use crate::hf::config as hf_config;
+use crate::hf::{Arch, Mlp, Norm, Positions};
 use crate::ops::rope::{Llama3Scaling, Rope};
 use crate::ops::{Activation, NormKind, WeightLayout};
 use crate::scenario::ModelConfig;

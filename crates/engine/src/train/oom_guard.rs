@@ -16,7 +16,7 @@
 
 use super::{Interrupt, Knobs};
 use crate::memory::estimate::{estimate, largest_micro_batch, Config};
-use crate::memory::planner::{human_bytes, Verdict};
+use crate::memory::verdict::{human_bytes, Verdict};
 use crate::scenario::ModelConfig;
 use crate::telemetry::{Control, ControlEvent, Event, MemoryEvent, Origin, Phase};
 
@@ -136,9 +136,10 @@ impl Guard {
         }
         let Some(row) = largest_micro_batch(&cfg, effective, budget) else {
             anyhow::bail!(
-                "the memory budget ({}) cannot hold this run at any micro-batch:\n{}",
+                "the memory budget ({}) cannot hold this run at any micro-batch: {} \
+                 (`gaccwb estimate` shows every lever)",
                 human_bytes(budget),
-                Verdict::new(&cfg, effective, budget).render(effective)
+                Verdict::new(&cfg, effective, budget).summary()
             );
         };
         self.queued
