@@ -39,7 +39,7 @@ fn scenario() -> Scenario {
 
 /// Run a trainer to its end on the trainer thread, saving at `save_every` into `dir`.
 fn run(mut trainer: Trainer, dir: &Path, save_every: u64) -> Vec<StepEvent> {
-    trainer.set_after_step(
+    trainer.add_after_step(
         Policy {
             every: save_every,
             dir: dir.to_path_buf(),

@@ -609,3 +609,54 @@ fn a_model_not_in_the_cache_says_where_it_looked_and_how_to_fetch_it() {
     );
     std::env::remove_var("HF_HUB_CACHE");
 }
+
+/// The loss of `model` on the fixture batch of `case`, in f32.
+fn batch_loss(model: &Gpt, case: &Case) -> f64 {
+    loss(model, case, DType::F32).0
+}
+
+#[test]
+fn a_saved_model_loads_back_to_the_same_loss_and_never_into_its_source() {
+    use gaccwb::model::save::save;
+    use gaccwb::safe_write::Overwrite;
+    for name in ["gpt2-tied", "gpt2-untied", "llama-gqa-llama3", "qwen2-bias"] {
+        let case = Case::open(name);
+        let model = case.model();
+        let weights: Vec<Tensor> = model.vars().map(|v| v.as_tensor().clone()).collect();
+        let out = tempfile::tempdir().unwrap();
+        let saved = save(&model, &weights, out.path(), &Overwrite::ours()).unwrap();
+        assert_eq!(saved.tensors, model.params.len(), "{name}: a tied matrix is saved once");
+        for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+            assert!(out.path().join(file).is_file(), "{name}: {file}");
+        }
+        let back = ModelDir::open(out.path()).unwrap().load(16, &Device::Cpu, None, &mut |_, _| {});
+        assert_eq!(batch_loss(&back.unwrap(), &case), batch_loss(&model, &case), "{name}");
+        let into_source = case.dir.dir.join("saved");
+        let e = save(&model, &weights, &into_source, &Overwrite::ours()).unwrap_err();
+        assert!(e.to_string().contains("the directory the model was read from"), "{e}");
+        assert!(!into_source.exists(), "{name}: nothing written into the source");
+    }
+}
+
+#[test]
+fn this_engines_gpt_saves_as_gpt2_and_loads_back_as_one() {
+    use gaccwb::model::save::save;
+    use gaccwb::safe_write::Overwrite;
+    let cfg = gaccwb::scenario::ModelConfig {
+        vocab: 360,
+        d_model: 32,
+        layers: 2,
+        heads: 4,
+        seq_len: 16,
+        path: None,
+    };
+    let gpt = Gpt::new(&cfg, 7, &Device::Cpu).unwrap();
+    let weights: Vec<Tensor> = gpt.vars().map(|v| v.as_tensor().clone()).collect();
+    let out = tempfile::tempdir().unwrap();
+    save(&gpt, &weights, out.path(), &Overwrite::ours()).unwrap();
+    let back = ModelDir::open(out.path()).unwrap();
+    assert_eq!(back.spec().unwrap().arch.family, "gpt2");
+    let back = back.load(16, &Device::Cpu, None, &mut |_, _| {}).unwrap();
+    let case = Case::open("gpt2-untied");
+    assert_eq!(batch_loss(&back, &case), batch_loss(&gpt, &case));
+}

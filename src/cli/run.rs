@@ -268,7 +268,8 @@ fn build_trainer(
     group: gaccwb::dist::Group,
 ) -> anyhow::Result<Trainer> {
     refuse_with_resume(args)?;
-    let saves = args.checkpoint_every.filter(|_| group.rank() == 0);
+    let lead = group.rank() == 0;
+    let saves = args.checkpoint_every.filter(|_| lead);
     // Held by the checkpoint hook, so for as long as the trainer lives.
     let lock = match saves {
         Some(_) => Some(
@@ -301,13 +302,19 @@ fn build_trainer(
         refuse_past_controls(&trainer)?;
     }
     let inputs = args.inputs_but_resumed(Some(trainer.scenario()));
+    if let Some(dir) = args.save_model.clone().filter(|_| lead) {
+        let source = trainer.scenario().model.path.as_deref();
+        gaccwb::model::save::check_target(source, &dir).map_err(usage)?;
+        let rules = Overwrite::new(args.force, inputs.clone());
+        trainer.add_after_step(Box::new(checkpoint::ModelSave { dir, rules }));
+    }
     if let Some((every, lock)) = saves.zip(lock) {
         let policy = checkpoint::Policy {
             every,
             dir: args.checkpoint_dir.clone(),
             inputs,
         };
-        trainer.set_after_step(policy.after_step(lock));
+        trainer.add_after_step(policy.after_step(lock));
     }
     Ok(trainer)
 }

@@ -82,6 +82,48 @@ impl Policy {
     }
 }
 
+/// `--save-model DIR`: at the end of a run that completed or was stopped, the model in Hugging
+/// Face's layout (`model::save`); a failed save fails the run.
+pub struct ModelSave {
+    /// The directory.
+    pub dir: PathBuf,
+    /// What may be replaced there (never an input of the run).
+    pub rules: Overwrite,
+}
+
+impl AfterStep for ModelSave {
+    fn after_step(&mut self, _: &Trainer, _: &EventSink) -> Option<EndReason> {
+        None
+    }
+
+    fn at_end(&mut self, trainer: &Trainer, sink: &EventSink, reason: EndReason) -> EndReason {
+        if !matches!(reason, EndReason::Completed | EndReason::Stopped) {
+            sink.send(Event::warn(
+                trainer.step(),
+                format!("the model was not saved to {}: the run {reason}", self.dir.display()),
+            ));
+            return reason;
+        }
+        let weights = trainer.master_weights();
+        match crate::model::save::save(trainer.model(), &weights, &self.dir, &self.rules) {
+            Ok(saved) => {
+                sink.send(Event::info(
+                    trainer.step(),
+                    format!(
+                        "model saved to {} ({} tensors, {:.1} MB, {} layout)",
+                        saved.dir.display(),
+                        saved.tensors,
+                        saved.bytes as f64 / 1e6,
+                        trainer.model().spec.naming_family()
+                    ),
+                ));
+                reason
+            }
+            Err(e) => EndReason::Error(format!("saving the model: {e}")),
+        }
+    }
+}
+
 /// Saves by the policy and counts: the first failed save is a warning, a second one before
 /// any save succeeded ends the run, and a run that tried and saved nothing fails.
 struct Saver {
@@ -132,7 +174,7 @@ impl AfterStep for Saver {
         None
     }
 
-    fn at_end(&mut self, reason: EndReason) -> EndReason {
+    fn at_end(&mut self, _: &Trainer, _: &EventSink, reason: EndReason) -> EndReason {
         match (&reason, &self.first_error) {
             (EndReason::Completed | EndReason::Stopped, Some(first)) if self.saved == 0 => {
                 self.failure(first)

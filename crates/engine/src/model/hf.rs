@@ -282,7 +282,8 @@ impl ModelDir {
                 }
             }
         };
-        let cfg = spec.model_config(seq_len);
+        let mut cfg = spec.model_config(seq_len);
+        cfg.path = Some(std::path::absolute(&self.dir).unwrap_or_else(|_| self.dir.clone()));
         let built = Gpt::read(spec.clone(), cfg, device, &mut read);
         let model = match (built, failure) {
             (_, Some(e)) => return Err(e),
@@ -450,15 +451,18 @@ pub fn prepare(scenario: &mut Scenario) -> Result<Option<(ModelDir, Spec)>, HfEr
         });
     }
     let mut cfg = spec.model_config(seq_len);
-    cfg.path = Some(std::path::absolute(&dir.dir).unwrap_or_else(|_| dir.dir.clone()));
+    let absolute = std::path::absolute(&dir.dir).unwrap_or_else(|_| dir.dir.clone());
+    cfg.path = Some(absolute.clone());
     scenario.model = cfg;
     let data = &mut scenario.data;
     if data.source != DataSource::Synthetic && data.tokenizer_file.is_none() {
-        let tokenizer = dir.tokenizer.clone().ok_or_else(|| HfError::File {
-            path: dir.dir.display().to_string(),
-            message: "no tokenizer.json to cut the text with; set data.tokenizer_file".into(),
-        })?;
-        data.tokenizer_file = Some(tokenizer);
+        if dir.tokenizer.is_none() {
+            return Err(HfError::File {
+                path: dir.dir.display().to_string(),
+                message: "no tokenizer.json to cut the text with; set data.tokenizer_file".into(),
+            });
+        }
+        data.tokenizer_file = Some(absolute.join("tokenizer.json"));
     }
     if data.tokenizer_file.is_some() {
         data.tokenizer = TokenizerKind::Bpe;

@@ -177,6 +177,14 @@ impl Spec {
         }
     }
 
+    /// The Hugging Face family the model saves as (this engine's GPT saves as GPT-2).
+    pub fn naming_family(&self) -> &str {
+        match self.arch.family.as_str() {
+            "gaccwb" => "gpt2",
+            family => family,
+        }
+    }
+
     /// The norm's form.
     pub fn norm(&self) -> NormKind {
         match self.arch.norm {

@@ -78,9 +78,9 @@ pub trait AfterStep: Send {
     /// with that reason.
     fn after_step(&mut self, trainer: &Trainer, sink: &EventSink) -> Option<EndReason>;
 
-    /// The run is ending with `reason`; the hook may turn it into a failure (a run that saved
-    /// nothing it tried to save).
-    fn at_end(&mut self, reason: EndReason) -> EndReason {
+    /// The run is ending with `reason`; the hook may do its last work (saving the model) and
+    /// turn the reason into a failure (a run that saved nothing it tried to save).
+    fn at_end(&mut self, _trainer: &Trainer, _sink: &EventSink, reason: EndReason) -> EndReason {
         reason
     }
 }
@@ -156,9 +156,9 @@ struct StepTiming {
 }
 
 fn run_after_step(trainer: &mut Trainer, sink: &EventSink) -> Option<EndReason> {
-    let mut hook = trainer.after_step.take()?;
-    let end = hook.after_step(trainer, sink);
-    trainer.after_step = Some(hook);
+    let mut hooks = std::mem::take(&mut trainer.after_step);
+    let end = hooks.iter_mut().find_map(|hook| hook.after_step(trainer, sink));
+    trainer.after_step = hooks;
     end
 }
 
@@ -184,7 +184,7 @@ pub struct Trainer {
     memory: Ledger,
     /// Runs after every optimizer step; `--checkpoint-every` installs a saver
     /// (`checkpoint::Policy::after_step`).
-    after_step: Option<Box<dyn AfterStep>>,
+    after_step: Vec<Box<dyn AfterStep>>,
     /// Controls given with `--control STEP:KIND=VALUE`: a timeline reported with origin `cli`.
     cli_controls: Vec<TimelineEntry>,
     /// Run the composite ops (CUDA's code path) even where the fused CPU kernels apply; from
@@ -266,7 +266,7 @@ impl Trainer {
             lr_step: 0,
             cursor: 0,
             overflow_count: 0,
-            after_step: None,
+            after_step: Vec::new(),
             cli_controls: Vec::new(),
             guard,
             window_observers: Vec::new(),
@@ -378,8 +378,8 @@ impl Trainer {
     }
 
     /// Run `hook` after every optimizer step (`--checkpoint-every` installs a saver).
-    pub fn set_after_step(&mut self, hook: Box<dyn AfterStep>) {
-        self.after_step = Some(hook);
+    pub fn add_after_step(&mut self, hook: Box<dyn AfterStep>) {
+        self.after_step.push(hook);
     }
 
     /// The counters a checkpoint saves.
@@ -1208,7 +1208,7 @@ pub fn run_returning(
             break end;
         }
     };
-    let reason = finish(&mut trainer, reason, &divergence);
+    let reason = finish(&mut trainer, reason, &divergence, &sink);
     if reason.is_failure() {
         guard::send_error(&sink, trainer.step, &reason.to_string());
     }
@@ -1339,15 +1339,22 @@ fn after_window(
 
 /// The reason the run ends with, once the after-step hook had its say and a run that ends on a
 /// non-finite loss is called diverged however short it was.
-fn finish(trainer: &mut Trainer, reason: EndReason, divergence: &guard::Divergence) -> EndReason {
+fn finish(
+    trainer: &mut Trainer,
+    reason: EndReason,
+    divergence: &guard::Divergence,
+    sink: &EventSink,
+) -> EndReason {
     let reason = match reason {
         EndReason::Completed | EndReason::Stopped => divergence.at_end().unwrap_or(reason),
         other => other,
     };
-    match trainer.after_step.as_mut() {
-        Some(hook) => hook.at_end(reason),
-        None => reason,
-    }
+    let mut hooks = std::mem::take(&mut trainer.after_step);
+    let reason = hooks
+        .iter_mut()
+        .fold(reason, |reason, hook| hook.at_end(trainer, sink, reason));
+    trainer.after_step = hooks;
+    reason
 }
 
 /// Flow state and knob changes waiting for the boundary.
