@@ -159,14 +159,17 @@ fn header_line(app: &App, theme: Theme) -> Line<'static> {
 
 /// A fine-tuned model in the header: family, parameters, directory and sequence length.
 fn model_label(h: &crate::telemetry::Header, family: &str) -> String {
-    let dir = h
-        .config
-        .model
-        .path
-        .as_ref()
+    // A directory by its name; a config file alone (random weights) by its directory's.
+    let path = h.config.model.path.as_deref();
+    let random = path.is_some_and(|p| p.extension().is_some_and(|e| e == "json"));
+    let named = path.and_then(|p| if random { p.parent() } else { Some(p) });
+    let mut dir = named
         .and_then(|p| p.file_name())
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
+    if random {
+        dir.push_str(" (random weights)");
+    }
     let params = h.params as f64;
     let size = if params >= 1e9 {
         format!("{:.1}B", params / 1e9)

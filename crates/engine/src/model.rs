@@ -291,7 +291,10 @@ pub fn open(
 ) -> std::result::Result<Gpt, OpenError> {
     let m = &scenario.model;
     match &m.path {
-        Some(path) => Ok(hf::ModelDir::open(path)?.load(m.seq_len, device, available, progress)?),
+        Some(path) => {
+            let dir = hf::ModelDir::open(path)?;
+            Ok(dir.build(m.seq_len, scenario.train.seed, device, available, progress)?)
+        }
         None => Ok(Gpt::new(m, scenario.train.seed, device)?),
     }
 }

@@ -104,6 +104,11 @@ pub fn check_target(source: Option<&Path>, dir: &Path) -> Result<(), SaveError> 
     let Some(source) = source else {
         return Ok(());
     };
+    // A shape alone was read from its config file's directory.
+    let source = match source.is_file() {
+        true => source.parent().unwrap_or(source),
+        false => source,
+    };
     let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     let target = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
     // The deepest existing ancestor, resolved: the target itself may not exist yet.
