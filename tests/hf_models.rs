@@ -660,3 +660,85 @@ fn this_engines_gpt_saves_as_gpt2_and_loads_back_as_one() {
     let case = Case::open("gpt2-untied");
     assert_eq!(batch_loss(&back, &case), batch_loss(&gpt, &case));
 }
+
+/// A scenario fine-tuning fixture `name` on the built-in docs, cut by its tokenizer: T 16,
+/// B 2, K 2, `steps` steps, and the knobs `sets` (`section.key=value`).
+fn finetune(name: &str, steps: u64, sets: &[&str]) -> gaccwb::scenario::Scenario {
+    let mut s = gaccwb::presets::resolve("finetune").unwrap();
+    s.model.path = Some(fixtures().join(name));
+    s.model.seq_len = 16;
+    s.train.steps = steps;
+    s.train.decay_steps = steps;
+    s.train.micro_batch = 2;
+    s.train.accum_steps = 2;
+    s.train.eval_every = 0;
+    s.train.lr = 1e-3;
+    for set in sets {
+        s.set(set).unwrap();
+    }
+    s
+}
+
+/// The loss of each step of `trainer` run for its steps.
+fn losses(trainer: &mut gaccwb::train::Trainer) -> Vec<f64> {
+    let steps = trainer.scenario().train.steps;
+    (0..steps)
+        .map(|_| match trainer.train_step(|| true) {
+            Ok(step) => step.loss,
+            Err(_) => panic!("a step failed"),
+        })
+        .collect()
+}
+
+#[test]
+fn every_knob_trains_a_hugging_face_model() {
+    // (knobs, how near each step's loss stays to the plain f32 run's: 0 is the same bits; the
+    // adaptive K policy changes the batches, so only finite losses are asked of it).
+    let knobs: [(&[&str], Option<f64>); 7] = [
+        (&["train.dtype=bf16"], Some(0.03)),
+        (&["train.dtype=f16"], Some(0.01)),
+        (&["train.dtype=bf16", "train.offload=true"], Some(0.03)),
+        (&["train.offload=true", "train.offload_grads=host"], Some(0.0)),
+        (&["train.checkpointing=blocks"], Some(0.0)),
+        (&["train.clip=0.5"], None),
+        (&["train.noise=true", "train.accum_policy=noise-scale"], None),
+    ];
+    // GPT-2's LayerNorm and GELU; Qwen2's RMS norm, SwiGLU, grouped rotary attention, biases.
+    for name in ["gpt2-tied", "qwen2-bias"] {
+        let mut trainer = gaccwb::train::Trainer::new(finetune(name, 3, &[]), Device::Cpu).unwrap();
+        assert_eq!(trainer.model().spec.arch.family, name.split('-').next().unwrap());
+        let plain = losses(&mut trainer);
+        for (sets, near) in knobs {
+            let s = finetune(name, 3, sets);
+            let got = losses(&mut gaccwb::train::Trainer::new(s, Device::Cpu).unwrap());
+            assert!(got.iter().all(|l| l.is_finite()), "{name} {sets:?}: {got:?}");
+            match near {
+                Some(0.0) => assert_eq!(got, plain, "{name} {sets:?}: the same bits"),
+                Some(bound) => {
+                    for (a, b) in got.iter().zip(&plain) {
+                        assert!(rel(*a, *b) <= bound, "{name} {sets:?}: {got:?} vs {plain:?}");
+                    }
+                }
+                None => {}
+            }
+        }
+    }
+}
+
+#[test]
+fn a_fine_tune_resumes_bit_identically() {
+    use gaccwb::checkpoint;
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["gpt2-tied", "llama-gqa-llama3"] {
+        let straight = losses(&mut gaccwb::train::Trainer::new(finetune(name, 4, &[]), Device::Cpu).unwrap());
+        let mut first = gaccwb::train::Trainer::new(finetune(name, 2, &[]), Device::Cpu).unwrap();
+        let head = losses(&mut first);
+        let saved = dir.path().join(name);
+        checkpoint::save(&first, &saved).unwrap();
+        let mut resumed = checkpoint::resume(&saved, Device::Cpu, |s| s.train.steps = 4).unwrap();
+        let tail: Vec<f64> = (0..2).map(|_| resumed.train_step(|| true).ok().unwrap().loss).collect();
+        let joined: Vec<u64> = head.iter().chain(&tail).map(|l| l.to_bits()).collect();
+        let expected: Vec<u64> = straight.iter().map(|l| l.to_bits()).collect();
+        assert_eq!(joined, expected, "{name}: losses step for step");
+    }
+}
