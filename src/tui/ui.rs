@@ -132,15 +132,16 @@ fn header_line(app: &App, theme: Theme) -> Line<'static> {
         (None, true) => Span::styled("· PAUSED ".to_string(), theme.warn()),
         (None, false) => Span::styled("· running ".to_string(), theme.fg(Color::Green)),
     };
-    if app.view.replay.is_none() {
+    if app.view.replay.is_none() || app.run.ended.is_some() {
         spans.push(state);
     }
     if let Some(r) = &app.view.replay {
         let what = if r.paused { "paused" } else { "playing" };
-        let text = if r.following {
-            format!("· FOLLOWING {what} ({} steps so far) ", r.last_step)
-        } else {
-            format!("· REPLAY {what} ×{} ({} steps) ", r.speed, r.last_step)
+        let text = match (r.following, r.finished) {
+            (true, true) => format!("· FOLLOWED to its end ({} steps) ", r.last_step),
+            (true, false) => format!("· FOLLOWING {what} ({} steps so far) ", r.last_step),
+            (false, true) => format!("· REPLAY at its end ({} steps) ", r.last_step),
+            (false, false) => format!("· REPLAY {what} ×{} ({} steps) ", r.speed, r.last_step),
         };
         spans.push(Span::styled(text, theme.fg(Color::Magenta)));
     }
@@ -222,66 +223,102 @@ fn footer_line(app: &App, keys: &KeyMap, theme: Theme) -> Line<'static> {
     Line::from(spans)
 }
 
+/// The keys in two columns, then the closing note, always whole; the preset's story above them
+/// takes the rows left (at 80×24 a few, cut with `…`; the Controls pane shows the rest).
 fn help_overlay(frame: &mut Frame, body: Rect, app: &App, keys: &KeyMap, theme: Theme) {
     let width = body.width.saturating_sub(4).min(100);
-    let height = body.height.saturating_sub(2);
     let area = Rect {
         x: body.x + (body.width - width) / 2,
-        y: body.y + 1,
+        y: body.y,
         width,
-        height,
+        height: body.height,
     };
-    let mut lines = Vec::new();
-    if let Some(h) = &app.run.header {
-        let story = h.config.explanation.split_whitespace().collect::<Vec<_>>();
-        if !story.is_empty() {
-            lines.push(Line::styled(
-                format!("{}: {}", h.config.name, story.join(" ")),
-                theme.fg(Color::Green),
-            ));
-            lines.push(Line::raw(""));
-        }
-    }
+    let inner_w = width.saturating_sub(2) as usize;
     let shown: Vec<Action> = Action::all()
         .filter(|a| match app.view.replay {
             Some(_) => !a.live_only(),
             None => !a.replay_only(),
         })
         .collect();
-    // Two columns of "keys  what" so the whole list fits at 80×24.
     let half = shown.len().div_ceil(2);
-    let col_w = (width as usize).saturating_sub(2) / 2;
+    let col_w = inner_w / 2;
     let key_w = shown
         .iter()
         .map(|a| keys.label_for(*a).chars().count())
         .max()
         .unwrap_or(1);
-    for i in 0..half {
-        let cell = |a: Option<&Action>| {
-            a.map(|a| format!("{:>key_w$}  {}", keys.label_for(*a), a.describe()))
-                .unwrap_or_default()
-        };
-        let left = cell(shown.get(i));
-        let right = cell(shown.get(i + half));
-        lines.push(Line::raw(format!(
-            "{:<col_w$}{}",
-            truncate(&left, col_w),
-            truncate(&right, col_w)
-        )));
-    }
-    lines.push(Line::raw(""));
-    lines.push(Line::styled(
-        "Knob changes apply at the next window boundary; until then they show as pending. \
-         Any key closes this help.",
+    let cell = |a: Option<&Action>| {
+        a.map(|a| format!("{:>key_w$}  {}", keys.label_for(*a), a.describe()))
+            .unwrap_or_default()
+    };
+    let mut rows: Vec<Line> = (0..half)
+        .map(|i| {
+            let (left, right) = (cell(shown.get(i)), cell(shown.get(i + half)));
+            Line::raw(format!(
+                "{:<col_w$}{}",
+                truncate(&left, col_w),
+                truncate(&right, col_w)
+            ))
+        })
+        .collect();
+    rows.push(Line::raw(""));
+    rows.push(Line::styled(
+        truncate(
+            "Knob changes wait for the next window boundary. Any key closes this help.",
+            inner_w,
+        ),
         theme.dim(),
     ));
+    let room = (area.height.saturating_sub(2) as usize).saturating_sub(rows.len() + 1);
+    let mut lines: Vec<Line> = story_lines(app, inner_w, room)
+        .into_iter()
+        .map(|l| Line::styled(l, theme.fg(Color::Green)))
+        .collect();
+    if !lines.is_empty() {
+        lines.push(Line::raw(""));
+    }
+    lines.extend(rows);
+    let area = Rect {
+        height: area.height.min(lines.len() as u16 + 2),
+        ..area
+    };
     frame.render_widget(Clear, area);
     frame.render_widget(
-        Paragraph::new(lines)
-            .wrap(Wrap { trim: false })
-            .block(Block::bordered().title(" Keys (? to close) ")),
+        Paragraph::new(lines).block(Block::bordered().title(" Keys (? to close) ")),
         area,
     );
+}
+
+/// The preset's name and story wrapped at `width`, in at most `rows` lines (the last ends in
+/// `…` when it is cut).
+fn story_lines(app: &App, width: usize, rows: usize) -> Vec<String> {
+    let Some(h) = &app.run.header else {
+        return Vec::new();
+    };
+    let words: Vec<&str> = h.config.explanation.split_whitespace().collect();
+    if words.is_empty() || rows == 0 || width < 8 {
+        return Vec::new();
+    }
+    let name = format!("{}:", h.config.name);
+    let mut lines: Vec<String> = vec![String::new()];
+    for word in std::iter::once(name.as_str()).chain(words) {
+        let line = lines.last_mut().expect("one line at least");
+        if line.is_empty() {
+            line.push_str(word);
+        } else if line.chars().count() + 1 + word.chars().count() <= width {
+            line.push(' ');
+            line.push_str(word);
+        } else {
+            lines.push(word.to_string());
+        }
+    }
+    if lines.len() > rows {
+        lines.truncate(rows);
+        let last = lines.last_mut().expect("rows > 0");
+        let kept: String = last.chars().take(width.saturating_sub(2)).collect();
+        *last = format!("{kept} …");
+    }
+    lines
 }
 
 fn truncate(s: &str, w: usize) -> String {

@@ -451,9 +451,45 @@ pub fn resume(
     if scenario.model != state.scenario.model {
         bail!("a resumed run keeps the checkpoint's model shape; remove the model.* overrides");
     }
+    let schedule = keep_schedule(&state.scenario, &mut scenario, state.step);
     let mut trainer = Trainer::new(scenario, device)?;
     restore(&mut trainer, dir, &state)?;
+    if let Some(message) = schedule {
+        trainer.announce(Event::warn(state.step, message));
+    }
     Ok(trainer)
+}
+
+/// A resumed run given another `train.steps` (`--steps`): with `decay_steps` 0 the cosine decay
+/// follows `steps`, so the LR would jump mid-run to where a longer schedule stands (2.0e-4 at
+/// step 60 of 60 became 4.9e-3 at step 61 of 120). The saved run's horizon is kept instead
+/// (`decay_steps` set to its `steps`): up to it the run continues as saved, after it the LR
+/// stays at its floor. Returns what to tell the user; `None` when nothing changes.
+fn keep_schedule(saved: &Scenario, resumed: &mut Scenario, step: u64) -> Option<String> {
+    let (was, now) = (saved.train.steps, resumed.train.steps);
+    if was == now || saved.train.decay_steps != 0 || resumed.train.decay_steps != 0 {
+        return None;
+    }
+    if was == 0 {
+        // No horizon to keep: an open-ended run never decayed.
+        return Some(format!(
+            "resumed at step {step} of a run without a step limit (constant LR after warm-up) \
+             with train.steps {now}: the LR now follows a cosine decay ending at step {now}"
+        ));
+    }
+    resumed.train.decay_steps = was;
+    let after = match now > was {
+        true => format!(
+            ", then stays at its floor ({} × lr) to step {now}",
+            saved.train.min_lr_ratio
+        ),
+        false => String::new(),
+    };
+    Some(format!(
+        "resumed at step {step} with train.steps {now} (the checkpoint's run had {was}): the LR \
+         schedule keeps that run's horizon (train.decay_steps = {was}), its cosine decay ending \
+         at step {was}{after}"
+    ))
 }
 
 /// Load weights, optimizer state, scaler, knobs and counters into a freshly built trainer.

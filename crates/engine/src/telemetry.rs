@@ -301,6 +301,18 @@ pub enum Phase {
     Step,
 }
 
+impl Phase {
+    /// The phase in words, for messages and the screen.
+    pub fn label(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Optimizer => "optimizer",
+            Phase::Step => "end of step",
+        }
+    }
+}
+
 /// Where a memory figure was measured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case")]
@@ -312,6 +324,17 @@ pub enum MemorySource {
     Nvml,
     /// The CUDA default memory pool's counters.
     CudaPool,
+}
+
+impl MemorySource {
+    /// The source in words, for messages and the screen.
+    pub fn label(self) -> &'static str {
+        match self {
+            MemorySource::Allocator => "allocator",
+            MemorySource::Nvml => "NVML",
+            MemorySource::CudaPool => "CUDA pool",
+        }
+    }
 }
 
 /// Bytes per ledger category; docs/MEMORY.md says what each holds and how it is measured.

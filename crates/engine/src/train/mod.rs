@@ -215,6 +215,8 @@ pub struct Trainer {
     gathered: Option<(Vec<Tensor>, Vec<Tensor>)>,
     base_batch: usize,
     started: Instant,
+    /// Said once the run starts, after its header ([`Trainer::announce`]).
+    announcements: Vec<Event>,
 }
 
 impl Trainer {
@@ -275,6 +277,7 @@ impl Trainer {
             gather_every: 0,
             gathered: None,
             started: Instant::now(),
+            announcements: Vec::new(),
         };
         let unified = trainer.memory.unified();
         trainer.guard.plan_start(
@@ -284,6 +287,12 @@ impl Trainer {
             trainer.step,
         )?;
         Ok(trainer)
+    }
+
+    /// Send `event` when the run starts, after its header: what the run was built with that
+    /// the user did not ask for in so many words (a resumed run's kept LR schedule).
+    pub fn announce(&mut self, event: Event) {
+        self.announcements.push(event);
     }
 
     /// The model's parameters, in the order of the optimizer's state and of checkpoints.
@@ -1185,6 +1194,7 @@ pub fn run_returning(
     send_estimate(&trainer, &sink);
     let mut divergence = guard::Divergence::new(trainer.scenario.train.max_nonfinite_windows);
     send_all(&sink, trainer.guard.take_announcements());
+    send_all(&sink, std::mem::take(&mut trainer.announcements));
     let reason = loop {
         match boundary(&mut trainer, &mut flow, &mut controls, &sink) {
             ControlFlow::Break(end) => break end,
