@@ -625,16 +625,33 @@ fn a_saved_model_loads_back_to_the_same_loss_and_never_into_its_source() {
         let weights: Vec<Tensor> = model.vars().map(|v| v.as_tensor().clone()).collect();
         let out = tempfile::tempdir().unwrap();
         let saved = save(&model, &weights, out.path(), &Overwrite::ours()).unwrap();
-        assert_eq!(saved.tensors, model.params.len(), "{name}: a tied matrix is saved once");
+        assert_eq!(
+            saved.tensors,
+            model.params.len(),
+            "{name}: a tied matrix is saved once"
+        );
         for file in ["config.json", "model.safetensors", "tokenizer.json"] {
             assert!(out.path().join(file).is_file(), "{name}: {file}");
         }
-        let back = ModelDir::open(out.path()).unwrap().load(16, &Device::Cpu, None, &mut |_, _| {});
-        assert_eq!(batch_loss(&back.unwrap(), &case), batch_loss(&model, &case), "{name}");
+        let back = ModelDir::open(out.path())
+            .unwrap()
+            .load(16, &Device::Cpu, None, &mut |_, _| {});
+        assert_eq!(
+            batch_loss(&back.unwrap(), &case),
+            batch_loss(&model, &case),
+            "{name}"
+        );
         let into_source = case.dir.dir.join("saved");
         let e = save(&model, &weights, &into_source, &Overwrite::ours()).unwrap_err();
-        assert!(e.to_string().contains("the directory the model was read from"), "{e}");
-        assert!(!into_source.exists(), "{name}: nothing written into the source");
+        assert!(
+            e.to_string()
+                .contains("the directory the model was read from"),
+            "{e}"
+        );
+        assert!(
+            !into_source.exists(),
+            "{name}: nothing written into the source"
+        );
     }
 }
 
@@ -698,25 +715,40 @@ fn every_knob_trains_a_hugging_face_model() {
         (&["train.dtype=bf16"], Some(0.03)),
         (&["train.dtype=f16"], Some(0.01)),
         (&["train.dtype=bf16", "train.offload=true"], Some(0.03)),
-        (&["train.offload=true", "train.offload_grads=host"], Some(0.0)),
+        (
+            &["train.offload=true", "train.offload_grads=host"],
+            Some(0.0),
+        ),
         (&["train.checkpointing=blocks"], Some(0.0)),
         (&["train.clip=0.5"], None),
-        (&["train.noise=true", "train.accum_policy=noise-scale"], None),
+        (
+            &["train.noise=true", "train.accum_policy=noise-scale"],
+            None,
+        ),
     ];
     // GPT-2's LayerNorm and GELU; Qwen2's RMS norm, SwiGLU, grouped rotary attention, biases.
     for name in ["gpt2-tied", "qwen2-bias"] {
         let mut trainer = gaccwb::train::Trainer::new(finetune(name, 3, &[]), Device::Cpu).unwrap();
-        assert_eq!(trainer.model().spec.arch.family, name.split('-').next().unwrap());
+        assert_eq!(
+            trainer.model().spec.arch.family,
+            name.split('-').next().unwrap()
+        );
         let plain = losses(&mut trainer);
         for (sets, near) in knobs {
             let s = finetune(name, 3, sets);
             let got = losses(&mut gaccwb::train::Trainer::new(s, Device::Cpu).unwrap());
-            assert!(got.iter().all(|l| l.is_finite()), "{name} {sets:?}: {got:?}");
+            assert!(
+                got.iter().all(|l| l.is_finite()),
+                "{name} {sets:?}: {got:?}"
+            );
             match near {
                 Some(0.0) => assert_eq!(got, plain, "{name} {sets:?}: the same bits"),
                 Some(bound) => {
                     for (a, b) in got.iter().zip(&plain) {
-                        assert!(rel(*a, *b) <= bound, "{name} {sets:?}: {got:?} vs {plain:?}");
+                        assert!(
+                            rel(*a, *b) <= bound,
+                            "{name} {sets:?}: {got:?} vs {plain:?}"
+                        );
                     }
                 }
                 None => {}
@@ -730,13 +762,16 @@ fn a_fine_tune_resumes_bit_identically() {
     use gaccwb::checkpoint;
     let dir = tempfile::tempdir().unwrap();
     for name in ["gpt2-tied", "llama-gqa-llama3"] {
-        let straight = losses(&mut gaccwb::train::Trainer::new(finetune(name, 4, &[]), Device::Cpu).unwrap());
+        let straight =
+            losses(&mut gaccwb::train::Trainer::new(finetune(name, 4, &[]), Device::Cpu).unwrap());
         let mut first = gaccwb::train::Trainer::new(finetune(name, 2, &[]), Device::Cpu).unwrap();
         let head = losses(&mut first);
         let saved = dir.path().join(name);
         checkpoint::save(&first, &saved).unwrap();
         let mut resumed = checkpoint::resume(&saved, Device::Cpu, |s| s.train.steps = 4).unwrap();
-        let tail: Vec<f64> = (0..2).map(|_| resumed.train_step(|| true).ok().unwrap().loss).collect();
+        let tail: Vec<f64> = (0..2)
+            .map(|_| resumed.train_step(|| true).ok().unwrap().loss)
+            .collect();
         let joined: Vec<u64> = head.iter().chain(&tail).map(|l| l.to_bits()).collect();
         let expected: Vec<u64> = straight.iter().map(|l| l.to_bits()).collect();
         assert_eq!(joined, expected, "{name}: losses step for step");

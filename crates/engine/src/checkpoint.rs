@@ -100,7 +100,10 @@ impl AfterStep for ModelSave {
         if !matches!(reason, EndReason::Completed | EndReason::Stopped) {
             sink.send(Event::warn(
                 trainer.step(),
-                format!("the model was not saved to {}: the run {reason}", self.dir.display()),
+                format!(
+                    "the model was not saved to {}: the run {reason}",
+                    self.dir.display()
+                ),
             ));
             return reason;
         }

@@ -230,7 +230,11 @@ impl ModelDir {
 
     /// The path a scenario's `model.path` records: the directory, or the config file of a shape.
     pub fn source(&self) -> PathBuf {
-        let path = if self.is_shape() { &self.config } else { &self.dir };
+        let path = if self.is_shape() {
+            &self.config
+        } else {
+            &self.dir
+        };
         std::path::absolute(path).unwrap_or_else(|_| path.clone())
     }
 

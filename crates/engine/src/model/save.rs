@@ -113,8 +113,8 @@ pub fn check_target(source: Option<&Path>, dir: &Path) -> Result<(), SaveError> 
     let target = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
     // The deepest existing ancestor, resolved: the target itself may not exist yet.
     let existing = target.ancestors().find(|a| a.exists()).map(canon);
-    let inside = target.starts_with(source)
-        || existing.is_some_and(|e| e.starts_with(canon(source)));
+    let inside =
+        target.starts_with(source) || existing.is_some_and(|e| e.starts_with(canon(source)));
     if inside {
         return Err(SaveError::IntoSource {
             target: dir.display().to_string(),

@@ -157,7 +157,9 @@ struct StepTiming {
 
 fn run_after_step(trainer: &mut Trainer, sink: &EventSink) -> Option<EndReason> {
     let mut hooks = std::mem::take(&mut trainer.after_step);
-    let end = hooks.iter_mut().find_map(|hook| hook.after_step(trainer, sink));
+    let end = hooks
+        .iter_mut()
+        .find_map(|hook| hook.after_step(trainer, sink));
     trainer.after_step = hooks;
     end
 }

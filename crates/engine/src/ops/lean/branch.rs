@@ -65,20 +65,33 @@ pub fn branch(
         pass,
         act,
     };
-    apply("lean-block-branch", &[x], y, kept, move |i, _, dy| {
+    let inputs: Vec<Tensor> = weights
+        .graph_inputs(x, sink.is_some())
+        .into_iter()
+        .cloned()
+        .collect();
+    let (arity, x_tracks) = (inputs.len(), x.track_op());
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    apply("lean-block-branch", &refs, y, kept, move |i, _, dy| {
         let (dx, grads) = saved.backward(&i[0], &weights, dy)?;
         if let Some(sink) = &sink {
             sink(grads)?;
         }
-        Ok(vec![Some(dx)])
+        let mut out = vec![x_tracks.then_some(dx)];
+        out.resize(arity, None);
+        Ok(out)
     })
 }
 
-/// `x·w (+ b)`.
+/// `x·w (+ b) (+ scale·(x·A)·B)`.
 fn dense(x: &Tensor, d: &Dense) -> Result<Tensor> {
     let y = x.matmul(&d.w)?;
-    match &d.b {
-        Some(b) => y.broadcast_add(b),
+    let y = match &d.b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    match &d.adapter {
+        Some(a) => y + (x.matmul(&a.a)?.matmul(&a.b)? * a.scale)?,
         None => Ok(y),
     }
 }
@@ -113,7 +126,8 @@ impl Saved {
             Some(y) => y.clone(),
             None => activated(&self.mid, self.act)?,
         };
-        let (da, second) = layer_grads(&second_in, &w.second, dy)?;
+        let base = !w.frozen;
+        let (da, second) = layer_grads(&second_in, &w.second, dy, base)?;
         let dmid = match (&self.pass, &self.attended, &self.lse) {
             (Some(pass), Some(y), Some(lse)) => pass.backward(&self.mid, y, &da, lse)?,
             _ => match self.act {
@@ -133,7 +147,7 @@ impl Saved {
             let o = d.w.dim(1)?;
             let part = dmid.narrow(1, at, o)?.contiguous()?;
             at += o;
-            let (dx, grads) = layer_grads(&self.normed, d, &part)?;
+            let (dx, grads) = layer_grads(&self.normed, d, &part, base)?;
             dnormed = Some(match dnormed {
                 Some(sum) => (sum + dx)?,
                 None => dx,
@@ -142,9 +156,12 @@ impl Saved {
         }
         let dnormed = dnormed.ok_or_else(|| candle_core::Error::Msg("empty first layer".into()))?;
         let (dx, dgain, dshift) = self.norm.backward(x, &w.gain, &self.stats, &dnormed)?;
-        let mut grads = vec![dgain];
-        if let (Some(db), Some(shift)) = (dshift, &w.shift) {
-            grads.push(db.to_dtype(shift.dtype())?);
+        let mut grads = Vec::new();
+        if base {
+            grads.push(dgain);
+            if let (Some(db), Some(shift)) = (dshift, &w.shift) {
+                grads.push(db.to_dtype(shift.dtype())?);
+            }
         }
         grads.extend(first);
         grads.extend(second);
@@ -152,13 +169,29 @@ impl Saved {
     }
 }
 
-/// The input's gradient and `[dw, db]` of `x·w (+ b)` for `g`.
-fn layer_grads(x: &Tensor, d: &Dense, g: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
-    match &d.b {
-        Some(b) => {
+/// The input's gradient and the layer's trainable gradients for `g`: with `base`, `dw` and `db`
+/// (the bias summed in f32); with an adapter, `dA = xᵀ·t` and `dB = (s·x·A)ᵀ·g`, where
+/// `t = s·g·Bᵀ` also adds `t·Aᵀ` to the input's gradient.
+fn layer_grads(x: &Tensor, d: &Dense, g: &Tensor, base: bool) -> Result<(Tensor, Vec<Tensor>)> {
+    let mut grads = Vec::new();
+    let mut dx = match (&d.b, base) {
+        (Some(b), true) => {
             let (dx, dw, db) = affine_grads(x, &d.w, b, g)?;
-            Ok((dx, vec![dw, db]))
+            grads.extend([dw, db]);
+            dx
         }
-        None => Ok((g.matmul(&d.w.t()?)?, vec![x.t()?.matmul(g)?])),
+        (None, true) => {
+            grads.push(x.t()?.matmul(g)?);
+            g.matmul(&d.w.t()?)?
+        }
+        (_, false) => g.matmul(&d.w.t()?)?,
+    };
+    if let Some(a) = &d.adapter {
+        let t = (g.matmul(&a.b.t()?)? * a.scale)?;
+        dx = (dx + t.matmul(&a.a.t()?)?)?;
+        grads.push(x.t()?.matmul(&t)?);
+        let xa = (x.matmul(&a.a)? * a.scale)?;
+        grads.push(xa.t()?.matmul(g)?);
     }
+    Ok((dx, grads))
 }
