@@ -167,56 +167,60 @@ fn every_family_computes_transformers_loss_and_gradients_in_f32() {
     }
 }
 
+/// Three AdamW steps on `model` (clipped, decay on matrices only, the batch of `case` each
+/// time) follow the losses and norms transformers recorded in `adamw`.
+fn assert_trajectory(what: &str, model: &Gpt, case: &Case, adamw: &Value) {
+    let betas = &adamw["betas"];
+    let hyper = Hyper {
+        beta1: betas[0].as_f64().unwrap(),
+        beta2: betas[1].as_f64().unwrap(),
+        eps: adamw["eps"].as_f64().unwrap(),
+        weight_decay: adamw["weight_decay"].as_f64().unwrap(),
+    };
+    let (lr, clip) = (
+        adamw["lr"].as_f64().unwrap(),
+        adamw["clip"].as_f64().unwrap(),
+    );
+    let losses: Vec<f64> = serde_json::from_value(adamw["losses"].clone()).unwrap();
+    let norms: Vec<f64> = serde_json::from_value(adamw["grad_norms"].clone()).unwrap();
+    let mut opt = AdamW::new(&model.params, hyper).unwrap();
+    for step in 0..3 {
+        let (value, root, held) = loss(model, case, DType::F32);
+        let e = rel(value, losses[step]);
+        assert!(
+            e <= 1e-4,
+            "{what}: loss before step {} is {value}, transformers {}",
+            step + 1,
+            losses[step]
+        );
+        let mut grads = gradients(model, &root, &held);
+        let norm = gaccwb::train::global_norm(&grads).unwrap();
+        assert!(
+            rel(norm, norms[step]) <= 1e-4,
+            "{what}: step {} norm {norm} vs {}",
+            step + 1,
+            norms[step]
+        );
+        if norm > clip {
+            grads = grads.iter().map(|g| (g * (clip / norm)).unwrap()).collect();
+        }
+        opt.step(&model.params, &grads, lr).unwrap();
+    }
+    let (last, _, _) = loss(model, case, DType::F32);
+    assert!(
+        rel(last, losses[3]) <= 1e-4,
+        "{what}: loss after 3 steps {last} vs {}",
+        losses[3]
+    );
+}
+
 #[test]
 fn three_adamw_steps_follow_transformers_trajectory() {
     for name in CASES {
         let case = Case::open(name);
-        let Some(adamw) = case.reference.get("adamw") else {
-            continue;
-        };
-        let model = case.model();
-        let betas = &adamw["betas"];
-        let hyper = Hyper {
-            beta1: betas[0].as_f64().unwrap(),
-            beta2: betas[1].as_f64().unwrap(),
-            eps: adamw["eps"].as_f64().unwrap(),
-            weight_decay: adamw["weight_decay"].as_f64().unwrap(),
-        };
-        let (lr, clip) = (
-            adamw["lr"].as_f64().unwrap(),
-            adamw["clip"].as_f64().unwrap(),
-        );
-        let losses: Vec<f64> = serde_json::from_value(adamw["losses"].clone()).unwrap();
-        let norms: Vec<f64> = serde_json::from_value(adamw["grad_norms"].clone()).unwrap();
-        let mut opt = AdamW::new(&model.params, hyper).unwrap();
-        for step in 0..3 {
-            let (value, root, held) = loss(&model, &case, DType::F32);
-            let e = rel(value, losses[step]);
-            assert!(
-                e <= 1e-4,
-                "{name}: loss before step {} is {value}, transformers {}",
-                step + 1,
-                losses[step]
-            );
-            let mut grads = gradients(&model, &root, &held);
-            let norm = gaccwb::train::global_norm(&grads).unwrap();
-            assert!(
-                rel(norm, norms[step]) <= 1e-4,
-                "{name}: step {} norm {norm} vs {}",
-                step + 1,
-                norms[step]
-            );
-            if norm > clip {
-                grads = grads.iter().map(|g| (g * (clip / norm)).unwrap()).collect();
-            }
-            opt.step(&model.params, &grads, lr).unwrap();
+        if let Some(adamw) = case.reference.get("adamw") {
+            assert_trajectory(name, &case.model(), &case, adamw);
         }
-        let (last, _, _) = loss(&model, &case, DType::F32);
-        assert!(
-            rel(last, losses[3]) <= 1e-4,
-            "{name}: loss after 3 steps {last} vs {}",
-            losses[3]
-        );
     }
 }
 
@@ -666,6 +670,7 @@ fn this_engines_gpt_saves_as_gpt2_and_loads_back_as_one() {
         heads: 4,
         seq_len: 16,
         path: None,
+        adapter: None,
     };
     let gpt = Gpt::new(&cfg, 7, &Device::Cpu).unwrap();
     let weights: Vec<Tensor> = gpt.vars().map(|v| v.as_tensor().clone()).collect();
@@ -775,5 +780,66 @@ fn a_fine_tune_resumes_bit_identically() {
         let joined: Vec<u64> = head.iter().chain(&tail).map(|l| l.to_bits()).collect();
         let expected: Vec<u64> = straight.iter().map(|l| l.to_bits()).collect();
         assert_eq!(joined, expected, "{name}: losses step for step");
+    }
+}
+
+/// Fixture `case` with the PEFT adapter in its folder `adapter`, as a run would build it.
+fn adapted(case: &str, adapter: &str) -> (Gpt, gaccwb::scenario::Scenario) {
+    let mut s = gaccwb::scenario::Scenario::default();
+    s.model.path = Some(fixtures().join(case));
+    s.model.adapter = Some(fixtures().join(case).join(adapter));
+    s.model.seq_len = 16;
+    gaccwb::model::hf::prepare(&mut s).unwrap();
+    let model = gaccwb::model::open(&s, &Device::Cpu, None, &mut |_, _| {}).unwrap();
+    (model, s)
+}
+
+#[test]
+fn peft_adapters_give_peft_loss_gradients_and_steps_with_no_base_gradient() {
+    for (name, folder) in [
+        ("llama-gqa-llama3", "lora"),
+        ("llama-gqa-llama3", "lora-rslora"),
+        ("gpt2-tied", "lora"),
+        ("gpt2-tied", "lora-rslora"),
+    ] {
+        let (model, _) = adapted(name, folder);
+        let mut case = Case::open(name);
+        let dir = fixtures().join(name).join(folder);
+        case.reference =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
+        let what = format!("{name}/{folder}");
+        let (value, root, held) = loss(&model, &case, DType::F32);
+        let want = case.number("/loss");
+        assert!(
+            rel(value, want) <= 1e-5,
+            "{what}: loss {value} vs PEFT {want}"
+        );
+        let store = root.backward().unwrap();
+        // No frozen weight has a gradient anywhere: not in the graph's store, not beside it.
+        for p in &model.frozen {
+            assert!(
+                store.get(p.var.as_tensor()).is_none(),
+                "{what}: {} in the store",
+                p.name
+            );
+            assert!(
+                held.get(&store, &p.var).is_none(),
+                "{what}: {} beside it",
+                p.name
+            );
+        }
+        let grads =
+            candle_core::safetensors::load(dir.join("grads.safetensors"), &Device::Cpu).unwrap();
+        for p in &model.params {
+            let got = held
+                .get(&store, &p.var)
+                .unwrap_or_else(|| panic!("{what}: {} has no gradient", p.name));
+            let peft = &grads[&format!("base_model.model.{}", p.name)];
+            let e = rel_l2(&got, &peft.t().unwrap().contiguous().unwrap());
+            assert!(e <= 1e-4, "{what}: gradient of {} off by {e:e}", p.name);
+        }
+        let adamw = case.reference["adamw"].clone();
+        assert_trajectory(&what, &model, &case, &adamw);
     }
 }

@@ -327,6 +327,9 @@ pub enum OpenError {
     /// Adding LoRA's adapters.
     #[error(transparent)]
     Adapt(#[from] lora::AdaptError),
+    /// Reading a LoRA adapter.
+    #[error(transparent)]
+    Adapter(#[from] lora::AdapterError),
 }
 
 /// The scenario's model on `device`: the Hugging Face checkpoint `model.path` names (resolved
@@ -354,7 +357,11 @@ pub fn open(
                 targets: t.lora_targets.clone(),
                 rslora: t.lora_rslora,
             };
-            Ok(model.adapt(&lora, t.seed, t.dtype.candle())?)
+            let mut model = model.adapt(&lora, t.seed, t.dtype.candle())?;
+            if let Some(dir) = &m.adapter {
+                model.load_adapter(dir)?;
+            }
+            Ok(model)
         }
     }
 }
@@ -538,8 +545,8 @@ impl Gpt {
             }
         }
         let n = &self.norm;
-        let gain = w.get(&n.g)?;
-        let shift = n.b.as_ref().map(|b| w.get(b)).transpose()?;
+        let gain = self.weight(&mut w, &n.g)?;
+        let shift = n.b.as_ref().map(|b| self.weight(&mut w, b)).transpose()?;
         let features = ops::norm(
             &x,
             self.spec.norm(),
@@ -548,8 +555,8 @@ impl Gpt {
             self.spec.norm_eps,
         )?;
         let (head, head_layout) = match &self.head {
-            Some(head) => (w.get(head)?, WeightLayout::InOut),
-            None => (w.get(&self.embed)?, WeightLayout::OutIn),
+            Some(head) => (self.weight(&mut w, head)?, WeightLayout::InOut),
+            None => (self.weight(&mut w, &self.embed)?, WeightLayout::OutIn),
         };
         Ok(Forward {
             features,
@@ -801,6 +808,7 @@ mod tests {
             heads: 2,
             seq_len: 8,
             path: None,
+            adapter: None,
         };
         let gpt = Gpt::new(&cfg, 3, &Device::Cpu).unwrap();
         let dims = Dims {

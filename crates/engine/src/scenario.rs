@@ -78,6 +78,10 @@ pub struct ModelConfig {
     /// but `seq_len`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<PathBuf>,
+    /// A PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`) for the model
+    /// at `path`: its settings become `train.lora_*`, its weights the adapters' start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<PathBuf>,
 }
 
 impl Default for ModelConfig {
@@ -89,6 +93,7 @@ impl Default for ModelConfig {
             heads: 4,
             seq_len: 128,
             path: None,
+            adapter: None,
         }
     }
 }

@@ -153,6 +153,7 @@ pub fn named(name: &str) -> Option<Arch> {
             heads: h as usize,
             seq_len: t as usize,
             path: None,
+            adapter: None,
         };
         return Some(Arch {
             tied: true,
@@ -239,6 +240,7 @@ impl Arch {
             heads: self.heads as usize,
             seq_len: self.seq_len as usize,
             path: None,
+            adapter: None,
         })
     }
 

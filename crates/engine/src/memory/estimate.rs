@@ -881,6 +881,7 @@ mod tests {
                 heads: 2,
                 seq_len: 32,
                 path: None,
+                adapter: None,
             },
             micro_batch: b,
             accum_steps: k,

@@ -71,6 +71,9 @@ pub enum HfError {
         /// Where (host memory or the GPU).
         device: String,
     },
+    /// A LoRA adapter's files.
+    #[error(transparent)]
+    Adapter(#[from] super::lora::AdapterError),
     /// Candle failed while reading or converting.
     #[error("{file}: {source}")]
     Candle {
@@ -506,6 +509,13 @@ pub fn prepare(scenario: &mut Scenario) -> Result<Option<(ModelDir, Spec)>, HfEr
     }
     let mut cfg = spec.model_config(seq_len);
     cfg.path = Some(dir.source());
+    cfg.adapter = scenario.model.adapter.take();
+    if let Some(adapter) = &cfg.adapter {
+        let lora = super::lora::read_adapter_config(adapter)?;
+        let t = &mut scenario.train;
+        (t.lora_rank, t.lora_alpha, t.lora_targets, t.lora_rslora) =
+            (lora.rank, lora.alpha, lora.targets, lora.rslora);
+    }
     scenario.model = cfg;
     let data = &mut scenario.data;
     if data.source != DataSource::Synthetic {

@@ -344,6 +344,7 @@ mod tests {
                 heads: 2,
                 seq_len: 16,
                 path: None,
+                adapter: None,
             },
             data: DataConfig {
                 alphabet: 8,
