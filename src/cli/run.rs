@@ -40,6 +40,14 @@ pub struct RunArgs {
     /// the directory it was read from); `S` on the screen saves it there at the next boundary.
     #[arg(long, value_name = "DIR")]
     save_model: Option<PathBuf>,
+    /// With LoRA, --save-model writes the model with the adapters merged into it, not the
+    /// adapter alone.
+    #[arg(long, requires = "save_model")]
+    merge: bool,
+    /// Start LoRA from this PEFT adapter (adapter_config.json, adapter_model.safetensors) of
+    /// --model: its settings become train.lora_*, its weights the adapters'.
+    #[arg(long, value_name = "DIR", requires = "model")]
+    adapter: Option<PathBuf>,
     /// Train on FILE instead of the preset's data: its bytes, or BPE tokens with --set
     /// data.tokenizer=bpe (with --model, the model's tokenizer; a .jsonl file's `text` fields).
     #[arg(long, value_name = "FILE")]
@@ -218,6 +226,9 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     if let Some(model) = &args.model {
         s.model.path = Some(PathBuf::from(model));
     }
+    if let Some(adapter) = &args.adapter {
+        s.model.adapter = Some(adapter.clone());
+    }
     if let Some(path) = &args.data {
         s.data.source = DataSource::File;
         s.data.path = Some(path.clone());
@@ -306,7 +317,11 @@ fn build_trainer(
         let source = trainer.scenario().model.path.as_deref();
         gaccwb::model::save::check_target(source, &dir).map_err(usage)?;
         let rules = Overwrite::new(args.force, inputs.clone());
-        trainer.add_after_step(Box::new(checkpoint::ModelSave { dir, rules }));
+        trainer.add_after_step(Box::new(checkpoint::ModelSave {
+            dir,
+            rules,
+            merge: args.merge,
+        }));
     }
     if let Some((every, lock)) = saves.zip(lock) {
         let policy = checkpoint::Policy {

@@ -83,12 +83,55 @@ impl Policy {
 }
 
 /// `--save-model DIR`: at the end of a run that completed or was stopped, the model in Hugging
-/// Face's layout (`model::save`); a failed save fails the run.
+/// Face's layout (`model::save`), or under LoRA its adapter as PEFT writes it (`merge`: the
+/// adapters folded into a whole model instead); a failed save fails the run.
 pub struct ModelSave {
     /// The directory.
     pub dir: PathBuf,
     /// What may be replaced there (never an input of the run).
     pub rules: Overwrite,
+    /// Under LoRA, save the merged model rather than the adapter.
+    pub merge: bool,
+}
+
+impl ModelSave {
+    /// Save `trainer`'s model; the event's text says what was written.
+    fn save(&self, trainer: &Trainer) -> anyhow::Result<String> {
+        let model = trainer.model();
+        let weights = trainer.master_weights();
+        let family = model.spec.naming_family().to_string();
+        let t = &trainer.scenario().train;
+        if model.frozen.is_empty() || self.merge {
+            let merged;
+            let (model, weights) = match model.frozen.is_empty() {
+                true => (model, weights),
+                false => {
+                    merged = model.merged(&weights)?;
+                    let w = merged.vars().map(|v| v.as_tensor().clone()).collect();
+                    (&merged, w)
+                }
+            };
+            let saved = crate::model::save::save(model, &weights, &self.dir, &self.rules)?;
+            return Ok(format!(
+                "model saved to {} ({} tensors, {:.1} MB, {family} layout{})",
+                saved.dir.display(),
+                saved.tensors,
+                saved.bytes as f64 / 1e6,
+                if self.merge { ", adapters merged" } else { "" }
+            ));
+        }
+        let lora = crate::model::lora::Lora {
+            rank: t.lora_rank,
+            alpha: t.lora_alpha,
+            targets: t.lora_targets.clone(),
+            rslora: t.lora_rslora,
+        };
+        let n = crate::model::lora::save_adapter(model, &lora, &weights, &self.dir, &self.rules)?;
+        Ok(format!(
+            "LoRA adapter saved to {} ({n} tensors, PEFT's layout; load it with --adapter)",
+            self.dir.display()
+        ))
+    }
 }
 
 impl AfterStep for ModelSave {
@@ -107,22 +150,12 @@ impl AfterStep for ModelSave {
             ));
             return reason;
         }
-        let weights = trainer.master_weights();
-        match crate::model::save::save(trainer.model(), &weights, &self.dir, &self.rules) {
-            Ok(saved) => {
-                sink.send(Event::info(
-                    trainer.step(),
-                    format!(
-                        "model saved to {} ({} tensors, {:.1} MB, {} layout)",
-                        saved.dir.display(),
-                        saved.tensors,
-                        saved.bytes as f64 / 1e6,
-                        trainer.model().spec.naming_family()
-                    ),
-                ));
+        match self.save(trainer) {
+            Ok(line) => {
+                sink.send(Event::info(trainer.step(), line));
                 reason
             }
-            Err(e) => EndReason::Error(format!("saving the model: {e}")),
+            Err(e) => EndReason::Error(format!("saving the model: {e:#}")),
         }
     }
 }
