@@ -282,6 +282,7 @@ mod tests {
                 heads: 2,
                 seq_len: 8,
                 path: None,
+                adapter: None,
             },
             ..Default::default()
         };
@@ -305,6 +306,7 @@ mod tests {
                 heads: 2,
                 seq_len: 8,
                 path: None,
+                adapter: None,
             },
             ..Default::default()
         };

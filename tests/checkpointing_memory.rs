@@ -69,7 +69,7 @@ fn checkpointing_cuts_the_activations_and_the_estimator_follows() {
     // recompute, the input's copy and the `y · grad` product (N·d·4 bytes each) and its sum.
     let cfg = Config::from_scenario(&plain_s, true).unwrap();
     let no_blocks = Config {
-        arch: gaccwb::memory::arch::Arch {
+        arch: gaccwb::hf::Arch {
             layers: 0,
             ..cfg.arch.clone()
         },

@@ -167,56 +167,60 @@ fn every_family_computes_transformers_loss_and_gradients_in_f32() {
     }
 }
 
+/// Three AdamW steps on `model` (clipped, decay on matrices only, the batch of `case` each
+/// time) follow the losses and norms transformers recorded in `adamw`.
+fn assert_trajectory(what: &str, model: &Gpt, case: &Case, adamw: &Value) {
+    let betas = &adamw["betas"];
+    let hyper = Hyper {
+        beta1: betas[0].as_f64().unwrap(),
+        beta2: betas[1].as_f64().unwrap(),
+        eps: adamw["eps"].as_f64().unwrap(),
+        weight_decay: adamw["weight_decay"].as_f64().unwrap(),
+    };
+    let (lr, clip) = (
+        adamw["lr"].as_f64().unwrap(),
+        adamw["clip"].as_f64().unwrap(),
+    );
+    let losses: Vec<f64> = serde_json::from_value(adamw["losses"].clone()).unwrap();
+    let norms: Vec<f64> = serde_json::from_value(adamw["grad_norms"].clone()).unwrap();
+    let mut opt = AdamW::new(&model.params, hyper).unwrap();
+    for step in 0..3 {
+        let (value, root, held) = loss(model, case, DType::F32);
+        let e = rel(value, losses[step]);
+        assert!(
+            e <= 1e-4,
+            "{what}: loss before step {} is {value}, transformers {}",
+            step + 1,
+            losses[step]
+        );
+        let mut grads = gradients(model, &root, &held);
+        let norm = gaccwb::train::global_norm(&grads).unwrap();
+        assert!(
+            rel(norm, norms[step]) <= 1e-4,
+            "{what}: step {} norm {norm} vs {}",
+            step + 1,
+            norms[step]
+        );
+        if norm > clip {
+            grads = grads.iter().map(|g| (g * (clip / norm)).unwrap()).collect();
+        }
+        opt.step(&model.params, &grads, lr).unwrap();
+    }
+    let (last, _, _) = loss(model, case, DType::F32);
+    assert!(
+        rel(last, losses[3]) <= 1e-4,
+        "{what}: loss after 3 steps {last} vs {}",
+        losses[3]
+    );
+}
+
 #[test]
 fn three_adamw_steps_follow_transformers_trajectory() {
     for name in CASES {
         let case = Case::open(name);
-        let Some(adamw) = case.reference.get("adamw") else {
-            continue;
-        };
-        let model = case.model();
-        let betas = &adamw["betas"];
-        let hyper = Hyper {
-            beta1: betas[0].as_f64().unwrap(),
-            beta2: betas[1].as_f64().unwrap(),
-            eps: adamw["eps"].as_f64().unwrap(),
-            weight_decay: adamw["weight_decay"].as_f64().unwrap(),
-        };
-        let (lr, clip) = (
-            adamw["lr"].as_f64().unwrap(),
-            adamw["clip"].as_f64().unwrap(),
-        );
-        let losses: Vec<f64> = serde_json::from_value(adamw["losses"].clone()).unwrap();
-        let norms: Vec<f64> = serde_json::from_value(adamw["grad_norms"].clone()).unwrap();
-        let mut opt = AdamW::new(&model.params, hyper).unwrap();
-        for step in 0..3 {
-            let (value, root, held) = loss(&model, &case, DType::F32);
-            let e = rel(value, losses[step]);
-            assert!(
-                e <= 1e-4,
-                "{name}: loss before step {} is {value}, transformers {}",
-                step + 1,
-                losses[step]
-            );
-            let mut grads = gradients(&model, &root, &held);
-            let norm = gaccwb::train::global_norm(&grads).unwrap();
-            assert!(
-                rel(norm, norms[step]) <= 1e-4,
-                "{name}: step {} norm {norm} vs {}",
-                step + 1,
-                norms[step]
-            );
-            if norm > clip {
-                grads = grads.iter().map(|g| (g * (clip / norm)).unwrap()).collect();
-            }
-            opt.step(&model.params, &grads, lr).unwrap();
+        if let Some(adamw) = case.reference.get("adamw") {
+            assert_trajectory(name, &case.model(), &case, adamw);
         }
-        let (last, _, _) = loss(&model, &case, DType::F32);
-        assert!(
-            rel(last, losses[3]) <= 1e-4,
-            "{name}: loss after 3 steps {last} vs {}",
-            losses[3]
-        );
     }
 }
 
@@ -495,9 +499,12 @@ fn a_broken_model_directory_is_refused_naming_the_file_and_the_fix() {
     );
 }
 
+/// Changes a fixture's config.json.
+type Edit = fn(&mut serde_json::Map<String, Value>);
+
 #[test]
 fn families_and_features_the_engine_does_not_train_are_refused_with_the_alternative() {
-    let cases: [(&str, fn(&mut serde_json::Map<String, Value>), &str); 5] = [
+    let cases: [(&str, Edit, &str); 5] = [
         (
             "gpt2-tied",
             |c| {
@@ -608,4 +615,234 @@ fn a_model_not_in_the_cache_says_where_it_looked_and_how_to_fetch_it() {
         snapshot
     );
     std::env::remove_var("HF_HUB_CACHE");
+}
+
+/// The loss of `model` on the fixture batch of `case`, in f32.
+fn batch_loss(model: &Gpt, case: &Case) -> f64 {
+    loss(model, case, DType::F32).0
+}
+
+#[test]
+fn a_saved_model_loads_back_to_the_same_loss_and_never_into_its_source() {
+    use gaccwb::model::save::save;
+    use gaccwb::safe_write::Overwrite;
+    for name in ["gpt2-tied", "gpt2-untied", "llama-gqa-llama3", "qwen2-bias"] {
+        let case = Case::open(name);
+        let model = case.model();
+        let weights: Vec<Tensor> = model.vars().map(|v| v.as_tensor().clone()).collect();
+        let out = tempfile::tempdir().unwrap();
+        let saved = save(&model, &weights, out.path(), &Overwrite::ours()).unwrap();
+        assert_eq!(
+            saved.tensors,
+            model.params.len(),
+            "{name}: a tied matrix is saved once"
+        );
+        for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+            assert!(out.path().join(file).is_file(), "{name}: {file}");
+        }
+        let back = ModelDir::open(out.path())
+            .unwrap()
+            .load(16, &Device::Cpu, None, &mut |_, _| {});
+        assert_eq!(
+            batch_loss(&back.unwrap(), &case),
+            batch_loss(&model, &case),
+            "{name}"
+        );
+        let into_source = case.dir.dir.join("saved");
+        let e = save(&model, &weights, &into_source, &Overwrite::ours()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("the directory the model was read from"),
+            "{e}"
+        );
+        assert!(
+            !into_source.exists(),
+            "{name}: nothing written into the source"
+        );
+    }
+}
+
+#[test]
+fn this_engines_gpt_saves_as_gpt2_and_loads_back_as_one() {
+    use gaccwb::model::save::save;
+    use gaccwb::safe_write::Overwrite;
+    let cfg = gaccwb::scenario::ModelConfig {
+        vocab: 360,
+        d_model: 32,
+        layers: 2,
+        heads: 4,
+        seq_len: 16,
+        path: None,
+        adapter: None,
+    };
+    let gpt = Gpt::new(&cfg, 7, &Device::Cpu).unwrap();
+    let weights: Vec<Tensor> = gpt.vars().map(|v| v.as_tensor().clone()).collect();
+    let out = tempfile::tempdir().unwrap();
+    save(&gpt, &weights, out.path(), &Overwrite::ours()).unwrap();
+    let back = ModelDir::open(out.path()).unwrap();
+    assert_eq!(back.spec().unwrap().arch.family, "gpt2");
+    let back = back.load(16, &Device::Cpu, None, &mut |_, _| {}).unwrap();
+    let case = Case::open("gpt2-untied");
+    assert_eq!(batch_loss(&back, &case), batch_loss(&gpt, &case));
+}
+
+/// A scenario fine-tuning fixture `name` on the built-in docs, cut by its tokenizer: T 16,
+/// B 2, K 2, `steps` steps, and the knobs `sets` (`section.key=value`).
+fn finetune(name: &str, steps: u64, sets: &[&str]) -> gaccwb::scenario::Scenario {
+    let mut s = gaccwb::presets::resolve("finetune").unwrap();
+    s.model.path = Some(fixtures().join(name));
+    s.model.seq_len = 16;
+    s.train.steps = steps;
+    s.train.decay_steps = steps;
+    s.train.micro_batch = 2;
+    s.train.accum_steps = 2;
+    s.train.eval_every = 0;
+    s.train.lr = 1e-3;
+    for set in sets {
+        s.set(set).unwrap();
+    }
+    s
+}
+
+/// The loss of each step of `trainer` run for its steps.
+fn losses(trainer: &mut gaccwb::train::Trainer) -> Vec<f64> {
+    let steps = trainer.scenario().train.steps;
+    (0..steps)
+        .map(|_| match trainer.train_step(|| true) {
+            Ok(step) => step.loss,
+            Err(_) => panic!("a step failed"),
+        })
+        .collect()
+}
+
+#[test]
+fn every_knob_trains_a_hugging_face_model() {
+    // (knobs, how near each step's loss stays to the plain f32 run's: 0 is the same bits; the
+    // adaptive K policy changes the batches, so only finite losses are asked of it).
+    let knobs: [(&[&str], Option<f64>); 7] = [
+        (&["train.dtype=bf16"], Some(0.03)),
+        (&["train.dtype=f16"], Some(0.01)),
+        (&["train.dtype=bf16", "train.offload=true"], Some(0.03)),
+        (
+            &["train.offload=true", "train.offload_grads=host"],
+            Some(0.0),
+        ),
+        (&["train.checkpointing=blocks"], Some(0.0)),
+        (&["train.clip=0.5"], None),
+        (
+            &["train.noise=true", "train.accum_policy=noise-scale"],
+            None,
+        ),
+    ];
+    // GPT-2's LayerNorm and GELU; Qwen2's RMS norm, SwiGLU, grouped rotary attention, biases.
+    for name in ["gpt2-tied", "qwen2-bias"] {
+        let mut trainer = gaccwb::train::Trainer::new(finetune(name, 3, &[]), Device::Cpu).unwrap();
+        assert_eq!(
+            trainer.model().spec.arch.family,
+            name.split('-').next().unwrap()
+        );
+        let plain = losses(&mut trainer);
+        for (sets, near) in knobs {
+            let s = finetune(name, 3, sets);
+            let got = losses(&mut gaccwb::train::Trainer::new(s, Device::Cpu).unwrap());
+            assert!(
+                got.iter().all(|l| l.is_finite()),
+                "{name} {sets:?}: {got:?}"
+            );
+            match near {
+                Some(0.0) => assert_eq!(got, plain, "{name} {sets:?}: the same bits"),
+                Some(bound) => {
+                    for (a, b) in got.iter().zip(&plain) {
+                        assert!(
+                            rel(*a, *b) <= bound,
+                            "{name} {sets:?}: {got:?} vs {plain:?}"
+                        );
+                    }
+                }
+                None => {}
+            }
+        }
+    }
+}
+
+#[test]
+fn a_fine_tune_resumes_bit_identically() {
+    use gaccwb::checkpoint;
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["gpt2-tied", "llama-gqa-llama3"] {
+        let straight =
+            losses(&mut gaccwb::train::Trainer::new(finetune(name, 4, &[]), Device::Cpu).unwrap());
+        let mut first = gaccwb::train::Trainer::new(finetune(name, 2, &[]), Device::Cpu).unwrap();
+        let head = losses(&mut first);
+        let saved = dir.path().join(name);
+        checkpoint::save(&first, &saved).unwrap();
+        let mut resumed = checkpoint::resume(&saved, Device::Cpu, |s| s.train.steps = 4).unwrap();
+        let tail: Vec<f64> = (0..2)
+            .map(|_| resumed.train_step(|| true).ok().unwrap().loss)
+            .collect();
+        let joined: Vec<u64> = head.iter().chain(&tail).map(|l| l.to_bits()).collect();
+        let expected: Vec<u64> = straight.iter().map(|l| l.to_bits()).collect();
+        assert_eq!(joined, expected, "{name}: losses step for step");
+    }
+}
+
+/// Fixture `case` with the PEFT adapter in its folder `adapter`, as a run would build it.
+fn adapted(case: &str, adapter: &str) -> (Gpt, gaccwb::scenario::Scenario) {
+    let mut s = gaccwb::scenario::Scenario::default();
+    s.model.path = Some(fixtures().join(case));
+    s.model.adapter = Some(fixtures().join(case).join(adapter));
+    s.model.seq_len = 16;
+    gaccwb::model::hf::prepare(&mut s).unwrap();
+    let model = gaccwb::model::open(&s, &Device::Cpu, None, &mut |_, _| {}).unwrap();
+    (model, s)
+}
+
+#[test]
+fn peft_adapters_give_peft_loss_gradients_and_steps_with_no_base_gradient() {
+    for (name, folder) in [
+        ("llama-gqa-llama3", "lora"),
+        ("llama-gqa-llama3", "lora-rslora"),
+        ("gpt2-tied", "lora"),
+        ("gpt2-tied", "lora-rslora"),
+    ] {
+        let (model, _) = adapted(name, folder);
+        let mut case = Case::open(name);
+        let dir = fixtures().join(name).join(folder);
+        case.reference =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
+        let what = format!("{name}/{folder}");
+        let (value, root, held) = loss(&model, &case, DType::F32);
+        let want = case.number("/loss");
+        assert!(
+            rel(value, want) <= 1e-5,
+            "{what}: loss {value} vs PEFT {want}"
+        );
+        let store = root.backward().unwrap();
+        // No frozen weight has a gradient anywhere: not in the graph's store, not beside it.
+        for p in &model.frozen {
+            assert!(
+                store.get(p.var.as_tensor()).is_none(),
+                "{what}: {} in the store",
+                p.name
+            );
+            assert!(
+                held.get(&store, &p.var).is_none(),
+                "{what}: {} beside it",
+                p.name
+            );
+        }
+        let grads =
+            candle_core::safetensors::load(dir.join("grads.safetensors"), &Device::Cpu).unwrap();
+        for p in &model.params {
+            let got = held
+                .get(&store, &p.var)
+                .unwrap_or_else(|| panic!("{what}: {} has no gradient", p.name));
+            let peft = &grads[&format!("base_model.model.{}", p.name)];
+            let e = rel_l2(&got, &peft.t().unwrap().contiguous().unwrap());
+            assert!(e <= 1e-4, "{what}: gradient of {} off by {e:e}", p.name);
+        }
+        let adamw = case.reference["adamw"].clone();
+        assert_trajectory(&what, &model, &case, &adamw);
+    }
 }

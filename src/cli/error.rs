@@ -60,8 +60,8 @@ impl ExitClass {
         use gaccwb::budget::BudgetError;
         if matches!(cause.downcast_ref(), Some(BudgetError::Unreadable { .. }))
             || cause.is::<gaccwb::limits::BoundError>()
-            || cause.is::<gaccwb::memory::planner::ShapeError>()
-            || cause.is::<gaccwb::memory::plan_options::OptionsError>()
+            || cause.is::<gaccwb::memory::verdict::ShapeError>()
+            || cause.is::<gaccwb::planner::options::OptionsError>()
             || cause.is::<gaccwb::model::hf::HfError>()
             || cause.is::<gaccwb::model::spec::SpecError>()
         {
@@ -107,9 +107,9 @@ mod tests {
         );
         let steps = gaccwb::limits::at_most("--steps", 2, 1).unwrap_err();
         assert_eq!(ExitClass::of(&steps.into()), ExitClass::Usage);
-        let seq_len = gaccwb::memory::plan_options::OptionsError::SeqLen;
+        let seq_len = gaccwb::planner::options::OptionsError::SeqLen;
         assert_eq!(ExitClass::of(&seq_len.into()), ExitClass::Usage);
-        let shape = gaccwb::memory::planner::named_shape("gpt4").unwrap_err();
+        let shape = gaccwb::memory::verdict::named_shape("gpt4").unwrap_err();
         assert_eq!(ExitClass::of(&shape.into()), ExitClass::Usage);
     }
 }

@@ -31,6 +31,8 @@ pub use error::{usage, ExitClass, UsageError};
     name = "gaccwb",
     version,
     about,
+    // The command may be left out (it is then `run`); clap would show it as required.
+    override_usage = "gaccwb [OPTIONS] [COMMAND]",
     after_help = "With no command, `run`: `gaccwb --headless` is `gaccwb run --headless`."
 )]
 struct Cli {

@@ -39,6 +39,7 @@ impl TestModel {
             heads: self.heads,
             seq_len: self.seq_len,
             path: None,
+            adapter: None,
         }
     }
 

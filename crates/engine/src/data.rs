@@ -86,7 +86,11 @@ impl Corpus {
                     TokenizerKind::Bpe => {
                         let docs = documents(&bytes, &name)?;
                         let docs: Vec<&str> = docs.iter().map(|d| d.as_ref()).collect();
-                        let eos = model_eos(model)?;
+                        // The model's end-of-text token belongs to its own tokenizer only.
+                        let eos = match data.tokenizer_file {
+                            Some(_) => model_eos(model)?,
+                            None => None,
+                        };
                         let t =
                             crate::tokenizer::tokenize(&docs, &name, data, eos).map_err(|e| {
                                 DataError::File {

@@ -25,6 +25,7 @@ use crate::scenario::ModelConfig;
 use crate::telemetry::Checkpointing;
 
 pub mod hf;
+pub mod lora;
 pub mod perplexity;
 mod recompute;
 pub mod save;
@@ -43,13 +44,17 @@ pub struct Param {
     pub decay: bool,
 }
 
-/// A linear layer: `x·w (+ b)`, `w` held `[in, out]`.
+/// A linear layer: `x·w (+ b)`, `w` held `[in, out]`, plus a low-rank adapter under LoRA.
 #[derive(Clone)]
 pub struct Dense {
+    /// The module's name in the family's naming (`model.layers.0.self_attn.q_proj`).
+    pub module: String,
     /// The weight, `[in, out]`.
     pub w: Var,
     /// The bias, `[out]`, when the family has one here.
     pub b: Option<Var>,
+    /// The adapter LoRA adds (`lora`).
+    pub adapter: Option<lora::Adapter>,
 }
 
 /// A norm's gain and, for layer norm, bias.
@@ -66,6 +71,8 @@ pub struct Norm {
 pub struct Block {
     /// The family's description (norm, activation, head layout).
     spec: Arc<Spec>,
+    /// The base weights are frozen (LoRA): only adapters are trained.
+    frozen: bool,
     /// The norm before attention.
     pub norm1: Norm,
     /// Attention's first layer: one weight (q, k and v fused) or three, outputs side by side.
@@ -99,6 +106,9 @@ pub struct Gpt {
     pub norm: Norm,
     /// The untied head, `[d_model, vocab]`; `None` when the head is the token embedding.
     pub head: Option<Var>,
+    /// Under LoRA, the frozen base weights (in creation order; `params` then holds the
+    /// adapters): no gradient, no optimizer state.
+    pub frozen: Vec<Param>,
     rope: Arc<RopeCache>,
 }
 
@@ -151,23 +161,38 @@ impl Weights {
         norm: &Norm,
         first: &[Dense],
         second: &Dense,
+        frozen: bool,
     ) -> Result<(StepWeights, Option<GradSink>)> {
+        let base = |w: &mut Weights, var: &Var| match frozen {
+            true => w.fixed(var),
+            false => w.get(var),
+        };
         let mut dense = |d: &Dense| -> Result<StepDense> {
+            let adapter = match &d.adapter {
+                Some(a) => Some(ops::step::Adapter {
+                    a: self.get(&a.a)?,
+                    b: self.get(&a.b)?,
+                    scale: a.scale,
+                }),
+                None => None,
+            };
             Ok(StepDense {
-                w: self.get(&d.w)?,
-                b: d.b.as_ref().map(|b| self.get(b)).transpose()?,
+                w: base(self, &d.w)?,
+                b: d.b.as_ref().map(|b| base(self, b)).transpose()?,
+                adapter,
             })
         };
         let first_weights = first.iter().map(&mut dense).collect::<Result<Vec<_>>>()?;
         let second_weights = dense(second)?;
         let weights = StepWeights {
-            gain: self.get(&norm.g)?,
-            shift: norm.b.as_ref().map(|b| self.get(b)).transpose()?,
+            gain: base(self, &norm.g)?,
+            shift: norm.b.as_ref().map(|b| base(self, b)).transpose()?,
             first: first_weights,
             second: second_weights,
+            frozen,
         };
         let sink = self.grads.clone().map(|grads| {
-            let vars = step_vars(norm, first, second);
+            let vars = step_vars(norm, first, second, frozen);
             Box::new(move |g: Vec<Tensor>| {
                 for (var, g) in vars.iter().zip(g) {
                     grads.add(var, g.to_dtype(var.dtype())?)?;
@@ -193,19 +218,39 @@ impl Weights {
         Ok(cast)
     }
 
+    /// A frozen `var` as this forward computes with it: never in the graph.
+    pub fn fixed(&mut self, var: &Var) -> Result<Tensor> {
+        let w = var.as_tensor().detach();
+        if w.dtype() == self.dtype {
+            return Ok(w);
+        }
+        let cast = w.to_dtype(self.dtype)?;
+        self.casts.push(cast.clone());
+        Ok(cast)
+    }
+
     /// The casts made, which the ledger counts as compute weights.
     pub fn into_casts(self) -> Vec<Tensor> {
         self.casts
     }
 }
 
-/// A residual step's `Var`s in `StepWeights::flat` order.
-fn step_vars(norm: &Norm, first: &[Dense], second: &Dense) -> Vec<Var> {
-    let mut vars = vec![norm.g.clone()];
-    vars.extend(norm.b.clone());
+/// A residual step's trained `Var`s in `StepWeights::trainable` order: with a frozen base the
+/// adapters only.
+fn step_vars(norm: &Norm, first: &[Dense], second: &Dense, frozen: bool) -> Vec<Var> {
+    let mut vars = Vec::new();
+    if !frozen {
+        vars.push(norm.g.clone());
+        vars.extend(norm.b.clone());
+    }
     for d in first.iter().chain([second]) {
-        vars.push(d.w.clone());
-        vars.extend(d.b.clone());
+        if !frozen {
+            vars.push(d.w.clone());
+            vars.extend(d.b.clone());
+        }
+        if let Some(a) = &d.adapter {
+            vars.extend([a.a.clone(), a.b.clone()]);
+        }
     }
     vars
 }
@@ -236,10 +281,10 @@ impl Block {
             shape,
             rope: dims.rope.clone(),
         });
-        let (weights, sink) = w.step(&self.norm1, &self.attn_in, &self.attn_out)?;
+        let (weights, sink) = w.step(&self.norm1, &self.attn_in, &self.attn_out, self.frozen)?;
         let x = ops::residual_step(x, &attention, weights, sink)?;
         let mlp = self.step(Middle::Mlp(self.spec.activation()));
-        let (weights, sink) = w.step(&self.norm2, &self.mlp_in, &self.mlp_out)?;
+        let (weights, sink) = w.step(&self.norm2, &self.mlp_in, &self.mlp_out, self.frozen)?;
         ops::residual_step(&x, &mlp, weights, sink)
     }
 
@@ -251,13 +296,14 @@ impl Block {
         }
     }
 
-    /// The block's parameters, in creation order.
+    /// The block's weights, in creation order, adapters after their layer's weights.
     pub fn vars(&self) -> Vec<&Var> {
         fn norm(n: &Norm) -> Vec<&Var> {
             std::iter::once(&n.g).chain(&n.b).collect()
         }
         fn dense(d: &Dense) -> Vec<&Var> {
-            std::iter::once(&d.w).chain(&d.b).collect()
+            let adapter = d.adapter.iter().flat_map(|a| [&a.a, &a.b]);
+            std::iter::once(&d.w).chain(&d.b).chain(adapter).collect()
         }
         let mut vars = norm(&self.norm1);
         self.attn_in.iter().for_each(|d| vars.extend(dense(d)));
@@ -278,6 +324,12 @@ pub enum OpenError {
     /// Building this engine's GPT.
     #[error("building the model: {0}")]
     Build(#[from] candle_core::Error),
+    /// Adding LoRA's adapters.
+    #[error(transparent)]
+    Adapt(#[from] lora::AdaptError),
+    /// Reading a LoRA adapter.
+    #[error(transparent)]
+    Adapter(#[from] lora::AdapterError),
 }
 
 /// The scenario's model on `device`: the Hugging Face checkpoint `model.path` names (resolved
@@ -289,10 +341,28 @@ pub fn open(
     available: Option<(u64, &str)>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> std::result::Result<Gpt, OpenError> {
-    let m = &scenario.model;
-    match &m.path {
-        Some(path) => Ok(hf::ModelDir::open(path)?.load(m.seq_len, device, available, progress)?),
-        None => Ok(Gpt::new(m, scenario.train.seed, device)?),
+    let (m, t) = (&scenario.model, &scenario.train);
+    let model = match &m.path {
+        Some(path) => {
+            hf::ModelDir::open(path)?.build(m.seq_len, t.seed, device, available, progress)?
+        }
+        None => Gpt::new(m, t.seed, device)?,
+    };
+    match t.lora_rank {
+        0 => Ok(model),
+        rank => {
+            let lora = lora::Lora {
+                rank,
+                alpha: t.lora_alpha,
+                targets: t.lora_targets.clone(),
+                rslora: t.lora_rslora,
+            };
+            let mut model = model.adapt(&lora, t.seed, t.dtype.candle())?;
+            if let Some(dir) = &m.adapter {
+                model.load_adapter(dir)?;
+            }
+            Ok(model)
+        }
     }
 }
 
@@ -304,7 +374,7 @@ impl Gpt {
 
     /// A model of `spec` with random weights (seeded), recorded as `cfg`.
     pub fn random(spec: Spec, cfg: ModelConfig, seed: u64, device: &Device) -> Result<Gpt> {
-        let source = Source::Random(ChaCha8Rng::seed_from_u64(seed));
+        let source = Source::Random(Box::new(ChaCha8Rng::seed_from_u64(seed)));
         Gpt::build(Arc::new(spec), cfg, Init::new(source, device))
     }
 
@@ -313,7 +383,7 @@ impl Gpt {
         spec: Spec,
         cfg: ModelConfig,
         device: &Device,
-        read: &mut dyn FnMut(&str, &[usize], WeightLayout) -> Result<Tensor>,
+        read: &mut ReadWeight<'_>,
     ) -> Result<Gpt> {
         Gpt::build(Arc::new(spec), cfg, Init::new(Source::Read(read), device))
     }
@@ -331,9 +401,57 @@ impl Gpt {
                 "replacement weights do not match the model's parameters".into(),
             ));
         }
-        let device = self.params[0].var.device().clone();
-        let init = Init::new(Source::Adopt(vars.into_iter()), &device);
-        Gpt::build(self.spec.clone(), self.cfg.clone(), init)
+        let swaps: std::collections::HashMap<_, Var> =
+            self.params.iter().map(|p| p.var.id()).zip(vars).collect();
+        Ok(self.map_vars(&|v: &Var| swaps.get(&v.id()).cloned().unwrap_or_else(|| v.clone())))
+    }
+
+    /// This model with every `Var` (weights, adapters, frozen or not) replaced by `f(var)`.
+    fn map_vars(&self, f: &dyn Fn(&Var) -> Var) -> Gpt {
+        let norm = |n: &Norm| Norm {
+            g: f(&n.g),
+            b: n.b.as_ref().map(f),
+        };
+        let dense = |d: &Dense| Dense {
+            module: d.module.clone(),
+            w: f(&d.w),
+            b: d.b.as_ref().map(f),
+            adapter: d.adapter.as_ref().map(|a| lora::Adapter {
+                a: f(&a.a),
+                b: f(&a.b),
+                scale: a.scale,
+            }),
+        };
+        let param = |p: &Param| Param {
+            name: p.name.clone(),
+            var: f(&p.var),
+            decay: p.decay,
+        };
+        Gpt {
+            cfg: self.cfg.clone(),
+            spec: self.spec.clone(),
+            params: self.params.iter().map(param).collect(),
+            embed: f(&self.embed),
+            positions: self.positions.as_ref().map(f),
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| Block {
+                    spec: b.spec.clone(),
+                    frozen: b.frozen,
+                    norm1: norm(&b.norm1),
+                    attn_in: b.attn_in.iter().map(dense).collect(),
+                    attn_out: dense(&b.attn_out),
+                    norm2: norm(&b.norm2),
+                    mlp_in: b.mlp_in.iter().map(dense).collect(),
+                    mlp_out: dense(&b.mlp_out),
+                })
+                .collect(),
+            norm: norm(&self.norm),
+            head: self.head.as_ref().map(f),
+            frozen: self.frozen.iter().map(param).collect(),
+            rope: self.rope.clone(),
+        }
     }
 
     fn build(spec: Arc<Spec>, cfg: ModelConfig, mut init: Init) -> Result<Gpt> {
@@ -370,6 +488,7 @@ impl Gpt {
             blocks,
             norm,
             head,
+            frozen: Vec::new(),
             rope: Arc::new(RopeCache::default()),
         })
     }
@@ -426,8 +545,8 @@ impl Gpt {
             }
         }
         let n = &self.norm;
-        let gain = w.get(&n.g)?;
-        let shift = n.b.as_ref().map(|b| w.get(b)).transpose()?;
+        let gain = self.weight(&mut w, &n.g)?;
+        let shift = n.b.as_ref().map(|b| self.weight(&mut w, b)).transpose()?;
         let features = ops::norm(
             &x,
             self.spec.norm(),
@@ -436,8 +555,8 @@ impl Gpt {
             self.spec.norm_eps,
         )?;
         let (head, head_layout) = match &self.head {
-            Some(head) => (w.get(head)?, WeightLayout::InOut),
-            None => (w.get(&self.embed)?, WeightLayout::OutIn),
+            Some(head) => (self.weight(&mut w, head)?, WeightLayout::InOut),
+            None => (self.weight(&mut w, &self.embed)?, WeightLayout::OutIn),
         };
         Ok(Forward {
             features,
@@ -448,16 +567,25 @@ impl Gpt {
         })
     }
 
+    /// A weight outside the blocks as this forward computes with it: out of the graph when the
+    /// base is frozen.
+    fn weight(&self, w: &mut Weights, var: &Var) -> Result<Tensor> {
+        match self.frozen.is_empty() {
+            true => w.get(var),
+            false => w.fixed(var),
+        }
+    }
+
     /// Token (+ learned position) embeddings, `[B·T, D]`.
     fn embed(&self, ids: &Tensor, w: &mut Weights) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let d = self.spec.arch.hidden as usize;
-        let table = w.get(&self.embed)?;
+        let table = self.weight(w, &self.embed)?;
         let tok = ops::embedding(&table, &ids.flatten_all()?)?;
         match &self.positions {
             None => Ok(tok),
             Some(positions) => {
-                let pos = w.get(positions)?.narrow(0, 0, t)?;
+                let pos = self.weight(w, positions)?.narrow(0, 0, t)?;
                 ops::broadcast_add(&tok.reshape((b, t, d))?, &pos)?.reshape((b * t, d))
             }
         }
@@ -480,13 +608,14 @@ impl Forward {
 /// Where a model's weights come from.
 enum Source<'a> {
     /// Drawn from a seeded generator.
-    Random(ChaCha8Rng),
-    /// Existing weights, taken in creation order.
-    Adopt(std::vec::IntoIter<Var>),
+    Random(Box<ChaCha8Rng>),
     /// Read by name: `(name, shape the engine holds, how the source stores it)` → the f32
     /// tensor in the engine's shape (a `[out, in]` matrix already turned).
-    Read(&'a mut dyn FnMut(&str, &[usize], WeightLayout) -> Result<Tensor>),
+    Read(&'a mut ReadWeight<'a>),
 }
+
+/// Reads one weight by name: `(name, shape the engine holds, how the source stores it)`.
+pub(crate) type ReadWeight<'a> = dyn FnMut(&str, &[usize], WeightLayout) -> Result<Tensor> + 'a;
 
 /// How a new parameter starts when drawn.
 #[derive(Clone, Copy)]
@@ -548,7 +677,12 @@ impl<'a> Init<'a> {
             }
             false => None,
         };
-        Ok(Dense { w, b })
+        Ok(Dense {
+            module: module.to_string(),
+            w,
+            b,
+            adapter: None,
+        })
     }
 
     /// A norm named `module`: gain 1, and bias 0 for layer norm.
@@ -610,6 +744,7 @@ impl<'a> Init<'a> {
         let mlp_out = self.dense(names, &p(names.mlp_out), [f, d], out_std, a.mlp_bias)?;
         Ok(Block {
             spec: spec.clone(),
+            frozen: false,
             norm1,
             attn_in,
             attn_out,
@@ -629,9 +764,6 @@ impl<'a> Init<'a> {
         stored: WeightLayout,
     ) -> Result<Var> {
         let var = match &mut self.source {
-            Source::Adopt(vars) => vars.next().ok_or_else(|| {
-                candle_core::Error::Msg(format!("no replacement weight for {name}"))
-            })?,
             Source::Random(rng) => {
                 let n: usize = shape.iter().product();
                 let values: Vec<f32> = match start {
@@ -679,6 +811,7 @@ mod tests {
             heads: 2,
             seq_len: 8,
             path: None,
+            adapter: None,
         };
         let gpt = Gpt::new(&cfg, 3, &Device::Cpu).unwrap();
         let dims = Dims {

@@ -78,6 +78,10 @@ pub struct ModelConfig {
     /// but `seq_len`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<PathBuf>,
+    /// A PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`) for the model
+    /// at `path`: its settings become `train.lora_*`, its weights the adapters' start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<PathBuf>,
 }
 
 impl Default for ModelConfig {
@@ -89,6 +93,7 @@ impl Default for ModelConfig {
             heads: 4,
             seq_len: 128,
             path: None,
+            adapter: None,
         }
     }
 }
@@ -269,6 +274,16 @@ pub struct TrainConfig {
     /// ZeRO-2: "buffer" (a whole local buffer, one reduce-scatter per window) or
     /// "reduce-scatter" (one per micro-batch, 1/W of the buffer).
     pub zero2_accumulate: crate::dist::Zero2Accumulate,
+    /// LoRA's rank r: 0 trains every weight; r ≥ 1 freezes them and trains a rank-r adapter on
+    /// each targeted layer (`model::lora`).
+    pub lora_rank: usize,
+    /// LoRA's alpha: the adapters' update is scaled by alpha / r (PEFT's default 8).
+    pub lora_alpha: f64,
+    /// The layers LoRA adapts, by name or name suffix (`["q_proj", "v_proj"]`, `["c_attn"]`,
+    /// `["attn.qkv"]`); empty: every linear layer of the blocks.
+    pub lora_targets: Vec<String>,
+    /// rsLoRA: scale the update by alpha / √r instead of alpha / r.
+    pub lora_rslora: bool,
 }
 
 impl Default for TrainConfig {
@@ -314,6 +329,10 @@ impl Default for TrainConfig {
             comm_timeout: 60.0,
             zero: 0,
             zero2_accumulate: crate::dist::Zero2Accumulate::Buffer,
+            lora_rank: 0,
+            lora_alpha: 8.0,
+            lora_targets: Vec::new(),
+            lora_rslora: false,
         }
     }
 }

@@ -20,6 +20,7 @@ fn scenario(micro_batch: usize, accum_steps: usize, budget: MemoryBudget) -> Sce
             heads: 4,
             seq_len: 64,
             path: None,
+            adapter: None,
         },
         data: DataConfig {
             alphabet: 16,

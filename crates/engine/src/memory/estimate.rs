@@ -22,7 +22,7 @@
 
 use serde::Serialize;
 
-use crate::memory::arch::Arch;
+use crate::hf::Arch;
 use crate::model::hf::{HfError, ModelDir};
 use crate::scenario::{ModelConfig, Scenario};
 use crate::telemetry::{
@@ -483,7 +483,7 @@ mod tests {
             layers: 2,
             heads: 2,
             seq_len: 32,
-            path: None,
+            ..ModelConfig::default()
         };
         Config {
             arch: Arch::engine(&model),
@@ -551,7 +551,7 @@ mod tests {
             };
             let (n, stats) = (
                 4 * 32,
-                if a.norm == crate::memory::arch::Norm::RmsNorm {
+                if a.norm == crate::hf::Norm::RmsNorm {
                     1
                 } else {
                     2
@@ -567,8 +567,8 @@ mod tests {
             );
             // The block's kept tensors: 4·D + qkv + H·hd + the MLP's first layer, per token.
             let mlp = match a.mlp {
-                crate::memory::arch::Mlp::Gelu => a.intermediate,
-                crate::memory::arch::Mlp::SwiGlu => 2 * a.intermediate,
+                crate::hf::Mlp::Gelu => a.intermediate,
+                crate::hf::Mlp::SwiGlu => 2 * a.intermediate,
             };
             let width = 4 * a.hidden + a.q_width() + 2 * a.kv_width() + a.q_width() + mlp;
             assert_eq!(graph::block_bytes(&fused), width * n * F32, "{}", a.family);

@@ -71,6 +71,9 @@ pub enum HfError {
         /// Where (host memory or the GPU).
         device: String,
     },
+    /// A LoRA adapter's files.
+    #[error(transparent)]
+    Adapter(#[from] super::lora::AdapterError),
     /// Candle failed while reading or converting.
     #[error("{file}: {source}")]
     Candle {
@@ -115,11 +118,12 @@ pub fn cache_roots() -> Vec<PathBuf> {
         .unwrap_or_default()
 }
 
-/// The directory `name` stands for: a directory path as given, or `ORG/NAME[@REVISION]` in the
-/// local cache (the revision a branch under `refs/`, or a commit hash under `snapshots/`).
+/// The directory `name` stands for: a directory path as given (or a `config.json` file alone:
+/// that shape with random weights), or `ORG/NAME[@REVISION]` in the local cache (the revision a
+/// branch under `refs/`, or a commit hash under `snapshots/`).
 pub fn resolve(name: &str) -> Result<PathBuf, HfError> {
     let as_path = Path::new(name);
-    if as_path.is_dir() {
+    if as_path.is_dir() || is_config_file(as_path) {
         return Ok(as_path.to_path_buf());
     }
     let mut looked = vec![format!("{name} (as a directory)")];
@@ -153,6 +157,11 @@ pub fn resolve(name: &str) -> Result<PathBuf, HfError> {
     })
 }
 
+/// A `.json` file given where a model directory goes: a shape to build with random weights.
+fn is_config_file(path: &Path) -> bool {
+    path.is_file() && path.extension().is_some_and(|e| e == "json")
+}
+
 fn file_error(path: &Path, message: impl Into<String>) -> HfError {
     HfError::File {
         path: path.display().to_string(),
@@ -167,8 +176,19 @@ pub fn read_json_text(path: &Path) -> Result<String, HfError> {
 }
 
 impl ModelDir {
-    /// The files of the model directory `dir`, checked to exist.
+    /// The files of the model directory `dir`, checked to exist; a `config.json` file alone is
+    /// a shape with no weights (`random`).
     pub fn open(dir: &Path) -> Result<ModelDir, HfError> {
+        if is_config_file(dir) {
+            let parent = dir.parent().unwrap_or(Path::new(".")).to_path_buf();
+            return Ok(ModelDir {
+                tokenizer: Some(parent.join("tokenizer.json")).filter(|t| t.is_file()),
+                dir: parent,
+                config: dir.to_path_buf(),
+                weights: Vec::new(),
+                index: None,
+            });
+        }
         if !dir.is_dir() {
             return Err(file_error(dir, "not a directory"));
         }
@@ -203,6 +223,43 @@ impl ModelDir {
             weights,
             index,
             tokenizer,
+        })
+    }
+
+    /// Whether this is a shape alone (a `config.json` given without weights).
+    pub fn is_shape(&self) -> bool {
+        self.weights.is_empty()
+    }
+
+    /// The path a scenario's `model.path` records: the directory, or the config file of a shape.
+    pub fn source(&self) -> PathBuf {
+        let path = if self.is_shape() {
+            &self.config
+        } else {
+            &self.dir
+        };
+        std::path::absolute(path).unwrap_or_else(|_| path.clone())
+    }
+
+    /// The model, with its checkpoint's weights or, for a shape alone, random ones drawn from
+    /// `seed` (the family's initialiser, as `Gpt::random`).
+    pub fn build(
+        &self,
+        seq_len: usize,
+        seed: u64,
+        device: &Device,
+        available: Option<(u64, &str)>,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Gpt, HfError> {
+        if !self.is_shape() {
+            return self.load(seq_len, device, available, progress);
+        }
+        let spec = self.spec()?;
+        let mut cfg = spec.model_config(seq_len);
+        cfg.path = Some(self.source());
+        Gpt::random(spec, cfg, seed, device).map_err(|source| HfError::Candle {
+            file: self.config.display().to_string(),
+            source,
         })
     }
 
@@ -282,7 +339,8 @@ impl ModelDir {
                 }
             }
         };
-        let cfg = spec.model_config(seq_len);
+        let mut cfg = spec.model_config(seq_len);
+        cfg.path = Some(self.source());
         let built = Gpt::read(spec.clone(), cfg, device, &mut read);
         let model = match (built, failure) {
             (_, Some(e)) => return Err(e),
@@ -450,18 +508,33 @@ pub fn prepare(scenario: &mut Scenario) -> Result<Option<(ModelDir, Spec)>, HfEr
         });
     }
     let mut cfg = spec.model_config(seq_len);
-    cfg.path = Some(std::path::absolute(&dir.dir).unwrap_or_else(|_| dir.dir.clone()));
+    cfg.path = Some(dir.source());
+    cfg.adapter = scenario.model.adapter.take();
+    if let Some(adapter) = &cfg.adapter {
+        let lora = super::lora::read_adapter_config(adapter)?;
+        let t = &mut scenario.train;
+        (t.lora_rank, t.lora_alpha, t.lora_targets, t.lora_rslora) =
+            (lora.rank, lora.alpha, lora.targets, lora.rslora);
+    }
     scenario.model = cfg;
     let data = &mut scenario.data;
-    if data.source != DataSource::Synthetic && data.tokenizer_file.is_none() {
-        let tokenizer = dir.tokenizer.clone().ok_or_else(|| HfError::File {
-            path: dir.dir.display().to_string(),
-            message: "no tokenizer.json to cut the text with; set data.tokenizer_file".into(),
-        })?;
-        data.tokenizer_file = Some(tokenizer);
-    }
-    if data.tokenizer_file.is_some() {
+    if data.source != DataSource::Synthetic {
+        // Text is cut by the model's own tokenizer; a shape without one trains a BPE on the text
+        // (its vocabulary must fit the embedding: `data::Corpus::open_sizing` checks).
         data.tokenizer = TokenizerKind::Bpe;
+        match &dir.tokenizer {
+            Some(t) if data.tokenizer_file.is_none() => {
+                data.tokenizer_file = Some(std::path::absolute(t).unwrap_or_else(|_| t.clone()));
+            }
+            None if data.tokenizer_file.is_none() && !dir.is_shape() => {
+                return Err(HfError::File {
+                    path: dir.dir.display().to_string(),
+                    message: "no tokenizer.json to cut the text with; set data.tokenizer_file"
+                        .into(),
+                });
+            }
+            _ => {}
+        }
     }
     Ok(Some((dir, spec)))
 }

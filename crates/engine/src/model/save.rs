@@ -78,17 +78,7 @@ pub fn save(
     dir: &Path,
     rules: &Overwrite,
 ) -> Result<Saved, SaveError> {
-    if let Some(source) = &model.cfg.path {
-        let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
-        let target = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
-        let inside = canon(&target).starts_with(canon(source)) || target.starts_with(source);
-        if inside {
-            return Err(SaveError::IntoSource {
-                target: dir.display().to_string(),
-                source_dir: source.display().to_string(),
-            });
-        }
-    }
+    check_target(model.cfg.path.as_deref(), dir)?;
     std::fs::create_dir_all(dir).map_err(|err| SaveError::Dir {
         dir: dir.display().to_string(),
         err,
@@ -106,6 +96,32 @@ pub fn save(
         tensors: tensors.len(),
         bytes,
     })
+}
+
+/// `dir` may receive a model read from `source`: it is neither that directory nor inside it
+/// (links resolved where they exist).
+pub fn check_target(source: Option<&Path>, dir: &Path) -> Result<(), SaveError> {
+    let Some(source) = source else {
+        return Ok(());
+    };
+    // A shape alone was read from its config file's directory.
+    let source = match source.is_file() {
+        true => source.parent().unwrap_or(source),
+        false => source,
+    };
+    let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let target = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    // The deepest existing ancestor, resolved: the target itself may not exist yet.
+    let existing = target.ancestors().find(|a| a.exists()).map(canon);
+    let inside =
+        target.starts_with(source) || existing.is_some_and(|e| e.starts_with(canon(source)));
+    if inside {
+        return Err(SaveError::IntoSource {
+            target: dir.display().to_string(),
+            source_dir: source.display().to_string(),
+        });
+    }
+    Ok(())
 }
 
 /// The config's and tokenizer's bytes: the source's own files, or a GPT-2 config for this
@@ -139,6 +155,8 @@ fn sources(model: &Gpt) -> Result<(Vec<u8>, Option<Vec<u8>>), SaveError> {
                 "activation_function": "gelu_new",
                 "layer_norm_epsilon": model.spec.norm_eps,
                 "tie_word_embeddings": false,
+                "bos_token_id": null,
+                "eos_token_id": null,
                 "resid_pdrop": 0.0,
                 "embd_pdrop": 0.0,
                 "attn_pdrop": 0.0,
@@ -166,6 +184,9 @@ fn tensors_to_save(
     dtype: DType,
 ) -> Result<Vec<(String, Tensor)>, SaveError> {
     let names = model.spec.naming();
+    let gaccwb = names == &GACCWB;
+    // This engine's GPT saves as GPT-2, whose head is an `nn.Linear` (`[out, in]`).
+    let target = if gaccwb { &GPT2 } else { names };
     let head = model.head.as_ref().map(|h| h.id());
     let mut out = Vec::with_capacity(weights.len());
     for (p, w) in model.params.iter().zip(weights) {
@@ -177,8 +198,8 @@ fn tensors_to_save(
         let is_head = Some(p.var.id()) == head;
         let linear = p.var.rank() == 2 && p.name != names.embed && p.name != names.positions;
         let stored = match (is_head, linear) {
-            (true, _) => names.head_stored,
-            (false, true) => names.stored,
+            (true, _) => target.head_stored,
+            (false, true) => target.stored,
             (false, false) => WeightLayout::InOut,
         };
         let t = match stored {
@@ -188,7 +209,7 @@ fn tensors_to_save(
         let t = t
             .to_dtype(dtype)
             .and_then(|t| t.to_device(&candle_core::Device::Cpu));
-        out.push((saved_name(&p.name, names == &GACCWB), t.map_err(conv)?));
+        out.push((saved_name(&p.name, gaccwb), t.map_err(conv)?));
     }
     Ok(out)
 }

@@ -7,8 +7,8 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::memory::arch::{Arch, Mlp, Norm, Positions};
-use crate::memory::hf_config;
+use crate::hf::config as hf_config;
+use crate::hf::{Arch, Mlp, Norm, Positions};
 use crate::ops::rope::{Llama3Scaling, Rope};
 use crate::ops::{Activation, NormKind, WeightLayout};
 use crate::scenario::ModelConfig;
@@ -174,6 +174,14 @@ impl Spec {
             "gpt2" => &GPT2,
             "llama" | "mistral" | "qwen2" => &LLAMA,
             _ => &GACCWB,
+        }
+    }
+
+    /// The Hugging Face family the model saves as (this engine's GPT saves as GPT-2).
+    pub fn naming_family(&self) -> &str {
+        match self.arch.family.as_str() {
+            "gaccwb" => "gpt2",
+            family => family,
         }
     }
 

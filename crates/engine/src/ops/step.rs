@@ -51,13 +51,28 @@ pub struct Step {
     pub middle: Middle,
 }
 
-/// A layer's weight `[in, out]` and its bias `[out]` when it has one.
+/// A low-rank adapter on a layer (PEFT's LoRA): `scale · (x·A)·B` added to the layer's output,
+/// A `[in, r]` and B `[r, out]` as the engine holds them.
+#[derive(Clone, Debug)]
+pub struct Adapter {
+    /// `A`, `[in, r]`.
+    pub a: Tensor,
+    /// `B`, `[r, out]`.
+    pub b: Tensor,
+    /// `alpha / r` (`alpha / √r` with rsLoRA).
+    pub scale: f64,
+}
+
+/// A layer's weight `[in, out]`, its bias `[out]` when it has one, and its adapter when LoRA
+/// adapts it.
 #[derive(Clone, Debug)]
 pub struct Dense {
     /// The weight, stored `[in, out]`.
     pub w: Tensor,
     /// The bias.
     pub b: Option<Tensor>,
+    /// The low-rank adapter.
+    pub adapter: Option<Adapter>,
 }
 
 /// A step's weights, all in the dtype of its input, on its device.
@@ -71,17 +86,49 @@ pub struct StepWeights {
     pub first: Vec<Dense>,
     /// The second layer.
     pub second: Dense,
+    /// The base weights (norm, layers, biases) are frozen: only adapters get gradients, and
+    /// none is computed for the rest.
+    pub frozen: bool,
 }
 
 impl StepWeights {
-    /// Every tensor in the order gradients are handed over: gain, shift, each first weight and
-    /// its bias, the second weight and its bias (absent ones skipped).
+    /// Every tensor: gain, shift, then each layer's weight, bias and adapter's A and B (absent
+    /// ones skipped), the first layer's in order, then the second's.
     pub fn flat(&self) -> Vec<&Tensor> {
-        let mut all = vec![&self.gain];
-        all.extend(&self.shift);
+        self.tensors().into_iter().map(|(t, _)| t).collect()
+    }
+
+    /// The tensors that get gradients, in `flat` order: the order a `GradSink` receives them.
+    pub fn trainable(&self) -> Vec<&Tensor> {
+        self.tensors()
+            .into_iter()
+            .filter(|(_, adapter)| *adapter || !self.frozen)
+            .map(|(t, _)| t)
+            .collect()
+    }
+
+    /// The graph inputs of a step of `x` with these weights: `x`, and when `x` tracks no graph
+    /// (the frozen embedding under LoRA) but a weight is trained, that weight too, as an anchor
+    /// the step's node hangs on so its backward runs (the anchor gets no gradient from the graph:
+    /// the sink hands it over).
+    pub fn graph_inputs<'a>(&'a self, x: &'a Tensor, training: bool) -> Vec<&'a Tensor> {
+        let anchor = self.trainable().into_iter().find(|t| t.track_op());
+        match anchor {
+            Some(a) if training && !x.track_op() => vec![x, a],
+            _ => vec![x],
+        }
+    }
+
+    /// `flat`'s tensors, each with whether it belongs to an adapter.
+    fn tensors(&self) -> Vec<(&Tensor, bool)> {
+        let mut all = vec![(&self.gain, false)];
+        all.extend(self.shift.iter().map(|s| (s, false)));
         for d in self.first.iter().chain([&self.second]) {
-            all.push(&d.w);
-            all.extend(&d.b);
+            all.push((&d.w, false));
+            all.extend(d.b.iter().map(|b| (b, false)));
+            if let Some(a) = &d.adapter {
+                all.extend([(&a.a, true), (&a.b, true)]);
+            }
         }
         all
     }
@@ -136,11 +183,15 @@ impl Step {
     }
 }
 
-/// `x·w (+ b)`.
+/// `x·w (+ b) (+ scale·(x·A)·B)`.
 fn dense(x: &Tensor, d: &Dense) -> Result<Tensor> {
     let y = x.matmul(&d.w)?;
-    match &d.b {
-        Some(b) => composite::bias_add(&y, b),
+    let y = match &d.b {
+        Some(b) => composite::bias_add(&y, b)?,
+        None => y,
+    };
+    match &d.adapter {
+        Some(a) => y + (x.matmul(&a.a)?.matmul(&a.b)? * a.scale)?,
         None => Ok(y),
     }
 }
@@ -159,8 +210,9 @@ mod tests {
     /// The output, the input's gradient and every weight's gradient of `sum(out · r)`.
     type Results = (Tensor, Tensor, Vec<Tensor>);
 
-    /// A family's two steps: (name, step, weights).
-    fn steps(family: &str, batch: usize, t: usize) -> Vec<(String, Step, StepWeights)> {
+    /// A family's two steps: (name, step, weights); with `lora` every layer carries a rank-3
+    /// adapter (B not zero, so that A's gradient is not) and the base is frozen.
+    fn steps(family: &str, batch: usize, t: usize, lora: bool) -> Vec<(String, Step, StepWeights)> {
         let d = 16;
         let (norm, heads, kv, hd, bias_qkv, bias_out, act, f) = match family {
             "gpt" => (
@@ -199,6 +251,11 @@ mod tests {
         let dense = |next: &mut dyn FnMut(&[usize], f32) -> Tensor, i, o, bias: bool| Dense {
             w: next(&[i, o], 0.3),
             b: bias.then(|| next(&[o], 0.3)),
+            adapter: lora.then(|| Adapter {
+                a: next(&[i, 3], 0.3),
+                b: next(&[3, o], 0.3),
+                scale: 8.0 / 3.0,
+            }),
         };
         let norm_weights = |next: &mut dyn FnMut(&[usize], f32) -> Tensor| {
             (
@@ -220,6 +277,7 @@ mod tests {
             shift,
             first,
             second: dense(&mut next, q, d, bias_out),
+            frozen: lora,
         };
         let (gain, shift) = norm_weights(&mut next);
         let first = match act {
@@ -231,6 +289,7 @@ mod tests {
             shift,
             first,
             second: dense(&mut next, f, d, act == Activation::Gelu),
+            frozen: lora,
         };
         let step = |middle| Step {
             norm,
@@ -271,32 +330,37 @@ mod tests {
         (y, dx, grads)
     }
 
-    /// The same step op by op (`Step::composite`), the weights graph inputs.
+    /// The same step op by op (`Step::composite`), the trained weights graph inputs (a frozen
+    /// base is not).
     fn through_composite(x: &Tensor, step: &Step, w: &StepWeights, r: &Tensor) -> Results {
         let x = Var::from_tensor(x).unwrap();
-        let var = |t: &Tensor| Var::from_tensor(t).unwrap();
+        let var = |t: &Tensor| Var::from_tensor(t).unwrap().as_tensor().clone();
+        let base = |t: &Tensor| match w.frozen {
+            true => t.clone(),
+            false => var(t),
+        };
+        let dense = |d: &Dense| Dense {
+            w: base(&d.w),
+            b: d.b.as_ref().map(base),
+            adapter: d.adapter.as_ref().map(|a| Adapter {
+                a: var(&a.a),
+                b: var(&a.b),
+                scale: a.scale,
+            }),
+        };
         let vars = StepWeights {
-            gain: var(&w.gain).as_tensor().clone(),
-            shift: w.shift.as_ref().map(|s| var(s).as_tensor().clone()),
-            first: w
-                .first
-                .iter()
-                .map(|d| Dense {
-                    w: var(&d.w).as_tensor().clone(),
-                    b: d.b.as_ref().map(|b| var(b).as_tensor().clone()),
-                })
-                .collect(),
-            second: Dense {
-                w: var(&w.second.w).as_tensor().clone(),
-                b: w.second.b.as_ref().map(|b| var(b).as_tensor().clone()),
-            },
+            gain: base(&w.gain),
+            shift: w.shift.as_ref().map(base),
+            first: w.first.iter().map(dense).collect(),
+            second: dense(&w.second),
+            frozen: w.frozen,
         };
         let y = step.composite(x.as_tensor(), &vars).unwrap();
         let loss = (y.to_dtype(DType::F32).unwrap() * r).unwrap();
         let store = loss.sum_all().unwrap().backward().unwrap();
         let dx = store.get(x.as_tensor()).unwrap().clone();
         let grads = vars
-            .flat()
+            .trainable()
             .iter()
             .map(|w| store.get(w).unwrap().clone())
             .collect();
@@ -332,8 +396,15 @@ mod tests {
             .broadcast_add(&random(&[batch * t, 1], 3.0, 2))
             .unwrap();
         let r = random(&[batch * t, 16], 1.0, 9);
-        for family in ["gpt", "llama", "qwen"] {
-            for (name, step, w) in steps(family, batch, t) {
+        for (family, lora) in [
+            ("gpt", false),
+            ("llama", false),
+            ("qwen", false),
+            ("gpt", true),
+            ("qwen", true),
+        ] {
+            for (name, step, w) in steps(family, batch, t, lora) {
+                let name = if lora { format!("{name} lora") } else { name };
                 let want = through_composite(&x, &step, &w, &r);
                 let fused = through_sink(fused::branch, &x, &step, &w, &r);
                 assert_close(&format!("fused {name}"), &fused, &want, 1e-5);
@@ -354,22 +425,20 @@ mod tests {
         let half = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
         let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
         for family in ["gpt", "llama"] {
-            for (name, step, w) in steps(family, batch, t) {
-                let cast = |w: &StepWeights, c: &dyn Fn(&Tensor) -> Tensor| StepWeights {
-                    gain: c(&w.gain),
-                    shift: w.shift.as_ref().map(c),
-                    first: w
-                        .first
-                        .iter()
-                        .map(|d| Dense {
-                            w: c(&d.w),
-                            b: d.b.as_ref().map(c),
-                        })
-                        .collect(),
-                    second: Dense {
-                        w: c(&w.second.w),
-                        b: w.second.b.as_ref().map(c),
-                    },
+            for (name, step, w) in steps(family, batch, t, false) {
+                let cast = |w: &StepWeights, c: &dyn Fn(&Tensor) -> Tensor| {
+                    let dense = |d: &Dense| Dense {
+                        w: c(&d.w),
+                        b: d.b.as_ref().map(c),
+                        adapter: None,
+                    };
+                    StepWeights {
+                        gain: c(&w.gain),
+                        shift: w.shift.as_ref().map(c),
+                        first: w.first.iter().map(dense).collect(),
+                        second: dense(&w.second),
+                        frozen: false,
+                    }
                 };
                 let (xh, wh) = (half(&x), cast(&w, &half));
                 let want = through_composite(&f32s(&xh), &step, &cast(&wh, &f32s), &r);

@@ -8,8 +8,8 @@ use candle_core::Device;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::{EventSink, Trainer};
+use crate::hf::Arch;
 use crate::limits::BoundError;
-use crate::memory::arch::Arch;
 use crate::memory::estimate::{changes_memory, Config};
 use crate::memory::fit;
 use crate::scenario::Scenario;

@@ -4,7 +4,7 @@
 //! activation checkpointing (`model/recompute.rs`) changes it.
 
 use super::{Config, F32};
-use crate::memory::arch::{Mlp, Norm, Positions};
+use crate::hf::{Mlp, Norm, Positions};
 
 /// The sizes the formulas share, for one micro-batch of `cfg`'s architecture.
 pub(super) struct Shape {

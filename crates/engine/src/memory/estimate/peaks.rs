@@ -11,7 +11,7 @@
 
 use super::graph::{attention_chunk, checkpointed, recomputed_bytes, Shape};
 use super::{Config, F32};
-use crate::memory::arch::Mlp;
+use crate::hf::Mlp;
 use crate::telemetry::Dtype;
 
 /// Bytes live over a run of allocations and frees, from 0, and the highest point reached.

@@ -24,7 +24,9 @@ use std::borrow::Cow;
 use candle_core::{DType, Result, Tensor};
 
 use super::attention::Attention;
-use super::linear::{linear_backward_rows, linear_rows, parts_backward_rows, parts_rows, Part};
+use super::layer::{
+    parts_backward_rows, parts_rows, second_backward_rows, second_rows, LowRank, Part,
+};
 use super::{norm_backward_rows, norm_rows, storage};
 use crate::ops::step::{GradSink, Middle, Step, StepWeights};
 use crate::ops::NormKind;
@@ -45,12 +47,18 @@ pub fn branch(
         dtype: x.dtype(),
     };
     let (y, kept) = op.forward(&x, &weights)?;
-    crate::ops::lean::apply(NAME, &[&x], y, kept.clone(), move |inputs, _, dy| {
+    let inputs = weights.graph_inputs(&x, sink.is_some());
+    let (arity, x_tracks) = (inputs.len(), x.track_op());
+    let inputs: Vec<Tensor> = inputs.into_iter().cloned().collect();
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    crate::ops::lean::apply(NAME, &refs, y, kept.clone(), move |inputs, _, dy| {
         let (dx, grads) = op.backward(&inputs[0], &kept, &weights, &dy.contiguous()?)?;
         if let Some(sink) = &sink {
             sink(grads)?;
         }
-        Ok(vec![Some(dx)])
+        let mut out = vec![x_tracks.then_some(dx)];
+        out.resize(arity, None);
+        Ok(out)
     })
 }
 
@@ -96,12 +104,29 @@ impl Values<'_> {
         let mut at = 1 + usize::from(self.w.shift.is_some());
         let mut parts = Vec::new();
         for d in self.w.first.iter().chain([&self.w.second]) {
+            let w = &self.all[at][..];
+            at += 1;
+            let b = d.b.as_ref().map(|_| &self.all[at][..]);
+            at += usize::from(d.b.is_some());
+            let adapter = match &d.adapter {
+                Some(a) => {
+                    let lr = LowRank {
+                        a: &self.all[at],
+                        b: &self.all[at + 1],
+                        r: a.a.dim(1)?,
+                        scale: a.scale as f32,
+                    };
+                    at += 2;
+                    Some(lr)
+                }
+                None => None,
+            };
             parts.push(Part {
-                w: &self.all[at],
-                b: d.b.as_ref().map(|_| &self.all[at + 1][..]),
+                w,
+                b,
                 o: d.w.dim(1)?,
+                adapter,
             });
-            at += 1 + usize::from(d.b.is_some());
         }
         let second = parts
             .pop()
@@ -142,15 +167,14 @@ impl Op {
                 None => (mid.clone(), vec![normed, mid]),
             };
             let act = self.step.activation();
-            let out = with_f32(&second_in, |v| {
-                linear_rows(v, second.w, second.b, d, act, Some(x))
-            })?;
+            let cols = second_in.dim(1)?;
+            let out = with_f32(&second_in, |v| second_rows(v, cols, &second, act, x))?;
             Ok((store(out, d)?, kept))
         })?
     }
 
-    /// The input's gradient and the weights' (in `StepWeights::flat` order), in the storage
-    /// dtype.
+    /// The input's gradient and the trainable weights' (in `StepWeights::trainable` order), in
+    /// the storage dtype.
     fn backward(
         &self,
         x: &Tensor,
@@ -160,7 +184,7 @@ impl Op {
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let (n, d) = x.dims2()?;
         let dt = self.dtype;
-        let tensor = |v: &[f32], shape: &[usize]| storage::tensor(v.to_vec(), dt, shape);
+        let base = !w.frozen;
         let mut all = vec![dy];
         all.extend(w.flat());
         with_all_f32(&all, |v| {
@@ -168,44 +192,59 @@ impl Op {
             let (first, second) = values.layers()?;
             let second_in = kept.last().unwrap_or(x);
             let cols = second_in.dim(1)?;
-            // The second layer's packed [input's gradient; weight's; bias's].
             let act = self.step.activation();
-            let bias = second.b.is_some();
-            let packed = with_f32(second_in, |h| {
-                linear_backward_rows(h, second.w, dy, cols, act, bias)
+            let (d_second_in, second_grads) = with_f32(second_in, |h| {
+                second_backward_rows(h, cols, &second, act, dy, base)
             })?;
             let dmid = match self.attention() {
-                Some(attention) => with_f32(&kept[1], |qkv| {
-                    attention.backward_rows(qkv, &packed[..n * cols])
-                })?,
-                None => packed[..n * cols].to_vec(),
+                Some(attention) => {
+                    with_f32(&kept[1], |qkv| attention.backward_rows(qkv, &d_second_in))?
+                }
+                None => d_second_in,
             };
             let (dnormed, first_grads) =
-                with_f32(&kept[0], |a| parts_backward_rows(a, d, &first, &dmid))?;
+                with_f32(&kept[0], |a| parts_backward_rows(a, d, &first, &dmid, base))?;
             // The residual's gradient, dy, joins the norm's input gradient as it is written.
             let eps = self.step.eps as f32;
             let mut norm = with_f32(x, |x| {
                 norm_backward_rows(x, values.gain(), &dnormed, eps, self.step.norm, Some(dy))
             })?;
-            let mut grads = vec![tensor(&norm[n * d..(n + 1) * d], &[d])?];
-            if self.step.norm == NormKind::Layer {
-                grads.push(tensor(&norm[(n + 1) * d..(n + 2) * d], &[d])?);
-            }
-            for (g, dense) in first_grads.iter().zip(&w.first) {
-                let wlen = dense.w.elem_count();
-                grads.push(tensor(&g[..wlen], dense.w.dims())?);
-                if dense.b.is_some() {
-                    grads.push(tensor(&g[wlen..], &[g.len() - wlen])?);
+            let mut grads = Vec::new();
+            if base {
+                grads.push(storage::tensor(norm[n * d..(n + 1) * d].to_vec(), dt, d)?);
+                if self.step.norm == NormKind::Layer {
+                    grads.push(storage::tensor(
+                        norm[(n + 1) * d..(n + 2) * d].to_vec(),
+                        dt,
+                        d,
+                    )?);
                 }
             }
-            let wlen = w.second.w.elem_count();
-            let at = n * cols;
-            grads.push(tensor(&packed[at..at + wlen], w.second.w.dims())?);
-            if bias {
-                grads.push(tensor(&packed[at + wlen..], &[d])?);
+            let denses = w
+                .first
+                .iter()
+                .zip(first_grads)
+                .chain([(&w.second, second_grads)]);
+            for (dense, packed) in denses {
+                for (t, g) in trainable_of(dense, base).into_iter().zip(packed) {
+                    grads.push(storage::tensor(g, dt, t.dims())?);
+                }
             }
             norm.truncate(n * d);
             Ok((storage::tensor(norm, dt, (n, d))?, grads))
         })?
     }
+}
+
+/// A layer's tensors that get gradients, in the order its kernels return them.
+fn trainable_of(d: &crate::ops::step::Dense, base: bool) -> Vec<&Tensor> {
+    let mut t = Vec::new();
+    if base {
+        t.push(&d.w);
+        t.extend(&d.b);
+    }
+    if let Some(a) = &d.adapter {
+        t.extend([&a.a, &a.b]);
+    }
+    t
 }

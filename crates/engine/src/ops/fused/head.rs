@@ -194,14 +194,21 @@ impl CustomOp2 for LinearNll {
             targets: self.targets.clone(),
             mask: self.mask.clone(),
             layout: self.layout,
+            // A frozen head (LoRA) takes part in no graph: its gradient is never computed.
+            weight_grad: w.track_op(),
         };
         // One buffer holds [dx; dw], as the fused linear's backward.
         let packed = x.apply_op2_no_bwd(w, &op)?;
         let dx = packed.narrow(0, 0, n * d)?.reshape((n, d))?;
-        let dw = packed
-            .narrow(0, n * d, w.elem_count())?
-            .reshape(w.shape())?;
-        Ok((Some(dx), Some(dw)))
+        let dw = match op.weight_grad {
+            true => Some(
+                packed
+                    .narrow(0, n * d, w.elem_count())?
+                    .reshape(w.shape())?,
+            ),
+            false => None,
+        };
+        Ok((Some(dx), dw))
     }
 }
 
@@ -246,6 +253,8 @@ struct LinearNllBackward {
     targets: Tensor,
     mask: Tensor,
     layout: WeightLayout,
+    /// Whether dW is wanted (not for a frozen head).
+    weight_grad: bool,
 }
 
 impl CustomOp2 for LinearNllBackward {
@@ -273,14 +282,15 @@ impl CustomOp2 for LinearNllBackward {
             let mut buf = chunk_buffer(dims);
             // dx rows are written by their chunk's product, dw by the first chunk's (then
             // added to): every value, as chunks cover all rows and n ≥ 1.
-            Ok(filled(n * d + d * v, |out| {
+            let dw_len = if self.weight_grad { d * v } else { 0 };
+            Ok(filled(n * d + dw_len, |out| {
                 for (c, rows) in dims.chunks().enumerate() {
                     chunk_logits(&mut buf, x, w, dims, &rows);
                     let dlogits = &mut buf[..rows.len() * v];
                     to_dlogits(dlogits, v, rows.start, targets, mask, self.scale);
+                    let x_rows = Mat::rows(&x[rows.start * d..rows.end * d], d);
                     // SAFETY: `out` holds n·d dx values then d·v dw values; these views are
                     // this chunk's dx rows and the dw block, apart from `buf`, `x` and `w`.
-                    let x_rows = Mat::rows(&x[rows.start * d..rows.end * d], d);
                     unsafe {
                         matmul(
                             MatMut::new(out.offset(rows.start * d), rows.len(), d, d),
@@ -289,15 +299,16 @@ impl CustomOp2 for LinearNllBackward {
                             false,
                             true,
                         );
-                        match dims.layout {
-                            WeightLayout::InOut => matmul(
+                        match (self.weight_grad, dims.layout) {
+                            (false, _) => {}
+                            (true, WeightLayout::InOut) => matmul(
                                 MatMut::new(out.offset(n * d), d, v, v),
                                 x_rows.t(),
                                 Mat::rows(dlogits, v),
                                 c > 0,
                                 true,
                             ),
-                            WeightLayout::OutIn => matmul(
+                            (true, WeightLayout::OutIn) => matmul(
                                 MatMut::new(out.offset(n * d), v, d, d),
                                 Mat::rows(dlogits, v).t(),
                                 x_rows,

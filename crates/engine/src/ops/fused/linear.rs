@@ -3,8 +3,8 @@
 //! being `[gate | up]`). The activation's output (the largest activation of a block) is not
 //! kept: the backward recomputes it from `h`, which the graph keeps anyway as the first
 //! linear's output. Products go straight to `gemm`; the backward returns dx, dW and db from one
-//! buffer. A layer of several weights whose outputs sit side by side (q, k and v; gate and up)
-//! is `parts_rows`: one product per weight into its columns, no weight copied together.
+//! buffer. A step's layers (several weights side by side, adapters, frozen weights) are
+//! `layer.rs`.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
@@ -80,7 +80,7 @@ fn sigmoid(x: f32) -> f32 {
 }
 
 /// `act(h)` into a fresh buffer, in parallel (`h` rows of `2·i` for SwiGLU).
-fn activated(h: &[f32], act: Activation, i: usize) -> Vec<f32> {
+pub(super) fn activated(h: &[f32], act: Activation, i: usize) -> Vec<f32> {
     match act {
         Activation::None => h.to_vec(),
         Activation::Gelu => super::map_range(h.len(), |r, dst| {
@@ -140,118 +140,6 @@ pub(super) fn linear_backward_rows(
     bias: bool,
 ) -> Vec<f32> {
     LinearBackward(Linear { act, bias }).packed(x, w, dy, cols)
-}
-
-/// One weight of a layer whose weights write side by side: `w` `[i, o]`, `b` `[o]`.
-pub(super) struct Part<'a> {
-    /// The weight's values.
-    pub w: &'a [f32],
-    /// The bias's values, when it has one.
-    pub b: Option<&'a [f32]>,
-    /// Its output width.
-    pub o: usize,
-}
-
-/// `[x·w₁ + b₁ | x·w₂ + b₂ | …]` (`[N, Σo]`) for `x` rows of `i`, in f32: one product per
-/// part into its columns. One part is `linear_rows`, to the bit.
-pub(super) fn parts_rows(x: &[f32], i: usize, parts: &[Part]) -> Vec<f32> {
-    let width: usize = parts.iter().map(|p| p.o).sum();
-    let n = x.len() / i;
-    // Every row starts as the biases (zero where a part has none); the products add to it.
-    filled(n * width, |out| {
-        for_units(n, width, |_, rows| {
-            // SAFETY: `for_units` gives each call its own rows, inside the buffer.
-            let dst = unsafe { out.uninit_rows(&rows, width) };
-            for row in dst.chunks_exact_mut(width) {
-                let mut cols = row.iter_mut();
-                for p in parts {
-                    for (j, d) in cols.by_ref().take(p.o).enumerate() {
-                        d.write(p.b.map_or(0.0, |b| b[j]));
-                    }
-                }
-            }
-        });
-        let mut at = 0;
-        for p in parts {
-            // SAFETY: columns at..at+o of the n×width buffer, initialised above; x and w are
-            // other buffers.
-            unsafe {
-                matmul(
-                    MatMut::new(out.offset(at), n, p.o, width),
-                    Mat::rows(x, i),
-                    Mat::rows(p.w, p.o),
-                    true,
-                    true,
-                )
-            };
-            at += p.o;
-        }
-    })
-}
-
-/// The gradients of `parts_rows` at `x` (rows of `i`) for `dy` (`[N, Σo]`): dx, then each
-/// part's `[dw; db]` (`db` only where it has a bias), in f32.
-pub(super) fn parts_backward_rows(
-    x: &[f32],
-    i: usize,
-    parts: &[Part],
-    dy: &[f32],
-) -> (Vec<f32>, Vec<Vec<f32>>) {
-    let width: usize = parts.iter().map(|p| p.o).sum();
-    let n = x.len() / i;
-    let mut at = 0;
-    let dys: Vec<Mat> = parts
-        .iter()
-        .map(|p| {
-            let view = Mat::new(dy[at..].as_ptr(), n, p.o, width);
-            at += p.o;
-            view
-        })
-        .collect();
-    // dx = Σ dyₚ·wₚᵀ, the parts in order.
-    let dx = filled(n * i, |out| {
-        for (k, (p, dyp)) in parts.iter().zip(&dys).enumerate() {
-            // SAFETY: `out` holds n×i values; the first product writes every one, the others
-            // add; dy and w are other buffers.
-            unsafe {
-                matmul(
-                    MatMut::new(out.offset(0), n, i, i),
-                    *dyp,
-                    Mat::rows(p.w, p.o).t(),
-                    k > 0,
-                    true,
-                )
-            };
-        }
-    });
-    let mut biases = vec![0f32; width];
-    if parts.iter().any(|p| p.b.is_some()) {
-        column_sums(dy, width, &mut biases);
-    }
-    let mut at = 0;
-    let grads = parts
-        .iter()
-        .zip(&dys)
-        .map(|(p, dyp)| {
-            let bias = if p.b.is_some() { p.o } else { 0 };
-            let mut g = filled(i * p.o, |out| {
-                // SAFETY: `out` holds i×o values, all written by the product.
-                unsafe {
-                    matmul(
-                        MatMut::new(out.offset(0), i, p.o, p.o),
-                        Mat::rows(x, i).t(),
-                        *dyp,
-                        false,
-                        true,
-                    )
-                }
-            });
-            g.extend_from_slice(&biases[at..at + bias]);
-            at += p.o;
-            g
-        })
-        .collect();
-    (dx, grads)
 }
 
 #[derive(Clone, Copy)]
@@ -508,7 +396,7 @@ impl LinearBackward {
 
 /// SwiGLU's input gradient into `out`'s first `n·2i` values: with `s = σ(gate)`,
 /// d gate = da·up·s·(1 + gate·(1 − s)), d up = da·gate·s.
-fn swiglu_backward(x: &[f32], da: &[f32], i: usize, out: super::Shared) {
+pub(super) fn swiglu_backward(x: &[f32], da: &[f32], i: usize, out: super::Shared) {
     let n = da.len() / i;
     for_units(n, 2 * i, |_, rows| {
         // SAFETY: `for_units` gives each call its own rows of dx (rows of 2·i).
@@ -533,7 +421,7 @@ fn swiglu_backward(x: &[f32], da: &[f32], i: usize, out: super::Shared) {
 }
 
 /// `gelu(h)` and `gelu′(h)`, in parallel.
-fn gelu_with_slope(h: &[f32]) -> (Vec<f32>, Vec<f32>) {
+pub(super) fn gelu_with_slope(h: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let mut slope = Vec::new();
     // Both buffers are written over every range `for_ranges` covers: all of them.
     let gelu = filled(h.len(), |gp| {

@@ -18,6 +18,7 @@ use crate::ops::vmath;
 mod attention;
 mod branch;
 mod head;
+mod layer;
 mod linear;
 mod norm;
 mod optim;

@@ -152,12 +152,13 @@ impl Norm {
         let n = x.elem_count() / d;
         // One pass yields [dx; dgain; dbias] stacked as rows.
         let packed = x.apply_op3_no_bwd(gain, &grad.contiguous()?, &NormBackward(*self))?;
-        let mut grads = vec![
-            packed.narrow(0, 0, n)?.reshape(x.shape())?,
-            packed.narrow(0, n, 1)?.reshape(d)?,
-        ];
-        if self.kind == NormKind::Layer {
-            grads.push(packed.narrow(0, n + 1, 1)?.reshape(d)?);
+        let mut grads = vec![packed.narrow(0, 0, n)?.reshape(x.shape())?];
+        // A frozen gain and bias (LoRA) take part in no graph: no gradient for them.
+        if gain.track_op() {
+            grads.push(packed.narrow(0, n, 1)?.reshape(d)?);
+            if self.kind == NormKind::Layer {
+                grads.push(packed.narrow(0, n + 1, 1)?.reshape(d)?);
+            }
         }
         Ok(grads)
     }

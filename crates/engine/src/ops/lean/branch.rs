@@ -12,7 +12,7 @@ use super::apply;
 use super::attention::Pass;
 use super::linear::{affine_grads, gelu_slope, swiglu, swiglu_grad};
 use super::norm::{Norm, Stats};
-use crate::ops::step::{Dense, GradSink, Middle, Step, StepWeights};
+use crate::ops::step::{Adapter, Dense, GradSink, Middle, Step, StepWeights};
 use crate::ops::Activation;
 
 /// `x + step(x)` with `weights` (all of `x`'s dtype and device). Without `sink` the weights get
@@ -28,16 +28,15 @@ pub fn branch(
         eps: step.eps,
     };
     let xd = x.detach();
-    let detached = |d: &Dense| Dense {
-        w: d.w.detach(),
-        b: d.b.as_ref().map(Tensor::detach),
-    };
-    let weights = StepWeights {
-        gain: weights.gain.detach(),
-        shift: weights.shift.as_ref().map(Tensor::detach),
-        first: weights.first.iter().map(detached).collect(),
-        second: detached(&weights.second),
-    };
+    // The op hangs on its graph inputs; it computes with detached weights, so that neither what
+    // it keeps nor the gradients it hands the sink hold the forward's graph (AdamW's moments
+    // would chain those from step to step).
+    let inputs: Vec<Tensor> = weights
+        .graph_inputs(x, sink.is_some())
+        .into_iter()
+        .cloned()
+        .collect();
+    let weights = detached(&weights);
     let (normed, stats) = norm.forward(&xd, &weights.gain, weights.shift.as_ref())?;
     let parts = weights
         .first
@@ -75,20 +74,48 @@ pub fn branch(
         pass,
         act,
     };
-    apply("lean-block-branch", &[x], y, kept, move |i, _, dy| {
+    let (arity, x_tracks) = (inputs.len(), x.track_op());
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    apply("lean-block-branch", &refs, y, kept, move |i, _, dy| {
         let (dx, grads) = saved.backward(&i[0], &weights, dy)?;
         if let Some(sink) = &sink {
             sink(grads)?;
         }
-        Ok(vec![Some(dx)])
+        let mut out = vec![x_tracks.then_some(dx)];
+        out.resize(arity, None);
+        Ok(out)
     })
 }
 
-/// `x·w (+ b)`.
+/// `w`'s tensors cut from the graph (the same storage).
+fn detached(w: &StepWeights) -> StepWeights {
+    let dense = |d: &Dense| Dense {
+        w: d.w.detach(),
+        b: d.b.as_ref().map(Tensor::detach),
+        adapter: d.adapter.as_ref().map(|a| Adapter {
+            a: a.a.detach(),
+            b: a.b.detach(),
+            scale: a.scale,
+        }),
+    };
+    StepWeights {
+        gain: w.gain.detach(),
+        shift: w.shift.as_ref().map(Tensor::detach),
+        first: w.first.iter().map(dense).collect(),
+        second: dense(&w.second),
+        frozen: w.frozen,
+    }
+}
+
+/// `x·w (+ b) (+ scale·(x·A)·B)`.
 fn dense(x: &Tensor, d: &Dense) -> Result<Tensor> {
     let y = x.matmul(&d.w)?;
-    match &d.b {
-        Some(b) => y.broadcast_add(b),
+    let y = match &d.b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    match &d.adapter {
+        Some(a) => y + (x.matmul(&a.a)?.matmul(&a.b)? * a.scale)?,
         None => Ok(y),
     }
 }
@@ -123,7 +150,8 @@ impl Saved {
             Some(y) => y.clone(),
             None => activated(&self.mid, self.act)?,
         };
-        let (da, second) = layer_grads(&second_in, &w.second, dy)?;
+        let base = !w.frozen;
+        let (da, second) = layer_grads(&second_in, &w.second, dy, base)?;
         let dmid = match (&self.pass, &self.attended, &self.lse) {
             (Some(pass), Some(y), Some(lse)) => pass.backward(&self.mid, y, &da, lse)?,
             _ => match self.act {
@@ -143,7 +171,7 @@ impl Saved {
             let o = d.w.dim(1)?;
             let part = dmid.narrow(1, at, o)?.contiguous()?;
             at += o;
-            let (dx, grads) = layer_grads(&self.normed, d, &part)?;
+            let (dx, grads) = layer_grads(&self.normed, d, &part, base)?;
             dnormed = Some(match dnormed {
                 Some(sum) => (sum + dx)?,
                 None => dx,
@@ -152,9 +180,12 @@ impl Saved {
         }
         let dnormed = dnormed.ok_or_else(|| candle_core::Error::Msg("empty first layer".into()))?;
         let (dx, dgain, dshift) = self.norm.backward(x, &w.gain, &self.stats, &dnormed)?;
-        let mut grads = vec![dgain];
-        if let (Some(db), Some(shift)) = (dshift, &w.shift) {
-            grads.push(db.to_dtype(shift.dtype())?);
+        let mut grads = Vec::new();
+        if base {
+            grads.push(dgain);
+            if let (Some(db), Some(shift)) = (dshift, &w.shift) {
+                grads.push(db.to_dtype(shift.dtype())?);
+            }
         }
         grads.extend(first);
         grads.extend(second);
@@ -162,13 +193,29 @@ impl Saved {
     }
 }
 
-/// The input's gradient and `[dw, db]` of `x·w (+ b)` for `g`.
-fn layer_grads(x: &Tensor, d: &Dense, g: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
-    match &d.b {
-        Some(b) => {
+/// The input's gradient and the layer's trainable gradients for `g`: with `base`, `dw` and `db`
+/// (the bias summed in f32); with an adapter, `dA = xᵀ·t` and `dB = (s·x·A)ᵀ·g`, where
+/// `t = s·g·Bᵀ` also adds `t·Aᵀ` to the input's gradient.
+fn layer_grads(x: &Tensor, d: &Dense, g: &Tensor, base: bool) -> Result<(Tensor, Vec<Tensor>)> {
+    let mut grads = Vec::new();
+    let mut dx = match (&d.b, base) {
+        (Some(b), true) => {
             let (dx, dw, db) = affine_grads(x, &d.w, b, g)?;
-            Ok((dx, vec![dw, db]))
+            grads.extend([dw, db]);
+            dx
         }
-        None => Ok((g.matmul(&d.w.t()?)?, vec![x.t()?.matmul(g)?])),
+        (None, true) => {
+            grads.push(x.t()?.matmul(g)?);
+            g.matmul(&d.w.t()?)?
+        }
+        (_, false) => g.matmul(&d.w.t()?)?,
+    };
+    if let Some(a) = &d.adapter {
+        let t = (g.matmul(&a.b.t()?)? * a.scale)?;
+        dx = (dx + t.matmul(&a.a.t()?)?)?;
+        grads.push(x.t()?.matmul(&t)?);
+        let xa = (x.matmul(&a.a)? * a.scale)?;
+        grads.push(xa.t()?.matmul(g)?);
     }
+    Ok((dx, grads))
 }

@@ -44,6 +44,8 @@ pub fn linear_nll_sum(
         n,
     };
     let (xd, wd) = (x.detach(), as_in_out(&w.detach())?);
+    // A frozen head (LoRA) takes part in no graph: its gradient is never computed.
+    let weight_grad = w.track_op();
     let mut total = Tensor::zeros((), DType::F32, x.device())?;
     for (start, len) in labels.chunks() {
         let logits = xd
@@ -83,21 +85,24 @@ pub fn linear_nll_sum(
                     .broadcast_mul(&weight)?
                     .to_dtype(x.dtype())?;
                 dx.push(dlogits.matmul(&w.t()?)?);
-                let part = xc.t()?.matmul(&dlogits)?.to_dtype(DType::F32)?;
-                dw = Some(match dw {
-                    None => part,
-                    Some(sum) => (sum + part)?,
-                });
+                if weight_grad {
+                    let part = xc.t()?.matmul(&dlogits)?.to_dtype(DType::F32)?;
+                    dw = Some(match dw {
+                        None => part,
+                        Some(sum) => (sum + part)?,
+                    });
+                }
             }
-            let dw = match dw {
-                Some(dw) => dw.to_dtype(w.dtype())?,
-                None => w.zeros_like()?,
+            let dw = match (dw, weight_grad) {
+                (_, false) => None,
+                (Some(dw), true) => Some(dw.to_dtype(w.dtype())?),
+                (None, true) => Some(w.zeros_like()?),
             };
-            let dw = match layout {
-                WeightLayout::InOut => dw,
-                WeightLayout::OutIn => dw.t()?.contiguous()?,
+            let dw = match (dw, layout) {
+                (Some(dw), WeightLayout::OutIn) => Some(dw.t()?.contiguous()?),
+                (dw, _) => dw,
             };
-            Ok(vec![Some(Tensor::cat(&dx, 0)?), Some(dw)])
+            Ok(vec![Some(Tensor::cat(&dx, 0)?), dw])
         },
     )
 }

@@ -67,6 +67,7 @@ pub fn apply(
     let op = Lean {
         name,
         arity: inputs.len(),
+        tracks: inputs.iter().map(|t| t.track_op()).collect(),
         output: Mutex::new(Some(output.contiguous()?)),
         backward: Box::new(backward),
         _booking: booking.clone(),
@@ -86,6 +87,8 @@ pub fn apply(
 struct Lean {
     name: &'static str,
     arity: usize,
+    /// Which inputs take part in the graph: the others (a frozen weight) get no gradient.
+    tracks: Vec<bool>,
     /// The result, computed before the op runs; handed over once by the forward.
     output: Mutex<Option<Tensor>>,
     backward: Backward,
@@ -139,7 +142,11 @@ impl Lean {
                 self.arity
             );
         }
-        Ok(grads)
+        Ok(grads
+            .into_iter()
+            .zip(&self.tracks)
+            .map(|(g, &tracks)| g.filter(|_| tracks))
+            .collect())
     }
 }
 

@@ -1,5 +1,6 @@
-//! The planner behind `gaccwb estimate`'s verdict: named GPT shapes with their published
-//! dimensions, byte figures in human units, and what each memory lever can reach against a budget.
+//! This engine's verdict for a budget: what each memory lever can reach, and what blocks; the
+//! named GPT shapes it can estimate, and byte figures in human units. The memory guard
+//! (`train::oom_guard`) refuses a run with the same verdict.
 //!
 //! Every figure comes from the analytic estimator (`estimate.rs`) for this architecture: pre-LN
 //! GPT blocks with biases, learned positions, and an untied output head (the published GPT-2 and
@@ -12,18 +13,12 @@ use super::estimate::{estimate, largest_micro_batch, Config, Row};
 use crate::scenario::ModelConfig;
 use crate::telemetry::{Categories, Dtype};
 
-/// A published GPT shape: (name, d_model, layers, heads, context, vocab).
-const SHAPES: [(&str, usize, usize, usize, usize, usize); 5] = [
-    ("gpt2", 768, 12, 12, 1024, 50257),
-    ("gpt2-medium", 1024, 24, 16, 1024, 50257),
-    ("gpt2-large", 1280, 36, 20, 1024, 50257),
-    ("gpt2-xl", 1600, 48, 25, 1024, 50257),
-    ("gpt3-175b", 12288, 96, 96, 2048, 50257),
-];
-
-/// The names `--shape` accepts.
+/// The named shapes this engine's blocks can build (the GPT ones).
 pub fn shape_names() -> Vec<&'static str> {
-    SHAPES.iter().map(|s| s.0).collect()
+    crate::hf::shape_names()
+        .into_iter()
+        .filter(|n| crate::hf::named(n).is_some_and(|a| a.engine_model().is_some()))
+        .collect()
 }
 
 /// A shape `gaccwb estimate` cannot work with.
@@ -51,19 +46,10 @@ pub enum ShapeError {
     },
 }
 
-/// The model of a named shape, or an error listing the names.
+/// The model of a named shape this engine can build, or an error listing the names.
 pub fn named_shape(name: &str) -> Result<ModelConfig, ShapeError> {
-    SHAPES
-        .iter()
-        .find(|s| s.0 == name)
-        .map(|&(_, d_model, layers, heads, seq_len, vocab)| ModelConfig {
-            vocab,
-            d_model,
-            layers,
-            heads,
-            seq_len,
-            path: None,
-        })
+    crate::hf::named(name)
+        .and_then(|a| a.engine_model())
         .ok_or_else(|| ShapeError::Unknown {
             name: name.to_string(),
         })
@@ -178,88 +164,43 @@ impl Verdict {
         }
     }
 
-    /// A few lines for people.
-    pub fn render(&self, effective: usize) -> String {
-        let budget = human_bytes(self.budget);
+    /// The lever that reaches the least memory.
+    pub fn best(&self) -> Option<&Lever> {
+        self.levers.iter().min_by_key(|l| l.peak)
+    }
+
+    /// One line for an error message: the configured peak, the least any lever reaches and
+    /// what blocks there (`gaccwb estimate` prints the whole verdict).
+    pub fn summary(&self) -> String {
         let mut out = format!(
-            "Verdict for a budget of {budget}: the configured micro-batch needs {} ({}).\n",
-            human_bytes(self.configured_peak),
-            if self.configured_fits {
-                "fits"
-            } else {
-                "does not fit"
-            }
+            "the configured micro-batch needs {}",
+            human_bytes(self.configured_peak)
         );
-        out += &match &self.largest_fitting {
-            Some(r) => format!(
-                "  largest micro-batch that fits at effective batch {effective}: B={} K={} (peak {})\n",
-                r.micro_batch,
-                r.accum_steps,
-                human_bytes(r.peak)
-            ),
-            None => format!("  no micro-batch fits at effective batch {effective}\n"),
-        };
-        out += "  least memory each lever reaches (each on top of the one before):\n";
-        let rows: Vec<Vec<String>> = self
-            .levers
-            .iter()
-            .map(|l| {
-                vec![
-                    format!("    {}", l.name),
-                    format!(
-                        "B={} K={} {} offload {}",
-                        l.micro_batch,
-                        l.accum_steps,
-                        l.dtype.name(),
-                        if l.offload { "on" } else { "off" }
-                    ),
-                    format!(
-                        "{} {}",
-                        human_bytes(l.peak),
-                        if l.fits { "fits" } else { "over" }
-                    ),
-                ]
-            })
-            .collect();
-        out += &aligned(&rows, &[false, false, true]);
+        if let Some(l) = self.best() {
+            out += &format!(
+                "; the least any lever reaches is {} ({}: B={} K={} {} offload {})",
+                human_bytes(l.peak),
+                l.name,
+                l.micro_batch,
+                l.accum_steps,
+                l.dtype.name(),
+                if l.offload { "on" } else { "off" }
+            );
+        }
         if let Some(b) = &self.blocker {
-            out += &if b.alone_exceeds {
-                format!(
-                    "  cannot fit: {} alone need {}, more than the {budget} budget, whatever the micro-batch\n",
-                    b.category,
-                    human_bytes(b.bytes)
-                )
-            } else {
-                format!(
-                    "  cannot fit: the largest category at the best lever's peak is {} ({})\n",
-                    b.category,
-                    human_bytes(b.bytes)
-                )
-            };
+            out += &format!(
+                ", where {} {} {}",
+                b.category,
+                if b.alone_exceeds {
+                    "alone need"
+                } else {
+                    "is the largest, at"
+                },
+                human_bytes(b.bytes)
+            );
         }
         out
     }
-}
-
-/// Rows of cells padded into columns; `right[i]` right-aligns column i. Columns are two spaces
-/// apart so cells never run together, whatever their width.
-pub fn aligned(rows: &[Vec<String>], right: &[bool]) -> String {
-    let columns = right.len();
-    let widths: Vec<usize> = (0..columns)
-        .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for row in rows {
-        let cells: Vec<String> = (0..columns)
-            .map(|i| match right[i] {
-                true => format!("{:>w$}", row[i], w = widths[i]),
-                false => format!("{:<w$}", row[i], w = widths[i]),
-            })
-            .collect();
-        out += cells.join("  ").trim_end();
-        out += "\n";
-    }
-    out
 }
 
 /// Micro-batch 1 with K = the effective batch; then offload on; then 16-bit compute. A lever is
@@ -383,10 +324,27 @@ mod tests {
         let (tied, untied) = published_plus_head(&gpt3);
         assert!((174.0e9..176.0e9).contains(&(tied as f64)), "{tied}");
         assert_eq!(param_count(&gpt3), untied);
-        assert!(named_shape("gpt4")
-            .unwrap_err()
-            .to_string()
-            .contains("gpt2-medium"));
+        let unknown = named_shape("gpt4").unwrap_err().to_string();
+        assert!(unknown.contains("gpt2-medium"), "{unknown}");
+        assert!(!unknown.contains("llama"), "not this engine's: {unknown}");
+    }
+
+    #[test]
+    fn the_engine_architecture_counts_what_the_estimator_counts() {
+        let gpt2 = crate::hf::named("gpt2").unwrap();
+        let untied = crate::hf::Arch {
+            tied: false,
+            ..gpt2.clone()
+        };
+        let m = gpt2
+            .engine_model()
+            .expect("GPT-2 is the engine's architecture");
+        assert_eq!(param_count(&m), untied.param_count());
+        assert_eq!(untied.param_count() - gpt2.param_count(), 768 * 50257);
+        assert!(crate::hf::named("llama3-8b")
+            .unwrap()
+            .engine_model()
+            .is_none());
     }
 
     #[test]
@@ -401,35 +359,13 @@ mod tests {
         assert_eq!(human_bytes(5 << 50), "5120.00 TiB");
     }
 
-    #[test]
-    fn columns_stay_apart_at_any_width() {
-        let rows = [
-            vec!["a".to_string(), human_bytes(u64::MAX), human_bytes(1)],
-            vec![
-                "longer".to_string(),
-                human_bytes(1),
-                human_bytes(u64::MAX / 3),
-            ],
-        ];
-        let text = aligned(&rows, &[false, true, true]);
-        for line in text.lines() {
-            assert!(line.contains("B  ") || line.contains("B "), "{text}");
-            assert!(!line.contains("TiB1") && !line.contains("iB1"), "{text}");
-        }
-        let widths: Vec<usize> = text.lines().map(|l| l.chars().count()).collect();
-        assert_eq!(
-            widths[0], widths[1],
-            "right-aligned rows end together: {text}"
-        );
-    }
-
     /// Offload in bf16 leaves the device no f32 weights: with the gradients accumulating there
     /// their f32 buffer blocks, with them on the host the bf16 weights do.
     #[test]
     fn gpt3_on_forty_gigabytes_is_blocked_by_its_model_states() {
         let model = named_shape("gpt3-175b").unwrap();
         let cfg = Config {
-            arch: crate::memory::arch::Arch::engine(&model),
+            arch: crate::hf::Arch::engine(&model),
             model,
             micro_batch: 1,
             accum_steps: 4,
@@ -466,10 +402,10 @@ mod tests {
             layers: 2,
             heads: 2,
             seq_len: 32,
-            path: None,
+            ..ModelConfig::default()
         };
         let cfg = Config {
-            arch: crate::memory::arch::Arch::engine(&model),
+            arch: crate::hf::Arch::engine(&model),
             model,
             micro_batch: 8,
             accum_steps: 2,
@@ -504,10 +440,10 @@ mod tests {
             layers: 4,
             heads: 4,
             seq_len: 1024,
-            path: None,
+            ..ModelConfig::default()
         };
         let cfg = Config {
-            arch: crate::memory::arch::Arch::engine(&model),
+            arch: crate::hf::Arch::engine(&model),
             model,
             micro_batch: 8,
             accum_steps: 1,

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use super::arch::{Arch, Mlp, Norm, Positions};
+use super::{Arch, Mlp, Norm, Positions};
 
 /// The `model_type`s read.
 pub const SUPPORTED: [&str; 5] = ["gpt2", "llama", "mistral", "qwen2", "gpt_neox"];

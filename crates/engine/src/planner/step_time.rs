@@ -6,9 +6,9 @@
 
 use serde::Serialize;
 
-use super::arch::Arch;
-use super::reference::Recompute;
-use super::zero::Zero;
+use super::activations::Recompute;
+use super::model_states::Placement;
+use crate::hf::Arch;
 
 /// One device's rates. Figures are the vendor's published ones (docs/PLANNER.md cites them).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -160,7 +160,7 @@ fn weight_passes(recompute: Recompute) -> u64 {
 /// gradient buffer, so each micro-batch's 16-bit gradients go down (K times); the updated
 /// 16-bit weights come back once, unless the weights live on the host, where stage 3 fetches
 /// them every pass (its partition; the rest arrives over the inter-rank link).
-pub fn pcie_bytes(params: u64, z: &Zero, accum: u64, recompute: Recompute) -> (u64, u64) {
+pub fn pcie_bytes(params: u64, z: &Placement, accum: u64, recompute: Recompute) -> (u64, u64) {
     let part = |stage: u8| {
         if z.stage >= stage {
             params.div_ceil(z.ranks)
@@ -189,7 +189,7 @@ pub fn pcie_bytes(params: u64, z: &Zero, accum: u64, recompute: Recompute) -> (u
 /// the updated weights, stage 2 reduce-scatters every micro-batch, stage 3 also all-gathers
 /// the weights every pass. With gradients offloaded there is no buffer to accumulate into, so
 /// the reduction happens every micro-batch at every stage.
-pub fn network_bytes(params: u64, z: &Zero, accum: u64, recompute: Recompute) -> u64 {
+pub fn network_bytes(params: u64, z: &Placement, accum: u64, recompute: Recompute) -> u64 {
     if z.ranks == 1 {
         return 0;
     }
@@ -213,7 +213,7 @@ pub fn step_time(
     b: u64,
     accum: u64,
     recompute: Recompute,
-    z: &Zero,
+    z: &Placement,
     rates: &Rates,
 ) -> StepTime {
     let params = arch.param_count();
@@ -268,8 +268,8 @@ pub fn step_time(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::arch::named;
-    use crate::memory::zero::Offload;
+    use crate::hf::named;
+    use crate::planner::model_states::Offload;
 
     fn rates() -> Rates {
         Rates {
@@ -294,7 +294,7 @@ mod tests {
     #[test]
     fn compute_bound_without_offload_on_one_rank() {
         let a = named("gpt2").unwrap();
-        let z = Zero::new(0, 1, Offload::default()).unwrap();
+        let z = Placement::new(0, 1, Offload::default()).unwrap();
         let t = step_time(&a, 8, 4, Recompute::None, &z, &rates());
         assert_eq!((t.h2d_bytes, t.d2h_bytes, t.network_bytes), (0, 0, 0));
         assert_eq!(t.bound, "compute");
@@ -307,13 +307,13 @@ mod tests {
     fn offload_moves_gradients_every_micro_batch_and_weights_every_pass() {
         let p = 1_000_000;
         let opt = Offload::parse("optimizer").unwrap();
-        let z2 = Zero::new(2, 4, opt).unwrap();
+        let z2 = Placement::new(2, 4, opt).unwrap();
         assert_eq!(
             pcie_bytes(p, &z2, 4, Recompute::None),
             (2 * p / 4, 4 * 2 * p / 4)
         );
         let all = Offload::parse("optimizer,parameters").unwrap();
-        let z3 = Zero::new(3, 1, all).unwrap();
+        let z3 = Placement::new(3, 1, all).unwrap();
         assert_eq!(
             pcie_bytes(p, &z3, 4, Recompute::Full),
             (4 * 3 * 2 * p, 4 * 2 * p)
@@ -324,15 +324,21 @@ mod tests {
     fn ring_collectives_send_their_share() {
         let p = 800;
         let none = Offload::default();
-        let ring =
-            |stage, k| network_bytes(p, &Zero::new(stage, 8, none).unwrap(), k, Recompute::None);
+        let ring = |stage, k| {
+            network_bytes(
+                p,
+                &Placement::new(stage, 8, none).unwrap(),
+                k,
+                Recompute::None,
+            )
+        };
         // All-reduce of the 16-bit gradients: 2·(7/8)·1600 bytes.
         assert_eq!(ring(0, 4), 2800);
         assert_eq!(ring(1, 4), 2800);
         assert_eq!(ring(2, 4), 5 * 1400);
         assert_eq!(ring(3, 4), 4 * 3 * 1400);
         assert_eq!(
-            network_bytes(p, &Zero::new(3, 1, none).unwrap(), 4, Recompute::None),
+            network_bytes(p, &Placement::new(3, 1, none).unwrap(), 4, Recompute::None),
             0
         );
     }
@@ -347,12 +353,12 @@ mod tests {
             },
             ..rates()
         };
-        let z = Zero::new(0, 1, Offload::parse("optimizer").unwrap()).unwrap();
+        let z = Placement::new(0, 1, Offload::parse("optimizer").unwrap()).unwrap();
         let t = step_time(&a, 2, 1, Recompute::None, &z, &host);
         assert_eq!((t.h2d_bytes, t.d2h_bytes, t.pcie_s), (0, 0, 0.0));
         assert_eq!(t.cpu_adam_bytes, 16 * a.param_count());
         assert_eq!(t.step_s, t.compute_s + t.cpu_adam_bytes as f64 / 10e9);
-        let plain = Zero::new(0, 1, Offload::default()).unwrap();
+        let plain = Placement::new(0, 1, Offload::default()).unwrap();
         let t = step_time(&a, 2, 1, Recompute::None, &plain, &host);
         assert_eq!(t.cpu_adam_bytes, 16 * a.param_count());
     }

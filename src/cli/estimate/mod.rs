@@ -7,14 +7,61 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use gaccwb::memory::arch::Arch;
+use gaccwb::hf::Arch;
 use gaccwb::memory::estimate::{self as est, Config};
-use gaccwb::memory::plan::{engine_unavailable, ReferencePlan, Stack, StackReport};
-use gaccwb::memory::plan_options::{self as opts, Options};
+use gaccwb::planner::options::{self as opts, Options};
+use gaccwb::planner::plan::{engine_unavailable, ReferencePlan};
 use gaccwb::presets;
 use gaccwb::scenario::Scenario;
+use serde::Serialize;
 
 use super::{usage, UsageError};
+
+mod render;
+
+/// Which stacks `gaccwb estimate` answers for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::EnumString, strum::Display)]
+#[strum(serialize_all = "lowercase")]
+pub enum Stack {
+    /// This engine's estimate.
+    Engine,
+    /// The usual mixed-precision stack's.
+    Reference,
+    /// Both, one after the other.
+    Both,
+}
+
+/// Both answers: this engine's estimate (its fields at the top level) and the reference
+/// stack's; `--json` prints it.
+#[derive(Clone, Debug, Serialize)]
+struct StackReport {
+    /// This engine's estimate, when it can build the architecture.
+    #[serde(flatten)]
+    engine: Option<est::Report>,
+    /// Why this engine has no answer (an architecture it cannot build), when it has none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_unavailable: Option<String>,
+    /// The reference stack's plan, when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reference: Option<ReferencePlan>,
+}
+
+impl StackReport {
+    /// The report as the terminal shows it.
+    fn render(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(e) = &self.engine {
+            parts.push(format!("This engine:\n{}", render::engine(e)));
+        }
+        if let Some(why) = &self.engine_unavailable {
+            parts.push(format!("This engine: {why}\n"));
+        }
+        if let Some(r) = &self.reference {
+            parts.push(render::reference(r));
+        }
+        parts.join("\n")
+    }
+}
 
 #[derive(Args)]
 pub struct EstimateArgs {
@@ -132,7 +179,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if let Some(m) = args
         .shape
         .as_deref()
-        .and_then(|n| gaccwb::memory::planner::named_shape(n).ok())
+        .and_then(|n| gaccwb::memory::verdict::named_shape(n).ok())
     {
         scenario.model = m;
         scenario.name = args.shape.clone().unwrap_or_default();
@@ -203,7 +250,7 @@ fn engine_report(
 ) -> anyhow::Result<est::Report> {
     // The estimate needs only a well-formed shape; what this program can train is reported.
     let not_trainable_here = scenario.validate().err().map(|e| e.message);
-    gaccwb::memory::planner::check_shape(scenario)?;
+    gaccwb::memory::verdict::check_shape(scenario)?;
     if not_trainable_here.is_none()
         && scenario.data.tokenizer == gaccwb::scenario::TokenizerKind::Bpe
     {

@@ -7,7 +7,7 @@
 
 use serde::Serialize;
 
-use super::arch::{Arch, Mlp};
+use crate::hf::{Arch, Mlp};
 
 /// Bytes of a 16-bit element.
 const HALF: u64 = 2;
@@ -118,7 +118,7 @@ fn per_layer_kept(arch: &Arch, b: u64, attention: Attention) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::arch::named;
+    use crate::hf::named;
 
     /// The paper's per-layer formula, s·b·h·(34 + 5·a·s/h), kept in integers: 34·sbh + 5·a·s²·b.
     fn paper(arch: &Arch, b: u64) -> u64 {

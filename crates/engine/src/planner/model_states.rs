@@ -36,7 +36,7 @@ pub const TARGETS: [&str; 4] = ["optimizer", "gradients", "parameters", "none"];
 
 /// Bad ZeRO settings.
 #[derive(Debug, PartialEq, thiserror::Error)]
-pub enum ZeroError {
+pub enum PlacementError {
     #[error("--ranks 0: at least one rank")]
     /// `--ranks 0`.
     NoRanks,
@@ -53,7 +53,7 @@ pub enum ZeroError {
 
 impl Offload {
     /// Parses a comma-separated list of targets (`optimizer,parameters`, or `none`).
-    pub fn parse(text: &str) -> Result<Offload, ZeroError> {
+    pub fn parse(text: &str) -> Result<Offload, PlacementError> {
         let mut o = Offload::default();
         for t in text.split(',').map(str::trim) {
             match t {
@@ -61,7 +61,7 @@ impl Offload {
                 "gradients" => o.gradients = true,
                 "parameters" => o.parameters = true,
                 "none" | "" => {}
-                other => return Err(ZeroError::Target(other.to_string())),
+                other => return Err(PlacementError::Target(other.to_string())),
             }
         }
         o.gradients |= o.optimizer;
@@ -71,7 +71,7 @@ impl Offload {
 
 /// A ZeRO configuration: stage, data-parallel ranks on one host, offload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct Zero {
+pub struct Placement {
     /// 0 (none) to 3 (weights partitioned too).
     pub stage: u8,
     /// Data-parallel ranks.
@@ -80,19 +80,19 @@ pub struct Zero {
     pub offload: Offload,
 }
 
-impl Zero {
+impl Placement {
     /// A configuration, refused when the stage, ranks or offload do not go together.
-    pub fn new(stage: u8, ranks: u64, offload: Offload) -> Result<Zero, ZeroError> {
+    pub fn new(stage: u8, ranks: u64, offload: Offload) -> Result<Placement, PlacementError> {
         if ranks == 0 {
-            return Err(ZeroError::NoRanks);
+            return Err(PlacementError::NoRanks);
         }
         if stage > 3 {
-            return Err(ZeroError::Stage(stage));
+            return Err(PlacementError::Stage(stage));
         }
         if offload.parameters && stage < 3 {
-            return Err(ZeroError::ParametersBelowStage3);
+            return Err(PlacementError::ParametersBelowStage3);
         }
-        Ok(Zero {
+        Ok(Placement {
             stage,
             ranks,
             offload,
@@ -167,7 +167,7 @@ impl ModelStates {
 }
 
 /// Model states of `params` parameters whose largest module has `largest` under `z`.
-pub fn model_states(params: u64, largest: u64, z: &Zero) -> ModelStates {
+pub fn model_states(params: u64, largest: u64, z: &Placement) -> ModelStates {
     let w = z.ranks;
     let stage3 = z.stage == 3;
     let weights16 = Placed::of(W16 * params.div_ceil(z.split(3)), w, z.offload.parameters);
@@ -231,7 +231,7 @@ mod tests {
     fn device_bytes_match_deepspeed_for_one_and_eight_gpus() {
         for (w, off, _, gpu) in ZERO2 {
             for stage in [1, 2] {
-                let z = Zero::new(stage, w, offload(off, false)).unwrap();
+                let z = Placement::new(stage, w, offload(off, false)).unwrap();
                 assert_eq!(
                     model_states(P, LARGEST, &z).device(),
                     gpu,
@@ -240,7 +240,7 @@ mod tests {
             }
         }
         for (w, opt, par, _, gpu) in ZERO3 {
-            let z = Zero::new(3, w, offload(opt, par)).unwrap();
+            let z = Placement::new(3, w, offload(opt, par)).unwrap();
             assert_eq!(model_states(P, LARGEST, &z).device(), gpu, "zero3 w={w}");
         }
     }
@@ -253,27 +253,30 @@ mod tests {
     fn host_bytes_match_deepspeed_with_offload() {
         let ds = |host: u64, load: u64| host.max(load) * 3 / 2;
         for (w, off, cpu, _) in ZERO2.into_iter().filter(|r| r.1) {
-            let z = Zero::new(2, w, offload(off, false)).unwrap();
+            let z = Placement::new(2, w, offload(off, false)).unwrap();
             let host = model_states(P, LARGEST, &z).host();
             assert_eq!(host, 16 * P);
             assert_eq!(ds(host, 4 * w * P), cpu, "w={w}");
         }
         for (w, opt, par, cpu, _) in ZERO3.into_iter().filter(|r| r.1) {
-            let z = Zero::new(3, w, offload(opt, par)).unwrap();
+            let z = Placement::new(3, w, offload(opt, par)).unwrap();
             assert_eq!(ds(model_states(P, LARGEST, &z).host(), 0), cpu, "w={w}");
         }
     }
 
     #[test]
     fn bad_settings_are_refused() {
-        assert_eq!(Zero::new(0, 0, Offload::default()), Err(ZeroError::NoRanks));
         assert_eq!(
-            Zero::new(4, 1, Offload::default()),
-            Err(ZeroError::Stage(4))
+            Placement::new(0, 0, Offload::default()),
+            Err(PlacementError::NoRanks)
         );
         assert_eq!(
-            Zero::new(2, 1, offload(true, true)),
-            Err(ZeroError::ParametersBelowStage3)
+            Placement::new(4, 1, Offload::default()),
+            Err(PlacementError::Stage(4))
+        );
+        assert_eq!(
+            Placement::new(2, 1, offload(true, true)),
+            Err(PlacementError::ParametersBelowStage3)
         );
         assert_eq!(
             Offload::parse("optimizer,disk").unwrap_err().to_string(),
@@ -288,11 +291,11 @@ mod tests {
 
     #[test]
     fn stage_zero_keeps_everything_on_every_rank() {
-        let z = Zero::new(0, 8, Offload::default()).unwrap();
+        let z = Placement::new(0, 8, Offload::default()).unwrap();
         let s = model_states(P, LARGEST, &z);
         assert_eq!(s.device(), 20 * P);
-        let grads_only = Zero::new(1, 8, offload(false, false)).unwrap();
-        let g = Zero {
+        let grads_only = Placement::new(1, 8, offload(false, false)).unwrap();
+        let g = Placement {
             offload: Offload {
                 gradients: true,
                 ..Offload::default()

@@ -5,12 +5,12 @@
 
 use std::path::PathBuf;
 
-use super::arch::{self, Arch, Positions};
-use super::hf_config::{self, HfConfigError};
+use super::activations::{Attention, Recompute};
+use super::model_states::{Offload, Placement, PlacementError};
 use super::plan::Setup;
-use super::reference::{Attention, Recompute};
 use super::step_time::{check_mfu, check_rate, gpu, Gpu, Rates, TimeError};
-use super::zero::{Offload, Zero, ZeroError};
+use crate::hf::config::{self, HfConfigError};
+use crate::hf::{self, Arch, Positions};
 
 /// The default MFU: Llama 3's reported 38–43% bf16 MFU on 16k H100s, rounded down.
 pub const DEFAULT_MFU: f64 = 0.4;
@@ -67,11 +67,11 @@ pub enum OptionsError {
     Config(#[from] HfConfigError),
     #[error(transparent)]
     /// Bad ZeRO settings.
-    Zero(#[from] ZeroError),
+    Placement(#[from] PlacementError),
     #[error(transparent)]
     /// Bad time-model settings.
     Time(#[from] TimeError),
-    #[error("--shape {0}: unknown shape; shapes: {shapes}", shapes = arch::shape_names().join(", "))]
+    #[error("--shape {0}: unknown shape; shapes: {shapes}", shapes = hf::shape_names().join(", "))]
     /// `--shape` names no known shape.
     Shape(String),
     #[error("--shape and --config both name a model; give one")]
@@ -100,8 +100,8 @@ pub enum OptionsError {
 pub fn resolve_arch(o: &Options, fallback: Arch) -> Result<Arch, OptionsError> {
     let mut a = match (&o.config, &o.shape) {
         (Some(_), Some(_)) => return Err(OptionsError::ShapeAndConfig),
-        (Some(path), None) => hf_config::load(path)?,
-        (None, Some(name)) => arch::named(name).ok_or_else(|| OptionsError::Shape(name.clone()))?,
+        (Some(path), None) => config::load(path)?,
+        (None, Some(name)) => hf::named(name).ok_or_else(|| OptionsError::Shape(name.clone()))?,
         (None, None) => fallback,
     };
     a.tied |= o.tied;
@@ -163,7 +163,7 @@ pub fn resolve_setup(o: &Options, b: u64, k: u64) -> Result<Setup, OptionsError>
             Recompute::None,
             "none, selective, full",
         )?,
-        zero: Zero::new(o.zero, o.ranks, offload)?,
+        placement: Placement::new(o.zero, o.ranks, offload)?,
     })
 }
 
@@ -216,7 +216,7 @@ mod tests {
 
     #[test]
     fn refusals_are_one_line_naming_the_flag() {
-        let fallback = || arch::named("gpt2").unwrap();
+        let fallback = || hf::named("gpt2").unwrap();
         let bad = |o: Options| {
             resolve_arch(&o, fallback())
                 .and_then(|_| resolve_setup(&o, 1, 1))
@@ -290,7 +290,7 @@ mod tests {
             seq_len: Some(4096),
             ..opts()
         };
-        let a = resolve_arch(&o, arch::named("gpt2").unwrap()).unwrap();
+        let a = resolve_arch(&o, hf::named("gpt2").unwrap()).unwrap();
         assert!(a.tied);
         assert_eq!(a.seq_len, 4096);
         assert_eq!(a.param_count(), 8_030_261_248 - 128256 * 4096);
