@@ -360,7 +360,8 @@ mod tests {
     }
 
     /// Offload in bf16 leaves the device no f32 weights: with the gradients accumulating there
-    /// their f32 buffer blocks, with them on the host the bf16 weights do.
+    /// their f32 buffer blocks; with them on the host the backward's bf16 gradients do, as many
+    /// bytes as the bf16 weights by the backward's end, and what is in flight at its peak.
     #[test]
     fn gpt3_on_forty_gigabytes_is_blocked_by_its_model_states() {
         let model = named_shape("gpt3-175b").unwrap();
@@ -390,8 +391,13 @@ mod tests {
             ..cfg
         };
         let b = Verdict::new(&host, 4, 40 << 30).blocker.unwrap();
-        assert_eq!(b.category, "compute_weights");
-        assert_eq!(b.bytes, param_count(&host.model) * 2);
+        assert_eq!(b.category, "gradients_transient");
+        let weights = param_count(&host.model) * 2;
+        assert!(
+            b.bytes > weights && b.bytes < weights + weights * 3 / 100,
+            "{} B against the weights' {weights} B",
+            b.bytes
+        );
     }
 
     #[test]
