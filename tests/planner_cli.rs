@@ -260,6 +260,11 @@ fn a_gpt2_shape_answers_for_both_stacks() {
     assert_eq!(report["model"]["params"], 124_439_808u64);
     assert_eq!(report["engine"]["params"], 124_439_808u64 + 768 * 50257);
     assert!(report["engine_unavailable"].is_null());
+    // A shorter context is the same published model, and this engine's at that length.
+    let short = estimate_json(&["--shape", "gpt2", "--seq-len", "512"]);
+    assert_eq!(short["model"]["params"], 124_439_808u64);
+    assert_eq!(short["engine"]["config"]["model"]["seq_len"], 512);
+    assert_eq!(short["model"]["arch"]["seq_len"], 512);
     let engine_only = estimate_json(&["--shape", "gpt2", "--stack", "engine"]);
     assert!(engine_only["reference"].is_null());
     // The same keys whatever the family.

@@ -232,8 +232,10 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if let Ok(m) = &engine {
         scenario.model = m.clone();
     }
-    if let Some(path) = &args.config {
-        scenario.name = path.display().to_string();
+    match (&args.config, &args.shape) {
+        (Some(path), _) => scenario.name = path.display().to_string(),
+        (None, Some(shape)) => scenario.name = shape.clone(),
+        (None, None) => {}
     }
     if engine.is_err() && !args.sets("train.micro_batch") && !args.sets("train.accum_steps") {
         // A model only the reference stack plans: start from one sample per micro-batch at the
@@ -273,7 +275,7 @@ fn budget(args: &EstimateArgs, options: &Options) -> anyhow::Result<Budget> {
     if let Some(g) = args.budget_gib {
         if !(g > 0.0 && g.is_finite() && g * GIB < u64::MAX as f64) {
             anyhow::bail!(UsageError(format!(
-                "--budget-gib {g}: expected a positive number of GiB"
+                "--budget-gib {g}: expected a positive number of GiB below 2^34"
             )));
         }
         return Ok(Budget {

@@ -209,13 +209,14 @@ impl Arch {
 
     /// The engine's model for this architecture, when the engine can build it: GPT blocks (4×GELU
     /// MLP, LayerNorm, learned positions covering the context, multi-head attention with biases,
-    /// nothing else). The engine's head is always untied.
+    /// nothing else). The engine's head is always untied, and its position table has a row per
+    /// position it trains on.
     pub fn engine_model(&self) -> Option<ModelConfig> {
         let gpt_like = self.mlp == Mlp::Gelu
             && self.intermediate == 4 * self.hidden
             && self.norm == Norm::LayerNorm
             && self.positions == Positions::Learned
-            && self.positions_table == self.seq_len
+            && self.positions_table >= self.seq_len
             && self.kv_heads == self.heads
             && self.head_dim * self.heads == self.hidden
             && self.qkv_bias

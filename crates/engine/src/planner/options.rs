@@ -166,7 +166,12 @@ pub fn resolve_arch(o: &Options, fallback: Arch) -> Result<Arch, OptionsError> {
 /// term, in floating point): `tokens` samples per step on a rank.
 pub fn check_size(a: &Arch, tokens: u64) -> Result<(), OptionsError> {
     let (s, b) = (a.seq_len as f64, tokens as f64);
-    let per_layer = 8.0 * s * b * (a.hidden + a.intermediate + a.q_width()) as f64
+    // In floating point: a hostile config's widths must not overflow before the check.
+    let routed = a.experts.map_or(0.0, |e| {
+        e.per_token as f64 * (a.hidden as f64 + e.intermediate as f64 + e.shared as f64)
+            + e.count as f64
+    });
+    let per_layer = 8.0 * s * b * ((a.hidden + a.intermediate + 2 * a.q_width()) as f64 + routed)
         + 8.0 * a.heads as f64 * s * s * b;
     let bytes =
         a.layers as f64 * per_layer + 8.0 * s * b * a.vocab as f64 + 32.0 * a.param_count_f64();
