@@ -19,6 +19,7 @@ fn valid_recording() -> Vec<u8> {
         device: "cpu".into(),
         build: BuildInfo::current(1),
         params: 1000,
+        family: None,
         entropy_floor: Some(0.95),
         tokenizer: None,
         started_unix: 0,

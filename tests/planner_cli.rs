@@ -227,7 +227,7 @@ fn lora_on_the_reference_stack_and_a_seam_for_this_engine() {
     assert!(gpt2["engine_unavailable"]
         .as_str()
         .unwrap()
-        .contains("no LoRA yet"));
+        .contains("no estimate with LoRA yet"));
     assert!(
         refused(&["--shape", "gpt2", "--lora-rank", "8", "--stack", "engine"])
             .contains("--stack reference")

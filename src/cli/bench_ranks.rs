@@ -74,7 +74,9 @@ fn measure(
     dir: &std::path::Path,
 ) -> anyhow::Result<RanksRow> {
     let record = dir.join(format!("ranks-{ranks}.jsonl"));
-    let status = Command::new("mpirun")
+    let mut mpirun = Command::new("mpirun");
+    super::ranks::allow_root(&mut mpirun, super::ranks::is_root());
+    let status = mpirun
         .args(["-n", &ranks.to_string()])
         .arg(std::env::current_exe()?)
         .args(["run", "--headless", "--device", "cpu", "--steps"])
@@ -107,7 +109,7 @@ fn measure(
     let comms: Vec<(f64, f64)> = timed
         .iter()
         .filter_map(|s| s.comm.as_ref().map(|c| (c, s.step_ms)))
-        .map(|(c, ms)| (c.sent_bytes() as f64 / c.ranks as f64, c.comm_ms() / ms))
+        .map(|(c, ms)| (c.sent_bytes() as f64 / c.ranks as f64, c.share_of_step(ms)))
         .collect();
     let n = comms.len() as f64;
     let comm = (!comms.is_empty()).then(|| {

@@ -62,6 +62,8 @@ impl ExitClass {
             || cause.is::<gaccwb::limits::BoundError>()
             || cause.is::<gaccwb::memory::verdict::ShapeError>()
             || cause.is::<gaccwb::planner::options::OptionsError>()
+            || cause.is::<gaccwb::model::hf::HfError>()
+            || cause.is::<gaccwb::model::spec::SpecError>()
         {
             return Some(ExitClass::Usage);
         }

@@ -31,7 +31,25 @@ pub struct RunArgs {
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "auto")]
     device: DeviceChoice,
-    /// Train on FILE instead of the preset's data: its bytes, or BPE tokens with --set data.tokenizer=bpe.
+    /// Fine-tune a Hugging Face model instead of the preset's GPT: a directory holding
+    /// config.json, model.safetensors and tokenizer.json, or ORG/NAME[@REVISION] from the local
+    /// Hugging Face cache (nothing is downloaded). Sets model.path.
+    #[arg(long, value_name = "PATH")]
+    model: Option<String>,
+    /// At the end of the run, save the model in Hugging Face's layout into DIR (never into
+    /// the directory it was read from); `S` on the screen saves it there at the next boundary.
+    #[arg(long, value_name = "DIR")]
+    save_model: Option<PathBuf>,
+    /// With LoRA, --save-model writes the model with the adapters merged into it, not the
+    /// adapter alone.
+    #[arg(long, requires = "save_model")]
+    merge: bool,
+    /// Start LoRA from this PEFT adapter (adapter_config.json, adapter_model.safetensors) of
+    /// --model: its settings become train.lora_*, its weights the adapters'.
+    #[arg(long, value_name = "DIR", requires = "model")]
+    adapter: Option<PathBuf>,
+    /// Train on FILE instead of the preset's data: its bytes, or BPE tokens with --set
+    /// data.tokenizer=bpe (with --model, the model's tokenizer; a .jsonl file's `text` fields).
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
     /// Override a preset field, e.g. --set train.accum_steps=4 (repeatable).
@@ -205,6 +223,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 /// The preset with every command-line override applied.
 fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     let mut s = presets::resolve(args.preset()).map_err(usage)?;
+    if let Some(model) = &args.model {
+        s.model.path = Some(PathBuf::from(model));
+    }
+    if let Some(adapter) = &args.adapter {
+        s.model.adapter = Some(adapter.clone());
+    }
     if let Some(path) = &args.data {
         s.data.source = DataSource::File;
         s.data.path = Some(path.clone());
@@ -225,6 +249,7 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     if let Some(budget) = &args.budget {
         s.train.memory_budget = gaccwb::budget::MemoryBudget::parse(budget).context("--budget")?;
     }
+    gaccwb::model::hf::prepare(&mut s)?;
     s.validate().map_err(usage)?;
     Ok(s)
 }
@@ -254,7 +279,8 @@ fn build_trainer(
     group: gaccwb::dist::Group,
 ) -> anyhow::Result<Trainer> {
     refuse_with_resume(args)?;
-    let saves = args.checkpoint_every.filter(|_| group.rank() == 0);
+    let lead = group.rank() == 0;
+    let saves = args.checkpoint_every.filter(|_| lead);
     // Held by the checkpoint hook, so for as long as the trainer lives.
     let lock = match saves {
         Some(_) => Some(
@@ -287,13 +313,23 @@ fn build_trainer(
         refuse_past_controls(&trainer)?;
     }
     let inputs = args.inputs_but_resumed(Some(trainer.scenario()));
+    if let Some(dir) = args.save_model.clone().filter(|_| lead) {
+        let source = trainer.scenario().model.path.as_deref();
+        gaccwb::model::save::check_target(source, &dir).map_err(usage)?;
+        let rules = Overwrite::new(args.force, inputs.clone());
+        trainer.add_after_step(Box::new(checkpoint::ModelSave {
+            dir,
+            rules,
+            merge: args.merge,
+        }));
+    }
     if let Some((every, lock)) = saves.zip(lock) {
         let policy = checkpoint::Policy {
             every,
             dir: args.checkpoint_dir.clone(),
             inputs,
         };
-        trainer.set_after_step(policy.after_step(lock));
+        trainer.add_after_step(policy.after_step(lock));
     }
     Ok(trainer)
 }

@@ -208,6 +208,14 @@ impl CommEvent {
     pub fn comm_ms(&self) -> f64 {
         self.per_rank.iter().map(|r| r.comm_ms).fold(0.0, f64::max)
     }
+
+    /// The share of rank 0's step (`step_ms`, the time a step event reports) that rank 0 spent
+    /// in collectives, waiting for slower ranks included: at most 1. Another rank's time is on
+    /// another clock; set against rank 0's step it is no share of anything.
+    pub fn share_of_step(&self, step_ms: f64) -> f64 {
+        let mine = self.per_rank.first().map_or(0.0, |r| r.comm_ms);
+        (mine / step_ms.max(1e-9)).clamp(0.0, 1.0)
+    }
 }
 
 /// The ranks of a data-parallel run, as this process sees them: the transport, the counters of
@@ -335,6 +343,21 @@ impl Group {
         out
     }
 
+    /// A collective between steps (the boundary's agreement, rank 0's controls, the telemetry):
+    /// watched, but not on the window's clock. Its wait includes whatever the other ranks do
+    /// between steps (rank 0 evaluating, recording, saving), which is no part of any step, and
+    /// counted it made "the share of the step in collectives" exceed the step.
+    fn between_steps<R>(
+        &mut self,
+        what: &'static str,
+        f: impl FnOnce(&mut dyn Transport) -> R,
+    ) -> R {
+        let clock = self.window.comm_ms;
+        let out = self.collective(what, f);
+        self.window.comm_ms = clock;
+        out
+    }
+
     fn count(&mut self, bytes: u64) {
         self.count_moved(ring_all_reduce_bytes(bytes, self.ranks()));
     }
@@ -437,7 +460,7 @@ impl Group {
             0 => serde_json::to_vec(&pairs)?,
             _ => Vec::new(),
         };
-        self.collective("sharing rank 0's controls", |t| {
+        self.between_steps("sharing rank 0's controls", |t| {
             t.broadcast_bytes(&mut bytes)
         });
         let pairs: Vec<(crate::control::Control, crate::control::Origin)> =
@@ -456,7 +479,7 @@ impl Group {
         }
         // max(fingerprint) and max(!fingerprint) = !min(fingerprint): equal iff all agree.
         let mut v = [u64::from(stop), fingerprint, !fingerprint];
-        self.collective("agreeing at the boundary", |t| t.max_u64(&mut v));
+        self.between_steps("agreeing at the boundary", |t| t.max_u64(&mut v));
         if v[1] != !v[2] {
             return Err(DistError::Disagree {
                 step,
@@ -479,7 +502,7 @@ impl Group {
             peak_bytes,
         ];
         let all = if self.is_parallel() {
-            self.collective("gathering telemetry", |t| t.gather_u64(&fields))
+            self.between_steps("gathering telemetry", |t| t.gather_u64(&fields))
         } else {
             fields.to_vec()
         };
@@ -505,6 +528,26 @@ impl Group {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    #[test]
+    fn the_share_of_the_step_is_rank_zeros_and_never_above_the_whole() {
+        let rank = |comm_ms| RankComm {
+            comm_ms,
+            ..RankComm::default()
+        };
+        let c = CommEvent {
+            ranks: 2,
+            per_rank: vec![rank(30.0), rank(150.0)],
+            ..CommEvent::default()
+        };
+        assert_eq!(c.share_of_step(100.0), 0.3);
+        assert_eq!(c.comm_ms(), 150.0, "the slowest rank, in milliseconds");
+        let late = CommEvent {
+            per_rank: vec![rank(153.0)],
+            ..c
+        };
+        assert_eq!(late.share_of_step(100.0), 1.0);
+    }
 
     #[test]
     fn ring_rule_moves_twice_the_share_of_the_others() {

@@ -234,6 +234,8 @@ impl Arch {
             layers: self.layers as usize,
             heads: self.heads as usize,
             seq_len: self.seq_len as usize,
+            path: None,
+            adapter: None,
         })
     }
 

@@ -46,6 +46,8 @@ pub fn named(name: &str) -> Option<Arch> {
             layers: l as usize,
             heads: h as usize,
             seq_len: t as usize,
+            path: None,
+            adapter: None,
         };
         let family = if name.starts_with("gpt3") {
             "gpt3"

@@ -880,6 +880,8 @@ mod tests {
                 layers: 2,
                 heads: 2,
                 seq_len: 32,
+                path: None,
+                adapter: None,
             },
             micro_batch: b,
             accum_steps: k,

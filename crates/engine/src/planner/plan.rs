@@ -14,19 +14,23 @@ use crate::scenario::ModelConfig;
 
 /// The model this engine would estimate for `arch` trained as `lora` says (`None`: every weight),
 /// or why it cannot, in one line. This is where the engine's estimate for the Hugging Face
-/// families and for LoRA plugs in; today the engine builds GPT blocks and trains every weight.
+/// families and for LoRA plugs in; today its estimator books GPT blocks, every weight trained
+/// (the engine trains more: `model::spec::TRAINED`, `model::lora`).
 pub fn engine_model(arch: &Arch, lora: Option<&Lora>) -> Result<ModelConfig, String> {
     let Some(model) = arch.engine_model() else {
         return Err(format!(
-            "cannot build {} yet ({}); only the reference stack answers",
+            "has no estimate for {} yet ({}; its estimator books GPT blocks); only the \
+             reference stack answers",
             arch.family,
             differences(arch).join(", ")
         ));
     };
     match lora {
-        Some(_) => {
-            Err("has no LoRA yet (it trains every weight); only the reference stack answers".into())
-        }
+        Some(_) => Err(
+            "has no estimate with LoRA yet (its estimator books every weight trained); \
+                 only the reference stack answers"
+                .into(),
+        ),
         None => Ok(model),
     }
 }
@@ -423,18 +427,19 @@ mod tests {
     }
 
     #[test]
-    fn the_engine_column_says_what_it_cannot_build() {
+    fn the_engine_column_says_what_its_estimator_does_not_book() {
         let gpt2 = named("gpt2").unwrap();
         assert!(engine_model(&gpt2, None).is_ok());
         let lora = Lora::new(&gpt2, 8, None, 0.0, BaseDtype::Bf16).unwrap();
         assert!(engine_model(&gpt2, Some(&lora))
             .unwrap_err()
-            .starts_with("has no LoRA yet"));
+            .starts_with("has no estimate with LoRA yet"));
         let llama = named("llama3-8b").unwrap();
         assert_eq!(
             engine_model(&llama, None).unwrap_err(),
-            "cannot build llama yet (its MLP is not 4×GELU, RMSNorm, rotary positions, \
-             grouped-query attention); only the reference stack answers"
+            "has no estimate for llama yet (its MLP is not 4×GELU, RMSNorm, rotary positions, \
+             grouped-query attention; its estimator books GPT blocks); only the reference stack \
+             answers"
         );
     }
 }
