@@ -184,6 +184,7 @@ struct CategoryCells {
     optimizer_state: u64,
     offloaded: u64,
     activations: u64,
+    frozen: u64,
     other: u64,
 }
 
@@ -197,6 +198,7 @@ impl From<Categories> for CategoryCells {
             optimizer_state,
             offloaded,
             activations,
+            frozen,
             other,
         } = c;
         CategoryCells {
@@ -207,6 +209,7 @@ impl From<Categories> for CategoryCells {
             optimizer_state,
             offloaded,
             activations,
+            frozen,
             other,
         }
     }
