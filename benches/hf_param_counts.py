@@ -5,8 +5,11 @@ For each fixture the model is built from its config on PyTorch's meta device (no
 allocated or downloaded) and its parameters counted, each shared (tied) tensor once. For the
 mixture-of-experts families it also counts the parameters one token is multiplied by ("active":
 every expert but the `num_experts_per_tok` routed ones left out). With `--lora` it wraps each
-model in PEFT's LoRA (rank 16, the projections `gaccwb estimate --lora-rank 16` targets by
-default) and counts the adapter parameters.
+dense model in PEFT's LoRA (rank 16, the projections `gaccwb estimate --lora-rank 16` targets by
+default) and counts the adapter parameters. The mixtures are left out there: `transformers` 5
+keeps a layer's experts as two 3-D tensors, not as linear modules, so PEFT's `target_modules`
+no longer reach them the way the planner counts (one adapter per expert's projection, the
+`transformers` 4 layout).
 
 The planner's own counts are held against these figures in the engine's tests
 (`crates/engine/src/hf/` and tests/planner_cli.rs); rerun this after adding a fixture.
@@ -92,11 +95,11 @@ def main():
             model = AutoModelForCausalLM.from_config(cfg)
         total = count(model)
         row = {"model_type": cfg.model_type, "params": total, "active": total - routed_out(cfg)}
-        if args.lora:
+        if args.lora and routed_out(cfg) == 0:
             row["lora_r16"] = lora_count(model, cfg.model_type)
         rows[name] = row
         print(f"{name:24} {cfg.model_type:10} {total:>16,} active {row['active']:>16,}"
-              + (f" lora r=16 {row['lora_r16']:>12,}" if args.lora else ""))
+              + (f" lora r=16 {row['lora_r16']:>12,}" if "lora_r16" in row else ""))
     print(json.dumps(rows, indent=1))
 
 

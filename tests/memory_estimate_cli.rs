@@ -8,6 +8,8 @@ fn estimate_prints_json_with_the_table_and_the_largest_fitting_micro_batch() {
         .unwrap()
         .args([
             "estimate",
+            "--stack",
+            "engine",
             "--set",
             "train.micro_batch=4",
             "--set",
@@ -19,7 +21,8 @@ fn estimate_prints_json_with_the_table_and_the_largest_fitting_micro_batch() {
         .get_output()
         .stdout
         .clone();
-    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let answer: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let report = &answer["engine"];
     assert_eq!(report["effective_batch"], 32);
     let table = report["table"].as_array().unwrap();
     assert_eq!(table.len(), 6, "B = 1, 2, 4, 8, 16, 32");
@@ -41,7 +44,14 @@ fn estimate_prints_json_with_the_table_and_the_largest_fitting_micro_batch() {
 fn estimate_prints_tables_and_rejects_bad_input() {
     let text = Command::cargo_bin("gaccwb")
         .unwrap()
-        .args(["estimate", "baseline", "--effective", "16"])
+        .args([
+            "estimate",
+            "baseline",
+            "--effective",
+            "16",
+            "--stack",
+            "engine",
+        ])
         .assert()
         .success()
         .get_output()
@@ -73,6 +83,8 @@ fn estimate_plans_named_shapes_it_cannot_train_and_gives_a_verdict() {
             "--gpu",
             "--budget-gib",
             "40",
+            "--stack",
+            "engine",
         ])
         .args([
             "--set",
@@ -86,7 +98,8 @@ fn estimate_plans_named_shapes_it_cannot_train_and_gives_a_verdict() {
         .get_output()
         .stdout
         .clone();
-    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let answer: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let report = &answer["engine"];
     assert!(report["not_trainable_here"]
         .as_str()
         .unwrap()

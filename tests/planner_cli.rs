@@ -6,17 +6,19 @@ use std::path::Path;
 
 use assert_cmd::Command;
 use gaccwb::hf::config as hf_config;
+use gaccwb::planner::lora::{BaseDtype, Lora};
 
 fn fixture(name: &str) -> String {
     format!("{}/tests/fixtures/hf/{name}", env!("CARGO_MANIFEST_DIR"))
 }
 
+/// `estimate … --json` with the host's AdamW rate given, so nothing is timed.
 fn estimate_json(args: &[&str]) -> serde_json::Value {
     let out = Command::cargo_bin("gaccwb")
         .unwrap()
         .arg("estimate")
         .args(args)
-        .arg("--json")
+        .args(["--cpu-adam-gbps", "2", "--json"])
         .assert()
         .success()
         .get_output()
@@ -41,27 +43,83 @@ fn refused(args: &[&str]) -> String {
     text
 }
 
+/// The parameters of each fixture as `transformers` 5.25 builds the model on PyTorch's meta
+/// device (benches/hf_param_counts.py): (file, model_type, parameters, active parameters).
+const COUNTS: [(&str, &str, u64, u64); 12] = [
+    ("gpt2.json", "gpt2", 124_439_808, 124_439_808),
+    ("pythia-160m.json", "gpt_neox", 162_322_944, 162_322_944),
+    ("llama3-8b.json", "llama", 8_030_261_248, 8_030_261_248),
+    ("mistral-7b.json", "mistral", 7_241_732_096, 7_241_732_096),
+    ("qwen2-0.5b.json", "qwen2", 494_032_768, 494_032_768),
+    ("qwen3-0.6b.json", "qwen3", 596_049_920, 596_049_920),
+    ("gemma-2b.json", "gemma", 2_506_172_416, 2_506_172_416),
+    ("gemma2-2b.json", "gemma2", 2_614_341_888, 2_614_341_888),
+    ("phi3.5-mini.json", "phi3", 3_821_079_552, 3_821_079_552),
+    (
+        "mixtral-8x7b.json",
+        "mixtral",
+        46_702_792_704,
+        12_879_925_248,
+    ),
+    (
+        "qwen1.5-moe-a2.7b.json",
+        "qwen2_moe",
+        14_315_784_192,
+        2_689_173_504,
+    ),
+    (
+        "qwen3-30b-a3b.json",
+        "qwen3_moe",
+        30_532_122_624,
+        3_353_032_704,
+    ),
+];
+
 #[test]
-fn each_family_config_counts_its_published_parameters() {
-    // Published counts of the checkpoints whose config.json the fixtures copy.
-    let published = [
-        ("gpt2.json", "gpt2", 124_439_808u64),
-        ("llama3-8b.json", "llama", 8_030_261_248),
-        ("mistral-7b.json", "mistral", 7_241_732_096),
-        ("qwen2-0.5b.json", "qwen2", 494_032_768),
-        ("pythia-160m.json", "gpt_neox", 162_322_944),
-    ];
-    for (file, family, count) in published {
+fn each_family_config_counts_the_parameters_transformers_builds() {
+    for (file, family, count, active) in COUNTS {
         let arch = hf_config::load(Path::new(&fixture(file))).unwrap();
         assert_eq!(
-            (arch.family.as_str(), arch.param_count()),
-            (family, count),
+            (
+                arch.family.as_str(),
+                arch.param_count(),
+                arch.active_params()
+            ),
+            (family, count, active),
             "{file}"
         );
     }
     let qwen = hf_config::load(Path::new(&fixture("qwen2-0.5b.json"))).unwrap();
     assert!(qwen.tied && qwen.qkv_bias && !qwen.out_bias);
     assert_eq!((qwen.heads, qwen.kv_heads), (14, 2));
+    let gemma2 = hf_config::load(Path::new(&fixture("gemma2-2b.json"))).unwrap();
+    assert!(gemma2.attention_softcap && gemma2.logit_softcap && gemma2.post_norms);
+    assert_eq!(
+        gemma2.sliding.map(|w| (w.window, w.layers)),
+        Some((4096, 13))
+    );
+}
+
+/// Rank-16 adapters on every projection, as PEFT 0.21 counts them on each dense fixture
+/// (benches/hf_param_counts.py --lora): the planner's count from the config and the targets.
+#[test]
+fn lora_adapters_count_what_peft_counts() {
+    let peft = [
+        ("gpt2.json", 2_359_296u64),
+        ("pythia-160m.json", 2_359_296),
+        ("llama3-8b.json", 41_943_040),
+        ("mistral-7b.json", 41_943_040),
+        ("qwen2-0.5b.json", 8_798_208),
+        ("qwen3-0.6b.json", 10_092_544),
+        ("gemma-2b.json", 19_611_648),
+        ("gemma2-2b.json", 20_766_720),
+        ("phi3.5-mini.json", 25_165_824),
+    ];
+    for (file, count) in peft {
+        let arch = hf_config::load(Path::new(&fixture(file))).unwrap();
+        let lora = Lora::new(&arch, 16, None, 0.0, BaseDtype::Bf16).unwrap();
+        assert_eq!(lora.adapter_params(&arch), count, "{file}");
+    }
 }
 
 #[test]
@@ -71,10 +129,10 @@ fn a_llama_config_gets_the_reference_stack_only() {
         .as_str()
         .unwrap()
         .contains("grouped-query attention"));
-    assert!(report.get("table").is_none(), "no engine table: {report}");
+    assert!(report["engine"].is_null(), "no engine table: {report}");
+    assert_eq!(report["model"]["params"], 8_030_261_248u64);
+    assert_eq!(report["model"]["arch"]["seq_len"], 4096);
     let r = &report["reference"];
-    assert_eq!(r["params"], 8_030_261_248u64);
-    assert_eq!(r["arch"]["seq_len"], 4096);
     let c = &r["configured"];
     for key in ["device", "host", "fits"] {
         assert!(c.get(key).is_some(), "{key}: {c}");
@@ -95,15 +153,128 @@ fn a_llama_config_gets_the_reference_stack_only() {
     assert!(r["levers"].as_array().unwrap().len() >= 3);
 }
 
+/// The question people ask, with no flags: a fine-tune's sequence length (not the 8192-token
+/// context), one sample per micro-batch at the preset's effective batch, judged against the
+/// memory of the GPU whose time is given, the host's AdamW timed here.
+#[test]
+fn a_llama_config_with_no_flags_answers_the_question_people_ask() {
+    let cache = tempfile::tempdir().unwrap();
+    let out = Command::cargo_bin("gaccwb")
+        .unwrap()
+        .env("XDG_CACHE_HOME", cache.path())
+        .args(["estimate", "--config", &fixture("llama3-8b.json"), "--json"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(report["model"]["arch"]["seq_len"], 4096);
+    assert_eq!(report["model"]["arch"]["max_context"], 8192);
+    assert_eq!(report["budget"]["bytes"], 80_000_000_000u64);
+    let r = &report["reference"];
+    let setup = &r["configured"]["setup"];
+    assert_eq!(
+        (setup["micro_batch"].as_u64(), setup["accum_steps"].as_u64()),
+        (Some(1), Some(8))
+    );
+    assert_eq!(r["rates"]["gpu"]["name"], "h100");
+    assert_eq!(r["rates"]["host_source"], "measured");
+    assert!(cache.path().join("gaccwb/host-rates.json").is_file());
+    // A full fine-tune of 8B parameters needs 16 bytes each of state: more than 80 GB until the
+    // optimizer leaves the device; LoRA fits, QLoRA in less.
+    assert_eq!(r["configured"]["fits"], false);
+    let fitting: Vec<&str> = r["levers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["outcome"]["fits"] == true)
+        .map(|l| l["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(fitting.first(), Some(&"+ offload optimizer"), "{fitting:?}");
+    let adapters = r["adapters"].as_array().unwrap();
+    assert_eq!(adapters.len(), 2);
+    assert!(adapters.iter().all(|l| l["outcome"]["fits"] == true));
+    assert_eq!(adapters[0]["outcome"]["trained_params"], 41_943_040u64);
+}
+
+#[test]
+fn lora_on_the_reference_stack_and_a_seam_for_this_engine() {
+    let report = estimate_json(&[
+        "--config",
+        &fixture("llama3-8b.json"),
+        "--lora-rank",
+        "16",
+        "--base-dtype",
+        "nf4",
+    ]);
+    let c = &report["reference"]["configured"];
+    assert_eq!(c["trained_params"], 41_943_040u64);
+    assert_eq!(c["setup"]["lora"]["base"], "nf4");
+    // Gradients and optimizer state for the adapters only: 20 bytes each in all.
+    let m = &c["model_states"];
+    let states: u64 = ["weights16", "gradients16", "gradients32", "optimizer"]
+        .iter()
+        .map(|k| m[*k]["device"].as_u64().unwrap())
+        .sum();
+    assert_eq!(states, 20 * 41_943_040);
+    assert!(report["reference"]["adapters"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    // The engine builds GPT-2 but trains every weight: its column says so.
+    let gpt2 = estimate_json(&["--shape", "gpt2", "--lora-rank", "8"]);
+    assert!(gpt2["engine_unavailable"]
+        .as_str()
+        .unwrap()
+        .contains("no estimate with LoRA yet"));
+    assert!(
+        refused(&["--shape", "gpt2", "--lora-rank", "8", "--stack", "engine"])
+            .contains("--stack reference")
+    );
+}
+
+#[test]
+fn a_mixture_of_experts_keeps_every_expert_and_computes_the_routed_ones() {
+    let report = estimate_json(&["--config", &fixture("mixtral-8x7b.json")]);
+    let (params, active) = (46_702_792_704u64, 12_879_925_248u64);
+    assert_eq!(report["model"]["params"], params);
+    assert_eq!(report["model"]["active_params"], active);
+    let c = &report["reference"]["configured"];
+    // Every expert's 16-bit weights and gradients, fp32 gradients and AdamW state.
+    let m = &c["model_states"];
+    assert_eq!(m["weights16"]["device"], 2 * params);
+    assert_eq!(m["optimizer"]["device"], 12 * params);
+    // FLOPs follow the two routed experts: 6 per active matrix parameter, far below 6 per
+    // parameter.
+    let tokens = c["time"]["tokens"].as_f64().unwrap();
+    let per_token = c["time"]["flops"].as_f64().unwrap() / tokens;
+    assert!(per_token < 6.0 * active as f64 + 12.0 * 32.0 * 4096.0 * 4096.0 + 1.0);
+    assert!(per_token > 6.0 * (active as f64 - 2.0 * 32000.0 * 4096.0));
+}
+
 #[test]
 fn a_gpt2_shape_answers_for_both_stacks() {
     let report = estimate_json(&["--shape", "gpt2", "--tied", "--gpu", "--budget-gib", "24"]);
-    // This engine's fields stay at the top level; its head is untied.
-    assert_eq!(report["params"], 124_439_808u64 + 768 * 50257);
-    assert_eq!(report["reference"]["params"], 124_439_808u64);
-    assert!(report.get("engine_unavailable").is_none());
+    // The model's count once, the published one; this engine's head is untied.
+    assert_eq!(report["model"]["params"], 124_439_808u64);
+    assert_eq!(report["engine"]["params"], 124_439_808u64 + 768 * 50257);
+    assert!(report["engine_unavailable"].is_null());
+    // A shorter context is the same published model, and this engine's at that length.
+    let short = estimate_json(&["--shape", "gpt2", "--seq-len", "512"]);
+    assert_eq!(short["model"]["params"], 124_439_808u64);
+    assert_eq!(short["engine"]["config"]["model"]["seq_len"], 512);
+    assert_eq!(short["model"]["arch"]["seq_len"], 512);
     let engine_only = estimate_json(&["--shape", "gpt2", "--stack", "engine"]);
-    assert!(engine_only.get("reference").is_none());
+    assert!(engine_only["reference"].is_null());
+    // The same keys whatever the family.
+    let llama = estimate_json(&["--shape", "llama3-8b"]);
+    let keys = |v: &serde_json::Value| {
+        let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+        k.sort();
+        k
+    };
+    assert_eq!(keys(&report), keys(&llama));
     assert!(refused(&["--shape", "llama3-70b", "--stack", "engine"]).contains("--stack reference"));
 }
 
@@ -161,7 +332,8 @@ fn bad_values_are_one_line_errors_with_exit_2() {
     .unwrap();
     let t5 = t5.to_str().unwrap();
     let partial = partial.to_str().unwrap();
-    let cases: [(&[&str], &str); 9] = [
+    let llama = fixture("llama3-8b.json");
+    let cases: [(&[&str], &str); 17] = [
         (&["--ranks", "0"], "--ranks 0"),
         (&["--mfu", "0"], "--mfu 0"),
         (&["--mfu", "1.5"], "--mfu 1.5"),
@@ -177,11 +349,38 @@ fn bad_values_are_one_line_errors_with_exit_2() {
         (&["--zero", "4"], "--zero 4"),
         (
             &["--config", t5],
-            "model_type `t5` is not supported; supported: gpt2, llama",
+            "model_type `t5` is not supported; supported: gpt2, gpt_neox, llama",
         ),
         (
             &["--config", partial],
             "field `hidden_size` is missing (model_type mistral",
+        ),
+        (&["--config", "/dev/zero"], "/dev/zero: not a regular file"),
+        (
+            &["--seq-len", "100", "--set", "model.seq_len=200"],
+            "--seq-len 100 and --set model.seq_len=200 name one setting",
+        ),
+        (
+            &[
+                "--config",
+                &llama,
+                "--lora-rank",
+                "8",
+                "--lora-targets",
+                "w9",
+            ],
+            "--lora-targets w9: llama has no linear layer of that name; its layers: q_proj",
+        ),
+        (&["--base-dtype", "nf4"], "--base-dtype needs --lora-rank"),
+        (&["--offload", "optimizer,optimizer"], "named twice"),
+        (&["--ranks", "100000"], "--ranks 100000: at most 65536"),
+        (
+            &["--mfu", "1e-300"],
+            "--mfu 1e-300: expected a fraction from 0.001 to 1",
+        ),
+        (
+            &["--gpu-model", "cpu", "--offload", "optimizer"],
+            "offload moves nothing",
         ),
     ];
     for (args, expected) in cases {

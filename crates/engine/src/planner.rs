@@ -4,6 +4,7 @@
 //! - `activations`: per micro-batch, after Korthikanti et al. 2022, term by term;
 //! - `model_states`: weights, gradients and optimizer state placed by a ZeRO stage over ranks,
 //!   with offload (DeepSpeed's accounting; the engine's own ZeRO is `train::zero`);
+//! - `lora`: adapters on a frozen base (16-bit, 8-bit or 4-bit), what they count and cost;
 //! - `step_time`: time per step from the device's, the links' and the host's rates, and its bound;
 //! - `plan`: the verdict against a device budget and the levers taken one on top of another;
 //! - `options`: `gaccwb estimate`'s flags checked and turned into what `plan` reads.
@@ -12,6 +13,7 @@
 //! read is the command line's (`src/cli/estimate/`); the JSON is these types serialised.
 
 pub mod activations;
+pub mod lora;
 pub mod model_states;
 pub mod options;
 pub mod plan;

@@ -1,7 +1,7 @@
 //! `gaccwb estimate`: predicted memory per category and phase, the micro-batch table and a
 //! verdict for a budget, also for shapes this program cannot train; beside it the reference
-//! stack (16-bit mixed precision, ZeRO, offload, recomputation) with its device and host bytes
-//! and the time of a step.
+//! stack (16-bit mixed precision, ZeRO, offload, recomputation, LoRA) with its device and host
+//! bytes and the time of a step.
 
 use std::path::PathBuf;
 
@@ -10,13 +10,15 @@ use clap::Args;
 use gaccwb::hf::Arch;
 use gaccwb::memory::estimate::{self as est, Config};
 use gaccwb::planner::options::{self as opts, Options};
-use gaccwb::planner::plan::{engine_unavailable, ReferencePlan};
+use gaccwb::planner::plan::{engine_model, ReferencePlan};
 use gaccwb::presets;
 use gaccwb::scenario::Scenario;
 use serde::Serialize;
 
 use super::{usage, UsageError};
 
+mod host;
+mod reference;
 mod render;
 
 /// Which stacks `gaccwb estimate` answers for.
@@ -31,36 +33,41 @@ pub enum Stack {
     Both,
 }
 
-/// Both answers: this engine's estimate (its fields at the top level) and the reference
-/// stack's; `--json` prints it.
+/// The model planned, once for both stacks: its name, its true parameter count (every expert;
+/// the published, tied count where the head is tied) and what one token meets.
 #[derive(Clone, Debug, Serialize)]
-struct StackReport {
-    /// This engine's estimate, when it can build the architecture.
-    #[serde(flatten)]
-    engine: Option<est::Report>,
-    /// Why this engine has no answer (an architecture it cannot build), when it has none.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    engine_unavailable: Option<String>,
-    /// The reference stack's plan, when asked for.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    reference: Option<ReferencePlan>,
+struct Model {
+    /// The preset, shape or config file it came from.
+    name: String,
+    /// Parameters as `transformers` counts them.
+    params: u64,
+    /// Parameters one token meets (the routed experts only); `params` for a dense model.
+    active_params: u64,
+    /// The architecture, the sequence length planned included.
+    arch: Arch,
 }
 
-impl StackReport {
-    /// The report as the terminal shows it.
-    fn render(&self) -> String {
-        let mut parts = Vec::new();
-        if let Some(e) = &self.engine {
-            parts.push(format!("This engine:\n{}", render::engine(e)));
-        }
-        if let Some(why) = &self.engine_unavailable {
-            parts.push(format!("This engine: {why}\n"));
-        }
-        if let Some(r) = &self.reference {
-            parts.push(render::reference(r));
-        }
-        parts.join("\n")
-    }
+/// The device budget judged against and where it comes from.
+#[derive(Clone, Debug, Serialize)]
+struct Budget {
+    /// Bytes per device.
+    bytes: u64,
+    /// `--budget-gib`, the GPU's memory, or this host's.
+    source: String,
+}
+
+/// Every answer, in one shape for every family: the model and the budget once, then each stack's
+/// answer or why it has none. `--json` prints it.
+#[derive(Clone, Debug, Serialize)]
+struct Answer {
+    model: Model,
+    budget: Budget,
+    /// This engine's estimate, when it can build the model.
+    engine: Option<est::Report>,
+    /// Why this engine has no answer, when it has none.
+    engine_unavailable: Option<String>,
+    /// The reference stack's plan, unless `--stack engine`.
+    reference: Option<ReferencePlan>,
 }
 
 #[derive(Args)]
@@ -76,13 +83,15 @@ pub struct EstimateArgs {
     /// gpt3-175b (this engine's head is untied), llama3-8b, llama3-70b, mistral-7b.
     #[arg(long, value_name = "NAME")]
     shape: Option<String>,
-    /// A Hugging Face config.json (model_type gpt2, llama, mistral, qwen2 or gpt_neox).
+    /// A Hugging Face config.json (model_type gpt2, gpt_neox, llama, mistral, mixtral, qwen2,
+    /// qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, phi3; a multimodal wrapper's text_config).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Tie the head to the token embedding in the reference stack.
     #[arg(long)]
     tied: bool,
-    /// Tokens per sample for the reference stack (default: the shape's context).
+    /// Tokens per sample, the same setting as --set model.seq_len (default: the preset's; for
+    /// --config and --shape the model's context up to 4096).
     #[arg(long, value_name = "N")]
     seq_len: Option<u64>,
     /// Which stacks answer: engine, reference or both.
@@ -91,7 +100,7 @@ pub struct EstimateArgs {
     /// Effective batch for the micro-batch table (default: the preset's B·K).
     #[arg(long)]
     effective: Option<usize>,
-    /// Device memory budget in GiB (default: the --gpu-model's memory, else 8).
+    /// Device memory budget in GiB (default: the memory of --gpu-model; cpu: this host's).
     #[arg(long)]
     budget_gib: Option<f64>,
     /// Predict this engine for a GPU (device memory separate from the host: offload frees it).
@@ -113,6 +122,19 @@ pub struct EstimateArgs {
     /// Reference stack: activation recomputation, none, selective or full (default none).
     #[arg(long)]
     recompute: Option<String>,
+    /// Reference stack: train LoRA adapters of this rank on a frozen base (0: every weight).
+    #[arg(long, value_name = "R")]
+    lora_rank: Option<u64>,
+    /// Reference stack: the linear layers adapted, comma-separated module names (default:
+    /// every projection of the attention and the MLP, the experts' too).
+    #[arg(long, value_name = "NAMES")]
+    lora_targets: Option<String>,
+    /// Reference stack: dropout on the adapters' inputs (default 0).
+    #[arg(long, value_name = "P")]
+    lora_dropout: Option<f64>,
+    /// Reference stack: the frozen base's storage under LoRA: bf16, int8 or nf4 (default bf16).
+    #[arg(long, value_name = "DTYPE")]
+    base_dtype: Option<String>,
     /// The device for the time per step: h100, h200, a100, rtx4090 or cpu (default h100).
     #[arg(long, value_name = "NAME")]
     gpu_model: Option<String>,
@@ -125,10 +147,11 @@ pub struct EstimateArgs {
     /// Override the link between ranks, GB/s in each direction.
     #[arg(long)]
     link_gbps: Option<f64>,
-    /// Model FLOPs utilisation, in (0, 1] (default 0.4).
+    /// Model FLOPs utilisation, from 0.001 to 1 (default 0.4).
     #[arg(long)]
     mfu: Option<f64>,
-    /// The host's AdamW rate, GB/s of optimizer state (measure it: gaccwb bench --adamw).
+    /// The host's AdamW rate, GB/s of optimizer state (default: timed on this host once and
+    /// cached).
     #[arg(long)]
     cpu_adam_gbps: Option<f64>,
     /// Print JSON instead of tables.
@@ -159,6 +182,11 @@ impl EstimateArgs {
             link_gbps: self.link_gbps,
             mfu: self.mfu,
             cpu_adam_gbps: self.cpu_adam_gbps,
+            host: Default::default(),
+            lora_rank: self.lora_rank,
+            lora_targets: self.lora_targets.clone(),
+            lora_dropout: self.lora_dropout,
+            base_dtype: self.base_dtype.clone(),
         }
     }
 
@@ -170,10 +198,17 @@ impl EstimateArgs {
         }
         inputs
     }
+
+    /// Whether a `--set` names `key`.
+    fn sets(&self, key: &str) -> bool {
+        self.sets
+            .iter()
+            .any(|s| s.split_once('=').is_some_and(|(k, _)| k.trim() == key))
+    }
 }
 
 pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
-    let options = args.options();
+    let mut options = args.options();
     let mut scenario = presets::resolve(&args.preset).map_err(usage)?;
     // A GPT shape is this engine's model too; the others exist for the reference stack only.
     if let Some(m) = args
@@ -187,62 +222,135 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     for assignment in &args.sets {
         scenario.set_unvalidated(assignment).map_err(usage)?;
     }
-    let mut arch = opts::resolve_arch(&options, Arch::engine(&scenario.model))?;
-    if args.config.is_none() && args.seq_len.is_none() && arch.engine_model().is_some() {
-        // A GPT shape or the preset: `--set model.seq_len` reaches both stacks.
-        arch.seq_len = scenario.model.seq_len as u64;
-        arch.positions_table = arch.seq_len;
+    options.seq_len = seq_len(&args, &scenario)?;
+    if let Some(s) = options.seq_len {
+        scenario.model.seq_len = usize::try_from(s).unwrap_or(usize::MAX);
     }
-    let engine_model = arch.engine_model();
-    if let Some(m) = &engine_model {
+    let arch = opts::resolve_arch(&options, Arch::engine(&scenario.model))?;
+    let lora = opts::resolve_lora(&options, &arch)?;
+    let engine = engine_model(&arch, lora.as_ref());
+    if let Ok(m) = &engine {
         scenario.model = m.clone();
-        if let Some(path) = &args.config {
-            scenario.name = path.display().to_string();
-        }
     }
-    let budget_gib = match (args.budget_gib, &args.gpu_model) {
-        (Some(g), _) => g,
-        (None, Some(name)) if name != "cpu" => {
-            opts::resolve_rates(&options)?.gpu.memory_bytes as f64 / (1u64 << 30) as f64
-        }
-        _ => 8.0,
-    };
-    if !(budget_gib > 0.0 && budget_gib.is_finite()) {
-        anyhow::bail!(UsageError(format!(
-            "--budget-gib {budget_gib}: expected a positive number of GiB"
-        )));
+    match (&args.config, &args.shape) {
+        (Some(path), _) => scenario.name = path.display().to_string(),
+        (None, Some(shape)) => scenario.name = shape.clone(),
+        (None, None) => {}
     }
-    let budget = (budget_gib * (1u64 << 30) as f64) as u64;
-    let engine_builds = engine_model.is_some();
-    if args.stack == Stack::Engine && !engine_builds {
-        anyhow::bail!(UsageError(format!(
-            "--stack engine: this engine {}",
-            engine_unavailable(&arch)
-                .replace("only the reference stack answers", "use --stack reference")
-        )));
+    if engine.is_err() && !args.sets("train.micro_batch") && !args.sets("train.accum_steps") {
+        // A model only the reference stack plans: start from one sample per micro-batch at the
+        // preset's effective batch, what a fine-tune of a large model starts from.
+        let t = &mut scenario.train;
+        t.accum_steps *= t.micro_batch;
+        t.micro_batch = 1;
     }
-    let engine = match (args.stack, engine_builds) {
-        (Stack::Reference, _) | (_, false) => None,
-        _ => Some(engine_report(&args, &mut scenario, budget)?),
-    };
-    let reference = match args.stack {
-        Stack::Engine => None,
-        _ => Some(reference_plan(&options, &arch, &scenario, budget)?),
-    };
-    let report = StackReport {
-        engine,
-        engine_unavailable: (!engine_builds).then(|| engine_unavailable(&arch)),
-        reference,
-    };
+    let budget = budget(&args, &options)?;
+    let answer = answer(&args, &options, &arch, engine, &mut scenario, budget)?;
     if args.json {
-        gaccwb::out::println(&serde_json::to_string_pretty(&report)?)?;
+        gaccwb::out::println(&serde_json::to_string_pretty(&answer)?)?;
     } else {
-        gaccwb::out::print(&report.render())?;
+        gaccwb::out::print(&render::answer(&answer))?;
     }
     Ok(())
 }
 
-/// This engine's estimate, as before the reference stack existed.
+/// `--seq-len` and `--set model.seq_len` are one setting: either, or both when they agree.
+fn seq_len(args: &EstimateArgs, scenario: &Scenario) -> anyhow::Result<Option<u64>> {
+    let set = args
+        .sets("model.seq_len")
+        .then_some(scenario.model.seq_len as u64);
+    match (args.seq_len, set) {
+        (Some(a), Some(b)) if a != b => anyhow::bail!(UsageError(format!(
+            "--seq-len {a} and --set model.seq_len={b} name one setting; give one"
+        ))),
+        (Some(a), _) => Ok(Some(a)),
+        (None, b) => Ok(b),
+    }
+}
+
+/// The budget: `--budget-gib`, else the memory of the GPU `--gpu-model` names (h100 when none),
+/// or this host's installed memory for `cpu`.
+fn budget(args: &EstimateArgs, options: &Options) -> anyhow::Result<Budget> {
+    const GIB: f64 = (1u64 << 30) as f64;
+    if let Some(g) = args.budget_gib {
+        if !(g > 0.0 && g.is_finite() && g * GIB < u64::MAX as f64) {
+            anyhow::bail!(UsageError(format!(
+                "--budget-gib {g}: expected a positive number of GiB below 2^34"
+            )));
+        }
+        return Ok(Budget {
+            bytes: (g * GIB) as u64,
+            source: "--budget-gib".into(),
+        });
+    }
+    let rates = opts::resolve_rates(options)?;
+    if !rates.gpu.host {
+        return Ok(Budget {
+            bytes: rates.gpu.memory_bytes,
+            source: format!(
+                "the {}'s {} GB{}",
+                rates.gpu.name,
+                rates.gpu.memory_bytes / 1_000_000_000,
+                if args.gpu_model.is_none() {
+                    ", the default --gpu-model"
+                } else {
+                    ""
+                }
+            ),
+        });
+    }
+    Ok(match gaccwb::memory::gpu::host_memory_total() {
+        Some(bytes) => Budget {
+            bytes,
+            source: "this host's installed memory".into(),
+        },
+        None => Budget {
+            bytes: 8 << 30,
+            source: "8 GiB (this host's memory is unknown)".into(),
+        },
+    })
+}
+
+/// Both stacks' answers.
+fn answer(
+    args: &EstimateArgs,
+    options: &Options,
+    arch: &Arch,
+    engine: Result<gaccwb::scenario::ModelConfig, String>,
+    scenario: &mut Scenario,
+    budget: Budget,
+) -> anyhow::Result<Answer> {
+    if args.stack == Stack::Engine {
+        if let Err(why) = &engine {
+            anyhow::bail!(UsageError(format!(
+                "--stack engine: this engine {}",
+                why.replace("only the reference stack answers", "use --stack reference")
+            )));
+        }
+    }
+    let engine_report = match (args.stack, &engine) {
+        (Stack::Reference, _) | (_, Err(_)) => None,
+        _ => Some(engine_report(args, scenario, budget.bytes)?),
+    };
+    let reference = match args.stack {
+        Stack::Engine => None,
+        _ => Some(reference_plan(options, arch, scenario, budget.bytes)?),
+    };
+    Ok(Answer {
+        model: Model {
+            name: scenario.name.clone(),
+            params: arch.param_count(),
+            active_params: arch.active_params(),
+            arch: arch.clone(),
+        },
+        budget,
+        engine: engine_report,
+        engine_unavailable: engine.err(),
+        reference,
+    })
+}
+
+/// This engine's estimate for the GPT model it builds.
 fn engine_report(
     args: &EstimateArgs,
     scenario: &mut Scenario,
@@ -263,10 +371,21 @@ fn engine_report(
             "--effective 0: the effective batch is at least 1 sequence".into()
         ));
     }
-    let effective = args.effective.unwrap_or(cfg.micro_batch * cfg.accum_steps);
+    let effective = match args.effective {
+        Some(e) => e,
+        None => cfg.micro_batch.saturating_mul(cfg.accum_steps),
+    };
     if effective > gaccwb::limits::MAX_EFFECTIVE_BATCH {
+        let named = match args.effective {
+            Some(e) => format!("--effective {e}"),
+            None => format!(
+                "train.micro_batch × train.accum_steps = {} × {} = {effective}",
+                cfg.micro_batch, cfg.accum_steps
+            ),
+        };
         anyhow::bail!(UsageError(format!(
-            "--effective {effective}: at most {} (the table tries every micro-batch that divides it)",
+            "{named}: the effective batch is at most {} (the table tries every micro-batch that \
+             divides it)",
             gaccwb::limits::MAX_EFFECTIVE_BATCH
         )));
     }
@@ -280,7 +399,7 @@ fn engine_report(
     Ok(report)
 }
 
-/// The reference stack at the preset's (or --set) micro-batch and K.
+/// The reference stack at the scenario's micro-batch and K.
 fn reference_plan(
     options: &Options,
     arch: &Arch,
@@ -296,8 +415,20 @@ fn reference_plan(
             "train.micro_batch and train.accum_steps must be at least 1".into()
         ));
     }
-    let setup = opts::resolve_setup(options, b, k)?;
-    opts::check_size(arch, b * k)?;
-    let rates = opts::resolve_rates(options)?;
+    let setup = opts::resolve_setup(options, arch, b, k)?;
+    opts::check_size(arch, b.saturating_mul(k))?;
+    opts::resolve_rates(options)?;
+    // Timed only once everything else is known to be good, and only when no flag gives it.
+    let cpu_peak_needed =
+        options.gpu_model.as_deref() == Some("cpu") && options.peak_tflops.is_none();
+    let host = if options.cpu_adam_gbps.is_none() || cpu_peak_needed {
+        host::figures()
+    } else {
+        Default::default()
+    };
+    let rates = opts::resolve_rates(&Options {
+        host,
+        ..options.clone()
+    })?;
     Ok(ReferencePlan::new(arch, &setup, &rates, budget))
 }

@@ -1,14 +1,170 @@
-//! The estimate as people read it: this engine's ledger per phase, its micro-batch table and
-//! verdict, and the reference stack's placement, step time and levers, in aligned columns of
-//! human units. The JSON (`--json`) is the same reports serialised.
+//! The estimate as people read it: the model and the budget once, this engine's ledger per
+//! phase, its micro-batch table and verdict, and the reference stack's (`reference.rs`), in
+//! aligned columns of human units. The JSON (`--json`) is the same answer serialised.
 
 use gaccwb::hf::{Arch, Mlp, Norm, Positions};
 use gaccwb::memory::estimate::{model_states, Report};
 use gaccwb::memory::verdict::{human_bytes, Verdict};
-use gaccwb::planner::model_states::Offload;
-use gaccwb::planner::plan::{LeverRow, Outcome, ReferencePlan, Setup};
-use gaccwb::planner::step_time::{Rates, StepTime};
 use gaccwb::telemetry::{Categories, OffloadGrads};
+
+use super::Answer;
+
+/// The whole answer: the model, the budget, then each stack's.
+pub fn answer(a: &Answer) -> String {
+    let hint = if a.budget.source == "--budget-gib" {
+        ""
+    } else {
+        "; --budget-gib to change"
+    };
+    let mut out = format!(
+        "Model: {}: {}\nBudget: {} per device ({}{hint})\n\n",
+        printable(&a.model.name),
+        describe(&a.model.arch),
+        human_bytes(a.budget.bytes),
+        a.budget.source,
+    );
+    let mut parts = Vec::new();
+    if let Some(e) = &a.engine {
+        parts.push(format!("This engine:\n{}", engine(e)));
+    }
+    if let Some(why) = &a.engine_unavailable {
+        parts.push(format!("This engine: {why}\n"));
+    }
+    if let Some(r) = &a.reference {
+        parts.push(super::reference::reference(r));
+    }
+    out += &parts.join("\n");
+    out
+}
+
+/// `text` with control characters shown as escapes, so a name cannot move the terminal's cursor.
+pub fn printable(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            if c.is_control() {
+                c.escape_default().collect::<Vec<_>>()
+            } else {
+                vec![c]
+            }
+        })
+        .collect()
+}
+
+/// A count in digits, or in scientific notation once it has more than twelve.
+pub fn count(x: f64) -> String {
+    if x.abs() < 1e12 {
+        format!("{x:.0}")
+    } else {
+        format!("{x:.3e}")
+    }
+}
+
+/// Seconds with a readable unit.
+pub fn seconds(s: f64) -> String {
+    if s == 0.0 {
+        "0 s".into()
+    } else if s < 1e-3 {
+        format!("{:.1} µs", s * 1e6)
+    } else if s < 1.0 {
+        format!("{:.1} ms", s * 1e3)
+    } else if s < 1e6 {
+        format!("{s:.2} s")
+    } else {
+        format!("{s:.3e} s")
+    }
+}
+
+/// `1,234,567`.
+fn grouped(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The architecture in one line, with its parameter count (and the active ones with experts).
+fn describe(a: &Arch) -> String {
+    let head = if a.tied { "tied head" } else { "untied head" };
+    let params = match a.experts {
+        Some(e) => format!(
+            "{} parameters ({head}; {} active: {} of {} experts of {} per token{})",
+            grouped(a.param_count()),
+            grouped(a.active_params()),
+            e.per_token,
+            e.count,
+            e.intermediate,
+            if e.shared > 0 {
+                format!(" and a shared expert of {}", e.shared)
+            } else {
+                String::new()
+            }
+        ),
+        None => format!("{} parameters ({head})", grouped(a.param_count())),
+    };
+    let act = match a.mlp {
+        Mlp::Gelu => "GELU MLP",
+        Mlp::SwiGlu => "SwiGLU",
+        Mlp::GeGlu => "GeGLU",
+    };
+    let mlp = match a.dense_layers() {
+        0 => format!("{act} experts in every layer"),
+        n if n == a.layers => format!("{act} {}", a.intermediate),
+        n => format!("{act} experts, {n} dense layers of {}", a.intermediate),
+    };
+    let norm = match a.norm {
+        Norm::LayerNorm => "LayerNorm",
+        Norm::RmsNorm => "RMSNorm",
+    };
+    let positions = match a.positions {
+        Positions::Learned => "learned positions",
+        Positions::Rotary => "rotary positions",
+    };
+    let mut extras: Vec<String> = Vec::new();
+    for (on, what) in [
+        (a.qk_norm, "q/k norms"),
+        (a.post_norms, "post-norms"),
+        (a.fused_qkv, "fused qkv"),
+        (a.fused_mlp, "fused gate_up"),
+        (a.scaled_embedding, "scaled embedding"),
+        (a.attention_softcap, "soft-capped scores"),
+        (a.logit_softcap, "soft-capped logits"),
+        (a.dropout, "dropout"),
+    ] {
+        if on {
+            extras.push(what.into());
+        }
+    }
+    if let Some(w) = a.sliding {
+        extras.push(format!(
+            "sliding window {} in {} layers",
+            w.window, w.layers
+        ));
+    }
+    let wrapper = a
+        .wrapper
+        .as_ref()
+        .map(|w| format!(" (the language model of a {w}; its vision tower is not counted)"))
+        .unwrap_or_default();
+    format!(
+        "{}{wrapper}, {params}, hidden {}, {} layers, {} heads ({} key/value, head {}), {mlp}, \
+         {norm}, {positions}{}, vocab {}; planned at {} tokens per sample (its context: {})",
+        a.family,
+        a.hidden,
+        a.layers,
+        a.heads,
+        a.kv_heads,
+        a.head_dim,
+        extras.iter().map(|e| format!(", {e}")).collect::<String>(),
+        a.vocab,
+        a.seq_len,
+        a.max_context,
+    )
+}
 
 /// Rows of cells padded into columns; `right[i]` right-aligns column i. Columns are two spaces
 /// apart so cells never run together, whatever their width.
@@ -52,7 +208,7 @@ pub fn engine(report: &Report) -> String {
     let mut out = format!(
         "{}: d_model={} layers={} heads={} seq_len={} vocab={} ({} parameters, untied head {} of them)\n\
          B={} K={} {} offload {}; {}\n",
-        report.preset,
+        printable(&report.preset),
         m.d_model,
         m.layers,
         m.heads,
@@ -185,217 +341,6 @@ pub fn verdict(v: &Verdict, effective: usize) -> String {
         };
     }
     out
-}
-
-/// The reference stack's plan as the terminal shows it.
-pub fn reference(plan: &ReferencePlan) -> String {
-    let mut out = format!(
-        "Reference stack: 16-bit mixed-precision AdamW, model states as DeepSpeed counts them, \
-         activations after Korthikanti et al. 2022\n{}\n{}\n\n",
-        describe(&plan.arch, plan.params),
-        describe_setup(&plan.configured.setup, &plan.rates),
-    );
-    out += &placement_table(&plan.configured);
-    out += &time_line(&plan.configured.time);
-    out += &format!(
-        "\nVerdict for a device budget of {}: {}: {} on the device, {} on the host.\n",
-        human_bytes(plan.budget),
-        if plan.configured.fits {
-            "fits"
-        } else {
-            "does not fit"
-        },
-        human_bytes(plan.configured.device),
-        human_bytes(plan.configured.host),
-    );
-    let per_rank = plan.configured.setup.micro_batch * plan.configured.setup.accum_steps;
-    out += &match &plan.largest_fitting {
-        Some(o) => format!(
-            "  largest micro-batch that fits at B·K = {per_rank}: B={} K={} ({} on the device, {} per step)\n",
-            o.setup.micro_batch,
-            o.setup.accum_steps,
-            human_bytes(o.device),
-            seconds(o.time.step_s)
-        ),
-        None => format!("  no micro-batch fits at B·K = {per_rank} as configured\n"),
-    };
-    out += "  levers, each on top of the ones before:\n";
-    out += &lever_table(&plan.levers);
-    out
-}
-
-/// The architecture in one line.
-fn describe(a: &Arch, params: u64) -> String {
-    let mlp = match a.mlp {
-        Mlp::Gelu => format!("GELU MLP {}", a.intermediate),
-        Mlp::SwiGlu => format!("SwiGLU {}", a.intermediate),
-    };
-    let norm = match a.norm {
-        Norm::LayerNorm => "LayerNorm",
-        Norm::RmsNorm => "RMSNorm",
-    };
-    let positions = match a.positions {
-        Positions::Learned => "learned positions",
-        Positions::Rotary => "rotary positions",
-    };
-    format!(
-        "{}: {params} parameters ({} head), hidden {}, {} layers, {} heads ({} key/value), {mlp}, \
-         {norm}, {positions}, vocab {}, context {}{}",
-        a.family,
-        if a.tied { "tied" } else { "untied" },
-        a.hidden,
-        a.layers,
-        a.heads,
-        a.kv_heads,
-        a.vocab,
-        a.seq_len,
-        if a.dropout { ", dropout" } else { "" },
-    )
-}
-
-fn describe_setup(s: &Setup, r: &Rates) -> String {
-    let links = if r.gpu.host {
-        "no PCIe".to_string()
-    } else {
-        format!(
-            "PCIe {} GB/s, link {} GB/s",
-            r.gpu.pcie_gbps, r.gpu.link_gbps
-        )
-    };
-    format!(
-        "B={} K={} on each of {} rank(s), ZeRO-{}, offload {}, attention {}, recompute {}; {}: \
-         {} TFLOPS × MFU {}, {links}; host AdamW {:.3} GB/s",
-        s.micro_batch,
-        s.accum_steps,
-        s.placement.ranks,
-        s.placement.stage,
-        offload_name(&s.placement.offload),
-        s.attention,
-        s.recompute,
-        r.gpu.name,
-        r.gpu.peak_tflops,
-        r.mfu,
-        r.cpu_adam_bytes_per_s / 1e9,
-    )
-}
-
-/// `optimizer+gradients`, or `none`.
-pub fn offload_name(o: &Offload) -> String {
-    let names: Vec<&str> = [
-        (o.optimizer, "optimizer"),
-        (o.gradients, "gradients"),
-        (o.parameters, "parameters"),
-    ]
-    .into_iter()
-    .filter_map(|(on, name)| on.then_some(name))
-    .collect();
-    if names.is_empty() {
-        "none".into()
-    } else {
-        names.join("+")
-    }
-}
-
-fn placement_table(o: &Outcome) -> String {
-    let m = &o.model_states;
-    let mut rows = vec![vec!["".to_string(), "device".into(), "host".into()]];
-    for (name, p) in [
-        ("weights (16-bit)", m.weights16),
-        ("gradients (16-bit)", m.gradients16),
-        ("gradients (fp32)", m.gradients32),
-        ("optimizer (fp32 master, m, v)", m.optimizer),
-    ] {
-        rows.push(vec![
-            name.into(),
-            human_bytes(p.device),
-            human_bytes(p.host),
-        ]);
-    }
-    rows.push(vec![
-        "gathered module (ZeRO-3)".into(),
-        human_bytes(m.gathered),
-        human_bytes(0),
-    ]);
-    rows.push(vec![
-        "activations".into(),
-        human_bytes(o.activations.total),
-        human_bytes(0),
-    ]);
-    rows.push(vec![
-        "total".into(),
-        human_bytes(o.device),
-        human_bytes(o.host),
-    ]);
-    aligned(&rows, &[false, true, true])
-}
-
-fn time_line(t: &StepTime) -> String {
-    format!(
-        "step: {:.3e} FLOPs per rank: compute {}, PCIe {} ({} up, {} down), network {} ({}), \
-         CPU AdamW {} -> {} per step, bound: {}, {:.0} tokens/s\n",
-        t.flops,
-        seconds(t.compute_s),
-        seconds(t.pcie_s),
-        human_bytes(t.h2d_bytes),
-        human_bytes(t.d2h_bytes),
-        seconds(t.network_s),
-        human_bytes(t.network_bytes),
-        seconds(t.cpu_adam_s),
-        seconds(t.step_s),
-        t.bound,
-        t.tokens_per_s,
-    )
-}
-
-/// Seconds with a readable unit.
-pub fn seconds(s: f64) -> String {
-    if s == 0.0 {
-        "0 s".into()
-    } else if s < 1e-3 {
-        format!("{:.1} µs", s * 1e6)
-    } else if s < 1.0 {
-        format!("{:.1} ms", s * 1e3)
-    } else {
-        format!("{s:.2} s")
-    }
-}
-
-fn lever_table(levers: &[LeverRow]) -> String {
-    let mut rows = vec![[
-        "    lever",
-        "B",
-        "K",
-        "ZeRO",
-        "offload",
-        "device",
-        "host",
-        "",
-        "step",
-        "bound",
-        "tokens/s",
-    ]
-    .map(String::from)
-    .to_vec()];
-    for l in levers {
-        let (s, o) = (&l.outcome.setup, &l.outcome);
-        rows.push(vec![
-            format!("    {}", l.name),
-            s.micro_batch.to_string(),
-            s.accum_steps.to_string(),
-            s.placement.stage.to_string(),
-            offload_name(&s.placement.offload),
-            human_bytes(o.device),
-            human_bytes(o.host),
-            if o.fits { "fits" } else { "over" }.into(),
-            seconds(o.time.step_s),
-            o.time.bound.into(),
-            format!("{:.0}", o.time.tokens_per_s),
-        ]);
-    }
-    let right = [
-        false, true, true, true, false, true, true, false, true, false, true,
-    ];
-    aligned(&rows, &right)
 }
 
 #[cfg(test)]

@@ -1,11 +1,13 @@
-//! The architectures the planner describes beyond this engine's own: a decoder-only transformer
-//! with a choice of norm (LayerNorm or RMSNorm), MLP (4×GELU or SwiGLU with its intermediate
-//! size), grouped-query attention (`kv_heads` ≤ `heads`), learned or rotary positions, the biases
-//! each family has, and a tied or untied head. Named shapes carry the published dimensions;
-//! `config` reads the same from a Hugging Face `config.json`.
+//! A decoder-only transformer as the planner describes it: a choice of norm (LayerNorm or
+//! RMSNorm, optionally after each sub-block too, and on q and k), MLP (4×GELU, or gated: SwiGLU,
+//! GeGLU; or a mixture of experts), grouped-query attention with its own head width, learned or
+//! rotary positions, sliding-window layers, soft-capped scores and logits, the biases each family
+//! has, and a tied or untied head. Parameters are counted from the linear layers
+//! (`linears.rs`), the embeddings and the norms, as `transformers` builds the model.
 
 use serde::Serialize;
 
+use super::linears::{Linear, Place};
 use crate::scenario::ModelConfig;
 
 /// The feed-forward block.
@@ -16,6 +18,15 @@ pub enum Mlp {
     Gelu,
     /// `W_down·(silu(W_gate·x) ⊙ W_up·x)`: three matrices.
     SwiGlu,
+    /// `W_down·(gelu(W_gate·x) ⊙ W_up·x)` (Gemma): three matrices, the same bytes as SwiGLU.
+    GeGlu,
+}
+
+impl Mlp {
+    /// A gate and an up projection whose outputs are multiplied (three matrices).
+    pub fn gated(self) -> bool {
+        self != Mlp::Gelu
+    }
 }
 
 /// The normalisation before each sub-block and at the end.
@@ -38,11 +49,41 @@ pub enum Positions {
     Rotary,
 }
 
+/// A mixture of experts in place of the MLP: each token goes through `per_token` of `count`
+/// gated experts (chosen by a router, a `hidden × count` matrix) and through the shared expert
+/// when there is one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Experts {
+    /// Experts in each layer that has them.
+    pub count: u64,
+    /// Experts each token is routed to.
+    pub per_token: u64,
+    /// Each expert's inner width.
+    pub intermediate: u64,
+    /// The shared expert's inner width (Qwen2-MoE); 0 without one.
+    pub shared: u64,
+    /// A sigmoid gate (`hidden × 1`) scales the shared expert's output.
+    pub shared_gate: bool,
+    /// Layers with experts; the others have the dense MLP of `Arch::intermediate`.
+    pub layers: u64,
+}
+
+/// Layers whose attention sees only the last `window` keys (Mistral: all; Gemma 2: every other).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Sliding {
+    /// Keys a query attends to.
+    pub window: u64,
+    /// How many layers slide.
+    pub layers: u64,
+}
+
 /// One decoder-only transformer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Arch {
-    /// The family (`gpt2`, `llama`, `mistral`, `qwen2`, `gpt_neox`; `gaccwb` for this engine's).
+    /// The family, as `model_type` names it (`gaccwb` for this engine's).
     pub family: String,
+    /// The multimodal `model_type` whose `text_config` this is (its vision tower not counted).
+    pub wrapper: Option<String>,
     /// Tokens in the vocabulary.
     pub vocab: u64,
     /// The model width.
@@ -55,10 +96,12 @@ pub struct Arch {
     pub kv_heads: u64,
     /// Width of one head.
     pub head_dim: u64,
-    /// The MLP's inner width (4·hidden for GPT-2).
+    /// The dense MLP's inner width (4·hidden for GPT-2).
     pub intermediate: u64,
     /// The context the planner plans for (tokens per sample).
     pub seq_len: u64,
+    /// The longest context the model was built for (`max_position_embeddings`).
+    pub max_context: u64,
     /// Rows of the learned position table (0 with rotary positions).
     pub positions_table: u64,
     /// The MLP's form (GELU or gated).
@@ -73,139 +116,84 @@ pub struct Arch {
     pub out_bias: bool,
     /// Biases on the MLP's matrices.
     pub mlp_bias: bool,
-    /// q, k and v are one matrix (one module, for the largest-module count).
+    /// q, k and v are one matrix (one module).
     pub fused_qkv: bool,
+    /// The gate and up projections are one matrix (Phi-3's `gate_up_proj`).
+    pub fused_mlp: bool,
+    /// An RMSNorm over each head of q and of k (Qwen3).
+    pub qk_norm: bool,
+    /// A norm after the attention and after the MLP too (Gemma 2): four per layer.
+    pub post_norms: bool,
+    /// The token embedding is multiplied by √hidden (Gemma): no parameters, nothing kept.
+    pub scaled_embedding: bool,
+    /// Sliding-window attention layers.
+    pub sliding: Option<Sliding>,
+    /// Attention scores soft-capped, `cap·tanh(s/cap)` (Gemma 2).
+    pub attention_softcap: bool,
+    /// The logits soft-capped the same way (Gemma 2).
+    pub logit_softcap: bool,
+    /// A mixture of experts in place of the MLP.
+    pub experts: Option<Experts>,
     /// The head shares the token embedding's matrix.
     pub tied: bool,
     /// Dropout in training (GPT-2/3's 0.1); the families of 2024 train without.
     pub dropout: bool,
 }
 
-/// The published shapes `--shape` accepts.
-const GPT: [(&str, u64, u64, u64, u64); 5] = [
-    ("gpt2", 768, 12, 12, 1024),
-    ("gpt2-medium", 1024, 24, 16, 1024),
-    ("gpt2-large", 1280, 36, 20, 1024),
-    ("gpt2-xl", 1600, 48, 25, 1024),
-    ("gpt3-175b", 12288, 96, 96, 2048),
-];
-
-/// A Llama-family shape, from the model's published `config.json`.
-struct LlamaShape {
-    name: &'static str,
-    family: &'static str,
-    vocab: u64,
-    hidden: u64,
-    layers: u64,
-    heads: u64,
-    kv_heads: u64,
-    intermediate: u64,
-    context: u64,
-}
-
-const fn llama(
-    name: &'static str,
-    family: &'static str,
-    [vocab, hidden, layers, heads, kv_heads, intermediate, context]: [u64; 7],
-) -> LlamaShape {
-    LlamaShape {
-        name,
-        family,
-        vocab,
-        hidden,
-        layers,
-        heads,
-        kv_heads,
-        intermediate,
-        context,
-    }
-}
-
-const LLAMA: [LlamaShape; 3] = [
-    llama("llama3-8b", "llama", [128256, 4096, 32, 32, 8, 14336, 8192]),
-    llama(
-        "llama3-70b",
-        "llama",
-        [128256, 8192, 80, 64, 8, 28672, 8192],
-    ),
-    llama(
-        "mistral-7b",
-        "mistral",
-        [32000, 4096, 32, 32, 8, 14336, 32768],
-    ),
-];
-
-/// Every name `--shape` accepts.
-pub fn shape_names() -> Vec<&'static str> {
-    GPT.iter()
-        .map(|s| s.0)
-        .chain(LLAMA.iter().map(|s| s.name))
-        .collect()
-}
-
-/// The published architecture of a named shape (GPT-2/3 with their tied head), or `None`.
-pub fn named(name: &str) -> Option<Arch> {
-    if let Some(&(_, d, l, h, t)) = GPT.iter().find(|s| s.0 == name) {
-        let m = ModelConfig {
-            vocab: 50257,
-            d_model: d as usize,
-            layers: l as usize,
-            heads: h as usize,
-            seq_len: t as usize,
-            path: None,
-            adapter: None,
-        };
-        return Some(Arch {
-            tied: true,
-            dropout: true,
-            family: if name.starts_with("gpt3") {
-                "gpt3"
-            } else {
-                "gpt2"
-            }
-            .into(),
-            ..Arch::engine(&m)
-        });
-    }
-    let l = LLAMA.iter().find(|s| s.name == name)?;
-    Some(Arch {
-        family: l.family.into(),
-        vocab: l.vocab,
-        hidden: l.hidden,
-        layers: l.layers,
-        heads: l.heads,
-        kv_heads: l.kv_heads,
-        head_dim: l.hidden / l.heads,
-        intermediate: l.intermediate,
-        seq_len: l.context,
-        positions_table: 0,
-        mlp: Mlp::SwiGlu,
-        norm: Norm::RmsNorm,
-        positions: Positions::Rotary,
-        qkv_bias: false,
-        out_bias: false,
-        mlp_bias: false,
-        fused_qkv: false,
-        tied: false,
-        dropout: false,
-    })
-}
-
 impl Arch {
+    /// A dense decoder of `family` with the given sizes and every optional feature off: RMSNorm,
+    /// SwiGLU, rotary positions, no biases, untied, no dropout. Readers set what differs.
+    pub fn dense(
+        family: &str,
+        [vocab, hidden, layers, heads, kv_heads, intermediate, context]: [u64; 7],
+    ) -> Arch {
+        Arch {
+            family: family.into(),
+            wrapper: None,
+            vocab,
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            head_dim: hidden / heads.max(1),
+            intermediate,
+            seq_len: context,
+            max_context: context,
+            positions_table: 0,
+            mlp: Mlp::SwiGlu,
+            norm: Norm::RmsNorm,
+            positions: Positions::Rotary,
+            qkv_bias: false,
+            out_bias: false,
+            mlp_bias: false,
+            fused_qkv: false,
+            fused_mlp: false,
+            qk_norm: false,
+            post_norms: false,
+            scaled_embedding: false,
+            sliding: None,
+            attention_softcap: false,
+            logit_softcap: false,
+            experts: None,
+            tied: false,
+            dropout: false,
+        }
+    }
+
     /// This engine's architecture for a model: pre-LN GPT blocks with biases, learned positions,
     /// an untied head, no dropout.
     pub fn engine(m: &ModelConfig) -> Arch {
-        let (d, h) = (m.d_model as u64, m.heads as u64);
+        let d = m.d_model as u64;
+        let sizes = [
+            m.vocab,
+            m.d_model,
+            m.layers,
+            m.heads,
+            m.heads,
+            4 * m.d_model,
+            m.seq_len,
+        ];
         Arch {
-            family: "gaccwb".into(),
-            vocab: m.vocab as u64,
-            hidden: d,
-            layers: m.layers as u64,
-            heads: h,
-            kv_heads: h,
-            head_dim: d / h.max(1),
-            intermediate: 4 * d,
-            seq_len: m.seq_len as u64,
             positions_table: m.seq_len as u64,
             mlp: Mlp::Gelu,
             norm: Norm::LayerNorm,
@@ -214,25 +202,32 @@ impl Arch {
             out_bias: true,
             mlp_bias: true,
             fused_qkv: true,
-            tied: false,
-            dropout: false,
+            intermediate: 4 * d,
+            ..Arch::dense("gaccwb", sizes.map(|v| v as u64))
         }
     }
 
     /// The engine's model for this architecture, when the engine can build it: GPT blocks (4×GELU
-    /// MLP, LayerNorm, learned positions covering the context, multi-head attention with biases).
-    /// The engine's head is always untied.
+    /// MLP, LayerNorm, learned positions covering the context, multi-head attention with biases,
+    /// nothing else). The engine's head is always untied, and its position table has a row per
+    /// position it trains on.
     pub fn engine_model(&self) -> Option<ModelConfig> {
         let gpt_like = self.mlp == Mlp::Gelu
             && self.intermediate == 4 * self.hidden
             && self.norm == Norm::LayerNorm
             && self.positions == Positions::Learned
-            && self.positions_table == self.seq_len
+            && self.positions_table >= self.seq_len
             && self.kv_heads == self.heads
             && self.head_dim * self.heads == self.hidden
             && self.qkv_bias
             && self.out_bias
-            && self.mlp_bias;
+            && self.mlp_bias
+            && !self.qk_norm
+            && !self.post_norms
+            && self.sliding.is_none()
+            && !self.attention_softcap
+            && !self.logit_softcap
+            && self.experts.is_none();
         gpt_like.then_some(ModelConfig {
             vocab: self.vocab as usize,
             d_model: self.hidden as usize,
@@ -254,47 +249,114 @@ impl Arch {
         self.kv_heads * self.head_dim
     }
 
-    fn norm_params(&self) -> u64 {
+    /// Layers with experts (0 for a dense model).
+    pub fn expert_layers(&self) -> u64 {
+        self.experts.map_or(0, |e| e.layers)
+    }
+
+    /// Layers with the dense MLP.
+    pub fn dense_layers(&self) -> u64 {
+        self.layers - self.expert_layers()
+    }
+
+    /// Layers whose attention slides (sees at most `window` keys).
+    pub fn sliding_layers(&self) -> u64 {
+        self.sliding.map_or(0, |w| w.layers.min(self.layers))
+    }
+
+    /// Keys a query of a sliding layer attends to at this context.
+    pub fn sliding_span(&self) -> u64 {
+        self.sliding
+            .map_or(self.seq_len, |w| w.window.min(self.seq_len))
+    }
+
+    fn norm_params(&self, width: u64) -> u64 {
         match self.norm {
-            Norm::LayerNorm => 2 * self.hidden,
-            Norm::RmsNorm => self.hidden,
+            Norm::LayerNorm => 2 * width,
+            Norm::RmsNorm => width,
         }
     }
 
-    /// Parameters of the attention block: q, k, v, output projection and their biases.
-    fn attention_params(&self) -> u64 {
-        let (h, q, kv) = (self.hidden, self.q_width(), self.kv_width());
-        let weights = h * (q + 2 * kv) + q * h;
-        let biases = if self.qkv_bias { q + 2 * kv } else { 0 } + if self.out_bias { h } else { 0 };
-        weights + biases
+    /// Norm parameters of one layer: two (four with post-norms), and q/k norms over a head.
+    fn layer_norm_params(&self) -> u64 {
+        let per_layer = if self.post_norms { 4 } else { 2 };
+        per_layer * self.norm_params(self.hidden)
+            + if self.qk_norm {
+                2 * self.norm_params(self.head_dim)
+            } else {
+                0
+            }
     }
 
-    /// Parameters of the MLP and its biases.
-    fn mlp_params(&self) -> u64 {
-        let (h, f) = (self.hidden, self.intermediate);
-        match (self.mlp, self.mlp_bias) {
-            (Mlp::Gelu, bias) => 2 * h * f + if bias { f + h } else { 0 },
-            (Mlp::SwiGlu, bias) => 3 * h * f + if bias { 2 * f + h } else { 0 },
+    /// How many copies of `l` the model holds.
+    fn copies(&self, l: &Linear) -> u64 {
+        match l.place {
+            Place::Attention => self.layers,
+            Place::Dense => self.dense_layers(),
+            Place::Expert => self.experts.map_or(0, |e| e.layers * e.count),
+            Place::Shared | Place::Router => self.expert_layers(),
         }
     }
 
-    /// Parameters of one transformer layer.
-    pub fn layer_params(&self) -> u64 {
-        2 * self.norm_params() + self.attention_params() + self.mlp_params()
+    /// How many copies of `l` one token is multiplied by.
+    fn copies_per_token(&self, l: &Linear) -> u64 {
+        match l.place {
+            Place::Expert => self.experts.map_or(0, |e| e.layers * e.per_token),
+            _ => self.copies(l),
+        }
     }
 
     /// Trainable parameters: embeddings, layers, final norm and (untied) head.
     pub fn param_count(&self) -> u64 {
+        let linears: u64 = self
+            .linears()
+            .iter()
+            .map(|l| self.copies(l) * l.params())
+            .sum();
         let embedding = self.vocab * self.hidden;
         let positions = match self.positions {
             Positions::Learned => self.positions_table * self.hidden,
             Positions::Rotary => 0,
         };
         let head = if self.tied { 0 } else { embedding };
-        embedding + positions + self.layers * self.layer_params() + self.norm_params() + head
+        embedding
+            + positions
+            + linears
+            + self.layers * self.layer_norm_params()
+            + self.norm_params(self.hidden)
+            + head
     }
 
-    /// `param_count` in floating point, safe for any sizes (for range checks before counting).
+    /// Parameters of one transformer layer (norms included): the layers' share of the count,
+    /// exact for a dense model, the mean over the layers with experts.
+    pub fn layer_params(&self) -> u64 {
+        let embedding = self.vocab * self.hidden;
+        let positions = match self.positions {
+            Positions::Learned => self.positions_table * self.hidden,
+            Positions::Rotary => 0,
+        };
+        let head = if self.tied { 0 } else { embedding };
+        let outside = embedding + positions + self.norm_params(self.hidden) + head;
+        (self.param_count() - outside) / self.layers.max(1)
+    }
+
+    /// Parameters one token meets: all of them for a dense model; with experts, only the routed
+    /// ones (the shared expert and the router included).
+    pub fn active_params(&self) -> u64 {
+        let skipped: u64 = match self.experts {
+            None => 0,
+            Some(e) => self
+                .linears()
+                .iter()
+                .filter(|l| l.place == Place::Expert)
+                .map(|l| e.layers * (e.count - e.per_token) * l.params())
+                .sum(),
+        };
+        self.param_count() - skipped
+    }
+
+    /// `param_count` in floating point, safe for any sizes (for range checks before counting):
+    /// an upper bound.
     pub fn param_count_f64(&self) -> f64 {
         let (v, h, l) = (self.vocab as f64, self.hidden as f64, self.layers as f64);
         let (q, kv, f) = (
@@ -302,85 +364,62 @@ impl Arch {
             self.kv_width() as f64,
             self.intermediate as f64,
         );
+        let experts = self.experts.map_or(0.0, |e| {
+            3.0 * h * (e.count as f64 * e.intermediate as f64 + e.shared as f64 + e.count as f64)
+        });
         2.0 * v * h
             + self.positions_table as f64 * h
-            + l * (h * (2.0 * q + 2.0 * kv) + 3.0 * h * f + 8.0 * h)
+            + l * (h * (2.0 * q + 2.0 * kv) + 3.0 * h * f + experts + 10.0 * h + 4.0 * q)
     }
 
-    /// Parameters the forward multiplies by (per token, 2 FLOPs each): every layer matrix and
-    /// the head (tied or not); not the lookup tables or the norms and biases.
+    /// Parameters one token is multiplied by (2 FLOPs each in the forward): every layer matrix
+    /// it meets (the routed experts only) and the head (tied or not); not the lookup tables or
+    /// the norms and biases.
     pub fn matmul_params(&self) -> u64 {
-        let (h, q, kv, f) = (
-            self.hidden,
-            self.q_width(),
-            self.kv_width(),
-            self.intermediate,
-        );
-        let mlp = match self.mlp {
-            Mlp::Gelu => 2 * h * f,
-            Mlp::SwiGlu => 3 * h * f,
-        };
-        self.layers * (h * (q + 2 * kv) + q * h + mlp) + self.vocab * h
+        let linears: u64 = self
+            .linears()
+            .iter()
+            .map(|l| self.copies_per_token(l) * l.inputs * l.outputs)
+            .sum();
+        linears + self.vocab * self.hidden
     }
 
-    /// Parameters of the largest single module (a matrix and its bias, or an embedding table):
-    /// the unit ZeRO-3 gathers, as DeepSpeed's estimator counts it.
+    /// Parameters of the largest single module (a matrix and its bias, an embedding table, or a
+    /// layer's bank of experts, which `transformers` keeps as one module): the unit ZeRO-3
+    /// gathers, as DeepSpeed's estimator counts it.
     pub fn largest_module_params(&self) -> u64 {
-        let (h, q, kv, f) = (
-            self.hidden,
-            self.q_width(),
-            self.kv_width(),
-            self.intermediate,
-        );
-        let qkv = if self.fused_qkv {
-            h * (q + 2 * kv) + if self.qkv_bias { q + 2 * kv } else { 0 }
-        } else {
-            h * q + if self.qkv_bias { q } else { 0 }
-        };
-        let mlp = h * f + if self.mlp_bias { f } else { 0 };
-        [self.vocab * h, self.positions_table * h, qkv, mlp]
-            .into_iter()
+        let linears = self.linears();
+        let bank: u64 = self.experts.map_or(0, |e| {
+            e.count
+                * linears
+                    .iter()
+                    .filter(|l| l.place == Place::Expert)
+                    .map(Linear::params)
+                    .sum::<u64>()
+        });
+        linears
+            .iter()
+            .filter(|l| l.place != Place::Expert && self.copies(l) > 0)
+            .map(Linear::params)
+            .chain([
+                self.vocab * self.hidden,
+                self.positions_table * self.hidden,
+                bank,
+            ])
             .max()
             .unwrap_or(0)
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn named_shapes_count_the_published_parameters() {
-        // The published counts of the released checkpoints.
-        let published = [
-            ("gpt2", 124_439_808u64),
-            ("gpt2-medium", 354_823_168),
-            ("gpt2-large", 774_030_080),
-            ("gpt2-xl", 1_557_611_200),
-            ("llama3-8b", 8_030_261_248),
-            ("llama3-70b", 70_553_706_496),
-            ("mistral-7b", 7_241_732_096),
-        ];
-        for (name, count) in published {
-            assert_eq!(named(name).unwrap().param_count(), count, "{name}");
-        }
-        assert!(named("gpt4").is_none());
-    }
-
-    #[test]
-    fn largest_module_and_matmul_parameters() {
-        let llama = named("llama3-8b").unwrap();
-        assert_eq!(llama.largest_module_params(), 128256 * 4096);
-        // Every layer matrix and the head: the total less the input embedding and the norms.
-        let norms = (2 * 32 + 1) * 4096;
-        assert_eq!(
-            llama.matmul_params(),
-            llama.param_count() - 128256 * 4096 - norms
-        );
-        let gpt3 = named("gpt3-175b").unwrap();
-        // The embedding (V·h) is just larger than the MLP's 4h² + 4h at this width.
-        assert_eq!(gpt3.largest_module_params(), 50257 * 12288);
-        let gpt2 = named("gpt2").unwrap();
-        assert_eq!(gpt2.largest_module_params(), 50257 * 768);
+    /// Parameters of the linear layers, per place, with how many copies the model holds:
+    /// `(linear, copies)`.
+    pub fn linear_copies(&self) -> Vec<(Linear, u64)> {
+        self.linears()
+            .into_iter()
+            .map(|l| {
+                let n = self.copies(&l);
+                (l, n)
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect()
     }
 }

@@ -1,15 +1,37 @@
 //! A Hugging Face `config.json` read into an [`Arch`]: the fields each supported `model_type`
-//! needs, with the defaults the `transformers` classes give the optional ones. An unknown type,
-//! a missing field or a value of the wrong kind is refused naming the file and the field.
+//! needs, with the defaults the `transformers` classes give the optional ones. A multimodal
+//! wrapper's `text_config` is read as the language model. An unknown type, a missing field or a
+//! value of the wrong kind is refused naming the file and the field; the file must be a regular
+//! file of at most [`MAX_BYTES`] (a FIFO or a device is refused before it is opened).
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use super::{Arch, Mlp, Norm, Positions};
+use super::Arch;
+
+mod families;
 
 /// The `model_type`s read.
-pub const SUPPORTED: [&str; 5] = ["gpt2", "llama", "mistral", "qwen2", "gpt_neox"];
+pub const SUPPORTED: [&str; 12] = [
+    "gpt2",
+    "gpt_neox",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "phi3",
+];
+
+/// The largest `config.json` read. Published ones are a few KiB (Phi-3.5's, with its two lists
+/// of RoPE factors, about 5 KiB).
+pub const MAX_BYTES: u64 = 1 << 20;
 
 /// The largest size any field may give (sizes are multiplied together in 64 bits).
 const MAX_SIZE: u64 = 1 << 31;
@@ -24,6 +46,20 @@ pub enum HfConfigError {
         path: PathBuf,
         /// What the operating system said.
         source: std::io::Error,
+    },
+    /// Not a regular file (a directory, a FIFO, a device): nothing is read from it.
+    #[error("{path}: not a regular file; give the model's config.json itself")]
+    NotAFile {
+        /// The path.
+        path: PathBuf,
+    },
+    /// Larger than any `config.json`.
+    #[error("{path}: {size} bytes, more than the {MAX_BYTES} a config.json may have; is it the model's config.json?")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its size (at least this).
+        size: u64,
     },
     /// The file is not JSON.
     #[error("{path}: not JSON: {source}")]
@@ -40,12 +76,16 @@ pub enum HfConfigError {
         path: PathBuf,
     },
     /// A `model_type` the planner does not know.
-    #[error("{path}: model_type `{found}` is not supported; supported: {}", SUPPORTED.join(", "))]
+    #[error("{path}: {field} `{found}` is not supported{hint}; supported: {}", SUPPORTED.join(", "))]
     UnknownType {
         /// The file.
         path: PathBuf,
+        /// `model_type`, or `text_config.model_type`.
+        field: String,
         /// The type it names.
         found: String,
+        /// What to do instead, when there is something (empty otherwise).
+        hint: String,
     },
     /// A field the model type needs is absent.
     #[error("{path}: field `{field}` is missing (model_type {model_type} needs it)")]
@@ -53,7 +93,7 @@ pub enum HfConfigError {
         /// The file.
         path: PathBuf,
         /// The field.
-        field: &'static str,
+        field: String,
         /// The model type that needs it.
         model_type: String,
     },
@@ -63,23 +103,54 @@ pub enum HfConfigError {
         /// The file.
         path: PathBuf,
         /// The field.
-        field: &'static str,
+        field: String,
         /// What is wrong with it.
         why: String,
     },
 }
 
-/// Reads and interprets `path`.
+/// Reads and interprets `path`: a regular file of at most [`MAX_BYTES`], UTF-8 (a byte-order mark
+/// is accepted).
 pub fn load(path: &Path) -> Result<Arch, HfConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| HfConfigError::Read {
+    let read = |source| HfConfigError::Read {
         path: path.to_path_buf(),
         source,
+    };
+    // Checked before opening: opening a FIFO blocks until a writer comes.
+    let meta = std::fs::metadata(path).map_err(read)?;
+    if !meta.is_file() {
+        return Err(HfConfigError::NotAFile {
+            path: path.to_path_buf(),
+        });
+    }
+    let too_large = |size| HfConfigError::TooLarge {
+        path: path.to_path_buf(),
+        size,
+    };
+    if meta.len() > MAX_BYTES {
+        return Err(too_large(meta.len()));
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .map_err(read)?
+        .take(MAX_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read)?;
+    if bytes.len() as u64 > MAX_BYTES {
+        return Err(too_large(bytes.len() as u64));
+    }
+    let text = String::from_utf8(bytes).map_err(|e| {
+        read(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not UTF-8 ({e})"),
+        ))
     })?;
     parse(path, &text)
 }
 
 /// Interprets the text of a `config.json`; `path` names it in errors.
 pub fn parse(path: &Path, text: &str) -> Result<Arch, HfConfigError> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let value: Value = serde_json::from_str(text).map_err(|source| HfConfigError::Json {
         path: path.to_path_buf(),
         source,
@@ -89,71 +160,107 @@ pub fn parse(path: &Path, text: &str) -> Result<Arch, HfConfigError> {
             path: path.to_path_buf(),
         });
     };
-    let fields = Fields {
+    let top = Fields {
         path,
         map: &map,
+        prefix: "",
         model_type: String::new(),
     };
-    let model_type = fields.string("model_type")?;
-    let f = Fields {
-        model_type: model_type.clone(),
-        ..fields
-    };
-    match model_type.as_str() {
-        "gpt2" => gpt2(&f),
-        "llama" | "mistral" | "qwen2" => llama_like(&f),
-        "gpt_neox" => gpt_neox(&f),
-        _ => Err(HfConfigError::UnknownType {
-            path: path.to_path_buf(),
-            found: model_type,
-        }),
+    let model_type = top.string("model_type")?;
+    if SUPPORTED.contains(&model_type.as_str()) {
+        return families::read(&Fields { model_type, ..top });
     }
+    // A multimodal wrapper (LLaVA, Gemma 3, …): its language model is `text_config`.
+    let Some(Value::Object(text_config)) = top.get("text_config") else {
+        return Err(HfConfigError::UnknownType {
+            path: path.to_path_buf(),
+            field: "model_type".into(),
+            found: model_type,
+            hint: String::new(),
+        });
+    };
+    let inner = Fields {
+        path,
+        map: text_config,
+        prefix: "text_config.",
+        model_type: String::new(),
+    };
+    let text_type = inner.string("model_type")?;
+    if !SUPPORTED.contains(&text_type.as_str()) {
+        return Err(HfConfigError::UnknownType {
+            path: path.to_path_buf(),
+            field: "text_config.model_type".into(),
+            found: text_type,
+            hint: format!(
+                " (the language model of this `{model_type}`; if its text model is one of \
+                 the supported families, save `text_config` as a config.json with that \
+                 model_type and plan it)"
+            ),
+        });
+    }
+    let mut arch = families::read(&Fields {
+        model_type: text_type,
+        ..inner
+    })?;
+    arch.wrapper = Some(model_type);
+    Ok(arch)
 }
 
 /// The object and what errors need to name.
-struct Fields<'a> {
+pub(super) struct Fields<'a> {
     path: &'a Path,
     map: &'a Map<String, Value>,
-    model_type: String,
+    /// `text_config.` when reading a wrapper's language model.
+    prefix: &'static str,
+    /// The `model_type` being read (empty before it is known).
+    pub(super) model_type: String,
 }
 
 impl Fields<'_> {
-    fn bad(&self, field: &'static str, why: &str) -> HfConfigError {
+    fn name(&self, field: &str) -> String {
+        format!("{}{field}", self.prefix)
+    }
+
+    pub(super) fn bad(&self, field: &str, why: &str) -> HfConfigError {
         HfConfigError::Bad {
             path: self.path.to_path_buf(),
-            field,
+            field: self.name(field),
             why: why.to_string(),
         }
     }
 
+    fn missing(&self, field: &str) -> HfConfigError {
+        HfConfigError::Missing {
+            path: self.path.to_path_buf(),
+            field: self.name(field),
+            model_type: if self.model_type.is_empty() {
+                "(any)".into()
+            } else {
+                self.model_type.clone()
+            },
+        }
+    }
+
     /// A present, non-null value.
-    fn get(&self, field: &str) -> Option<&Value> {
+    pub(super) fn get(&self, field: &str) -> Option<&Value> {
         self.map.get(field).filter(|v| !v.is_null())
     }
 
-    fn string(&self, field: &'static str) -> Result<String, HfConfigError> {
+    fn string(&self, field: &str) -> Result<String, HfConfigError> {
         match self.get(field) {
             Some(Value::String(s)) => Ok(s.clone()),
             Some(_) => Err(self.bad(field, "expected a string")),
-            None => Err(HfConfigError::Missing {
-                path: self.path.to_path_buf(),
-                field,
-                model_type: if self.model_type.is_empty() {
-                    "(any)".into()
-                } else {
-                    self.model_type.clone()
-                },
-            }),
+            None => Err(self.missing(field)),
         }
     }
 
     /// A positive integer, required.
-    fn size(&self, field: &'static str) -> Result<u64, HfConfigError> {
+    pub(super) fn size(&self, field: &str) -> Result<u64, HfConfigError> {
         self.size_or(field, None)
     }
 
     /// A positive integer, or `default` when absent or null.
-    fn size_or(&self, field: &'static str, default: Option<u64>) -> Result<u64, HfConfigError> {
+    pub(super) fn size_or(&self, field: &str, default: Option<u64>) -> Result<u64, HfConfigError> {
         match self.get(field) {
             Some(v) => v
                 .as_u64()
@@ -164,15 +271,19 @@ impl Fields<'_> {
                         &format!("expected a positive integer up to {MAX_SIZE}, got {v}"),
                     )
                 }),
-            None => default.ok_or_else(|| HfConfigError::Missing {
-                path: self.path.to_path_buf(),
-                field,
-                model_type: self.model_type.clone(),
-            }),
+            None => default.ok_or_else(|| self.missing(field)),
         }
     }
 
-    fn flag_or(&self, field: &'static str, default: bool) -> Result<bool, HfConfigError> {
+    /// A positive integer, or `None` when absent or null.
+    pub(super) fn optional_size(&self, field: &str) -> Result<Option<u64>, HfConfigError> {
+        match self.get(field) {
+            Some(_) => self.size(field).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    pub(super) fn flag_or(&self, field: &str, default: bool) -> Result<bool, HfConfigError> {
         match self.get(field) {
             Some(Value::Bool(b)) => Ok(*b),
             Some(v) => Err(self.bad(field, &format!("expected true or false, got {v}"))),
@@ -180,8 +291,25 @@ impl Fields<'_> {
         }
     }
 
+    /// A positive number, or `None` when absent or null (a soft cap).
+    pub(super) fn optional_positive(&self, field: &str) -> Result<Option<f64>, HfConfigError> {
+        match self.get(field) {
+            Some(v) => v
+                .as_f64()
+                .filter(|x| *x > 0.0 && x.is_finite())
+                .map(Some)
+                .ok_or_else(|| {
+                    self.bad(
+                        field,
+                        &format!("expected a positive number or null, got {v}"),
+                    )
+                }),
+            None => Ok(None),
+        }
+    }
+
     /// A probability (dropout); absent is `default`.
-    fn rate_or(&self, field: &'static str, default: f64) -> Result<f64, HfConfigError> {
+    pub(super) fn rate_or(&self, field: &str, default: f64) -> Result<f64, HfConfigError> {
         match self.get(field) {
             Some(v) => v
                 .as_f64()
@@ -191,8 +319,44 @@ impl Fields<'_> {
         }
     }
 
+    /// Whether any of these dropout rates is above 0 (absent: 0).
+    pub(super) fn any_dropout(&self, fields: &[&str]) -> Result<bool, HfConfigError> {
+        for f in fields {
+            if self.rate_or(f, 0.0)? > 0.0 {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// A list of layer indices (`mlp_only_layers`); absent is empty.
+    pub(super) fn indices(&self, field: &str) -> Result<Vec<u64>, HfConfigError> {
+        match self.get(field) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .ok_or_else(|| self.bad(field, &format!("expected layer indices, got {v}")))
+                })
+                .collect(),
+            Some(v) => Err(self.bad(field, &format!("expected a list of layer indices, got {v}"))),
+        }
+    }
+
+    /// How many entries of a list of strings equal `value` (`layer_types`), if the list is there.
+    pub(super) fn count_of(&self, field: &str, value: &str) -> Result<Option<u64>, HfConfigError> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(Value::Array(items)) => Ok(Some(
+                items.iter().filter(|v| v.as_str() == Some(value)).count() as u64,
+            )),
+            Some(v) => Err(self.bad(field, &format!("expected a list of strings, got {v}"))),
+        }
+    }
+
     /// `heads` must divide `width` when the head width is derived from it.
-    fn head_dim(&self, width: u64, heads: u64) -> Result<u64, HfConfigError> {
+    pub(super) fn head_dim(&self, width: u64, heads: u64) -> Result<u64, HfConfigError> {
         match self.get("head_dim") {
             Some(_) => self.size("head_dim"),
             None if width.is_multiple_of(heads) => Ok(width / heads),
@@ -204,161 +368,5 @@ impl Fields<'_> {
     }
 }
 
-/// GPT-2: LayerNorm, 4×GELU (or `n_inner`), learned positions, biases everywhere, fused qkv;
-/// the head tied unless `tie_word_embeddings` is false.
-fn gpt2(f: &Fields) -> Result<Arch, HfConfigError> {
-    let hidden = f.size("n_embd")?;
-    let heads = f.size("n_head")?;
-    let positions = f.size("n_positions")?;
-    let dropout = ["resid_pdrop", "embd_pdrop", "attn_pdrop"]
-        .into_iter()
-        .map(|k| f.rate_or(k, 0.1))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Arch {
-        family: "gpt2".into(),
-        vocab: f.size("vocab_size")?,
-        hidden,
-        layers: f.size("n_layer")?,
-        heads,
-        kv_heads: heads,
-        head_dim: f.head_dim(hidden, heads)?,
-        intermediate: f.size_or("n_inner", Some(4 * hidden))?,
-        seq_len: positions,
-        positions_table: positions,
-        mlp: Mlp::Gelu,
-        norm: Norm::LayerNorm,
-        positions: Positions::Learned,
-        qkv_bias: true,
-        out_bias: true,
-        mlp_bias: true,
-        fused_qkv: true,
-        tied: f.flag_or("tie_word_embeddings", true)?,
-        dropout: dropout.iter().any(|&p| p > 0.0),
-    })
-}
-
-/// Llama, Mistral and Qwen2: RMSNorm, SwiGLU, rotary positions, grouped-query attention.
-/// Biases: Llama's `attention_bias` covers q, k, v and the output projection; Qwen2 has q, k, v
-/// biases and none on the output; Mistral has none.
-fn llama_like(f: &Fields) -> Result<Arch, HfConfigError> {
-    let hidden = f.size("hidden_size")?;
-    let heads = f.size("num_attention_heads")?;
-    let kv_heads = f.size_or("num_key_value_heads", Some(heads))?;
-    if !heads.is_multiple_of(kv_heads) {
-        return Err(f.bad(
-            "num_key_value_heads",
-            &format!("{kv_heads} key/value heads must divide the {heads} attention heads"),
-        ));
-    }
-    let (qkv_bias, out_bias, mlp_bias) = match f.model_type.as_str() {
-        "llama" => {
-            let attention = f.flag_or("attention_bias", false)?;
-            (attention, attention, f.flag_or("mlp_bias", false)?)
-        }
-        "qwen2" => (true, false, false),
-        _ => (false, false, false),
-    };
-    Ok(Arch {
-        family: f.model_type.clone(),
-        vocab: f.size("vocab_size")?,
-        hidden,
-        layers: f.size("num_hidden_layers")?,
-        heads,
-        kv_heads,
-        head_dim: f.head_dim(hidden, heads)?,
-        intermediate: f.size("intermediate_size")?,
-        seq_len: f.size("max_position_embeddings")?,
-        positions_table: 0,
-        mlp: Mlp::SwiGlu,
-        norm: Norm::RmsNorm,
-        positions: Positions::Rotary,
-        qkv_bias,
-        out_bias,
-        mlp_bias,
-        fused_qkv: false,
-        tied: f.flag_or("tie_word_embeddings", false)?,
-        dropout: f.rate_or("attention_dropout", 0.0)? > 0.0,
-    })
-}
-
-/// GPT-NeoX (Pythia): LayerNorm, GELU MLP of `intermediate_size`, rotary positions, fused qkv
-/// with biases, an untied `embed_out` head.
-fn gpt_neox(f: &Fields) -> Result<Arch, HfConfigError> {
-    let hidden = f.size("hidden_size")?;
-    let heads = f.size("num_attention_heads")?;
-    let bias = f.flag_or("attention_bias", true)?;
-    Ok(Arch {
-        family: "gpt_neox".into(),
-        vocab: f.size("vocab_size")?,
-        hidden,
-        layers: f.size("num_hidden_layers")?,
-        heads,
-        kv_heads: heads,
-        head_dim: f.head_dim(hidden, heads)?,
-        intermediate: f.size("intermediate_size")?,
-        seq_len: f.size("max_position_embeddings")?,
-        positions_table: 0,
-        mlp: Mlp::Gelu,
-        norm: Norm::LayerNorm,
-        positions: Positions::Rotary,
-        qkv_bias: bias,
-        out_bias: bias,
-        mlp_bias: true,
-        fused_qkv: true,
-        tied: f.flag_or("tie_word_embeddings", false)?,
-        dropout: ["attention_dropout", "hidden_dropout"]
-            .into_iter()
-            .map(|k| f.rate_or(k, 0.0))
-            .collect::<Result<Vec<_>, _>>()?
-            .iter()
-            .any(|&p| p > 0.0),
-    })
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn err(text: &str) -> String {
-        parse(Path::new("c.json"), text).unwrap_err().to_string()
-    }
-
-    #[test]
-    fn refusals_name_the_file_and_the_field() {
-        assert_eq!(
-            err(r#"{"model_type": "t5"}"#),
-            "c.json: model_type `t5` is not supported; supported: gpt2, llama, mistral, qwen2, gpt_neox"
-        );
-        assert_eq!(
-            err(r#"{"vocab_size": 8}"#),
-            "c.json: field `model_type` is missing (model_type (any) needs it)"
-        );
-        let llama = r#"{"model_type": "llama", "vocab_size": 8, "hidden_size": 64,
-            "num_attention_heads": 4, "num_hidden_layers": 2, "max_position_embeddings": 32}"#;
-        assert_eq!(
-            err(llama),
-            "c.json: field `intermediate_size` is missing (model_type llama needs it)"
-        );
-        assert!(
-            err(&llama.replace("\"hidden_size\": 64", "\"hidden_size\": -1")).starts_with(
-                "c.json: field `hidden_size`: expected a positive integer up to 2147483648, got -1"
-            )
-        );
-        assert!(err("[1]").contains("top level"));
-        assert!(err("{").starts_with("c.json: not JSON"));
-    }
-
-    #[test]
-    fn defaults_of_the_optional_fields() {
-        let text = r#"{"model_type": "llama", "vocab_size": 8, "hidden_size": 64,
-            "num_attention_heads": 4, "num_hidden_layers": 2, "max_position_embeddings": 32,
-            "intermediate_size": 128}"#;
-        let a = parse(Path::new("c.json"), text).unwrap();
-        assert_eq!((a.kv_heads, a.head_dim, a.tied), (4, 16, false));
-        let grouped = text.replace(
-            "\"intermediate_size\"",
-            "\"num_key_value_heads\": 3, \"intermediate_size\"",
-        );
-        assert!(err(&grouped).contains("`num_key_value_heads`: 3 key/value heads"));
-    }
-}
+mod tests;

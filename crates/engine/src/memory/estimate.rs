@@ -568,7 +568,7 @@ mod tests {
             // The block's kept tensors: 4·D + qkv + H·hd + the MLP's first layer, per token.
             let mlp = match a.mlp {
                 crate::hf::Mlp::Gelu => a.intermediate,
-                crate::hf::Mlp::SwiGlu => 2 * a.intermediate,
+                crate::hf::Mlp::SwiGlu | crate::hf::Mlp::GeGlu => 2 * a.intermediate,
             };
             let width = 4 * a.hidden + a.q_width() + 2 * a.kv_width() + a.q_width() + mlp;
             assert_eq!(graph::block_bytes(&fused), width * n * F32, "{}", a.family);

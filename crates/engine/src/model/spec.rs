@@ -198,6 +198,8 @@ impl Spec {
         match self.arch.mlp {
             Mlp::Gelu => Activation::Gelu,
             Mlp::SwiGlu => Activation::SwiGlu,
+            // Only Gemma's MLP is GeGLU, and `from_config` refuses the families not `TRAINED`.
+            Mlp::GeGlu => unreachable!("no family the engine trains has a GeGLU MLP"),
         }
     }
 
@@ -208,7 +210,7 @@ impl Spec {
 
     /// The longest sequence the model takes: its position table, or its configured context.
     pub fn max_positions(&self) -> u64 {
-        self.arch.seq_len
+        self.arch.max_context
     }
 
     /// The `ModelConfig` a scenario records for this model, at sequence length `seq_len`.

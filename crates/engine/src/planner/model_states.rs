@@ -10,6 +10,10 @@
 //! sizes that working set: 4 bytes per parameter). Like DeepSpeed's estimate, stages 1 and 2 hold
 //! the same bytes (the 16-bit gradients whole); they differ in when gradients are reduced
 //! (`step_time`).
+//!
+//! Under LoRA the trained parameters are the adapters, counted as above, and the frozen base is
+//! one more piece: its bytes at its dtype, partitioned by stage 3 and offloaded with the
+//! parameters like the 16-bit weights, with no gradient and no optimizer state.
 
 use serde::Serialize;
 
@@ -31,6 +35,9 @@ pub struct Offload {
     pub parameters: bool,
 }
 
+/// The most data-parallel ranks planned (one host's bytes for all of them stay in 64 bits).
+pub const MAX_RANKS: u64 = 1 << 16;
+
 /// The offload targets `--offload` accepts.
 pub const TARGETS: [&str; 4] = ["optimizer", "gradients", "parameters", "none"];
 
@@ -40,12 +47,21 @@ pub enum PlacementError {
     #[error("--ranks 0: at least one rank")]
     /// `--ranks 0`.
     NoRanks,
+    #[error("--ranks {0}: at most {MAX_RANKS}")]
+    /// More ranks than any one plan needs (the host's bytes would overflow).
+    TooManyRanks(u64),
     #[error("--zero {0}: stages are 0, 1, 2 and 3")]
     /// A stage other than 0–3.
     Stage(u8),
     #[error("--offload {0}: unknown target; targets: {targets}", targets = TARGETS.join(", "))]
     /// An unknown offload target.
     Target(String),
+    #[error("--offload {0}: a target named twice")]
+    /// A target given twice.
+    Twice(String),
+    #[error("--offload '{0}': an empty target; give targets separated by commas, or none")]
+    /// An empty list or an empty item.
+    Empty(String),
     #[error("--offload parameters needs --zero 3 (only stage 3 partitions the weights)")]
     /// Offloading parameters below stage 3.
     ParametersBelowStage3,
@@ -55,12 +71,18 @@ impl Offload {
     /// Parses a comma-separated list of targets (`optimizer,parameters`, or `none`).
     pub fn parse(text: &str) -> Result<Offload, PlacementError> {
         let mut o = Offload::default();
+        let mut seen: Vec<&str> = Vec::new();
         for t in text.split(',').map(str::trim) {
+            if seen.contains(&t) {
+                return Err(PlacementError::Twice(t.to_string()));
+            }
+            seen.push(t);
             match t {
                 "optimizer" => o.optimizer = true,
                 "gradients" => o.gradients = true,
                 "parameters" => o.parameters = true,
-                "none" | "" => {}
+                "none" => {}
+                "" => return Err(PlacementError::Empty(text.to_string())),
                 other => return Err(PlacementError::Target(other.to_string())),
             }
         }
@@ -85,6 +107,9 @@ impl Placement {
     pub fn new(stage: u8, ranks: u64, offload: Offload) -> Result<Placement, PlacementError> {
         if ranks == 0 {
             return Err(PlacementError::NoRanks);
+        }
+        if ranks > MAX_RANKS {
+            return Err(PlacementError::TooManyRanks(ranks));
         }
         if stage > 3 {
             return Err(PlacementError::Stage(stage));
@@ -138,7 +163,9 @@ impl Placed {
 /// The model states of one configuration, piece by piece.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct ModelStates {
-    /// 16-bit weights.
+    /// The frozen base's weights at their dtype (LoRA); zero in a full fine-tune.
+    pub frozen: Placed,
+    /// 16-bit weights of the trained parameters.
     pub weights16: Placed,
     /// 16-bit gradients.
     pub gradients16: Placed,
@@ -153,7 +180,8 @@ pub struct ModelStates {
 impl ModelStates {
     /// Bytes on each rank's device.
     pub fn device(&self) -> u64 {
-        self.weights16.device
+        self.frozen.device
+            + self.weights16.device
             + self.gradients16.device
             + self.gradients32.device
             + self.optimizer.device
@@ -162,14 +190,48 @@ impl ModelStates {
 
     /// Bytes in host memory, all ranks together.
     pub fn host(&self) -> u64 {
-        self.weights16.host + self.gradients16.host + self.gradients32.host + self.optimizer.host
+        self.frozen.host
+            + self.weights16.host
+            + self.gradients16.host
+            + self.gradients32.host
+            + self.optimizer.host
     }
 }
 
-/// Model states of `params` parameters whose largest module has `largest` under `z`.
-pub fn model_states(params: u64, largest: u64, z: &Placement) -> ModelStates {
+/// What the model states are made of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Weights {
+    /// Parameters AdamW trains: all of them in a full fine-tune, the adapters under LoRA.
+    pub trained: u64,
+    /// Bytes of the frozen weights (the base under LoRA, at its dtype); 0 in a full fine-tune.
+    pub frozen_bytes: u64,
+    /// Bytes stage 3 gathers on each device at once: the largest module's weights, and its
+    /// gradients when it is trained.
+    pub gathered: u64,
+}
+
+impl Weights {
+    /// A full fine-tune of `params` parameters whose largest module has `largest`: its 16-bit
+    /// weights and gradients are gathered (4 bytes per parameter).
+    pub fn full(params: u64, largest: u64) -> Weights {
+        Weights {
+            trained: params,
+            frozen_bytes: 0,
+            gathered: (W16 + G16) * largest,
+        }
+    }
+}
+
+/// Model states of `weights` under `z`.
+pub fn model_states(weights: &Weights, z: &Placement) -> ModelStates {
     let w = z.ranks;
     let stage3 = z.stage == 3;
+    let params = weights.trained;
+    let frozen = Placed::of(
+        weights.frozen_bytes.div_ceil(z.split(3)),
+        w,
+        z.offload.parameters,
+    );
     let weights16 = Placed::of(W16 * params.div_ceil(z.split(3)), w, z.offload.parameters);
     // Stage 3 keeps 16-bit gradients for the module in flight only (in `gathered`); below it
     // they are whole on the device unless streamed to the host as they are reduced.
@@ -185,11 +247,12 @@ pub fn model_states(params: u64, largest: u64, z: &Placement) -> ModelStates {
         z.offload.optimizer,
     );
     ModelStates {
+        frozen,
         weights16,
         gradients16,
         gradients32,
         optimizer,
-        gathered: if stage3 { (W16 + G16) * largest } else { 0 },
+        gathered: if stage3 { weights.gathered } else { 0 },
     }
 }
 
@@ -233,7 +296,7 @@ mod tests {
             for stage in [1, 2] {
                 let z = Placement::new(stage, w, offload(off, false)).unwrap();
                 assert_eq!(
-                    model_states(P, LARGEST, &z).device(),
+                    model_states(&Weights::full(P, LARGEST), &z).device(),
                     gpu,
                     "zero{stage} w={w}"
                 );
@@ -241,7 +304,11 @@ mod tests {
         }
         for (w, opt, par, _, gpu) in ZERO3 {
             let z = Placement::new(3, w, offload(opt, par)).unwrap();
-            assert_eq!(model_states(P, LARGEST, &z).device(), gpu, "zero3 w={w}");
+            assert_eq!(
+                model_states(&Weights::full(P, LARGEST), &z).device(),
+                gpu,
+                "zero3 w={w}"
+            );
         }
     }
 
@@ -254,13 +321,17 @@ mod tests {
         let ds = |host: u64, load: u64| host.max(load) * 3 / 2;
         for (w, off, cpu, _) in ZERO2.into_iter().filter(|r| r.1) {
             let z = Placement::new(2, w, offload(off, false)).unwrap();
-            let host = model_states(P, LARGEST, &z).host();
+            let host = model_states(&Weights::full(P, LARGEST), &z).host();
             assert_eq!(host, 16 * P);
             assert_eq!(ds(host, 4 * w * P), cpu, "w={w}");
         }
         for (w, opt, par, cpu, _) in ZERO3.into_iter().filter(|r| r.1) {
             let z = Placement::new(3, w, offload(opt, par)).unwrap();
-            assert_eq!(ds(model_states(P, LARGEST, &z).host(), 0), cpu, "w={w}");
+            assert_eq!(
+                ds(model_states(&Weights::full(P, LARGEST), &z).host(), 0),
+                cpu,
+                "w={w}"
+            );
         }
     }
 
@@ -282,6 +353,15 @@ mod tests {
             Offload::parse("optimizer,disk").unwrap_err().to_string(),
             "--offload disk: unknown target; targets: optimizer, gradients, parameters, none"
         );
+        assert_eq!(
+            Offload::parse("optimizer,optimizer"),
+            Err(PlacementError::Twice("optimizer".into()))
+        );
+        assert_eq!(Offload::parse(""), Err(PlacementError::Empty("".into())));
+        assert_eq!(
+            Placement::new(0, MAX_RANKS + 1, Offload::default()),
+            Err(PlacementError::TooManyRanks(MAX_RANKS + 1))
+        );
         let o = Offload::parse("optimizer").unwrap();
         assert!(
             o.gradients,
@@ -292,7 +372,7 @@ mod tests {
     #[test]
     fn stage_zero_keeps_everything_on_every_rank() {
         let z = Placement::new(0, 8, Offload::default()).unwrap();
-        let s = model_states(P, LARGEST, &z);
+        let s = model_states(&Weights::full(P, LARGEST), &z);
         assert_eq!(s.device(), 20 * P);
         let grads_only = Placement::new(1, 8, offload(false, false)).unwrap();
         let g = Placement {
@@ -302,7 +382,7 @@ mod tests {
             },
             ..grads_only
         };
-        let s = model_states(P, LARGEST, &g);
+        let s = model_states(&Weights::full(P, LARGEST), &g);
         assert_eq!(s.device(), 2 * P + 12 * P / 8);
         assert_eq!(s.host(), 4 * P);
     }

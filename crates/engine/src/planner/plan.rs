@@ -6,33 +6,59 @@
 use serde::Serialize;
 
 use super::activations::{activations, Activations, Attention, Recompute};
-use super::model_states::{model_states, ModelStates, Placement};
+use super::lora::{BaseDtype, Lora};
+use super::model_states::{model_states, ModelStates, Placement, Weights};
 use super::step_time::{step_time, Rates, StepTime};
 use crate::hf::{Arch, Mlp, Norm, Positions};
+use crate::scenario::ModelConfig;
 
-/// Why this engine cannot build `arch`, in one line.
-pub fn engine_unavailable(arch: &Arch) -> String {
-    let mut differs = Vec::new();
-    if arch.mlp != Mlp::Gelu || arch.intermediate != 4 * arch.hidden {
-        differs.push("its MLP is not 4×GELU");
+/// The model this engine would estimate for `arch` trained as `lora` says (`None`: every weight),
+/// or why it cannot, in one line. This is where the engine's estimate for the Hugging Face
+/// families and for LoRA plugs in; today its estimator books GPT blocks, every weight trained
+/// (the engine trains more: `model::spec::TRAINED`, `model::lora`).
+pub fn engine_model(arch: &Arch, lora: Option<&Lora>) -> Result<ModelConfig, String> {
+    let Some(model) = arch.engine_model() else {
+        return Err(format!(
+            "has no estimate for {} yet ({}; its estimator books GPT blocks); only the \
+             reference stack answers",
+            arch.family,
+            differences(arch).join(", ")
+        ));
+    };
+    match lora {
+        Some(_) => Err(
+            "has no estimate with LoRA yet (its estimator books every weight trained); \
+                 only the reference stack answers"
+                .into(),
+        ),
+        None => Ok(model),
     }
-    if arch.norm != Norm::LayerNorm {
-        differs.push("RMSNorm");
+}
+
+/// What sets `arch` apart from this engine's GPT blocks.
+fn differences(arch: &Arch) -> Vec<&'static str> {
+    let checks = [
+        (arch.experts.is_some(), "a mixture of experts"),
+        (
+            arch.mlp != Mlp::Gelu || arch.intermediate != 4 * arch.hidden,
+            "its MLP is not 4×GELU",
+        ),
+        (arch.norm != Norm::LayerNorm, "RMSNorm"),
+        (arch.qk_norm, "q/k norms"),
+        (arch.post_norms, "post-norms"),
+        (arch.positions != Positions::Learned, "rotary positions"),
+        (arch.kv_heads != arch.heads, "grouped-query attention"),
+        (arch.sliding.is_some(), "sliding-window attention"),
+        (arch.attention_softcap || arch.logit_softcap, "soft-capping"),
+    ];
+    let mut out: Vec<&'static str> = checks
+        .into_iter()
+        .filter_map(|(differs, what)| differs.then_some(what))
+        .collect();
+    if out.is_empty() {
+        out.push("its biases or head width differ from GPT blocks");
     }
-    if arch.positions != Positions::Learned {
-        differs.push("rotary positions");
-    }
-    if arch.kv_heads != arch.heads {
-        differs.push("grouped-query attention");
-    }
-    if differs.is_empty() {
-        differs.push("its biases or head width differ from GPT blocks");
-    }
-    format!(
-        "cannot build {} ({}); only the reference stack answers",
-        arch.family,
-        differs.join(", ")
-    )
+    out
 }
 
 /// One configuration of the reference stack.
@@ -48,6 +74,8 @@ pub struct Setup {
     pub recompute: Recompute,
     /// ZeRO stage, ranks and offload: where the model states live.
     pub placement: Placement,
+    /// LoRA adapters trained on a frozen base; `None`: every weight is trained.
+    pub lora: Option<Lora>,
 }
 
 /// Bytes and time of one setup.
@@ -55,6 +83,8 @@ pub struct Setup {
 pub struct Outcome {
     /// The setup.
     pub setup: Setup,
+    /// Parameters AdamW trains (the adapters under LoRA).
+    pub trained_params: u64,
     /// Weights, gradients and optimizer state, placed.
     pub model_states: ModelStates,
     /// Activations per micro-batch.
@@ -69,29 +99,40 @@ pub struct Outcome {
     pub time: StepTime,
 }
 
+/// The model states of `setup` on `arch`: every parameter trained, or under LoRA the adapters
+/// trained and the base frozen at its dtype (ZeRO-3 gathers its largest module's 16-bit
+/// weights, an upper bound for a quantised base, and no gradient).
+pub fn weights(arch: &Arch, setup: &Setup) -> Weights {
+    match &setup.lora {
+        None => Weights::full(arch.param_count(), arch.largest_module_params()),
+        Some(lora) => Weights {
+            trained: lora.adapter_params(arch),
+            frozen_bytes: lora.base_bytes(arch),
+            gathered: 2 * arch.largest_module_params(),
+        },
+    }
+}
+
 /// What a configuration needs, for `arch` against a device `budget`.
 pub fn outcome(arch: &Arch, setup: &Setup, rates: &Rates, budget: u64) -> Outcome {
-    let model_states = model_states(
-        arch.param_count(),
-        arch.largest_module_params(),
-        &setup.placement,
+    let w = weights(arch, setup);
+    let model_states = model_states(&w, &setup.placement);
+    let activations = activations(
+        arch,
+        setup.micro_batch,
+        setup.attention,
+        setup.recompute,
+        setup.lora.as_ref(),
     );
-    let activations = activations(arch, setup.micro_batch, setup.attention, setup.recompute);
     let device = model_states.device() + activations.total;
     Outcome {
+        trained_params: w.trained,
         model_states,
         activations,
         device,
         host: model_states.host(),
         fits: device <= budget,
-        time: step_time(
-            arch,
-            setup.micro_batch,
-            setup.accum_steps,
-            setup.recompute,
-            &setup.placement,
-            rates,
-        ),
+        time: step_time(arch, setup, &w, rates),
         setup: setup.clone(),
     }
 }
@@ -108,10 +149,9 @@ pub struct LeverRow {
 /// The reference stack's whole answer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReferencePlan {
-    /// The architecture planned.
+    /// The architecture planned (in the JSON once, beside the model's name, not here).
+    #[serde(skip)]
     pub arch: Arch,
-    /// Its parameter count.
-    pub params: u64,
     /// The hardware rates the time model uses.
     pub rates: Rates,
     /// Device bytes per rank judged against.
@@ -123,25 +163,47 @@ pub struct ReferencePlan {
     pub largest_fitting: Option<Outcome>,
     /// Each lever on top of the ones before, at the configured effective batch per rank.
     pub levers: Vec<LeverRow>,
+    /// Without `--lora-rank`: LoRA instead of training every weight, on top of the levers up to
+    /// full recomputation, where it lowers the device bytes (rank 16 on every projection, then
+    /// the base in 4 bits).
+    pub adapters: Vec<LeverRow>,
 }
+
+/// The rank the adapters' lever offers.
+pub const LEVER_RANK: u64 = 16;
 
 impl ReferencePlan {
     /// The plan for `setup` on `arch` with `rates`, against `budget` device bytes.
     pub fn new(arch: &Arch, setup: &Setup, rates: &Rates, budget: u64) -> ReferencePlan {
+        let row = |(name, s): (String, Setup)| LeverRow {
+            outcome: outcome(arch, &s, rates, budget),
+            name,
+        };
+        let levers: Vec<LeverRow> = levers(setup, rates.gpu.host).into_iter().map(row).collect();
+        let adapters = match setup.lora {
+            Some(_) => Vec::new(),
+            None => adapter_levers(arch, setup).into_iter().map(row).fold(
+                Vec::new(),
+                |mut kept: Vec<LeverRow>, r| {
+                    let before = kept.last().map_or_else(
+                        || recomputed(setup, arch, rates, budget),
+                        |l| l.outcome.device,
+                    );
+                    if r.outcome.device < before {
+                        kept.push(r);
+                    }
+                    kept
+                },
+            ),
+        };
         ReferencePlan {
             arch: arch.clone(),
-            params: arch.param_count(),
             rates: rates.clone(),
             budget,
             configured: outcome(arch, setup, rates, budget),
             largest_fitting: largest_fitting(arch, setup, rates, budget),
-            levers: levers(setup)
-                .into_iter()
-                .map(|(name, s)| LeverRow {
-                    name,
-                    outcome: outcome(arch, &s, rates, budget),
-                })
-                .collect(),
+            levers,
+            adapters,
         }
     }
 }
@@ -163,10 +225,27 @@ fn largest_fitting(arch: &Arch, setup: &Setup, rates: &Rates, budget: u64) -> Op
         .find(|o| o.fits)
 }
 
+/// `configured` with FlashAttention, micro-batch 1 (K keeping B·K) and full recomputation.
+fn lean(configured: &Setup) -> Setup {
+    Setup {
+        attention: Attention::Flash,
+        accum_steps: configured.accum_steps * configured.micro_batch,
+        micro_batch: 1,
+        recompute: Recompute::Full,
+        ..configured.clone()
+    }
+}
+
+/// Device bytes of a full fine-tune at `lean(configured)`: what the adapters' levers must beat.
+fn recomputed(configured: &Setup, arch: &Arch, rates: &Rates, budget: u64) -> u64 {
+    outcome(arch, &lean(configured), rates, budget).device
+}
+
 /// The levers in order, each on top of the previous: FlashAttention, micro-batch 1 with K
-/// keeping B·K, full recomputation, ZeRO-3 (when there are ranks to partition over), optimizer
-/// offload, parameter offload (ZeRO-3). Levers already in force are skipped.
-fn levers(configured: &Setup) -> Vec<(String, Setup)> {
+/// keeping B·K, full recomputation, a 4-bit base (under LoRA), ZeRO-3 (when there are ranks to
+/// partition over), optimizer offload and parameter offload (ZeRO-3; not on the host, where
+/// they move nothing). Levers already in force are skipped.
+fn levers(configured: &Setup, host: bool) -> Vec<(String, Setup)> {
     let mut out = vec![("as configured".to_string(), configured.clone())];
     let mut s = configured.clone();
     let push = |name: &str, s: &Setup, out: &mut Vec<(String, Setup)>| {
@@ -181,9 +260,16 @@ fn levers(configured: &Setup) -> Vec<(String, Setup)> {
     push("+ micro-batch 1", &s, &mut out);
     s.recompute = Recompute::Full;
     push("+ full recompute", &s, &mut out);
+    if let Some(lora) = &mut s.lora {
+        lora.base = BaseDtype::Nf4;
+        push("+ 4-bit base", &s, &mut out);
+    }
     if s.placement.ranks > 1 {
         s.placement.stage = 3;
         push("+ ZeRO-3", &s, &mut out);
+    }
+    if host {
+        return out;
     }
     s.placement.offload.optimizer = true;
     s.placement.offload.gradients = true;
@@ -192,6 +278,29 @@ fn levers(configured: &Setup) -> Vec<(String, Setup)> {
     s.placement.offload.parameters = true;
     push("+ offload parameters", &s, &mut out);
     out
+}
+
+/// LoRA instead of training every weight, on `lean(configured)`: rank 16 on every projection
+/// with a 16-bit base, then the base in 4 bits (QLoRA).
+fn adapter_levers(arch: &Arch, configured: &Setup) -> Vec<(String, Setup)> {
+    let Ok(lora) = Lora::new(arch, LEVER_RANK, None, 0.0, BaseDtype::Bf16) else {
+        return Vec::new();
+    };
+    let s = Setup {
+        lora: Some(lora.clone()),
+        ..lean(configured)
+    };
+    let q = Setup {
+        lora: Some(Lora {
+            base: BaseDtype::Nf4,
+            ..lora
+        }),
+        ..s.clone()
+    };
+    vec![
+        (format!("LoRA r={LEVER_RANK}"), s),
+        ("+ 4-bit base".to_string(), q),
+    ]
 }
 
 #[cfg(test)]
@@ -206,6 +315,7 @@ mod tests {
             gpu: gpu("a100").unwrap(),
             mfu: 0.4,
             cpu_adam_bytes_per_s: 5e9,
+            host_source: crate::planner::step_time::HostSource::Flag,
         }
     }
 
@@ -216,6 +326,7 @@ mod tests {
             attention: Attention::Full,
             recompute: Recompute::None,
             placement: Placement::new(stage, 1, Offload::parse(offload).unwrap()).unwrap(),
+            lora: None,
         }
     }
 
@@ -238,7 +349,7 @@ mod tests {
         };
         // Room for the model states and between 4 and 5 samples' activations.
         let states = outcome(&a, &s, &rates(), u64::MAX).model_states.device();
-        let one = activations(&a, 1, Attention::Flash, Recompute::None).total;
+        let one = activations(&a, 1, Attention::Flash, Recompute::None, None).total;
         let budget = states + 4 * one + one / 2;
         let plan = ReferencePlan::new(&a, &s, &rates(), budget);
         let best = plan.largest_fitting.unwrap();
@@ -261,5 +372,74 @@ mod tests {
         assert_eq!(last.host, 18 * a.param_count());
         let names: Vec<&str> = plan.levers.iter().map(|l| l.name.as_str()).collect();
         assert!(!names.contains(&"+ ZeRO-3"), "one rank: {names:?}");
+    }
+
+    #[test]
+    fn lora_is_offered_where_it_lowers_the_device_bytes() {
+        let a = named("llama3-8b").unwrap();
+        let plan = ReferencePlan::new(&a, &setup(4, 2, 0, "none"), &rates(), 24 << 30);
+        let names: Vec<&str> = plan.adapters.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, ["LoRA r=16", "+ 4-bit base"]);
+        let recompute = plan
+            .levers
+            .iter()
+            .find(|l| l.name == "+ full recompute")
+            .unwrap();
+        let (lora, qlora) = (&plan.adapters[0].outcome, &plan.adapters[1].outcome);
+        assert!(lora.device < recompute.outcome.device && qlora.device < lora.device);
+        assert_eq!(lora.trained_params, 41_943_040);
+        // The adapters' 20 bytes each, the base's 2: no gradient or optimizer state for it.
+        let m = &lora.model_states;
+        assert_eq!(m.frozen.device, 2 * a.param_count());
+        assert_eq!(m.optimizer.device, 12 * 41_943_040);
+        assert_eq!(m.device() - m.frozen.device, 20 * 41_943_040);
+        assert!(
+            qlora.fits,
+            "QLoRA of an 8B model fits 24 GiB: {}",
+            qlora.device
+        );
+        // A LoRA run is offered the 4-bit base among its levers and no second LoRA.
+        let lora_setup = Setup {
+            lora: Some(Lora::new(&a, 8, None, 0.0, BaseDtype::Bf16).unwrap()),
+            ..setup(4, 2, 0, "none")
+        };
+        let plan = ReferencePlan::new(&a, &lora_setup, &rates(), 24 << 30);
+        assert!(plan.adapters.is_empty());
+        assert!(plan.levers.iter().any(|l| l.name == "+ 4-bit base"));
+    }
+
+    #[test]
+    fn on_the_host_no_offload_is_offered() {
+        let a = named("gpt2").unwrap();
+        let host = Rates {
+            gpu: crate::planner::step_time::Gpu {
+                host: true,
+                ..gpu("a100").unwrap()
+            },
+            ..rates()
+        };
+        let plan = ReferencePlan::new(&a, &setup(4, 1, 0, "none"), &host, 8 << 30);
+        assert!(
+            plan.levers.iter().all(|l| !l.name.contains("offload")),
+            "{:?}",
+            plan.levers
+        );
+    }
+
+    #[test]
+    fn the_engine_column_says_what_its_estimator_does_not_book() {
+        let gpt2 = named("gpt2").unwrap();
+        assert!(engine_model(&gpt2, None).is_ok());
+        let lora = Lora::new(&gpt2, 8, None, 0.0, BaseDtype::Bf16).unwrap();
+        assert!(engine_model(&gpt2, Some(&lora))
+            .unwrap_err()
+            .starts_with("has no estimate with LoRA yet"));
+        let llama = named("llama3-8b").unwrap();
+        assert_eq!(
+            engine_model(&llama, None).unwrap_err(),
+            "has no estimate for llama yet (its MLP is not 4×GELU, RMSNorm, rotary positions, \
+             grouped-query attention; its estimator books GPT blocks); only the reference stack \
+             answers"
+        );
     }
 }

@@ -7,7 +7,9 @@
 use serde::Serialize;
 
 use super::activations::Recompute;
-use super::model_states::Placement;
+use super::lora::Lora;
+use super::model_states::{Placement, Weights};
+use super::plan::Setup;
 use crate::hf::Arch;
 
 /// One device's rates. Figures are the vendor's published ones (docs/PLANNER.md cites them).
@@ -48,12 +50,48 @@ pub enum TimeError {
     #[error("--gpu-model {0}: unknown GPU; models: {models}", models = gpu_names().join(", "))]
     /// `--gpu-model` names no known GPU.
     UnknownGpu(String),
-    #[error("--mfu {0}: expected a fraction in (0, 1]")]
+    #[error("--mfu {}: expected a fraction from {MIN_MFU} to 1", shown(.0))]
     /// `--mfu` outside (0, 1].
     Mfu(f64),
-    #[error("--{0} {1}: expected a positive number")]
-    /// A rate that is not positive: the flag and the value.
+    #[error("--{flag} {value}: expected a number from {MIN_RATE:e} to {MAX_RATE:e}", flag = .0, value = shown(.1))]
+    /// A rate that is not positive, or beyond any device: the flag and the value.
     Rate(&'static str, f64),
+    #[error("--gpu-model cpu with --ranks {0} needs --link-gbps (the rate between the processes on this host)")]
+    /// Ranks on the host with no rate between them.
+    HostLink(u64),
+    #[error("--offload with --gpu-model cpu: on the host, device and host memory are one; offload moves nothing (leave it out)")]
+    /// Offload asked for where there is nothing to offload to.
+    OffloadOnHost,
+}
+
+/// A number as a person wrote it: plain when short, else in scientific notation (`1e-300`, not
+/// 300 digits).
+pub fn shown(x: &f64) -> String {
+    let plain = x.to_string();
+    if plain.len() <= 12 {
+        plain
+    } else {
+        format!("{x:e}")
+    }
+}
+
+/// The smallest rate a flag takes (TFLOP/s or GB/s).
+pub const MIN_RATE: f64 = 1e-6;
+/// The largest rate a flag takes (a million TFLOP/s or GB/s: beyond any machine).
+pub const MAX_RATE: f64 = 1e6;
+/// The smallest MFU taken (0.1%): below it no step time means anything.
+pub const MIN_MFU: f64 = 1e-3;
+
+/// Where the host's rates (AdamW, and the `cpu` device's product rate) come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostSource {
+    /// A flag (`--cpu-adam-gbps`).
+    Flag,
+    /// Timed on this host (cached after the first `gaccwb estimate`).
+    Measured,
+    /// The development machine's figures, neither given nor measured.
+    Assumed,
 }
 
 /// A named GPU's published figures.
@@ -72,18 +110,18 @@ pub fn gpu(name: &str) -> Result<Gpu, TimeError> {
     })
 }
 
-/// A positive, finite rate, or an error naming its flag.
+/// A rate from [`MIN_RATE`] to [`MAX_RATE`], or an error naming its flag.
 pub fn check_rate(flag: &'static str, value: f64) -> Result<f64, TimeError> {
-    if value > 0.0 && value.is_finite() {
+    if (MIN_RATE..=MAX_RATE).contains(&value) {
         Ok(value)
     } else {
         Err(TimeError::Rate(flag, value))
     }
 }
 
-/// An MFU in (0, 1].
+/// An MFU from [`MIN_MFU`] to 1.
 pub fn check_mfu(value: f64) -> Result<f64, TimeError> {
-    if value > 0.0 && value <= 1.0 {
+    if (MIN_MFU..=1.0).contains(&value) {
         Ok(value)
     } else {
         Err(TimeError::Mfu(value))
@@ -100,6 +138,8 @@ pub struct Rates {
     /// The host's AdamW: optimizer-state bytes per second (16 per parameter: the fp32 weight,
     /// gradient and two moments it walks).
     pub cpu_adam_bytes_per_s: f64,
+    /// Where the host's rates come from.
+    pub host_source: HostSource,
 }
 
 /// One step's work and time on each rank.
@@ -133,18 +173,29 @@ pub struct StepTime {
     pub tokens_per_s: f64,
 }
 
-/// FLOPs per token: 6 per multiplied parameter and 12·L·s·q for attention's two products
-/// (forward and backward), plus another forward (2 per parameter, 4·L·s·q) under full
-/// recomputation, or the attention core's forward (4·L·s·q) under selective recomputation.
-pub fn flops_per_token(arch: &Arch, recompute: Recompute) -> f64 {
+/// FLOPs per token: 6 per multiplied parameter (forward 2, the input's gradient 2, the
+/// weight's gradient 2) and 12 per query·key position for attention's two products (forward and
+/// backward: 12·s·q per layer, 12·w·q in a sliding layer of window w < s), plus another forward
+/// (2 per parameter, 4 per position) under full recomputation, or the attention core's forward
+/// (4 per position) under selective recomputation. Under LoRA the frozen base needs no weight
+/// gradient: 4 per base parameter, 6 per adapter parameter.
+pub fn flops_per_token(arch: &Arch, recompute: Recompute, lora: Option<&Lora>) -> f64 {
     let p = arch.matmul_params() as f64;
-    let attention = (arch.layers * arch.seq_len * arch.q_width()) as f64;
-    let base = 6.0 * p + 12.0 * attention;
-    base + match recompute {
-        Recompute::None => 0.0,
-        Recompute::Selective => 4.0 * attention,
-        Recompute::Full => 2.0 * p + 4.0 * attention,
-    }
+    let adapters = lora.map_or(0.0, |l| l.active_adapter_params(arch) as f64);
+    let sliding = arch.sliding_layers();
+    let positions = ((arch.layers - sliding) * arch.seq_len + sliding * arch.sliding_span()) as f64;
+    let attention = positions * arch.q_width() as f64;
+    let matmuls = match lora {
+        None => 6.0 * p,
+        Some(_) => 4.0 * p + 6.0 * adapters,
+    };
+    matmuls
+        + 12.0 * attention
+        + match recompute {
+            Recompute::None => 0.0,
+            Recompute::Selective => 4.0 * attention,
+            Recompute::Full => 2.0 * (p + adapters) + 4.0 * attention,
+        }
 }
 
 /// Passes over the weights per micro-batch: forward, backward and the recompute's forward.
@@ -159,78 +210,83 @@ fn weight_passes(recompute: Recompute) -> u64 {
 /// Host-link bytes per rank per step (h2d, d2h). With gradients offloaded the device keeps no
 /// gradient buffer, so each micro-batch's 16-bit gradients go down (K times); the updated
 /// 16-bit weights come back once, unless the weights live on the host, where stage 3 fetches
-/// them every pass (its partition; the rest arrives over the inter-rank link).
-pub fn pcie_bytes(params: u64, z: &Placement, accum: u64, recompute: Recompute) -> (u64, u64) {
-    let part = |stage: u8| {
+/// them (the frozen base too) every pass (its partition; the rest arrives over the inter-rank
+/// link).
+pub fn pcie_bytes(w: &Weights, z: &Placement, accum: u64, recompute: Recompute) -> (u64, u64) {
+    let part = |bytes: u64, stage: u8| {
         if z.stage >= stage {
-            params.div_ceil(z.ranks)
+            bytes.div_ceil(z.ranks)
         } else {
-            params
+            bytes
         }
     };
     let o = &z.offload;
-    let d2h = if o.gradients { accum * 2 * part(1) } else { 0 };
+    let d2h = if o.gradients {
+        accum * part(2 * w.trained, 1)
+    } else {
+        0
+    };
     let mut h2d = 0;
     if o.parameters {
-        h2d += accum * weight_passes(recompute) * 2 * part(3);
+        h2d += accum * weight_passes(recompute) * part(2 * w.trained + w.frozen_bytes, 3);
     } else if o.optimizer {
-        h2d += 2 * part(1);
+        h2d += part(2 * w.trained, 1);
     }
     if o.gradients && !o.optimizer {
         // The device's optimizer reads its fp32 gradients back.
-        h2d += 4 * part(1);
+        h2d += part(4 * w.trained, 1);
     }
     (h2d, d2h)
 }
 
 /// Bytes each rank sends per step in ring collectives over W ranks (an all-reduce sends
-/// 2·(W−1)/W of the payload, a reduce-scatter or all-gather (W−1)/W) of the 16-bit gradients
-/// and weights: stage 0 all-reduces once per step, stage 1 reduce-scatters once and all-gathers
-/// the updated weights, stage 2 reduce-scatters every micro-batch, stage 3 also all-gathers
-/// the weights every pass. With gradients offloaded there is no buffer to accumulate into, so
-/// the reduction happens every micro-batch at every stage.
-pub fn network_bytes(params: u64, z: &Placement, accum: u64, recompute: Recompute) -> u64 {
+/// 2·(W−1)/W of the payload, a reduce-scatter or all-gather (W−1)/W): the 16-bit gradients of the
+/// trained parameters and the weights: stage 0 all-reduces once per step, stage 1 reduce-scatters
+/// once and all-gathers the updated weights, stage 2 reduce-scatters every micro-batch, stage 3
+/// also all-gathers the weights (the frozen base too) every pass. With gradients offloaded there
+/// is no buffer to accumulate into, so the reduction happens every micro-batch at every stage.
+pub fn network_bytes(w: &Weights, z: &Placement, accum: u64, recompute: Recompute) -> u64 {
     if z.ranks == 1 {
         return 0;
     }
-    let w = z.ranks as f64;
-    let share = |collectives: f64| (collectives * (w - 1.0) / w * 2.0 * params as f64) as u64;
+    let ranks = z.ranks as f64;
+    let ring =
+        |collectives: f64, bytes: u64| (collectives * (ranks - 1.0) / ranks * bytes as f64) as u64;
+    let gradients = 2 * w.trained;
     let reductions = if z.stage >= 2 || z.offload.gradients {
         accum
     } else {
         1
     } as f64;
     match z.stage {
-        0 => share(2.0 * reductions),
-        1 | 2 => share(reductions + 1.0),
-        _ => share(accum as f64 * (weight_passes(recompute) + 1) as f64),
+        0 => ring(2.0 * reductions, gradients),
+        1 | 2 => ring(reductions + 1.0, gradients),
+        _ => {
+            let passes = weight_passes(recompute) as f64;
+            ring(accum as f64 * passes, gradients + w.frozen_bytes) + ring(accum as f64, gradients)
+        }
     }
 }
 
-/// Time of one optimizer step with micro-batch `b` and `accum` micro-batches per rank.
-pub fn step_time(
-    arch: &Arch,
-    b: u64,
-    accum: u64,
-    recompute: Recompute,
-    z: &Placement,
-    rates: &Rates,
-) -> StepTime {
-    let params = arch.param_count();
-    let rank_tokens = b * accum * arch.seq_len;
-    let flops = flops_per_token(arch, recompute) * rank_tokens as f64;
+/// Time of one optimizer step of `setup` (micro-batch B, K micro-batches per rank) whose model
+/// states are `w`.
+pub fn step_time(arch: &Arch, setup: &Setup, w: &Weights, rates: &Rates) -> StepTime {
+    let (accum, recompute, z) = (setup.accum_steps, setup.recompute, &setup.placement);
+    let rank_tokens = setup.micro_batch * accum * arch.seq_len;
+    let flops = flops_per_token(arch, recompute, setup.lora.as_ref()) * rank_tokens as f64;
     let compute_s = flops / (rates.gpu.peak_tflops * 1e12 * rates.mfu);
     let (h2d, d2h) = if rates.gpu.host {
         (0, 0)
     } else {
-        pcie_bytes(params, z, accum, recompute)
+        pcie_bytes(w, z, accum, recompute)
     };
     let pcie_s = h2d.max(d2h) as f64 / (rates.gpu.pcie_gbps * 1e9);
-    let network = network_bytes(params, z, accum, recompute);
+    let network = network_bytes(w, z, accum, recompute);
     let network_s = network as f64 / (rates.gpu.link_gbps * 1e9);
-    // The host updates every rank's partition: the whole model once (stage 0: once per rank).
+    // The host updates every rank's partition: the trained parameters once (stage 0: once per
+    // rank).
     let cpu_adam_bytes = if z.offload.optimizer || rates.gpu.host {
-        16 * params * if z.stage == 0 { z.ranks } else { 1 }
+        16 * w.trained * if z.stage == 0 { z.ranks } else { 1 }
     } else {
         0
     };
@@ -268,14 +324,31 @@ pub fn step_time(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hf::named;
+    use crate::hf::{named, Sliding};
+    use crate::planner::lora::BaseDtype;
     use crate::planner::model_states::Offload;
+
+    fn setup(b: u64, k: u64, recompute: Recompute, placement: Placement) -> Setup {
+        Setup {
+            micro_batch: b,
+            accum_steps: k,
+            attention: crate::planner::activations::Attention::Flash,
+            recompute,
+            placement,
+            lora: None,
+        }
+    }
+
+    fn full(a: &Arch) -> Weights {
+        Weights::full(a.param_count(), a.largest_module_params())
+    }
 
     fn rates() -> Rates {
         Rates {
             gpu: gpu("a100").unwrap(),
             mfu: 0.5,
             cpu_adam_bytes_per_s: 10e9,
+            host_source: HostSource::Flag,
         }
     }
 
@@ -284,9 +357,12 @@ mod tests {
         let a = named("llama3-8b").unwrap();
         let p = a.matmul_params() as f64;
         let att = (32 * 8192 * 4096) as f64;
-        assert_eq!(flops_per_token(&a, Recompute::None), 6.0 * p + 12.0 * att);
         assert_eq!(
-            flops_per_token(&a, Recompute::Full) - flops_per_token(&a, Recompute::None),
+            flops_per_token(&a, Recompute::None, None),
+            6.0 * p + 12.0 * att
+        );
+        assert_eq!(
+            flops_per_token(&a, Recompute::Full, None) - flops_per_token(&a, Recompute::None, None),
             2.0 * p + 4.0 * att
         );
     }
@@ -295,11 +371,12 @@ mod tests {
     fn compute_bound_without_offload_on_one_rank() {
         let a = named("gpt2").unwrap();
         let z = Placement::new(0, 1, Offload::default()).unwrap();
-        let t = step_time(&a, 8, 4, Recompute::None, &z, &rates());
+        let t = step_time(&a, &setup(8, 4, Recompute::None, z), &full(&a), &rates());
         assert_eq!((t.h2d_bytes, t.d2h_bytes, t.network_bytes), (0, 0, 0));
         assert_eq!(t.bound, "compute");
         assert_eq!(t.tokens, 8 * 4 * 1024);
-        let expected = flops_per_token(&a, Recompute::None) * t.tokens as f64 / (312e12 * 0.5);
+        let expected =
+            flops_per_token(&a, Recompute::None, None) * t.tokens as f64 / (312e12 * 0.5);
         assert!((t.step_s - expected).abs() < 1e-12 * expected);
     }
 
@@ -309,13 +386,13 @@ mod tests {
         let opt = Offload::parse("optimizer").unwrap();
         let z2 = Placement::new(2, 4, opt).unwrap();
         assert_eq!(
-            pcie_bytes(p, &z2, 4, Recompute::None),
+            pcie_bytes(&Weights::full(p, 0), &z2, 4, Recompute::None),
             (2 * p / 4, 4 * 2 * p / 4)
         );
         let all = Offload::parse("optimizer,parameters").unwrap();
         let z3 = Placement::new(3, 1, all).unwrap();
         assert_eq!(
-            pcie_bytes(p, &z3, 4, Recompute::Full),
+            pcie_bytes(&Weights::full(p, 0), &z3, 4, Recompute::Full),
             (4 * 3 * 2 * p, 4 * 2 * p)
         );
     }
@@ -326,7 +403,7 @@ mod tests {
         let none = Offload::default();
         let ring = |stage, k| {
             network_bytes(
-                p,
+                &Weights::full(p, 0),
                 &Placement::new(stage, 8, none).unwrap(),
                 k,
                 Recompute::None,
@@ -338,7 +415,12 @@ mod tests {
         assert_eq!(ring(2, 4), 5 * 1400);
         assert_eq!(ring(3, 4), 4 * 3 * 1400);
         assert_eq!(
-            network_bytes(p, &Placement::new(3, 1, none).unwrap(), 4, Recompute::None),
+            network_bytes(
+                &Weights::full(p, 0),
+                &Placement::new(3, 1, none).unwrap(),
+                4,
+                Recompute::None
+            ),
             0
         );
     }
@@ -354,13 +436,56 @@ mod tests {
             ..rates()
         };
         let z = Placement::new(0, 1, Offload::parse("optimizer").unwrap()).unwrap();
-        let t = step_time(&a, 2, 1, Recompute::None, &z, &host);
+        let t = step_time(&a, &setup(2, 1, Recompute::None, z), &full(&a), &host);
         assert_eq!((t.h2d_bytes, t.d2h_bytes, t.pcie_s), (0, 0, 0.0));
         assert_eq!(t.cpu_adam_bytes, 16 * a.param_count());
         assert_eq!(t.step_s, t.compute_s + t.cpu_adam_bytes as f64 / 10e9);
         let plain = Placement::new(0, 1, Offload::default()).unwrap();
-        let t = step_time(&a, 2, 1, Recompute::None, &plain, &host);
+        let t = step_time(&a, &setup(2, 1, Recompute::None, plain), &full(&a), &host);
         assert_eq!(t.cpu_adam_bytes, 16 * a.param_count());
+    }
+
+    #[test]
+    fn lora_computes_no_weight_gradient_for_the_base_and_updates_adapters_only() {
+        let a = named("llama3-8b").unwrap();
+        let lora = Lora::new(&a, 16, None, 0.0, BaseDtype::Bf16).unwrap();
+        let (p, att) = (a.matmul_params() as f64, (32 * 8192 * 4096) as f64);
+        assert_eq!(
+            flops_per_token(&a, Recompute::None, Some(&lora)),
+            4.0 * p + 6.0 * 41_943_040.0 + 12.0 * att
+        );
+        let w = Weights {
+            trained: 41_943_040,
+            frozen_bytes: 2 * a.param_count(),
+            gathered: 0,
+        };
+        let z = Placement::new(0, 1, Offload::parse("optimizer").unwrap()).unwrap();
+        let s = Setup {
+            lora: Some(lora),
+            ..setup(1, 8, Recompute::None, z)
+        };
+        let t = step_time(&a, &s, &w, &rates());
+        assert_eq!(t.cpu_adam_bytes, 16 * 41_943_040);
+        assert_eq!(
+            (t.h2d_bytes, t.d2h_bytes),
+            (2 * 41_943_040, 8 * 2 * 41_943_040)
+        );
+    }
+
+    #[test]
+    fn a_sliding_window_shortens_attention_in_its_layers() {
+        let mut a = named("mistral-7b").unwrap();
+        a.seq_len = 8192;
+        let dense = flops_per_token(&a, Recompute::None, None);
+        a.sliding = Some(Sliding {
+            window: 4096,
+            layers: 16,
+        });
+        let fewer = (16 * (8192 - 4096) * 4096) as f64;
+        assert_eq!(
+            dense - flops_per_token(&a, Recompute::None, None),
+            12.0 * fewer
+        );
     }
 
     #[test]

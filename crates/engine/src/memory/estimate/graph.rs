@@ -61,7 +61,8 @@ impl Shape {
             f: a.intermediate,
             mlp: match a.mlp {
                 Mlp::Gelu => a.intermediate,
-                Mlp::SwiGlu => 2 * a.intermediate,
+                // Gated (GeGLU as SwiGLU): gate and up side by side.
+                Mlp::SwiGlu | Mlp::GeGlu => 2 * a.intermediate,
             },
             stats: if layer_norm { 2 } else { 1 },
             norm_bias: layer_norm,

@@ -74,7 +74,7 @@ impl Step {
         let a = &cfg.arch;
         let parts = match a.mlp {
             Mlp::Gelu => 1,
-            Mlp::SwiGlu => 2,
+            Mlp::SwiGlu | Mlp::GeGlu => 2,
         };
         Step {
             first: vec![(s.f, a.mlp_bias); parts],
@@ -211,7 +211,7 @@ fn lean_step(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
             Mlp::Gelu => 4 * layer,
             // SwiGLU: σ, the slope, d gate, d up and their concatenation (f32), beside the f32
             // copies of [gate | up] and of da in half precision.
-            Mlp::SwiGlu => (6 + 3 * widen) * layer,
+            Mlp::SwiGlu | Mlp::GeGlu => (6 + 3 * widen) * layer,
         }
     };
     t.touch(middle);
