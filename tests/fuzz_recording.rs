@@ -26,6 +26,7 @@ fn valid_recording() -> Vec<u8> {
         collectives: None,
         memory_budget_bytes: None,
         unified_memory: Some(true),
+        writer: None,
     })];
     for step in 1..=5u64 {
         events.push(Event::Step(StepEvent {
@@ -67,6 +68,7 @@ fn valid_recording() -> Vec<u8> {
                         received_bytes: 1000,
                         comm_ms: 1.5,
                         gradient_reduces: 2,
+                        step_ms: 3.0,
                     };
                     2
                 ],

@@ -53,7 +53,7 @@ pub struct EstimateArgs {
     /// Reference stack: ZeRO stage 0–3.
     #[arg(long, default_value_t = 0)]
     zero: u8,
-    /// Reference stack: data-parallel ranks (GPUs) on one host.
+    /// Reference stack: data-parallel ranks (GPUs) on one host (1 to 1024).
     #[arg(long, default_value_t = 1)]
     ranks: u64,
     /// Reference stack: what lives in host memory, comma-separated: optimizer, gradients,
@@ -190,7 +190,8 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if args.json {
         gaccwb::out::println(&serde_json::to_string_pretty(&report)?)?;
     } else {
-        gaccwb::out::print(&report.render())?;
+        // A preset's name or a config's path may hold escape sequences: printed as text only.
+        gaccwb::out::print(&gaccwb::headless::strip(&report.render()))?;
     }
     Ok(())
 }
@@ -218,8 +219,18 @@ fn engine_report(
     }
     let effective = args.effective.unwrap_or(cfg.micro_batch * cfg.accum_steps);
     if effective > gaccwb::limits::MAX_EFFECTIVE_BATCH {
+        // Name what set it: the flag, or the preset's B·K when no --effective was given.
+        let what = match args.effective {
+            Some(_) => format!("--effective {effective}"),
+            None => format!(
+                "the effective batch train.micro_batch × train.accum_steps = {} × {} = \
+                 {effective}",
+                cfg.micro_batch, cfg.accum_steps
+            ),
+        };
         anyhow::bail!(UsageError(format!(
-            "--effective {effective}: at most {} (the table tries every micro-batch that divides it)",
+            "{what}: at most {} (the table tries every micro-batch that divides it); give a \
+             smaller --effective",
             gaccwb::limits::MAX_EFFECTIVE_BATCH
         )));
     }

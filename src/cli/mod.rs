@@ -10,6 +10,7 @@ mod estimate;
 mod export;
 mod inputs;
 mod presets;
+mod rank_check;
 mod ranks;
 mod replay;
 mod run;

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
+use sha2::Digest;
 
 use crate::safe_write::{self, DirLock, Inputs, Overwrite};
 use crate::scenario::Scenario;
@@ -23,8 +24,9 @@ use crate::telemetry::{Control, EndReason, Event, Level};
 use crate::train::scaler::LossScaler;
 use crate::train::{AfterStep, EventSink, Knobs, Progress, Saved, Trainer};
 
-/// Version of the checkpoint layout; a newer one is refused.
-pub const CHECKPOINT_VERSION: u32 = 1;
+/// Version of the checkpoint layout; a newer one is refused. Version 2 added the tensor file's
+/// hash and the ranks; version 1 files are still read (without those checks).
+pub const CHECKPOINT_VERSION: u32 = 2;
 const STATE_FILE: &str = "checkpoint.json";
 
 /// When and where a running trainer saves.
@@ -66,6 +68,14 @@ pub struct State {
     pub scenario: Scenario,
     /// The tensor file in the same directory.
     pub tensors: String,
+    /// SHA-256 of the tensor file, lowercase hex: a resume refuses tensors that are not the
+    /// ones this state was saved with. Absent in version 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensors_sha256: Option<String>,
+    /// Data-parallel ranks (W) of the run that saved: W·K·B samples per window and the data
+    /// order depend on it. Absent in version 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<usize>,
 }
 
 impl Policy {
@@ -166,6 +176,7 @@ fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<P
     let tensors = safetensors::serialize(tensor_map(trainer)?, None)
         .with_context(|| format!("serialising the tensors for {}", tensor_path.display()))?;
     safe_write::write_file(&tensor_path, &tensors, "checkpoint", &rules)?;
+    let tensors_sha256 = hex(&sha2::Sha256::digest(&tensors));
     drop(tensors);
 
     let progress = trainer.progress();
@@ -182,6 +193,8 @@ fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<P
         knobs: trainer.knobs().clone(),
         scenario: trainer.scenario().clone(),
         tensors: tensors_name.clone(),
+        tensors_sha256: Some(tensors_sha256),
+        ranks: Some(trainer.ranks()),
     };
     let state_path = dir.join(STATE_FILE);
     let json = serde_json::to_vec_pretty(&state)?;
@@ -211,7 +224,9 @@ fn tensor_map(trainer: &Trainer) -> anyhow::Result<HashMap<String, Tensor>> {
     Ok(map)
 }
 
-/// Older tensor files are no longer referenced once the new state file is in place.
+/// Older tensor files are no longer referenced once the new state file is in place; the
+/// temporary files of saves a killed run left (`.step-N.safetensors.PID.tmp`, whose PID is no
+/// longer running) are removed too.
 fn remove_stale_tensor_files(dir: &Path, keep: &str) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -219,9 +234,66 @@ fn remove_stale_tensor_files(dir: &Path, keep: &str) {
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let regular = entry.file_type().is_ok_and(|t| t.is_file());
-        if regular && name.starts_with("step-") && name.ends_with(".safetensors") && name != keep {
+        let old = name.starts_with("step-") && name.ends_with(".safetensors") && name != keep;
+        if regular && (old || is_abandoned_save(&name)) {
             let _ = std::fs::remove_file(entry.path());
         }
+    }
+}
+
+/// `.step-N.safetensors.PID.tmp` or `.checkpoint.json.PID.tmp` of a process no longer running.
+fn is_abandoned_save(name: &str) -> bool {
+    let Some(rest) = name
+        .strip_prefix(".step-")
+        .or_else(|| name.strip_prefix(".checkpoint.json."))
+    else {
+        return false;
+    };
+    let Some(rest) = rest.strip_suffix(".tmp") else {
+        return false;
+    };
+    let pid = rest.rsplit('.').next().and_then(|p| p.split('-').next());
+    match pid.and_then(|p| p.parse::<u32>().ok()) {
+        Some(pid) => !Path::new(&format!("/proc/{pid}")).exists(),
+        None => false,
+    }
+}
+
+/// Lowercase hex of `bytes`.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// SHA-256 of the file at `path`, read in chunks (a regular file only).
+fn file_sha256(path: &Path) -> anyhow::Result<String> {
+    use std::io::Read;
+    let mut file = crate::limits::open_input(path, "checkpoint tensor file")
+        .with_context(|| path.display().to_string())?;
+    let mut hasher = sha2::Sha256::new();
+    let mut chunk = vec![0u8; 1 << 20];
+    loop {
+        let n = file
+            .read(&mut chunk)
+            .with_context(|| format!("reading {}", path.display()))?;
+        if n == 0 {
+            return Ok(hex(&hasher.finalize()));
+        }
+        hasher.update(&chunk[..n]);
+    }
+}
+
+/// A checkpoint saved by a run of another number of ranks: a window would take another W·K·B
+/// samples and the data order would change, so the run would not continue but fork.
+pub fn check_ranks(dir: &Path, state: &State, ranks: usize) -> anyhow::Result<()> {
+    match state.ranks {
+        Some(saved) if saved != ranks => bail!(
+            "{}: saved by a run of {saved} rank(s), resumed on {ranks}: each window would take \
+             {} samples instead of {}; resume with --ranks {saved} (mpirun -n {saved})",
+            dir.join(STATE_FILE).display(),
+            ranks * state.knobs.micro_batch * state.knobs.accum_steps,
+            saved * state.knobs.micro_batch * state.knobs.accum_steps
+        ),
+        _ => Ok(()),
     }
 }
 
@@ -417,9 +489,17 @@ pub fn resume(
 /// Load weights, optimizer state, scaler, knobs and counters into a freshly built trainer.
 pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> anyhow::Result<()> {
     let path = dir.join(&state.tensors);
-    // Candle maps the file: a FIFO or a device there would block or never end.
-    if !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
-        bail!("{}: missing, or not a regular file", path.display());
+    // Candle maps the file: a FIFO or a device there would block or never end (refused by
+    // the hash's read, which opens it as an input).
+    let sha256 = file_sha256(&path)?;
+    if let Some(saved) = state.tensors_sha256.as_deref().filter(|s| *s != sha256) {
+        bail!(
+            "{}: its contents are not the tensors {} was saved with (SHA-256 {sha256}, expected \
+             {saved}): the file was changed or belongs to another save; restore the pair of \
+             files one save wrote",
+            path.display(),
+            dir.join(STATE_FILE).display()
+        );
     }
     let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("reading {}", path.display()))?;

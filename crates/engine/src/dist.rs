@@ -22,7 +22,7 @@ pub mod launch;
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
-mod watchdog;
+pub mod watchdog;
 
 use std::time::{Duration, Instant};
 
@@ -63,10 +63,10 @@ pub enum DistError {
     },
     /// Rank 0's controls did not reach the others intact.
     #[error("sharing rank 0's controls: {0}")]
-    Controls(#[from] serde_json::Error),
+    Controls(serde_json::Error),
     /// Flattening or rebuilding the gradients failed.
     #[error("gradients for data parallel: {0}")]
-    Tensor(#[from] candle_core::Error),
+    Tensor(candle_core::Error),
     /// NCCL refused to start or to reduce.
     #[error("NCCL on rank {rank}: {what}")]
     Nccl {
@@ -75,6 +75,20 @@ pub enum DistError {
         /// What failed, with NCCL's error.
         what: String,
     },
+}
+
+// The causes are in the messages already: `From` without `#[from]`, which would make them
+// `source`s too and print each twice in a chain.
+impl From<serde_json::Error> for DistError {
+    fn from(e: serde_json::Error) -> Self {
+        DistError::Controls(e)
+    }
+}
+
+impl From<candle_core::Error> for DistError {
+    fn from(e: candle_core::Error) -> Self {
+        DistError::Tensor(e)
+    }
 }
 
 /// What carries the ranks' gradients.
@@ -183,6 +197,10 @@ pub struct RankComm {
     pub comm_ms: f64,
     /// Gradient all-reduces: 1 per window with `sync = window`, K with `micro-batch`.
     pub gradient_reduces: u32,
+    /// The rank's own step time, over which `comm_ms` was timed (0 in recordings made before
+    /// it was recorded).
+    #[serde(default)]
+    pub step_ms: f64,
 }
 
 /// The communication of one optimizer step: every rank's, gathered at the step's end.
@@ -207,6 +225,20 @@ impl CommEvent {
     /// The slowest rank's time in collectives.
     pub fn comm_ms(&self) -> f64 {
         self.per_rank.iter().map(|r| r.comm_ms).fold(0.0, f64::max)
+    }
+
+    /// The largest share of a rank's step spent in collectives, in [0, 1]: each rank's time in
+    /// them over its own step. `step_ms` stands in for a rank's step time a recording lacks
+    /// (made before it was recorded, when the boundary's collectives were counted too: those
+    /// shares are capped at the whole step).
+    pub fn share(&self, step_ms: f64) -> f64 {
+        self.per_rank
+            .iter()
+            .map(|r| {
+                let step = if r.step_ms > 0.0 { r.step_ms } else { step_ms };
+                (r.comm_ms / step.max(1e-9)).clamp(0.0, 1.0)
+            })
+            .fold(0.0, f64::max)
     }
 }
 
@@ -448,6 +480,26 @@ impl Group {
             .collect())
     }
 
+    /// Before anything is built: rank 0's `mine` on every rank (a rank compares it with its
+    /// own scenario). Not counted: workbench traffic.
+    pub fn rank0_bytes(&mut self, mine: &[u8]) -> Vec<u8> {
+        let mut bytes = mine.to_vec();
+        if self.is_parallel() {
+            self.collective("comparing the scenarios", |t| t.broadcast_bytes(&mut bytes));
+        }
+        bytes
+    }
+
+    /// Every rank's outcome of a stage (0: ready; else the exit code it ends with), in rank
+    /// order, so a rank that refused ends every rank at once instead of leaving them waiting
+    /// in their first collective.
+    pub fn settle(&mut self, outcome: u64) -> Vec<u64> {
+        if !self.is_parallel() {
+            return vec![outcome];
+        }
+        self.collective("starting together", |t| t.gather_u64(&[outcome]))
+    }
+
     /// At a boundary: whether any rank asks to stop, and a check that every rank runs the same
     /// knobs (`fingerprint`), so a rank that changed alone fails here instead of hanging later.
     pub fn agree(&mut self, step: u64, stop: bool, fingerprint: u64) -> Result<bool, DistError> {
@@ -466,9 +518,15 @@ impl Group {
         Ok(v[0] != 0)
     }
 
-    /// Ends the window's counting: every rank's counters and peak, gathered (not counted: it is
-    /// the workbench's telemetry, not training traffic).
-    pub fn finish_window(&mut self, sync: SyncEvery, peak_bytes: u64) -> CommEvent {
+    /// A step starts: its time in collectives is counted from here, so the boundary's (agreeing
+    /// on the knobs, waiting for a slower rank to arrive) stays outside the step's share.
+    pub fn start_window_clock(&mut self) {
+        self.window.comm_ms = 0.0;
+    }
+
+    /// Ends the window's counting: every rank's counters, peak and step time, gathered (not
+    /// counted: it is the workbench's telemetry, not training traffic).
+    pub fn finish_window(&mut self, sync: SyncEvery, peak_bytes: u64, step_ms: f64) -> CommEvent {
         let mine = std::mem::take(&mut self.window);
         let ranks = self.ranks();
         let fields = [
@@ -477,6 +535,7 @@ impl Group {
             (mine.comm_ms * 1e3) as u64,
             u64::from(mine.gradient_reduces),
             peak_bytes,
+            (step_ms * 1e3) as u64,
         ];
         let all = if self.is_parallel() {
             self.collective("gathering telemetry", |t| t.gather_u64(&fields))
@@ -490,6 +549,7 @@ impl Group {
                 received_bytes: c[1],
                 comm_ms: c[2] as f64 / 1e3,
                 gradient_reduces: c[3] as u32,
+                step_ms: c[5] as f64 / 1e3,
             })
             .collect();
         CommEvent {
@@ -521,7 +581,7 @@ mod tests {
         assert_eq!(t[0].to_vec1::<f32>().unwrap(), [1.0, 2.0]);
         assert_eq!(g.sum_tokens(7), 7);
         assert!(g.agree(3, true, 9).unwrap());
-        let e = g.finish_window(SyncEvery::Window, 5);
+        let e = g.finish_window(SyncEvery::Window, 5, 1.0);
         assert_eq!(e.sent_bytes(), 0);
         assert_eq!(e.peak_bytes, [5]);
     }
@@ -576,7 +636,7 @@ mod tests {
         let second = t[1].to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(second, [1.0, -2.0, 16.0]);
         assert_eq!(before.to_vec2::<f32>().unwrap(), [[1.0, 2.0], [3.0, 4.0]]);
-        let e = g.finish_window(SyncEvery::Window, 0);
+        let e = g.finish_window(SyncEvery::Window, 0, 1.0);
         assert_eq!(e.per_rank[0].gradient_reduces, 1);
         // Seven f32 values, all-reduced over two ranks: 2·(W−1)/W·28 bytes.
         assert_eq!(e.per_rank[0].sent_bytes, 28);

@@ -32,7 +32,7 @@ fn sent_per_rank(c: &CommEvent) -> f64 {
 /// The pane's figures for the latest step, as text.
 pub fn lines(step: &StepEvent, c: &CommEvent) -> Vec<Line<'static>> {
     let reduces = c.per_rank.first().map_or(0, |r| r.gradient_reduces);
-    let share = c.comm_ms() / step.step_ms.max(1e-9) * 100.0;
+    let share = c.share(step.step_ms) * 100.0;
     let (lo, hi) = (
         c.peak_bytes.iter().copied().min().unwrap_or(0),
         c.peak_bytes.iter().copied().max().unwrap_or(0),

@@ -17,21 +17,22 @@ const MAX_SIZE: u64 = 1 << 31;
 /// Why a `config.json` was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum HfConfigError {
-    /// The file cannot be read.
-    #[error("{path}: cannot read: {source}")]
+    /// The file cannot be read: missing, not a regular file (a FIFO, a device), too large or
+    /// not UTF-8.
+    #[error("{path}: {err}")]
     Read {
         /// The file.
         path: PathBuf,
-        /// What the operating system said.
-        source: std::io::Error,
+        /// Why (in the message, not a cause of its own: said once).
+        err: crate::limits::ReadError,
     },
     /// The file is not JSON.
-    #[error("{path}: not JSON: {source}")]
+    #[error("{path}: not JSON: {err}")]
     Json {
         /// The file.
         path: PathBuf,
         /// Where parsing stopped.
-        source: serde_json::Error,
+        err: serde_json::Error,
     },
     /// JSON, but not an object.
     #[error("{path}: the top level must be a JSON object")]
@@ -40,12 +41,14 @@ pub enum HfConfigError {
         path: PathBuf,
     },
     /// A `model_type` the planner does not know.
-    #[error("{path}: model_type `{found}` is not supported; supported: {}", SUPPORTED.join(", "))]
+    #[error("{path}: model_type `{found}` is not supported; supported: {}{hint}", SUPPORTED.join(", "))]
     UnknownType {
         /// The file.
         path: PathBuf,
         /// The type it names.
         found: String,
+        /// Where a multimodal config keeps its language model, when it has one.
+        hint: String,
     },
     /// A field the model type needs is absent.
     #[error("{path}: field `{field}` is missing (model_type {model_type} needs it)")]
@@ -71,18 +74,23 @@ pub enum HfConfigError {
 
 /// Reads and interprets `path`.
 pub fn load(path: &Path) -> Result<Arch, HfConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| HfConfigError::Read {
-        path: path.to_path_buf(),
-        source,
+    let limit = crate::limits::MAX_CONFIG_BYTES;
+    let text = crate::limits::read_bounded_text(path, limit, "model config").map_err(|err| {
+        HfConfigError::Read {
+            path: path.to_path_buf(),
+            err,
+        }
     })?;
     parse(path, &text)
 }
 
 /// Interprets the text of a `config.json`; `path` names it in errors.
 pub fn parse(path: &Path, text: &str) -> Result<Arch, HfConfigError> {
-    let value: Value = serde_json::from_str(text).map_err(|source| HfConfigError::Json {
+    // Editors on some systems start UTF-8 files with a byte-order mark; JSON has no use for it.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let value: Value = serde_json::from_str(text).map_err(|err| HfConfigError::Json {
         path: path.to_path_buf(),
-        source,
+        err,
     })?;
     let Value::Object(map) = value else {
         return Err(HfConfigError::NotObject {
@@ -106,8 +114,26 @@ pub fn parse(path: &Path, text: &str) -> Result<Arch, HfConfigError> {
         _ => Err(HfConfigError::UnknownType {
             path: path.to_path_buf(),
             found: model_type,
+            hint: text_config_hint(&map),
         }),
     }
+}
+
+/// A multimodal config (LLaVA, Gemma 3, …) keeps its language model under `text_config`:
+/// say so, with that model's type, when it has one.
+fn text_config_hint(map: &Map<String, Value>) -> String {
+    let Some(Value::Object(inner)) = map.get("text_config") else {
+        return String::new();
+    };
+    let kind = inner
+        .get("model_type")
+        .and_then(Value::as_str)
+        .map(|t| format!(" (model_type `{t}`)"))
+        .unwrap_or_default();
+    format!(
+        "; its language model is under `text_config`{kind}: save that object as a config.json \
+         of its own to plan it"
+    )
 }
 
 /// The object and what errors need to name.
@@ -346,6 +372,32 @@ mod tests {
         );
         assert!(err("[1]").contains("top level"));
         assert!(err("{").starts_with("c.json: not JSON"));
+    }
+
+    /// A BOM was "not JSON"; a multimodal config was refused with no word of its text model.
+    #[test]
+    fn a_byte_order_mark_is_read_past_and_text_config_is_pointed_to() {
+        let gpt2 = r#"{"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_head": 2,
+            "n_layer": 1, "n_positions": 16}"#;
+        let plain = parse(Path::new("c.json"), gpt2).unwrap();
+        let with_bom = parse(Path::new("c.json"), &format!("\u{feff}{gpt2}")).unwrap();
+        assert_eq!(with_bom.param_count(), plain.param_count());
+        let llava = r#"{"model_type": "llava", "text_config": {"model_type": "llama"}}"#;
+        let e = err(llava);
+        assert!(
+            e.contains("under `text_config` (model_type `llama`)"),
+            "{e}"
+        );
+    }
+
+    /// `--config /dev/zero` read until memory ran out; a FIFO blocked forever.
+    #[test]
+    fn a_config_that_is_not_a_regular_file_is_refused_at_once() {
+        let e = load(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(
+            e.contains("/dev/zero") && e.contains("not a regular file"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -337,7 +337,7 @@ fn placement_table(o: &Outcome) -> String {
 fn time_line(t: &StepTime) -> String {
     format!(
         "step: {:.3e} FLOPs per rank: compute {}, PCIe {} ({} up, {} down), network {} ({}), \
-         CPU AdamW {} -> {} per step, bound: {}, {:.0} tokens/s\n",
+         CPU AdamW {} -> {} per step, bound: {}, {} tokens/s\n",
         t.flops,
         seconds(t.compute_s),
         seconds(t.pcie_s),
@@ -348,14 +348,28 @@ fn time_line(t: &StepTime) -> String {
         seconds(t.cpu_adam_s),
         seconds(t.step_s),
         t.bound,
-        t.tokens_per_s,
+        rate(t.tokens_per_s),
     )
 }
 
-/// Seconds with a readable unit.
+/// A rate such as tokens/s: whole numbers, scientific notation beyond a trillion.
+fn rate(x: f64) -> String {
+    match x {
+        x if !x.is_finite() => "-".into(),
+        x if x >= 1e12 => format!("{x:.3e}"),
+        x => format!("{x:.0}"),
+    }
+}
+
+/// Seconds with a readable unit (a time beyond a million seconds in scientific notation: a
+/// tiny MFU or rate makes times no one would print digit by digit).
 pub fn seconds(s: f64) -> String {
     if s == 0.0 {
         "0 s".into()
+    } else if !s.is_finite() {
+        "-".into()
+    } else if s >= 1e6 {
+        format!("{s:.3e} s")
     } else if s < 1e-3 {
         format!("{:.1} µs", s * 1e6)
     } else if s < 1.0 {
@@ -394,7 +408,7 @@ fn lever_table(levers: &[LeverRow]) -> String {
             if o.fits { "fits" } else { "over" }.into(),
             seconds(o.time.step_s),
             o.time.bound.into(),
-            format!("{:.0}", o.time.tokens_per_s),
+            rate(o.time.tokens_per_s),
         ]);
     }
     let right = [

@@ -137,6 +137,9 @@ pub struct Blocker {
     pub bytes: u64,
     /// The category alone is larger than the budget.
     pub alone_exceeds: bool,
+    /// The configuration it was found in: the best lever (`B=1 K=64 bf16, offload on`), which
+    /// may turn on what the configuration had off.
+    pub lever: String,
 }
 
 /// The answer for one budget.
@@ -166,7 +169,16 @@ impl Verdict {
             .iter()
             .min_by_key(|l| l.peak)
             .expect("at least one lever");
-        let blocker = (!best.fits).then(|| blocker(&lever_config(cfg, best), budget));
+        let blocker = (!best.fits).then(|| Blocker {
+            lever: format!(
+                "B={} K={} {}, offload {}",
+                best.micro_batch,
+                best.accum_steps,
+                best.dtype.name(),
+                if best.offload { "on" } else { "off" }
+            ),
+            ..blocker(&lever_config(cfg, best), budget)
+        });
         Verdict {
             budget,
             configured_peak,
@@ -224,13 +236,16 @@ impl Verdict {
         if let Some(b) = &self.blocker {
             out += &if b.alone_exceeds {
                 format!(
-                    "  cannot fit: {} alone need {}, more than the {budget} budget, whatever the micro-batch\n",
+                    "  cannot fit: even at the best lever ({}), {} alone need {}, more than the \
+                     {budget} budget, whatever the micro-batch\n",
+                    b.lever,
                     b.category,
                     human_bytes(b.bytes)
                 )
             } else {
                 format!(
-                    "  cannot fit: the largest category at the best lever's peak is {} ({})\n",
+                    "  cannot fit: the largest category at the best lever's peak ({}) is {} ({})\n",
+                    b.lever,
                     b.category,
                     human_bytes(b.bytes)
                 )
@@ -341,6 +356,7 @@ fn blocker(cfg: &Config, budget: u64) -> Blocker {
         category: Categories::NAMES[i].to_string(),
         bytes,
         alone_exceeds: bytes > budget,
+        lever: String::new(),
     }
 }
 

@@ -19,13 +19,21 @@ pub struct Gpu {
     pub peak_tflops: f64,
     /// Device memory, GiB as sold (decimal GB on the datasheet, kept here as bytes).
     pub memory_bytes: u64,
-    /// Host link, GB/s in each direction.
+    /// Host link, GB/s in each direction; unbounded (absent from JSON) for the host itself.
+    #[serde(skip_serializing_if = "is_unbounded")]
     pub pcie_gbps: f64,
-    /// Link between ranks, GB/s in each direction (NVLink; PCIe where there is none).
+    /// Link between ranks, GB/s in each direction (NVLink; PCIe where there is none);
+    /// unbounded (absent from JSON) for the host itself.
+    #[serde(skip_serializing_if = "is_unbounded")]
     pub link_gbps: f64,
     /// The device is the host (`cpu`): nothing crosses PCIe and the optimizer always runs on
     /// the host.
     pub host: bool,
+}
+
+/// A rate with no bound (JSON has no infinity: serde would write `null`).
+fn is_unbounded(rate: &f64) -> bool {
+    rate.is_infinite()
 }
 
 /// The models `--gpu-model` names: (name, peak bf16 dense TFLOPS, memory GB, PCIe GB/s per
@@ -48,11 +56,11 @@ pub enum TimeError {
     #[error("--gpu-model {0}: unknown GPU; models: {models}", models = gpu_names().join(", "))]
     /// `--gpu-model` names no known GPU.
     UnknownGpu(String),
-    #[error("--mfu {0}: expected a fraction in (0, 1]")]
-    /// `--mfu` outside (0, 1].
+    #[error("--mfu {0}: expected a fraction from {MIN_MFU} to 1")]
+    /// `--mfu` outside [`MIN_MFU`, 1].
     Mfu(f64),
-    #[error("--{0} {1}: expected a positive number")]
-    /// A rate that is not positive: the flag and the value.
+    #[error("--{0} {1}: expected a positive number from {MIN_RATE} to {MAX_RATE}")]
+    /// A rate that is not positive or is out of range: the flag and the value.
     Rate(&'static str, f64),
 }
 
@@ -74,16 +82,23 @@ pub fn gpu(name: &str) -> Result<Gpu, TimeError> {
 
 /// A positive, finite rate, or an error naming its flag.
 pub fn check_rate(flag: &'static str, value: f64) -> Result<f64, TimeError> {
-    if value > 0.0 && value.is_finite() {
+    if (MIN_RATE..=MAX_RATE).contains(&value) {
         Ok(value)
     } else {
         Err(TimeError::Rate(flag, value))
     }
 }
 
-/// An MFU in (0, 1].
+/// The smallest MFU accepted: below it a step's time is beyond any figure worth printing.
+pub const MIN_MFU: f64 = 1e-4;
+/// The range of a rate flag (TFLOP/s or GB/s): a millionth (an emulator) to a billion.
+pub const MIN_RATE: f64 = 1e-6;
+/// See [`MIN_RATE`].
+pub const MAX_RATE: f64 = 1e9;
+
+/// An MFU in [`MIN_MFU`, 1].
 pub fn check_mfu(value: f64) -> Result<f64, TimeError> {
-    if value > 0.0 && value <= 1.0 {
+    if (MIN_MFU..=1.0).contains(&value) {
         Ok(value)
     } else {
         Err(TimeError::Mfu(value))

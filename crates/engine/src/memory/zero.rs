@@ -40,12 +40,21 @@ pub enum ZeroError {
     #[error("--ranks 0: at least one rank")]
     /// `--ranks 0`.
     NoRanks,
+    #[error("--ranks {0}: at most {max} ranks on one host", max = crate::limits::MAX_RANKS)]
+    /// More ranks than one host holds (their bytes would overflow).
+    TooManyRanks(u64),
     #[error("--zero {0}: stages are 0, 1, 2 and 3")]
     /// A stage other than 0–3.
     Stage(u8),
     #[error("--offload {0}: unknown target; targets: {targets}", targets = TARGETS.join(", "))]
-    /// An unknown offload target.
+    /// An unknown offload target (or `none` beside others).
     Target(String),
+    #[error("--offload: an empty target; name one of {targets}", targets = TARGETS.join(", "))]
+    /// An empty target (`--offload ""`, `optimizer,`).
+    EmptyTarget,
+    #[error("--offload: `{0}` is listed twice; list each target once")]
+    /// A target listed twice.
+    TargetTwice(String),
     #[error("--offload parameters needs --zero 3 (only stage 3 partitions the weights)")]
     /// Offloading parameters below stage 3.
     ParametersBelowStage3,
@@ -55,12 +64,19 @@ impl Offload {
     /// Parses a comma-separated list of targets (`optimizer,parameters`, or `none`).
     pub fn parse(text: &str) -> Result<Offload, ZeroError> {
         let mut o = Offload::default();
-        for t in text.split(',').map(str::trim) {
+        let targets: Vec<&str> = text.split(',').map(str::trim).collect();
+        if targets == ["none"] {
+            return Ok(o);
+        }
+        for (i, &t) in targets.iter().enumerate() {
+            if targets[..i].contains(&t) {
+                return Err(ZeroError::TargetTwice(t.to_string()));
+            }
             match t {
                 "optimizer" => o.optimizer = true,
                 "gradients" => o.gradients = true,
                 "parameters" => o.parameters = true,
-                "none" | "" => {}
+                "" => return Err(ZeroError::EmptyTarget),
                 other => return Err(ZeroError::Target(other.to_string())),
             }
         }
@@ -85,6 +101,9 @@ impl Zero {
     pub fn new(stage: u8, ranks: u64, offload: Offload) -> Result<Zero, ZeroError> {
         if ranks == 0 {
             return Err(ZeroError::NoRanks);
+        }
+        if ranks > crate::limits::MAX_RANKS as u64 {
+            return Err(ZeroError::TooManyRanks(ranks));
         }
         if stage > 3 {
             return Err(ZeroError::Stage(stage));
@@ -279,6 +298,14 @@ mod tests {
             Offload::parse("optimizer,disk").unwrap_err().to_string(),
             "--offload disk: unknown target; targets: optimizer, gradients, parameters, none"
         );
+        assert_eq!(Offload::parse(""), Err(ZeroError::EmptyTarget));
+        assert_eq!(Offload::parse("optimizer,"), Err(ZeroError::EmptyTarget));
+        assert_eq!(
+            Offload::parse("optimizer,optimizer"),
+            Err(ZeroError::TargetTwice("optimizer".into()))
+        );
+        assert!(Offload::parse("none,optimizer").is_err());
+        assert_eq!(Offload::parse("none"), Ok(Offload::default()));
         let o = Offload::parse("optimizer").unwrap();
         assert!(
             o.gradients,

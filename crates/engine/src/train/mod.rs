@@ -329,6 +329,11 @@ impl Trainer {
         self.step
     }
 
+    /// The data-parallel ranks this trainer is one of (W; 1 alone).
+    pub fn ranks(&self) -> usize {
+        self.group.ranks()
+    }
+
     /// Steps the LR schedule has advanced (skipped steps do not advance it).
     pub fn lr_step(&self) -> u64 {
         self.lr_step
@@ -578,6 +583,7 @@ impl Trainer {
             collectives: self.group.is_parallel().then(|| self.group.collectives()),
             memory_budget_bytes: self.guard.budget(),
             unified_memory: Some(self.memory.unified()),
+            writer: None,
         }
     }
 
@@ -683,6 +689,7 @@ impl Trainer {
     ) -> std::result::Result<StepEvent, Interrupt> {
         let _kernels = crate::ops::force_composite(self.composite);
         let started = Instant::now();
+        self.group.start_window_clock();
         if self.device.is_cpu() {
             crate::ops::workspace::reserve();
         }
@@ -707,7 +714,8 @@ impl Trainer {
         };
         let comm = self.group.is_parallel().then(|| {
             let sync = self.knobs.sync;
-            self.group.finish_window(sync, self.memory.last_step_peak())
+            self.group
+                .finish_window(sync, self.memory.last_step_peak(), timing.step_ms)
         });
         Ok(self.step_event(summary, update, timing, scale, noise, comm))
     }
