@@ -86,10 +86,14 @@ run_presets() {
     : >"$dir/runs.tsv"
     for preset in $presets; do
         start=$SECONDS
+        # A preset that fine-tunes a Hugging Face model runs on the repository's tiny checkpoint.
+        local model=()
+        [ "$preset" = finetune ] &&
+            model=(--model "$PWD/tests/fixtures/hf/models/llama-tied" --set model.seq_len=16)
         # --ranks 1: one process each, the data-parallel presets too (their own `train.ranks`
         # would start mpirun, which this table does not measure).
         timeout --kill-after=10 "$PRESET_LIMIT_S" "$bin" run "$preset" --headless --steps "$steps" \
-            --ranks 1 --device "$device" --record "$dir/$preset.jsonl" "$@" </dev/null \
+            --ranks 1 --device "$device" --record "$dir/$preset.jsonl" "${model[@]}" "$@" </dev/null \
             >"$dir/$preset.log" 2>&1
         status=$?
         printf '%s\t%s\t%s\n' "$preset" "$status" "$((SECONDS - start))" >>"$dir/runs.tsv"

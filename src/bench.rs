@@ -281,6 +281,8 @@ mod tests {
                 layers: 1,
                 heads: 2,
                 seq_len: 8,
+                path: None,
+                adapter: None,
             },
             ..Default::default()
         };
@@ -303,6 +305,8 @@ mod tests {
                 layers: 1,
                 heads: 2,
                 seq_len: 8,
+                path: None,
+                adapter: None,
             },
             ..Default::default()
         };

@@ -174,8 +174,11 @@ pub struct Row {
     pub steps_per_s: f64,
     pub train_loss: f64,
     pub val_loss: Option<f64>,
-    /// The `gaccwb` arguments that ran this configuration: run them to get the same recording.
+    /// The `gaccwb` arguments that run this configuration again, as they are (compare's own run
+    /// also had `--record` into its recordings' folder, which may be temporary).
     pub command: Vec<String>,
+    /// Where compare's run of it recorded, when the recording was kept (`--record-dir`).
+    pub recording: Option<PathBuf>,
 }
 
 impl Row {
@@ -229,6 +232,7 @@ impl Row {
             train_loss: last.loss,
             val_loss,
             command,
+            recording: None,
         })
     }
 }
@@ -246,17 +250,18 @@ pub struct Runner {
     pub steps: u64,
     /// Where the recordings go.
     pub record_dir: PathBuf,
+    /// The recordings stay there after compare (`--record-dir`); otherwise it is temporary.
+    pub keep: bool,
     /// Replace recordings that exist.
     pub force: bool,
 }
 
 impl Runner {
-    /// The `gaccwb` arguments for configuration `index` (0-based) of the grid. Evaluation runs at
-    /// the last step so every row has its validation loss; the grid's items come after and may
-    /// change that.
-    pub fn arguments(&self, index: usize, config: &Config) -> Vec<String> {
+    /// The `gaccwb` arguments that run `config`, with nothing that depends on where compare
+    /// keeps its recordings: they run as they are. Evaluation runs at the last step so every
+    /// row has its validation loss; the grid's items come after and may change that.
+    pub fn command(&self, config: &Config) -> Vec<String> {
         let steps = self.steps.to_string();
-        let record = self.recording(index, config);
         let mut args: Vec<String> = [
             "run",
             &self.preset,
@@ -265,8 +270,6 @@ impl Runner {
             &self.device,
             "--steps",
             &steps,
-            "--record",
-            &record.to_string_lossy(),
             "--set",
             &format!("train.eval_every={steps}"),
         ]
@@ -275,6 +278,15 @@ impl Runner {
         for set in &config.sets {
             args.extend(["--set".to_string(), set.to_string()]);
         }
+        args
+    }
+
+    /// The arguments compare runs configuration `index` (0-based) with: its command, recording
+    /// into the recordings' folder.
+    pub fn arguments(&self, index: usize, config: &Config) -> Vec<String> {
+        let mut args = self.command(config);
+        let record = self.recording(index, config);
+        args.extend(["--record".to_string(), record.to_string_lossy().into()]);
         if self.force {
             args.push("--force".into());
         }
@@ -316,8 +328,11 @@ impl Runner {
                 stderr.trim_end()
             );
         }
-        let recording = read_recording(&self.recording(index, config))?;
-        Row::from_recording(&config.label, args, &recording)
+        let path = self.recording(index, config);
+        let recording = read_recording(&path)?;
+        let mut row = Row::from_recording(&config.label, self.command(config), &recording)?;
+        row.recording = self.keep.then_some(path);
+        Ok(row)
     }
 }
 

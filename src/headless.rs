@@ -46,7 +46,12 @@ pub struct Summary {
     /// Why the run ended; `None` until its `end` event (a recording may lack one).
     pub end_reason: Option<EndReason>,
     pub errors: Vec<String>,
+    /// The recording was stopped with `r` while the run went on (its last line says so).
+    stopped_by_key: bool,
 }
+
+/// The line a recording stopped with `r` ends with (an `info` log event).
+pub const RECORDING_STOPPED: &str = "recording stopped with `r`; the run went on";
 
 pub fn run(scenario: Scenario, device: Device, opts: HeadlessOptions) -> anyhow::Result<Summary> {
     run_trainer(train::Trainer::new(scenario, device)?, opts)
@@ -245,16 +250,21 @@ impl Summary {
                 }
             }
             Event::Log(l) if l.level == Level::Error => self.errors.push(l.message.clone()),
+            Event::Log(l) if l.message == RECORDING_STOPPED => self.stopped_by_key = true,
             Event::End(e) => self.end_reason = Some(e.reason.clone()),
             _ => {}
         }
     }
 
-    /// The end reason as text, or what a recording cut short lacks.
+    /// The end reason as text, or why a recording has none: stopped with `r` while the run
+    /// went on, or cut off (a run still going, or one killed before it could say).
     fn why(&self) -> String {
         match &self.end_reason {
             Some(reason) => reason.to_string(),
-            None => "recording ends without an end event".into(),
+            None if self.stopped_by_key => RECORDING_STOPPED.into(),
+            None => "the recording ends here: no end of the run in it (still running, or \
+                     killed)"
+                .into(),
         }
     }
 
@@ -333,10 +343,14 @@ fn communication(tail: &[StepEvent]) -> Option<String> {
         .map(|(c, _)| c.sent_bytes() as f64 / c.ranks.max(1) as f64)
         .sum::<f64>()
         / n;
-    let share = comms.iter().map(|(c, ms)| c.share(*ms)).sum::<f64>() / n;
+    let share = comms
+        .iter()
+        .map(|(c, ms)| c.share_of_step(*ms))
+        .sum::<f64>()
+        / n;
     Some(format!(
-        "; {} ranks (sync per {}): {:.2} MiB sent per rank per step, {:.0}% of the step in \
-         collectives",
+        "; {} ranks (sync per {}): {:.2} MiB sent per rank per step, {:.0}% of rank 0's step \
+         in collectives",
         last.ranks,
         last.sync.noun(),
         sent / f64::from(1 << 20),

@@ -6,8 +6,8 @@
 //! this one: the layering is checked by the compiler.
 
 pub use gaccwb_engine::{
-    budget, checkpoint, control, data, device, dist, end, limits, memory, model, ops, presets,
-    record, safe_write, scenario, telemetry, tokenizer, train,
+    budget, checkpoint, control, data, device, dist, end, hf, limits, memory, model, ops, planner,
+    presets, record, safe_write, scenario, telemetry, tokenizer, train,
 };
 
 pub mod bench;

@@ -39,7 +39,7 @@ fn scenario() -> Scenario {
 
 /// Run a trainer to its end on the trainer thread, saving at `save_every` into `dir`.
 fn run(mut trainer: Trainer, dir: &Path, save_every: u64) -> Vec<StepEvent> {
-    trainer.set_after_step(
+    trainer.add_after_step(
         Policy {
             every: save_every,
             dir: dir.to_path_buf(),
@@ -284,6 +284,40 @@ fn bad_checkpoints_are_refused_with_the_reason() {
     .unwrap();
     let err = checkpoint::read_state(dir.path()).err().unwrap();
     assert!(format!("{err:#}").contains("newer"), "{err:#}");
+}
+
+#[test]
+fn a_run_resumed_with_more_steps_keeps_its_lr_schedule_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = scenario();
+    first.timeline.clear();
+    first.train.steps = SPLIT;
+    first.train.decay_steps = 0; // the schedule follows `steps`
+    let head = run(Trainer::new(first, Device::Cpu).unwrap(), dir.path(), SPLIT);
+    let resumed = checkpoint::resume(dir.path(), Device::Cpu, |s| s.train.steps = TOTAL).unwrap();
+    assert_eq!(resumed.scenario().train.decay_steps, SPLIT);
+    let (mut handle, sink) = train::spawn_trainer(resumed).unwrap();
+    drop(sink);
+    let (mut warnings, mut lrs) = (Vec::new(), Vec::new());
+    while let Some(e) = handle.events.blocking_recv() {
+        match e {
+            Event::Log(l) if l.level == Level::Warn => warnings.push(l.message),
+            Event::Step(s) => lrs.push(s.lr),
+            Event::End(_) => break,
+            _ => {}
+        }
+    }
+    handle.stop();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("keeps that run's horizon") && w.contains("train.steps 6")),
+        "{warnings:?}"
+    );
+    // Past the saved horizon the LR stays at the floor; a stretched schedule would rise.
+    let last = head.last().unwrap().lr;
+    assert_eq!(lrs.len() as u64, TOTAL - SPLIT);
+    assert!(lrs.iter().all(|&lr| lr <= last), "{last} then {lrs:?}");
 }
 
 #[test]

@@ -524,3 +524,14 @@ fn diagnostics_go_to_the_log_file_only() {
     );
     assert!(!stdout.contains("applied K=2") && !stderr.contains("applied K=2"));
 }
+
+#[test]
+fn help_shows_the_command_as_optional() {
+    let (code, stdout, stderr) = gaccwb(&["--help"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains("Usage: gaccwb [OPTIONS] [COMMAND]"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("<COMMAND>"), "{stdout}");
+}

@@ -86,15 +86,26 @@ fn compare_peaks_are_the_peaks_a_separate_run_records() {
         let compared = row["measured_peak"].as_u64().unwrap();
         let ledger: Categories = serde_json::from_value(row["measured_ledger"].clone()).unwrap();
 
-        // The command compare printed, run again, recording to a path of the same length: the
-        // process holds its arguments, so this is the run compare's row stands for.
-        let mut command: Vec<String> = serde_json::from_value(row["command"].clone()).unwrap();
-        let record = command.iter().position(|a| a == "--record").unwrap() + 1;
-        command[record] = command[record].replacen("cmp", "run", 1);
+        // The command compare printed runs as it is: nothing in it names compare's folders.
+        let command: Vec<String> = serde_json::from_value(row["command"].clone()).unwrap();
+        assert!(!command.iter().any(|a| a == "--record"), "{command:?}");
         let args: Vec<&str> = command.iter().map(String::as_str).collect();
+        let (code, stdout, stderr) = gaccwb(&args, dir.path());
+        assert_eq!(code, 0, "{items}: the command verbatim: {stderr}");
+        assert!(stdout.contains("2 steps (completed)"), "{items}: {stdout}");
+
+        // With a recording to a path as long as the one compare used: the process holds its
+        // arguments, so this is the run compare's row stands for, to the byte.
+        let kept = row["recording"]
+            .as_str()
+            .expect("--record-dir keeps the recording");
+        assert!(kept.starts_with("cmp/"), "{kept}");
+        let record = kept.replacen("cmp", "run", 1);
+        let mut args = args.clone();
+        args.extend(["--record", &record]);
         let (code, _, stderr) = gaccwb(&args, dir.path());
         assert_eq!(code, 0, "{items}: {stderr}");
-        let rerun = recorded_peak(&dir.path().join(&command[record]));
+        let rerun = recorded_peak(&dir.path().join(&record));
         assert_eq!(compared, rerun.peak, "{items}: the peak, to the byte");
         assert_eq!(ledger, rerun.measured_ledger(), "{items}: every category");
 

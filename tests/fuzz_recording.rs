@@ -19,6 +19,7 @@ fn valid_recording() -> Vec<u8> {
         device: "cpu".into(),
         build: BuildInfo::current(1),
         params: 1000,
+        family: None,
         entropy_floor: Some(0.95),
         tokenizer: None,
         started_unix: 0,
@@ -68,7 +69,6 @@ fn valid_recording() -> Vec<u8> {
                         received_bytes: 1000,
                         comm_ms: 1.5,
                         gradient_reduces: 2,
-                        step_ms: 3.0,
                     };
                     2
                 ],

@@ -73,11 +73,15 @@ fn the_named_layers_train_as_the_flat_model_did() {
 fn named_layers_are_the_flat_parameters_in_creation_order() {
     let s = TINY.scenario();
     let m = Gpt::new(&s.model, 0, &Device::Cpu).unwrap();
-    let mut named = vec![&m.embeddings.wte, &m.embeddings.wpe];
+    let mut named = vec![&m.embed, m.positions.as_ref().unwrap()];
     for b in &m.blocks {
         named.extend(b.vars());
     }
-    named.extend([&m.lnf.g, &m.lnf.b, &m.head.w]);
+    named.extend([
+        &m.norm.g,
+        m.norm.b.as_ref().unwrap(),
+        m.head.as_ref().unwrap(),
+    ]);
     assert_eq!(named.len(), m.params.len());
     for (var, p) in named.iter().zip(&m.params) {
         assert_eq!(

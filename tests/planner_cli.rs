@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use assert_cmd::Command;
-use gaccwb::memory::hf_config;
+use gaccwb::hf::config as hf_config;
 
 fn fixture(name: &str) -> String {
     format!("{}/tests/fixtures/hf/{name}", env!("CARGO_MANIFEST_DIR"))

@@ -31,7 +31,19 @@ fn preset_files() -> Vec<PathBuf> {
 /// [`TINY`] and the timeline squeezed into `RUN_STEPS` steps, so every control fires.
 fn shrink(s: Scenario) -> Scenario {
     let total = s.train.steps.max(1);
-    let mut s = TINY.onto(s);
+    // A preset that fine-tunes a model runs here on a tiny checkpoint of the same kind.
+    let mut s = match s.model.path {
+        Some(_) => {
+            let mut s = s;
+            s.model.path = Some(
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/models/llama-tied"),
+            );
+            s.model.seq_len = 16;
+            s.train.eval_every = 0;
+            s
+        }
+        None => TINY.onto(s),
+    };
     s.train.steps = RUN_STEPS;
     s.train.decay_steps = RUN_STEPS;
     s.train.micro_batch = s.train.micro_batch.min(4);

@@ -172,7 +172,7 @@ fn record_read_export_round_trip_reproduces_step_and_memory_series() {
         }
     }
 
-    let chart = svg::render_svg(&recording).unwrap();
+    let chart = svg::render_svg(&recording, gaccwb::tui::app::YScale::Linear).unwrap();
     assert!(chart.starts_with("<svg"), "{}", &chart[..80]);
     for label in [
         "loss (nats/token)",
@@ -423,9 +423,11 @@ fn an_estimate_recorded_as_a_memory_event_reads_back_as_an_estimate() {
 }
 
 /// `host_device_bytes` arrived after recordings existed: one made before it reads back with 0.
+/// (The fixture is the start and the end of the asset as an earlier version recorded it.)
 #[test]
 fn a_recording_from_before_host_device_bytes_reads_back_with_zero() {
-    let asset = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/accumulate-to-fit.jsonl");
+    let asset =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/before-host-device-bytes.jsonl");
     let bytes = std::fs::read(&asset).unwrap();
     assert!(!String::from_utf8_lossy(&bytes).contains("host_device_bytes"));
     let r = parse(&bytes).unwrap();
@@ -501,4 +503,115 @@ fn replay_follow_headless_waits_for_a_running_recording_to_end() {
     assert!(follow.status.success(), "{followed}");
     assert!(followed.starts_with("200 steps (completed)"), "{followed}");
     assert_eq!(followed, String::from_utf8_lossy(&run_out.stdout));
+}
+
+/// The figures README quotes from `assets/accumulate-to-fit.jsonl`, read by the rule every
+/// consumer uses (`memory::figure`): the step before the switch and the first after it.
+struct Quoted {
+    activations: (u64, u64),
+    gradients: (u64, u64),
+    peak: (u64, u64),
+}
+
+fn quoted(recording: &Recording, switch: u64) -> Quoted {
+    let figures = gaccwb::memory::step_figures(memory_events(&recording.events).iter());
+    let at = |step: u64| {
+        let f = figures.iter().find(|f| f.step == step).expect("the step");
+        assert_eq!(
+            f.fullest.phase,
+            Phase::Backward,
+            "step {step} peaks in backward"
+        );
+        f.clone()
+    };
+    let (before, after) = (at(switch), at(switch + 1));
+    let pair =
+        |c: fn(&Categories) -> u64| (c(&before.measured_ledger()), c(&after.measured_ledger()));
+    Quoted {
+        activations: pair(|c| c.activations),
+        gradients: pair(|c| c.gradients),
+        peak: (before.peak, after.peak),
+    }
+}
+
+/// README's opening figures are the asset's, and the asset is what the preset records today: a
+/// fresh run of `accumulate-to-fit` measures the same activations and gradients to the byte
+/// (the peak holds the process's own heap, which its arguments move, so only the asset's is
+/// quoted). The asset's SVG and cast are its exports by today's code. When this fails, record
+/// the asset again and export it with the commands in README's Assets section.
+#[test]
+fn readme_figures_are_the_assets_and_the_asset_is_what_the_preset_records_today() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let asset = read_recording(&root.join("assets/accumulate-to-fit.jsonl")).unwrap();
+    let q = quoted(&asset, 60);
+    let mib = |b: u64| format!("{:.2} MiB", b as f64 / (1 << 20) as f64);
+    // README's lines are wrapped: compare its words.
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let readme = readme.split_whitespace().collect::<Vec<_>>().join(" ");
+    let ratio = (q.activations.0 as f64 / q.activations.1 as f64).round();
+    let params = asset.header.params * 4;
+    assert_eq!(
+        q.gradients,
+        (0, params),
+        "K=1 keeps no buffer; K=8 one of the parameters' size"
+    );
+    for fragment in [
+        format!(
+            "`activations` fall {ratio}× ({} → {} at the backward peak",
+            mib(q.activations.0),
+            mib(q.activations.1)
+        ),
+        format!(
+            "the step's peak from {} to {}",
+            mib(q.peak.0),
+            mib(q.peak.1)
+        ),
+        format!("of exactly the parameters' size ({} KiB)", params / 1024),
+    ] {
+        assert!(
+            readme.contains(&fragment),
+            "README should say `{fragment}` (the asset's figures)"
+        );
+    }
+
+    // The preset again, its switch moved to step 1: what a step holds depends on its shape,
+    // not on the step it comes at, and two steps keep the test short.
+    let dir = tempfile::tempdir().unwrap();
+    let fresh = dir.path().join("fresh.jsonl");
+    let status = Command::new(env!("CARGO_BIN_EXE_gaccwb"))
+        .args(["run", "accumulate-to-fit", "--headless", "--device", "cpu"])
+        .args(["--steps", "2", "--control", "1:set_micro_batch=4"])
+        .args(["--control", "1:set_accum_steps=8", "--record"])
+        .arg(&fresh)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let now = quoted(&read_recording(&fresh).unwrap(), 1);
+    assert_eq!(
+        now.activations, q.activations,
+        "activations: a fresh run against the asset"
+    );
+    assert_eq!(
+        now.gradients, q.gradients,
+        "gradients: a fresh run against the asset"
+    );
+
+    let svg = std::fs::read_to_string(root.join("assets/accumulate-to-fit.svg")).unwrap();
+    let drawn = svg::render_svg(&asset, gaccwb::tui::app::YScale::Linear).unwrap();
+    assert!(
+        svg == drawn,
+        "assets/accumulate-to-fit.svg is not the asset's export today"
+    );
+    let cast = std::fs::read(root.join("assets/accumulate-to-fit.cast")).unwrap();
+    let mut drawn = Vec::new();
+    let opts = gaccwb::export::cast::CastOptions {
+        speed: 0.1,
+        ..Default::default()
+    };
+    gaccwb::export::cast::write_cast(&asset.events, &mut drawn, &opts).unwrap();
+    assert!(
+        cast == drawn,
+        "assets/accumulate-to-fit.cast is not the asset's export today"
+    );
 }

@@ -1,13 +1,15 @@
 //! The exported SVG read back as text, as a viewer would see it: the step axis is labelled with
-//! whole numbers, and every panel with a step axis has a marker at the step of each applied
-//! control, labelled once at the top with what changed.
+//! whole numbers over the recording's own steps, every panel with a step axis has a marker at the
+//! step of each applied control, labelled once at the top with what changed, skipped steps are
+//! crossed, and a log axis is labelled at round values.
 
 use std::path::Path;
 
-use gaccwb::export::svg::{render_svg, MARKER};
+use gaccwb::export::svg::{render_svg, MARKER, SKIPPED};
 use gaccwb::record::{read_recording, Recording};
 use gaccwb::telemetry::{Control, Origin};
 use gaccwb::telemetry::{ControlEvent, Event};
+use gaccwb::tui::app::YScale;
 use gaccwb::tui::testing::{header, sample_run};
 
 /// A `<text>` element: its position, anchor and content.
@@ -83,7 +85,7 @@ fn applied_steps(recording: &Recording) -> Vec<u64> {
 
 /// Checks the SVG of `recording`; returns the control labels' texts.
 fn check(recording: &Recording) -> Vec<String> {
-    let svg = render_svg(recording).unwrap();
+    let svg = render_svg(recording, YScale::Linear).unwrap();
     let texts = texts(&svg);
     // Tick labels of a step axis: centred numbers (captions and labels hold words).
     let ticks: Vec<&Text> = texts
@@ -173,4 +175,129 @@ fn every_applied_control_has_a_marker_and_pauses_have_none() {
     let labels = check(&recording);
     assert_eq!(labels.len(), 3, "{labels:?}");
     assert!(labels[2].ends_with("offload off→on"), "{labels:?}");
+}
+
+/// `<line>` elements stroked in `colour`.
+fn lines_in(svg: &str, colour: plotters::style::RGBColor) -> usize {
+    let hex = format!("#{:02X}{:02X}{:02X}", colour.0, colour.1, colour.2);
+    svg.split("<line")
+        .skip(1)
+        .filter(|chunk| {
+            let tag = chunk.split('>').next().unwrap();
+            attribute(tag, "stroke").is_some_and(|s| s.eq_ignore_ascii_case(&hex))
+        })
+        .count()
+}
+
+#[test]
+fn skipped_steps_are_crossed_in_every_line_panel_and_counted() {
+    let mut events = sample_run(60);
+    for e in &mut events {
+        if let Event::Step(s) = e {
+            s.dtype = gaccwb::telemetry::Dtype::F16;
+            s.loss_scale = 65536.0;
+            s.skipped = [30, 31, 45].contains(&s.step);
+        }
+    }
+    let recording = Recording {
+        header: header(),
+        events,
+        warnings: Vec::new(),
+    };
+    let svg = render_svg(&recording, YScale::Linear).unwrap();
+    let texts = texts(&svg);
+    let counted = texts
+        .iter()
+        .filter(|t| t.content == "skipped step (3)")
+        .count();
+    assert_eq!(counted, 3, "loss, gradient norm and loss scale panels");
+    // A cross is two strokes: three steps in three panels, and each legend's swatch.
+    assert_eq!(lines_in(&svg, SKIPPED), 2 * (3 * 3 + 3));
+}
+
+#[test]
+fn a_recording_started_mid_run_fills_its_axis_under_its_own_knobs() {
+    let mut events = sample_run(200);
+    events.retain(|e| match e {
+        Event::Step(s) => s.step > 140,
+        Event::Memory(m) => m.step > 140,
+        Event::Eval(v) => v.step > 140,
+        Event::Control(c) => c.step > 140,
+        _ => true,
+    });
+    events.push(Event::Control(ControlEvent {
+        step: 170,
+        origin: Origin::Key,
+        control: Control::SetMicroBatch { value: 2 },
+    }));
+    let mut h = header();
+    h.config.train.accum_steps = 4;
+    h.config.description = "f32, no accumulation".into();
+    let recording = Recording {
+        header: h,
+        events,
+        warnings: Vec::new(),
+    };
+    let svg = render_svg(&recording, YScale::Linear).unwrap();
+    let texts = texts(&svg);
+    let steps: Vec<u64> = texts
+        .iter()
+        .filter(|t| t.anchor == "middle")
+        .filter_map(|t| t.content.parse().ok())
+        .collect();
+    assert!(
+        steps.iter().all(|s| *s >= 140) && steps.iter().any(|s| *s >= 190),
+        "the axis spans steps 140–200 only: {steps:?}"
+    );
+    let subtitle = texts
+        .iter()
+        .find(|t| t.content.starts_with("at the start:"))
+        .expect("a subtitle of the knobs in force");
+    assert!(
+        subtitle.content.contains("steps 141–200") && subtitle.content.contains("K 4"),
+        "{}",
+        subtitle.content
+    );
+    assert!(
+        !svg.contains("f32, no accumulation"),
+        "the preset's story is the whole run's, not this part's"
+    );
+    check(&recording);
+}
+
+#[test]
+fn a_log_scale_labels_round_decades() {
+    let mut events = sample_run(60);
+    for e in &mut events {
+        if let Event::Step(s) = e {
+            s.grad_norm = if s.step == 18 { 32.0 } else { 0.5 };
+        }
+    }
+    let recording = Recording {
+        header: header(),
+        events,
+        warnings: Vec::new(),
+    };
+    let svg = render_svg(&recording, YScale::Log).unwrap();
+    let texts = texts(&svg);
+    // The loss and gradient-norm panels: above the memory panel, which stays linear.
+    let memory = texts
+        .iter()
+        .find(|t| t.content.starts_with("memory (MiB)"))
+        .unwrap()
+        .y;
+    let labels: Vec<f64> = texts
+        .iter()
+        .filter(|t| t.anchor == "end" && t.y < memory)
+        .filter_map(|t| t.content.parse().ok())
+        .collect();
+    assert!(labels.len() >= 4, "{labels:?}");
+    for v in &labels {
+        let mantissa = v / 10f64.powf(v.log10().floor());
+        assert!(
+            [1.0, 2.0, 5.0].iter().any(|m| (mantissa - m).abs() < 1e-9),
+            "{v} is no 1-2-5 value"
+        );
+    }
+    assert!(svg.contains("log scale"), "the legend says so");
 }

@@ -1,6 +1,7 @@
 //! The live path without a terminal: a real (tiny) trainer, the real event loop on a
 //! TestBackend, scripted keys. K-up reaches the trainer as a control and comes back applied;
-//! `r` starts a recording mid-run that opens with a header carrying the knobs in force.
+//! `r` starts a recording mid-run that opens with a header carrying the knobs in force, and stops
+//! it with a last line saying so.
 
 use std::time::Duration;
 
@@ -82,4 +83,16 @@ async fn keys_drive_the_trainer_and_recording_starts_mid_run() {
     );
     assert!(!rec.events.iter().any(|e| matches!(e,
         Event::Control(c) if c.origin == Origin::Key && c.control == Control::SetAccumSteps { value: 2 })));
+    // Stopped with `r` while the run went on: the file says so, and its replay does not read
+    // like a crash.
+    assert!(
+        matches!(rec.events.last(), Some(Event::Log(l)) if l.message == gaccwb::headless::RECORDING_STOPPED),
+        "{:?}",
+        rec.events.last()
+    );
+    let summary = gaccwb::tui::summarize(&rec.events).render();
+    assert!(
+        summary.contains("(recording stopped with `r`; the run went on)"),
+        "{summary}"
+    );
 }

@@ -69,7 +69,7 @@ fn compact_layout_at_80x24_keeps_the_essentials() {
         "step 40/100",
         "Loss 1.3250",
         "K 4  B 8  eff 32",
-        "Memory ledger",
+        "Ledger · backward, step 40",
         "Grad norm",
         "something to see in the log",
         "q/ctrl-c quit",
@@ -221,6 +221,7 @@ fn help_in_a_replay_lists_seek_and_speed_not_knobs() {
         last_step: 40,
         following: false,
         steerable: false,
+        finished: false,
     });
     app.apply(Action::Help);
     let s = screen(&app, 120, 40);
@@ -320,4 +321,156 @@ fn the_status_pane_says_how_many_threads_the_cpu_ops_ran_on() {
         let text = screen(&app, 160, 48);
         assert!(text.contains(&format!("ms  {expected}")), "{text}");
     }
+}
+
+/// `app()` with `n` knob changes applied across the run, as after many key presses.
+fn app_with_controls(n: u64) -> App {
+    let mut app = app();
+    for i in 0..n {
+        app.update(&Event::Control(ControlEvent {
+            step: 1 + i * 39 / n.max(1),
+            origin: Origin::Key,
+            control: Control::SetClip {
+                value: Some(0.5 + i as f64 / 10.0),
+            },
+        }));
+    }
+    app
+}
+
+#[test]
+fn controls_are_ticks_on_the_step_axis_and_legends_stay_whole() {
+    let app = app_with_controls(25);
+    let s = screen(&app, 120, 36);
+    assert!(
+        s.matches('┴').count() >= 6,
+        "a tick per applied control:\n{s}"
+    );
+    for legend in ["─ before", "─ after", "• clip", "─ train", "• val"] {
+        assert!(
+            s.contains(legend),
+            "legend `{legend}` drawn over or missing:\n{s}"
+        );
+    }
+    // Markers never cross the plot: the only dots are the scatter series' own.
+    let columns_of_dots =
+        (0..120).filter(|&x| s.lines().filter(|l| l.chars().nth(x) == Some('•')).count() > 6);
+    assert_eq!(columns_of_dots.count(), 0, "{s}");
+}
+
+#[test]
+fn chart_labels_are_round_values_in_one_format() {
+    let s = screen(&app(), 120, 36);
+    // The grad-norm chart (0.5 … 1.5): every label on its axis with one decimal.
+    let labels: Vec<&str> = s
+        .lines()
+        .filter_map(|l| {
+            let pane = l.split('│').nth(3)?;
+            let label = pane.trim();
+            label.parse::<f64>().ok().map(|_| label)
+        })
+        .collect();
+    assert!(labels.len() >= 2, "{labels:?}\n{s}");
+    let decimals = |l: &str| l.split('.').nth(1).map_or(0, str::len);
+    assert!(
+        labels.iter().all(|l| decimals(l) == decimals(labels[0])),
+        "{labels:?}"
+    );
+}
+
+#[test]
+fn the_scale_key_turns_a_spike_into_an_edge_and_back() {
+    let mut app = app();
+    let mut spike = step(41, 1.3);
+    spike.grad_norm = 32.0;
+    app.update(&Event::Step(spike));
+    let linear = screen(&app, 120, 36);
+    assert!(linear.contains("32"), "{linear}");
+    app.apply(Action::ScaleCycle);
+    let robust = screen(&app, 120, 36);
+    assert!(
+        robust.contains("[robust 1↑] ─ before ─ after • clip"),
+        "{robust}"
+    );
+    app.apply(Action::ScaleCycle);
+    assert!(screen(&app, 120, 36).contains("[log]"));
+    app.apply(Action::ScaleCycle);
+    assert!(!screen(&app, 120, 36).contains("[log]"));
+}
+
+#[test]
+fn a_loss_scale_that_is_off_draws_nothing() {
+    let mut app = app();
+    app.view.focus = PaneId::LossScale;
+    let s = screen(&app, 80, 24);
+    assert!(
+        s.contains("Loss scale: off (f32)") && s.contains("not used: only f16 scales the loss"),
+        "{s}"
+    );
+    assert!(!s.contains("2^0"), "no axis for a scale that is off:\n{s}");
+}
+
+#[test]
+fn help_is_whole_at_80x24() {
+    let mut app = app();
+    let mut h = header();
+    h.config.explanation = "A story long enough to wrap over many lines. ".repeat(12);
+    app.update(&Event::Header(h));
+    app.apply(Action::Help);
+    let s = screen(&app, 80, 24);
+    let keys = KeyMap::default();
+    for a in Action::all().filter(|a| !a.replay_only()) {
+        assert!(s.contains(a.describe()), "no `{}` in\n{s}", a.describe());
+        assert!(s.contains(&keys.label_for(a)), "{a:?}");
+    }
+    assert!(s.contains("Any key closes this help."), "{s}");
+    assert!(s.contains('…'), "the story is cut, not the keys:\n{s}");
+}
+
+#[test]
+fn the_ledger_at_80x24_keeps_every_category_and_its_total() {
+    let s = screen(&app(), 80, 24);
+    for label in ["params", "grads tmp", "activation", "other"] {
+        assert!(s.contains(label), "{label}:\n{s}");
+    }
+    assert!(s.contains("total 31.0 MiB · est 30.0 MiB"), "{s}");
+}
+
+#[test]
+fn applied_checkpointing_stays_in_the_controls_pane() {
+    let mut app = app();
+    app.update(&Event::Control(ControlEvent {
+        step: 40,
+        origin: Origin::Key,
+        control: Control::SetCheckpointing {
+            value: gaccwb::telemetry::Checkpointing::Blocks,
+        },
+    }));
+    for (w, h) in [(80, 24), (120, 36)] {
+        let s = screen(&app, w, h);
+        assert!(s.contains("ckpt blocks"), "{w}×{h}:\n{s}");
+    }
+}
+
+#[test]
+fn a_followed_run_that_ended_is_not_followed_any_more() {
+    let mut app = App::default();
+    app.view.color = false;
+    for e in gaccwb::tui::testing::sample_run_ended(40) {
+        app.update(&e);
+    }
+    app.view.replay = Some(gaccwb::tui::app::ReplayStatus {
+        speed: 1.0,
+        paused: false,
+        last_step: 40,
+        following: true,
+        steerable: false,
+        finished: true,
+    });
+    let s = screen(&app, 120, 36);
+    assert!(!s.contains("FOLLOWING"), "{s}");
+    assert!(
+        s.contains("FOLLOWED to its end (40 steps)") && s.contains("ended: completed"),
+        "{s}"
+    );
 }

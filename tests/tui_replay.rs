@@ -115,7 +115,11 @@ async fn the_event_loop_plays_a_recording_to_the_end_and_quits() {
     assert_eq!(app.run.ended, Some(gaccwb::telemetry::EndReason::Completed));
     let s = text(&t);
     assert!(s.contains("step 40/100"), "{s}");
-    assert!(s.contains("REPLAY playing ×64"), "{s}");
+    // Played to its end: said so, with how the run ended, not "playing".
+    assert!(
+        s.contains("ended: completed") && s.contains("REPLAY at its end (40 steps)"),
+        "{s}"
+    );
 }
 
 #[test]

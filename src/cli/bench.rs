@@ -53,15 +53,20 @@ const MATMUL_N: usize = 1024;
 #[derive(Clone, Debug)]
 struct DtypeList(Vec<Dtype>);
 
+/// One compute dtype by name: f32, bf16 or f16.
+pub(super) fn parse_dtype(name: &str) -> Result<Dtype, String> {
+    Dtype::VARIANTS
+        .iter()
+        .copied()
+        .find(|d| d.name() == name.trim())
+        .ok_or_else(|| format!("`{}`: expected f32, bf16 or f16", name.trim()))
+}
+
 fn parse_dtypes(text: &str) -> Result<DtypeList, String> {
-    let one = |name: &str| {
-        Dtype::VARIANTS
-            .iter()
-            .copied()
-            .find(|d| d.name() == name.trim())
-            .ok_or_else(|| format!("`{}`: expected f32, bf16 or f16", name.trim()))
-    };
-    let list = text.split(',').map(one).collect::<Result<Vec<_>, _>>()?;
+    let list = text
+        .split(',')
+        .map(parse_dtype)
+        .collect::<Result<Vec<_>, _>>()?;
     if (1..list.len()).any(|i| list[..i].contains(&list[i])) {
         return Err(format!("`{text}`: a dtype is listed twice"));
     }

@@ -75,6 +75,7 @@ fn measure(
 ) -> anyhow::Result<RanksRow> {
     let record = dir.join(format!("ranks-{ranks}.jsonl"));
     let mut command = Command::new("mpirun");
+    super::ranks::allow_root(&mut command, super::ranks::is_root());
     command
         .args(["-n", &ranks.to_string()])
         .arg(std::env::current_exe()?)
@@ -110,7 +111,7 @@ fn measure(
     let comms: Vec<(f64, f64)> = timed
         .iter()
         .filter_map(|s| s.comm.as_ref().map(|c| (c, s.step_ms)))
-        .map(|(c, ms)| (c.sent_bytes() as f64 / c.ranks as f64, c.share(ms)))
+        .map(|(c, ms)| (c.sent_bytes() as f64 / c.ranks as f64, c.share_of_step(ms)))
         .collect();
     let n = comms.len() as f64;
     let comm = (!comms.is_empty()).then(|| {

@@ -108,6 +108,7 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
         device: args.device.clone(),
         steps,
         record_dir,
+        keep: args.record_dir.is_some(),
         force: args.force,
     };
     if let Some(dir) = &args.record_dir {
@@ -172,8 +173,8 @@ fn print_rows(rows: &[compare::Row], json: bool) -> anyhow::Result<()> {
     }
     gaccwb::out::print(&compare::table(rows))?;
     gaccwb::out::note(
-        "Each row is its own `gaccwb run --headless` process; --json and --csv give its command, \
-         --record-dir DIR keeps its recording.",
+        "Each row is its own `gaccwb run --headless` process; --json and --csv give the command \
+         that runs it again, --record-dir DIR keeps its recording.",
     );
     Ok(())
 }

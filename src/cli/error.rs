@@ -57,8 +57,8 @@ impl ExitClass {
         }
         // A `--config` that cannot be read is a file that cannot be read (1), as the table
         // says; one that reads but is wrong is a usage error like any bad value.
-        use gaccwb::memory::hf_config::HfConfigError;
-        use gaccwb::memory::plan_options::OptionsError;
+        use gaccwb::hf::config::HfConfigError;
+        use gaccwb::planner::options::OptionsError;
         if let Some(OptionsError::Config(HfConfigError::Read { .. })) = cause.downcast_ref() {
             return Some(ExitClass::Failure);
         }
@@ -66,8 +66,10 @@ impl ExitClass {
         use gaccwb::budget::BudgetError;
         if matches!(cause.downcast_ref(), Some(BudgetError::Unreadable { .. }))
             || cause.is::<gaccwb::limits::BoundError>()
-            || cause.is::<gaccwb::memory::planner::ShapeError>()
-            || cause.is::<gaccwb::memory::plan_options::OptionsError>()
+            || cause.is::<gaccwb::memory::verdict::ShapeError>()
+            || cause.is::<gaccwb::planner::options::OptionsError>()
+            || cause.is::<gaccwb::model::hf::HfError>()
+            || cause.is::<gaccwb::model::spec::SpecError>()
         {
             return Some(ExitClass::Usage);
         }
@@ -120,9 +122,9 @@ mod tests {
         );
         let steps = gaccwb::limits::at_most("--steps", 2, 1).unwrap_err();
         assert_eq!(ExitClass::of(&steps.into()), ExitClass::Usage);
-        let seq_len = gaccwb::memory::plan_options::OptionsError::SeqLen;
+        let seq_len = gaccwb::planner::options::OptionsError::SeqLen;
         assert_eq!(ExitClass::of(&seq_len.into()), ExitClass::Usage);
-        let shape = gaccwb::memory::planner::named_shape("gpt4").unwrap_err();
+        let shape = gaccwb::memory::verdict::named_shape("gpt4").unwrap_err();
         assert_eq!(ExitClass::of(&shape.into()), ExitClass::Usage);
     }
 }

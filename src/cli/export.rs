@@ -22,6 +22,10 @@ pub struct ExportArgs {
     /// cast: screen size, COLSxROWS.
     #[arg(long, default_value = "120x40", value_parser = parse_size)]
     size: (u16, u16),
+    /// svg: the y scale of the loss and gradient-norm panels (robust: within Tukey's far-out
+    /// fences, a spike drawn at the edge).
+    #[arg(long, value_enum, default_value = "linear")]
+    scale: Scale,
     /// cast: time runs this many times faster than the recorded step times.
     #[arg(long, default_value_t = 1.0, value_parser = super::speed)]
     speed: f64,
@@ -40,6 +44,23 @@ enum ExportFormat {
 
 /// The largest cast screen, each side: every frame is drawn into a buffer of that many cells.
 const MAX_CAST_SIDE: u16 = 1000;
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Scale {
+    Linear,
+    Robust,
+    Log,
+}
+
+impl From<Scale> for gaccwb::tui::app::YScale {
+    fn from(s: Scale) -> Self {
+        match s {
+            Scale::Linear => Self::Linear,
+            Scale::Robust => Self::Robust,
+            Scale::Log => Self::Log,
+        }
+    }
+}
 
 fn parse_size(s: &str) -> Result<(u16, u16), String> {
     let bad = || {
@@ -76,7 +97,7 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
             }
         }
         ExportFormat::Svg => {
-            export::svg::write_svg(&recording, &args.out, rules)?;
+            export::svg::write_svg(&recording, args.scale.into(), &args.out, rules)?;
             gaccwb::out::println(&args.out.display().to_string())?;
         }
         ExportFormat::Cast => {

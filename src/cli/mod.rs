@@ -7,6 +7,7 @@ mod bench_ranks;
 mod compare;
 mod error;
 mod estimate;
+mod eval;
 mod export;
 mod inputs;
 mod presets;
@@ -31,6 +32,8 @@ pub use error::{usage, ExitClass, UsageError};
     name = "gaccwb",
     version,
     about,
+    // The command may be left out (it is then `run`); clap would show it as required.
+    override_usage = "gaccwb [OPTIONS] [COMMAND]",
     after_help = "With no command, `run`: `gaccwb --headless` is `gaccwb run --headless`."
 )]
 struct Cli {
@@ -56,6 +59,8 @@ enum Command {
     Estimate(estimate::EstimateArgs),
     /// Turn a recording into CSV files, SVG charts or an asciinema cast of the screen.
     Export(export::ExportArgs),
+    /// A Hugging Face model's perplexity on a text, as transformers reports it.
+    Eval(eval::EvalArgs),
     /// Measure training tokens/s of the default model on CPU.
     Bench(bench::BenchArgs),
     /// Train a preset under several configurations (same seed, same samples) and print one
@@ -90,6 +95,7 @@ pub fn main() -> ExitCode {
         Command::Replay(args) => replay::replay(args),
         Command::Estimate(args) => estimate::estimate(args),
         Command::Export(args) => export::export(args),
+        Command::Eval(args) => eval::eval(args),
         Command::Bench(args) => bench::bench(args),
         Command::Compare(args) => compare::compare(args),
     };
@@ -156,7 +162,7 @@ impl Cli {
             Command::Estimate(args) => args.inputs(),
             Command::Export(args) => args.inputs(),
             Command::Compare(args) => args.inputs(),
-            Command::Presets | Command::Bench(_) => Inputs::default(),
+            Command::Presets | Command::Bench(_) | Command::Eval(_) => Inputs::default(),
         }
     }
 }

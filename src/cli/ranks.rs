@@ -125,12 +125,39 @@ fn launcher(ranks: usize, record: Option<&Path>) -> anyhow::Result<Command> {
         .args(["-n", &ranks.to_string()])
         .arg(exe)
         .args(args);
+    allow_root(&mut c, is_root());
     Ok(c)
 }
 
 /// Starts the launcher tied to this process, in a process group of its own.
 fn spawn(command: &mut Command) -> anyhow::Result<Child> {
     children::spawn_tied(command, true).map_err(not_found)
+}
+
+/// What Open MPI's mpirun needs to start ranks as root: it refuses otherwise, and most GPU
+/// containers run as root. MPICH ignores the variables.
+const ROOT_ENV: [(&str, &str); 2] = [
+    ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+    ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+];
+
+pub(super) fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// As root, start `launcher` with the variables Open MPI asks for, and say so: asking for ranks
+/// is asking mpirun to start them.
+pub(super) fn allow_root(launcher: &mut Command, root: bool) {
+    if !root {
+        return;
+    }
+    let names: Vec<String> = ROOT_ENV.iter().map(|(n, v)| format!("{n}={v}")).collect();
+    gaccwb::out::note(&format!(
+        "gaccwb: running as root, so mpirun is started with {} (Open MPI refuses root otherwise)",
+        names.join(" ")
+    ));
+    launcher.envs(ROOT_ENV);
 }
 
 /// The arguments without `--ranks N` or `--ranks=N`.
@@ -313,6 +340,25 @@ impl Job {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn as_root_mpirun_gets_what_open_mpi_needs_and_otherwise_nothing() {
+        let envs = |root| {
+            let mut c = Command::new(LAUNCHER);
+            allow_root(&mut c, root);
+            c.get_envs()
+                .map(|(k, v)| format!("{}={}", k.to_string_lossy(), v.unwrap().to_string_lossy()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            envs(true),
+            [
+                "OMPI_ALLOW_RUN_AS_ROOT=1",
+                "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+            ]
+        );
+        assert!(envs(false).is_empty());
+    }
 
     #[test]
     fn ranks_are_taken_out_in_both_spellings() {

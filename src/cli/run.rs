@@ -33,7 +33,25 @@ pub struct RunArgs {
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "auto")]
     device: DeviceChoice,
-    /// Train on FILE instead of the preset's data: its bytes, or BPE tokens with --set data.tokenizer=bpe.
+    /// Fine-tune a Hugging Face model instead of the preset's GPT: a directory holding
+    /// config.json, model.safetensors and tokenizer.json, or ORG/NAME[@REVISION] from the local
+    /// Hugging Face cache (nothing is downloaded). Sets model.path.
+    #[arg(long, value_name = "PATH")]
+    model: Option<String>,
+    /// At the end of the run, save the model in Hugging Face's layout into DIR (never into
+    /// the directory it was read from); `S` on the screen saves it there at the next boundary.
+    #[arg(long, value_name = "DIR")]
+    save_model: Option<PathBuf>,
+    /// With LoRA, --save-model writes the model with the adapters merged into it, not the
+    /// adapter alone.
+    #[arg(long, requires = "save_model")]
+    merge: bool,
+    /// Start LoRA from this PEFT adapter (adapter_config.json, adapter_model.safetensors) of
+    /// --model: its settings become train.lora_*, its weights the adapters'.
+    #[arg(long, value_name = "DIR", requires = "model")]
+    adapter: Option<PathBuf>,
+    /// Train on FILE instead of the preset's data: its bytes, or BPE tokens with --set
+    /// data.tokenizer=bpe (with --model, the model's tokenizer; a .jsonl file's `text` fields).
     #[arg(long, value_name = "FILE")]
     data: Option<PathBuf>,
     /// Override a preset field, e.g. --set train.accum_steps=4 (repeatable).
@@ -178,7 +196,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             keys: args.keys.as_deref(),
         };
         // What rank 0 would refuse is refused here, before any rank starts.
-        return super::ranks::launch(launch, || prepare(&args).map(drop));
+        return super::ranks::launch(launch, || prepare(&args, &scenario).map(drop));
     }
     let mut group = join_ranks(&args, &scenario)?;
     let lead = group.rank() == 0;
@@ -186,7 +204,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // rank hears how it went on the others.
     let local = keymap(&args).and_then(|keys| {
         let prepared = match lead {
-            true => prepare(&args)?,
+            true => prepare(&args, &scenario)?,
             false => Prepared::default(),
         };
         Ok((keys, prepared))
@@ -291,13 +309,17 @@ struct Prepared {
 }
 
 /// Rank 0's files: the recording's name, the checkpoint directory (locked), the controls
-/// file (opened before the recording is created, so a refused one leaves no file behind).
-/// Each refusal is a usage error.
-fn prepare(args: &RunArgs) -> anyhow::Result<Prepared> {
+/// file (opened before the recording is created, so a refused one leaves no file behind),
+/// `--save-model`'s directory. Each refusal is a usage error.
+fn prepare(args: &RunArgs, scenario: &Scenario) -> anyhow::Result<Prepared> {
     let overwrite = Overwrite::new(args.force, args.inputs());
     if let Some(record) = &args.record {
         // The recorder checks again, race-free; said here before anything starts.
         gaccwb::safe_write::check(record, "recording", &overwrite).map_err(usage)?;
+    }
+    if let Some(dir) = &args.save_model {
+        // Checked again once built (a resumed run's model is the checkpoint's).
+        gaccwb::model::save::check_target(scenario.model.path.as_deref(), dir).map_err(usage)?;
     }
     let controls = match &args.controls_from {
         Some(path) => Some(
@@ -363,6 +385,12 @@ fn together<T>(group: &mut gaccwb::dist::Group, local: anyhow::Result<T>) -> any
 /// The preset with every command-line override applied.
 fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     let mut s = presets::resolve(args.preset()).map_err(usage)?;
+    if let Some(model) = &args.model {
+        s.model.path = Some(PathBuf::from(model));
+    }
+    if let Some(adapter) = &args.adapter {
+        s.model.adapter = Some(adapter.clone());
+    }
     if let Some(path) = &args.data {
         s.data.source = DataSource::File;
         s.data.path = Some(path.clone());
@@ -383,6 +411,7 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     if let Some(budget) = &args.budget {
         s.train.memory_budget = gaccwb::budget::MemoryBudget::parse(budget).context("--budget")?;
     }
+    gaccwb::model::hf::prepare(&mut s)?;
     s.validate().map_err(usage)?;
     Ok(s)
 }
@@ -412,7 +441,8 @@ fn build_trainer(
     mut group: gaccwb::dist::Group,
     lock: Option<gaccwb::safe_write::DirLock>,
 ) -> anyhow::Result<Trainer> {
-    let saves = args.checkpoint_every.filter(|_| group.rank() == 0);
+    let lead = group.rank() == 0;
+    let saves = args.checkpoint_every.filter(|_| lead);
     let built = refuse_with_resume(args)
         .map_err(anyhow::Error::from)
         .and_then(|()| match &args.resume {
@@ -437,13 +467,23 @@ fn build_trainer(
         refuse_past_controls(&trainer)?;
     }
     let inputs = args.inputs_but_resumed(Some(trainer.scenario()));
+    if let Some(dir) = args.save_model.clone().filter(|_| lead) {
+        let source = trainer.scenario().model.path.as_deref();
+        gaccwb::model::save::check_target(source, &dir).map_err(usage)?;
+        let rules = Overwrite::new(args.force, inputs.clone());
+        trainer.add_after_step(Box::new(checkpoint::ModelSave {
+            dir,
+            rules,
+            merge: args.merge,
+        }));
+    }
     if let Some((every, lock)) = saves.zip(lock) {
         let policy = checkpoint::Policy {
             every,
             dir: args.checkpoint_dir(),
             inputs,
         };
-        trainer.set_after_step(policy.after_step(lock));
+        trainer.add_after_step(policy.after_step(lock));
     }
     Ok(trainer)
 }

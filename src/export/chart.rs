@@ -58,6 +58,10 @@ pub enum Swatch {
     Fill(RGBColor),
     /// An outlined box (a predicted bar).
     Outline(RGBColor),
+    /// A cross (a marked step).
+    Cross(RGBColor),
+    /// No swatch: a note in the legend.
+    None,
 }
 
 pub struct LegendEntry {
@@ -105,6 +109,10 @@ pub fn draw_legend(area: &Area, top: i32, entries: &[LegendEntry]) -> DrawResult
                     c.stroke_width(2),
                 ))?;
             }
+            Swatch::Cross(c) => {
+                area.draw(&Cross::new((x + 12, mid), 5, c.stroke_width(2)))?;
+            }
+            Swatch::None => {}
         }
         area.draw(&Text::new(entry.label.clone(), (x + 32, y), (FONT, 15)))?;
     }

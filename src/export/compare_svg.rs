@@ -240,6 +240,7 @@ mod tests {
             steps_per_s: 1.5,
             train_loss: 2.0,
             command: Vec::new(),
+            recording: None,
             val_loss: None,
         }
     }

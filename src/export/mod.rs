@@ -3,3 +3,4 @@ pub mod chart;
 pub mod compare_svg;
 pub mod csv;
 pub mod svg;
+pub mod svg_controls;

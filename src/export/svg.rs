@@ -1,27 +1,32 @@
 //! `gaccwb export FILE --to svg -o OUT.svg`: one SVG drawn by `plotters`, panels sharing one step
-//! axis: loss (train, and validation when recorded), gradient norm before and after clipping, the
-//! loss scale (log2; one line of text when the run never scaled), and memory: each step's ledger
-//! stacked by category, the measured peak as a line and the estimate dashed. A dashed line
-//! crosses every panel at each applied control, labelled once at the top with what changed.
+//! axis over the recording's own steps: loss (train, and validation when recorded), gradient norm
+//! before and after clipping (both on a linear, robust or log y scale, `--scale`), the loss scale
+//! (log2, the steps that scaled; one line of text when none did), and memory: each step's ledger
+//! stacked by category as steps (a step's bytes held over its span), the measured peak, the
+//! estimate dashed. A dashed line crosses every panel at each applied control, labelled once at
+//! the top with what changed; a red cross marks each skipped (overflowed) step.
 
 use std::ops::Range;
 use std::path::Path;
 
 use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::chart::{
-    axis_number, category_color, category_label, draw_legend, legend_top, text, text_width,
-    well_formed, Area, DrawResult, LegendEntry, Swatch, FONT, LEGEND_WIDTH, MIB, PALETTE,
-    STACK_ORDER,
+    category_color, category_label, draw_legend, legend_top, text, well_formed, Area, DrawResult,
+    LegendEntry, Swatch, FONT, LEGEND_WIDTH, MIB, PALETTE, STACK_ORDER,
 };
+use super::svg_controls::{control_marks, draw_control_strip, place_labels, Mark, CONTROL_ROW};
+use crate::control::KNOBS;
 use crate::memory::{step_figures, StepFigure};
 use crate::record::Recording;
-use crate::telemetry::Knobs;
-use crate::telemetry::{Event, StepEvent};
+use crate::telemetry::{Event, Knobs, StepEvent};
+use crate::tui::app::YScale;
+use crate::tui::panes::chart::{tick_labels, y_axis, Units, YAxis};
 
-const WIDTH: u32 = 1100;
-const TITLE_HEIGHT: u32 = 58;
+pub const WIDTH: u32 = 1100;
+const TITLE_HEIGHT: u32 = 84;
 const LOSS_HEIGHT: u32 = 280;
 const GRAD_HEIGHT: u32 = 240;
 const SCALE_HEIGHT: u32 = 220;
@@ -30,15 +35,15 @@ const MEMORY_HEIGHT: u32 = 400;
 const MARGIN: u32 = 12;
 const Y_LABELS: u32 = 70;
 /// Left and right pixel of every panel's plot: all panels share one step axis.
-const PLOT_LEFT: i32 = (MARGIN + Y_LABELS) as i32;
-const PLOT_RIGHT: i32 = (WIDTH - LEGEND_WIDTH - MARGIN) as i32;
-/// One row of control labels; labels that would overlap go to the next row.
-const CONTROL_ROW: u32 = 22;
-const MAX_CONTROL_ROWS: usize = 4;
-const LABEL_FONT: u32 = 15;
+pub const PLOT_LEFT: i32 = (MARGIN + Y_LABELS) as i32;
+pub const PLOT_RIGHT: i32 = (WIDTH - LEGEND_WIDTH - MARGIN) as i32;
 /// The colour of control markers (the test finds markers by it).
 pub const MARKER: RGBColor = RGBColor(80, 80, 80);
+/// The colour of skipped-step crosses.
+pub const SKIPPED: RGBColor = RGBColor(220, 20, 60);
 const ESTIMATE: RGBColor = RGBColor(230, 0, 126);
+const GRID: RGBColor = RGBColor(238, 238, 238);
+const SUBTLE: RGBColor = RGBColor(90, 90, 90);
 
 type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordu64, RangedCoordf64>>;
 
@@ -49,21 +54,28 @@ struct Series {
     points: Vec<(u64, f64)>,
 }
 
-/// The controls applied at one step, in one label ("B 32→4, K 1→8").
-#[derive(Debug, PartialEq)]
-pub struct Mark {
-    pub step: u64,
-    pub label: String,
+/// What one panel of lines shows besides its series.
+struct Panel<'r> {
+    caption: &'r str,
+    x: Range<u64>,
+    /// Steps with applied controls (marker lines).
+    marks: &'r [u64],
+    /// Skipped steps (red crosses along the bottom).
+    skipped: &'r [u64],
+    scale: YScale,
+    units: Units,
 }
 
 /// Draw the charts into `out`; an existing file is refused unless `rules` allow it.
 pub fn write_svg(
     recording: &Recording,
+    scale: YScale,
     out: &Path,
     rules: &crate::safe_write::Overwrite,
 ) -> anyhow::Result<()> {
     crate::safe_write::check(out, "chart", rules)?;
-    let svg = render_svg(recording).map_err(|e| anyhow::anyhow!("drawing the charts: {e}"))?;
+    let svg =
+        render_svg(recording, scale).map_err(|e| anyhow::anyhow!("drawing the charts: {e}"))?;
     Ok(crate::safe_write::write_file(
         out,
         svg.as_bytes(),
@@ -72,8 +84,11 @@ pub fn write_svg(
     )?)
 }
 
-/// The charts as SVG text.
-pub fn render_svg(recording: &Recording) -> Result<String, Box<dyn std::error::Error>> {
+/// The charts as SVG text; `scale` is the y scale of the loss and gradient-norm panels.
+pub fn render_svg(
+    recording: &Recording,
+    scale: YScale,
+) -> Result<String, Box<dyn std::error::Error>> {
     let steps: Vec<&StepEvent> = recording
         .events
         .iter()
@@ -92,53 +107,47 @@ pub fn render_svg(recording: &Recording) -> Result<String, Box<dyn std::error::E
     } else {
         (rows + note_row) * CONTROL_ROW + 10
     };
-    let scaled = steps.iter().any(|s| s.loss_scale != 1.0);
+    let scaled = steps.iter().any(|s| s.dtype.needs_loss_scaling());
     let scale_height = if scaled {
         SCALE_HEIGHT
     } else {
         SCALE_NOTE_HEIGHT
     };
     let height = TITLE_HEIGHT + strip_height + LOSS_HEIGHT + GRAD_HEIGHT + scale_height;
+    let steps_at: Vec<u64> = marks.iter().map(|m| m.step).collect();
+    let skipped: Vec<u64> = steps.iter().filter(|s| s.skipped).map(|s| s.step).collect();
+    let panel = |caption, scale, units| Panel {
+        caption,
+        x: x.clone(),
+        marks: &steps_at,
+        skipped: &skipped,
+        scale,
+        units,
+    };
     let mut svg = String::new();
     {
         let root =
             SVGBackend::with_string(&mut svg, (WIDTH, height + MEMORY_HEIGHT)).into_drawing_area();
         root.fill(&WHITE)?;
         let (title, rest) = root.split_vertically(TITLE_HEIGHT);
-        draw_title(&title, recording)?;
+        draw_title(&title, recording, &steps)?;
         let (strip, rest) = rest.split_vertically(strip_height);
         let (loss, rest) = rest.split_vertically(LOSS_HEIGHT);
         let (grad, rest) = rest.split_vertically(GRAD_HEIGHT);
-        let (scale, memory) = rest.split_vertically(scale_height);
-        let steps_at: Vec<u64> = marks.iter().map(|m| m.step).collect();
-        let pixels = draw_lines_panel(
-            &loss,
-            "loss (nats/token)",
-            x.clone(),
-            &loss_series(recording, &steps),
-            &steps_at,
-        )?;
-        draw_lines_panel(
-            &grad,
-            "gradient norm",
-            x.clone(),
-            &grad_series(&steps),
-            &steps_at,
-        )?;
+        let (scale_area, memory) = rest.split_vertically(scale_height);
+        let loss_panel = panel("loss (nats/token)", scale, Units::Number);
+        let pixels = draw_lines_panel(&loss, &loss_panel, &loss_series(recording, &steps))?;
+        let grad_panel = panel("gradient norm", scale, Units::Number);
+        draw_lines_panel(&grad, &grad_panel, &grad_series(&steps))?;
         if scaled {
-            draw_lines_panel(
-                &scale,
-                "loss scale (log2)",
-                x.clone(),
-                &scale_series(&steps),
-                &steps_at,
-            )?;
+            let scale_panel = panel("loss scale (f16 steps)", YScale::Linear, Units::Log2);
+            draw_lines_panel(&scale_area, &scale_panel, &scale_series(&steps))?;
         } else {
             // A flat line at 0 with an axis of "0.0 … -0.0" says nothing: say it in words.
-            scale.draw(&Text::new(
+            scale_area.draw(&Text::new(
                 "loss scale: not used (only f16 scales the loss; this run never did)",
                 (PLOT_LEFT, 8),
-                (FONT, 16).into_font().color(&RGBColor(90, 90, 90)),
+                (FONT, 16).into_font().color(&SUBTLE),
             ))?;
         }
         draw_memory_panel(&memory, x, recording, &steps_at)?;
@@ -148,159 +157,61 @@ pub fn render_svg(recording: &Recording) -> Result<String, Box<dyn std::error::E
     Ok(well_formed(svg))
 }
 
-fn draw_title(area: &Area, recording: &Recording) -> DrawResult {
+/// The title, the knobs in force at the recording's first step, and (for a recording of a
+/// whole run) the preset's description, which tells the run's story from its start.
+fn draw_title(area: &Area, recording: &Recording, steps: &[&StepEvent]) -> DrawResult {
     let config = &recording.header.config;
     let title = format!("{} on {}", config.name, recording.header.device);
     area.draw(&Text::new(text(&title), (PLOT_LEFT, 8), (FONT, 26)))?;
-    if !config.description.is_empty() {
+    let subtle = (FONT, 15).into_font().color(&SUBTLE);
+    area.draw(&Text::new(
+        text(&knobs_line(recording, steps)),
+        (PLOT_LEFT, 38),
+        subtle.clone(),
+    ))?;
+    let whole_run = steps.first().is_none_or(|s| s.step <= 1);
+    if whole_run && !config.description.is_empty() {
         area.draw(&Text::new(
             text(&config.description),
-            (PLOT_LEFT, 36),
-            (FONT, 15).into_font().color(&RGBColor(90, 90, 90)),
+            (PLOT_LEFT, 58),
+            subtle,
         ))?;
     }
     Ok(())
 }
 
-/// From 0 to the last step, or to the last control when one came later (a run stopped just
-/// after it): every marker lies on the axis.
+/// "steps 141–200 of 200 · K 4 · B 8 · … · B·K 32": the steps the recording holds and the
+/// knobs its header says were in force at its start (a recording started with `r` mid-run has
+/// the knobs of that moment), read through the knob table.
+pub fn knobs_line(recording: &Recording, steps: &[&StepEvent]) -> String {
+    let knobs = Knobs::from_scenario(&recording.header.config);
+    let total = recording.header.config.train.steps;
+    let mut parts = Vec::new();
+    if let (Some(first), Some(last)) = (steps.first(), steps.last()) {
+        let of = match total {
+            0 => String::new(),
+            n => format!(" of {n}"),
+        };
+        parts.push(format!("steps {}–{}{of}", first.step, last.step));
+    }
+    parts.extend(
+        KNOBS
+            .iter()
+            .filter(|k| k.pane.is_some())
+            .map(|k| format!("{} {}", k.label, k.show(&knobs))),
+    );
+    parts.push(format!("B·K {}", knobs.effective_batch()));
+    format!("at the start: {}", parts.join(" · "))
+}
+
+/// The recording's own steps: from where its first step began (step s spans s−1 to s) to its
+/// last step, or to the last control when one came later (a run stopped just after it).
 fn step_range(steps: &[&StepEvent], marks: &[Mark]) -> Range<u64> {
+    let first = steps.first().map_or(0, |s| s.step.saturating_sub(1));
     let last_step = steps.last().map_or(1, |s| s.step);
     let last_mark = marks.last().map_or(0, |m| m.step);
-    0..last_step.max(last_mark).max(1)
-}
-
-/// The applied knob changes (flow controls change no curve), those of one step in one label,
-/// each saying the value before and after: knobs start from the recording's configuration.
-pub fn control_marks(recording: &Recording) -> Vec<Mark> {
-    let mut knobs = Knobs::from_scenario(&recording.header.config);
-    let mut marks: Vec<Mark> = Vec::new();
-    for event in &recording.events {
-        let Event::Control(c) = event else { continue };
-        if c.control.is_flow() {
-            continue;
-        }
-        let change = c.control.describe_change(&knobs);
-        knobs.apply(&c.control);
-        match marks.last_mut() {
-            Some(m) if m.step == c.step => {
-                m.label.push_str(", ");
-                m.label.push_str(&change);
-            }
-            _ => marks.push(Mark {
-                step: c.step,
-                label: change,
-            }),
-        }
-    }
-    marks
-}
-
-/// A control label's place in the strip above the panels.
-#[derive(Debug)]
-struct Placed {
-    /// Index into the marks.
-    mark: usize,
-    text: String,
-    row: usize,
-    /// The label ends left of its marker (it would run past the right edge otherwise).
-    leftward: bool,
-}
-
-/// Rows for the labels so that none overlaps another (the first row that has room); a label
-/// that finds no room in `MAX_CONTROL_ROWS` rows is left out and counted.
-fn place_labels(marks: &[Mark], x: &Range<u64>) -> (Vec<Placed>, usize) {
-    const GAP: i32 = 14;
-    let mut rows: Vec<Vec<Range<i32>>> = vec![Vec::new(); MAX_CONTROL_ROWS];
-    let mut placed = Vec::new();
-    let mut unlabelled = 0;
-    for (i, m) in marks.iter().enumerate() {
-        let text = format!("step {}: {}", m.step, m.label);
-        let px = approx_pixel(m.step, x);
-        let width = text_width(&text, LABEL_FONT);
-        let leftward = px + 5 + width > WIDTH as i32 - 8;
-        let span = if leftward {
-            (px - 5 - width)..px
-        } else {
-            px..(px + 5 + width)
-        };
-        let free = |row: &Vec<Range<i32>>| {
-            row.iter()
-                .all(|r| span.end + GAP <= r.start || r.end + GAP <= span.start)
-        };
-        match rows.iter().position(free) {
-            Some(row) => {
-                rows[row].push(span);
-                placed.push(Placed {
-                    mark: i,
-                    text,
-                    row,
-                    leftward,
-                });
-            }
-            None => unlabelled += 1,
-        }
-    }
-    (placed, unlabelled)
-}
-
-/// Where plotters will put `step` (its exact mapping is read back from the chart when drawing).
-fn approx_pixel(step: u64, x: &Range<u64>) -> i32 {
-    let fraction = (step.saturating_sub(x.start)) as f64 / (x.end - x.start).max(1) as f64;
-    PLOT_LEFT + (fraction * (PLOT_RIGHT - PLOT_LEFT) as f64) as i32
-}
-
-/// The labels above the panels, each with a dashed stub down to where its marker line starts.
-/// `pixels` are the markers' exact x in the panels. Stubs go first: a label's white box keeps a
-/// stub that passes under it from striking through its text.
-fn draw_control_strip(
-    area: &Area,
-    placed: &[Placed],
-    pixels: &[i32],
-    unlabelled: usize,
-) -> DrawResult {
-    let bottom = area.dim_in_pixel().1 as i32;
-    let base_x = area.get_base_pixel().0;
-    let row_top = |row: usize| 4 + (row as u32 * CONTROL_ROW) as i32;
-    for p in placed {
-        let px = pixels[p.mark] - base_x;
-        let mut top = row_top(p.row);
-        while top < bottom {
-            let end = (top + 4).min(bottom);
-            area.draw(&PathElement::new(vec![(px, top), (px, end)], MARKER))?;
-            top += 8;
-        }
-    }
-    for p in placed {
-        let px = pixels[p.mark] - base_x;
-        let width = text_width(&p.text, LABEL_FONT);
-        let left = if p.leftward { px - 5 - width } else { px + 5 };
-        boxed_label(area, &p.text, (left, row_top(p.row)), BLACK)?;
-    }
-    if unlabelled > 0 {
-        let rows = placed.iter().map(|p| p.row + 1).max().unwrap_or(0);
-        let note = format!("{unlabelled} more control(s): marked, not labelled");
-        boxed_label(
-            area,
-            &note,
-            (PLOT_LEFT, row_top(rows)),
-            RGBColor(90, 90, 90),
-        )?;
-    }
-    Ok(())
-}
-
-/// `text` from `(left, top)` on a white box.
-fn boxed_label(area: &Area, text: &str, (left, top): (i32, i32), color: RGBColor) -> DrawResult {
-    let width = text_width(text, LABEL_FONT);
-    let corners = [
-        (left - 2, top - 1),
-        (left + width + 2, top + CONTROL_ROW as i32 - 5),
-    ];
-    area.draw(&Rectangle::new(corners, WHITE.filled()))?;
-    let style = (FONT, LABEL_FONT).into_font().color(&color);
-    area.draw(&Text::new(text.to_string(), (left, top), style))?;
-    Ok(())
+    let end = last_step.max(last_mark).max(first + 1);
+    first..end
 }
 
 fn loss_series(recording: &Recording, steps: &[&StepEvent]) -> Vec<Series> {
@@ -335,10 +246,12 @@ fn grad_series(steps: &[&StepEvent]) -> Vec<Series> {
     ]
 }
 
+/// log2 of the loss scale, at the steps that scaled their loss (f16) only.
 fn scale_series(steps: &[&StepEvent]) -> Vec<Series> {
+    let scaled = steps.iter().filter(|s| s.dtype.needs_loss_scaling());
     vec![Series {
         label: "log2 loss scale".into(),
-        points: finite(steps.iter().map(|s| (s.step, s.loss_scale.log2()))),
+        points: finite(scaled.map(|s| (s.step, s.loss_scale.log2()))),
     }]
 }
 
@@ -351,8 +264,24 @@ fn figures(recording: &Recording) -> Vec<StepFigure> {
     }))
 }
 
-/// The stacked layers: per category present, the running sum up to it (MiB) at each step, bottom
-/// layer first, with the category's index.
+/// `(step, value)` per step as a step function: each value held over its step's span, from
+/// where the step began (the previous step, or s−1) to s.
+fn held(points: impl IntoIterator<Item = (u64, f64)>) -> Vec<(u64, f64)> {
+    let mut out = Vec::new();
+    let mut previous: Option<u64> = None;
+    for (step, v) in points {
+        let from = previous
+            .filter(|p| *p < step)
+            .unwrap_or(step.saturating_sub(1));
+        out.push((from, v));
+        out.push((step, v));
+        previous = Some(step);
+    }
+    out
+}
+
+/// The stacked layers: per category present, the running sum up to it (MiB) held over each
+/// step's span, bottom layer first, with the category's index.
 fn memory_stack(figures: &[StepFigure]) -> Vec<(usize, Vec<(u64, f64)>)> {
     let values: Vec<[u64; 8]> = figures
         .iter()
@@ -365,16 +294,15 @@ fn memory_stack(figures: &[StepFigure]) -> Vec<(usize, Vec<(u64, f64)>)> {
     let mut below = vec![0u64; figures.len()];
     let mut layers = Vec::new();
     for category in present {
-        let points = figures
+        let sums = figures
             .iter()
             .zip(&values)
             .zip(below.iter_mut())
             .map(|((f, v), sum)| {
                 *sum += v[category];
                 (f.step, *sum as f64 / MIB)
-            })
-            .collect();
-        layers.push((category, points));
+            });
+        layers.push((category, held(sums)));
     }
     layers
 }
@@ -410,24 +338,14 @@ fn finite(points: impl Iterator<Item = (u64, f64)>) -> Vec<(u64, f64)> {
         .collect()
 }
 
-fn y_range(series: &[Series]) -> Range<f64> {
-    let ys = series.iter().flat_map(|s| s.points.iter().map(|p| p.1));
-    let (lo, hi) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), y| {
-        (lo.min(y), hi.max(y))
-    });
-    if !lo.is_finite() {
-        return 0.0..1.0;
-    }
-    let pad = ((hi - lo) * 0.05).max(1e-9);
-    (lo - pad)..(hi + pad)
-}
-
-/// The chart of a panel, on `plot` (the panel less its legend column).
+/// The chart of a panel, on `plot` (the panel less its legend column), its y axis in plot
+/// coordinates (`axis`): grid lines and labels at the axis's round values, in one format.
 fn build_chart<'a, 'b>(
     plot: &'a Area<'b>,
     caption: &str,
     x: Range<u64>,
-    y: Range<f64>,
+    axis: &YAxis,
+    units: Units,
     x_desc: Option<&str>,
 ) -> Result<Chart<'a, 'b>, Box<dyn std::error::Error>> {
     let mut chart = ChartBuilder::on(plot)
@@ -435,18 +353,36 @@ fn build_chart<'a, 'b>(
         .margin(MARGIN)
         .x_label_area_size(if x_desc.is_some() { 44 } else { 28 })
         .y_label_area_size(Y_LABELS)
-        .build_cartesian_2d(x, y.clone())?;
-    let y_label = move |v: &f64| axis_number(*v, &y);
+        .build_cartesian_2d(x.clone(), axis.lo..axis.hi)?;
     let mut mesh = chart.configure_mesh();
     mesh.x_labels(12)
-        .y_label_formatter(&y_label)
-        .y_labels(6)
-        .light_line_style(RGBColor(238, 238, 238))
+        .y_labels(0)
+        .disable_y_mesh()
+        .light_line_style(GRID)
         .label_style((FONT, 14));
     if let Some(desc) = x_desc {
         mesh.x_desc(desc);
     }
     mesh.draw()?;
+    let labels = tick_labels(&axis.ticks, units, axis.log);
+    let base = plot.get_base_pixel();
+    let style = (FONT, 14)
+        .into_font()
+        .color(&BLACK)
+        .pos(Pos::new(HPos::Right, VPos::Center));
+    for (tick, label) in axis.ticks.iter().zip(labels) {
+        let Some(y) = axis.place(*tick) else { continue };
+        chart.draw_series(LineSeries::new(
+            [(x.start, y), (x.end, y)],
+            GRID.stroke_width(1),
+        ))?;
+        let (px, py) = chart.backend_coord(&(x.start, y));
+        plot.draw(&Text::new(
+            label,
+            (px - base.0 - 8, py - base.1),
+            style.clone(),
+        ))?;
+    }
     Ok(chart)
 }
 
@@ -471,16 +407,53 @@ fn draw_markers(chart: &mut Chart, steps: &[u64]) -> Result<Vec<i32>, Box<dyn st
     Ok(pixels)
 }
 
+/// A red cross at each skipped step, along the bottom of the plot.
+fn draw_skipped(chart: &mut Chart, skipped: &[u64]) -> DrawResult {
+    let y = chart.y_range();
+    let at = y.start + (y.end - y.start) * 0.04;
+    chart.draw_series(
+        skipped
+            .iter()
+            .map(|&s| Cross::new((s, at), 5, SKIPPED.stroke_width(2))),
+    )?;
+    Ok(())
+}
+
+/// The points of a series in plot coordinates, split where a value cannot be drawn (zero or
+/// less on a log scale): one line per stretch.
+fn stretches(points: &[(u64, f64)], axis: &YAxis) -> Vec<Vec<(u64, f64)>> {
+    let mut out: Vec<Vec<(u64, f64)>> = vec![Vec::new()];
+    for &(x, v) in points {
+        match axis.place(v) {
+            Some(y) => out.last_mut().expect("one stretch at least").push((x, y)),
+            None if out.last().is_some_and(|l| !l.is_empty()) => out.push(Vec::new()),
+            None => {}
+        }
+    }
+    out.retain(|l| !l.is_empty());
+    out
+}
+
 fn draw_lines_panel(
     area: &Area,
-    caption: &str,
-    x: Range<u64>,
+    panel: &Panel,
     series: &[Series],
-    marks: &[u64],
 ) -> Result<Vec<i32>, Box<dyn std::error::Error>> {
     let (plot, legend) = split_panel(area);
-    let mut chart = build_chart(&plot, caption, x, y_range(series), None)?;
-    let pixels = draw_markers(&mut chart, marks)?;
+    let ys: Vec<f64> = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.1))
+        .collect();
+    let axis = y_axis(&ys, false, panel.scale, 7);
+    let mut chart = build_chart(
+        &plot,
+        panel.caption,
+        panel.x.clone(),
+        &axis,
+        panel.units,
+        None,
+    )?;
+    let pixels = draw_markers(&mut chart, panel.marks)?;
     if series.iter().all(|s| s.points.is_empty()) {
         legend.draw(&Text::new(
             "no data in this recording",
@@ -492,11 +465,27 @@ fn draw_lines_panel(
     let mut entries = Vec::new();
     for (i, s) in series.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
-        chart.draw_series(LineSeries::new(
-            s.points.iter().copied(),
-            color.stroke_width(2),
-        ))?;
+        for stretch in stretches(&s.points, &axis) {
+            chart.draw_series(LineSeries::new(stretch, color.stroke_width(2)))?;
+        }
         entries.push(LegendEntry::new(s.label.clone(), Swatch::Line(color)));
+    }
+    if !panel.skipped.is_empty() {
+        draw_skipped(&mut chart, panel.skipped)?;
+        let label = format!("skipped step ({})", panel.skipped.len());
+        entries.push(LegendEntry::new(label, Swatch::Cross(SKIPPED)));
+    }
+    let beyond = match panel.scale {
+        YScale::Robust if axis.above + axis.below > 0 => {
+            Some(format!("robust: {} at the edge", axis.above + axis.below))
+        }
+        YScale::Robust => Some("robust scale".into()),
+        YScale::Log if axis.below > 0 => Some(format!("log: {} ≤ 0 not drawn", axis.below)),
+        YScale::Log => Some("log scale".into()),
+        YScale::Linear => None,
+    };
+    if let Some(note) = beyond {
+        entries.push(LegendEntry::new(note, Swatch::None));
     }
     let top = chart.plotting_area().get_pixel_range().1.start;
     draw_legend(&legend, legend_top(&legend, top), &entries)?;
@@ -511,21 +500,28 @@ fn draw_memory_panel(
 ) -> DrawResult {
     let figures = figures(recording);
     let stack = memory_stack(&figures);
-    let peak: Vec<(u64, f64)> = figures
-        .iter()
-        .map(|f| (f.step, f.peak as f64 / MIB))
+    let peak = held(figures.iter().map(|f| (f.step, f.peak as f64 / MIB)));
+    let estimate: Vec<(u64, f64)> = estimate_line(recording, x.end)
+        .into_iter()
+        .map(|(s, v)| (s.max(x.start), v))
         .collect();
-    let estimate = estimate_line(recording, x.end);
     let top = peak
         .iter()
         .chain(&estimate)
         .chain(stack.iter().flat_map(|(_, p)| p))
         .map(|p| p.1)
         .fold(0.0, f64::max);
-    let y = 0.0..(top * 1.1).max(1.0);
+    let axis = y_axis(&[top.max(1.0)], true, YScale::Linear, 7);
     let caption = "memory (MiB): each step's fullest phase, by ledger category";
     let (plot, legend) = split_panel(area);
-    let mut chart = build_chart(&plot, caption, x, y, Some("optimizer step"))?;
+    let mut chart = build_chart(
+        &plot,
+        caption,
+        x,
+        &axis,
+        Units::Number,
+        Some("optimizer step"),
+    )?;
     if figures.is_empty() && estimate.is_empty() {
         draw_markers(&mut chart, marks)?;
         legend.draw(&Text::new("no memory events", (10, 40), (FONT, 14)))?;
@@ -565,7 +561,7 @@ fn draw_memory_panel(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::telemetry::{Categories, Control, ControlEvent, EstimateEvent, Origin, Phase};
+    use crate::telemetry::{Categories, EstimateEvent, Phase};
     use crate::tui::testing::{header, sample_run};
 
     fn recording(events: Vec<Event>) -> Recording {
@@ -603,51 +599,31 @@ mod tests {
     }
 
     #[test]
-    fn controls_of_one_step_share_a_label_that_says_what_changed() {
-        let mut events = sample_run(30);
-        let at = |step, control| {
-            Event::Control(ControlEvent {
-                step,
-                origin: Origin::Scenario,
-                control,
-            })
-        };
-        events.push(at(25, Control::SetMicroBatch { value: 2 }));
-        events.push(at(25, Control::SetAccumSteps { value: 16 }));
-        events.push(at(26, Control::Pause));
-        let marks = control_marks(&recording(events));
-        let b = header().config.train.micro_batch;
+    fn each_step_holds_its_bytes_over_its_span() {
+        let points = held([(1, 3.0), (2, 5.0), (4, 2.0)]);
         assert_eq!(
-            marks,
-            [
-                Mark {
-                    step: 20,
-                    label: format!("K {}→4", header().config.train.accum_steps),
-                },
-                Mark {
-                    step: 25,
-                    label: format!("B {b}→2, K 4→16"),
-                },
-            ]
+            points,
+            [(0, 3.0), (1, 3.0), (1, 5.0), (2, 5.0), (2, 2.0), (4, 2.0)]
         );
     }
 
     #[test]
-    fn labels_that_would_overlap_take_another_row() {
-        let mark = |step| Mark {
-            step,
-            label: "B 32→4, K 1→8".into(),
-        };
-        let long = Mark {
-            step: 99,
-            label: "B 32→4, K 1→8, dtype f32→bf16, offload off→on".into(),
-        };
-        let (placed, unlabelled) = place_labels(&[mark(10), mark(11), long], &(0..100));
-        let rows: Vec<usize> = placed.iter().map(|p| p.row).collect();
-        assert_eq!((rows, unlabelled), (vec![0, 1, 0], 0));
-        assert!(
-            placed[2].leftward,
-            "a label at the right edge ends left of its marker"
-        );
+    fn a_recording_started_mid_run_spans_its_own_steps_under_its_own_knobs() {
+        let mut events = sample_run(200);
+        events.retain(|e| !matches!(e, Event::Step(s) if s.step <= 140));
+        let mut rec = recording(events);
+        rec.header.config.train.accum_steps = 4;
+        let steps: Vec<&StepEvent> = rec
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Step(s) => Some(s),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(step_range(&steps, &[]), 140..200);
+        let line = knobs_line(&rec, &steps);
+        assert!(line.starts_with("at the start: steps 141–200"), "{line}");
+        assert!(line.contains("K 4"), "{line}");
     }
 }

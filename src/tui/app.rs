@@ -44,6 +44,36 @@ impl PaneId {
     }
 }
 
+/// How the charts' y axes are drawn (`s` cycles them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum YScale {
+    /// From the lowest value to the highest.
+    #[default]
+    Linear,
+    /// Within Tukey's far-out fences: a spike is drawn at the edge, the rest keeps its room.
+    Robust,
+    /// Logarithmic, at round decades.
+    Log,
+}
+
+impl YScale {
+    fn next(self) -> YScale {
+        match self {
+            YScale::Linear => YScale::Robust,
+            YScale::Robust => YScale::Log,
+            YScale::Log => YScale::Linear,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            YScale::Linear => "linear",
+            YScale::Robust => "robust",
+            YScale::Log => "log",
+        }
+    }
+}
+
 /// A device sample placed on the step axis.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DevicePoint {
@@ -70,6 +100,8 @@ pub struct ReplayStatus {
     pub following: bool,
     /// Knob keys reach the run (`run --ranks N`: through rank 0's controls file).
     pub steerable: bool,
+    /// Every event is shown and none is to come (a followed run has ended).
+    pub finished: bool,
 }
 
 /// What the run has told the screen: the data store, rebuilt from events alone (a replay seek
@@ -111,6 +143,8 @@ pub struct ViewState {
     pub expanded: bool,
     /// The grad-norm pane shows the gradient noise scale instead.
     pub noise_view: bool,
+    /// The charts' y scale.
+    pub y_scale: YScale,
     pub color: bool,
     pub recording: Option<String>,
     pub replay: Option<ReplayStatus>,
@@ -165,6 +199,7 @@ impl Default for ViewState {
             focus: PaneId::Loss,
             expanded: false,
             noise_view: false,
+            y_scale: YScale::Linear,
             color: true,
             recording: None,
             replay: None,
@@ -342,6 +377,11 @@ impl App {
             self.view.help = false;
             return Vec::new();
         }
+        if let Some(why) = self.cannot_act(action) {
+            // Every key answers: one that cannot act here says so, and changes nothing.
+            self.log(self.last_step(), Level::Warn, why);
+            return Vec::new();
+        }
         let controls = match action {
             Action::Help => {
                 self.view.help = !self.view.help;
@@ -383,6 +423,10 @@ impl App {
                 self.view.noise_view = !self.view.noise_view;
                 Vec::new()
             }
+            Action::ScaleCycle => {
+                self.view.y_scale = self.view.y_scale.next();
+                Vec::new()
+            }
             Action::RecordToggle
             | Action::SeekBack
             | Action::SeekForward
@@ -406,6 +450,46 @@ impl App {
             self.run.pending.push(c.clone());
         }
         controls
+    }
+
+    /// Why `action` cannot act in this session, if it cannot: seeking and speed in a live run,
+    /// run-changing keys in a replay that cannot steer, a data-parallel knob without ranks.
+    fn cannot_act(&self, action: Action) -> Option<String> {
+        let what = action.describe();
+        let steerable = self.view.replay.as_ref().map(|r| r.steerable);
+        match steerable {
+            None if action.replay_only() => {
+                let what = what.trim_start_matches("replay: ");
+                return Some(format!(
+                    "{what}: only in a replay (gaccwb replay FILE); nothing changed"
+                ));
+            }
+            Some(false) if action.live_only() => {
+                return Some(format!(
+                    "{what}: a replay shows what was recorded; nothing changed"
+                ))
+            }
+            Some(true) if matches!(action, Action::FitNow | Action::RecordToggle) => {
+                return Some(format!(
+                    "{what}: this screen follows rank 0's recording; nothing changed"
+                ))
+            }
+            _ => {}
+        }
+        let turned = action
+            .knob()
+            .map(|k| (k.turn)(&self.target_knobs(), &self.configured_knobs()));
+        let ranks = self.run.header.as_ref().and_then(|h| h.ranks).unwrap_or(1);
+        match turned {
+            Some(c) if c.needs_ranks() && ranks < 2 => Some(format!(
+                "{what}: this run is one process, so there are no ranks to share the work \
+                 (gaccwb run --ranks N); nothing changed"
+            )),
+            Some(c) => crate::scenario::validate_control(&c)
+                .err()
+                .map(|e| format!("{what}: {e}; nothing changed")),
+            None => None,
+        }
     }
 
     fn knob_controls(&self, action: Action) -> Vec<Control> {
@@ -624,13 +708,79 @@ mod tests {
         assert_eq!(press(' '), vec![Control::Pause]);
         assert_eq!(press('n'), vec![Control::SingleStep]);
         assert!(press('f').is_empty() && press('z').is_empty() && press('j').is_empty());
+    }
+
+    /// The knobs of ranks turn in a run of several; in a run of one, they only say why not.
+    #[test]
+    fn data_parallel_keys_act_with_ranks_and_say_why_not_without() {
+        let mut app = app_with_config();
+        for action in [Action::Knob("sync_toggle"), Action::Knob("zero_cycle")] {
+            assert!(app.apply(action).is_empty(), "{action:?}");
+            let said = &app.run.log.back().unwrap().text;
+            assert!(
+                said.contains("one process") && said.contains("nothing changed"),
+                "{said}"
+            );
+        }
+        assert!(app.run.pending.is_empty());
+        let mut header = crate::tui::testing::header();
+        header.ranks = Some(2);
+        app.update(&Event::Header(header));
         assert_eq!(
-            press('y'),
+            app.apply(Action::Knob("sync_toggle")),
             vec![Control::SetSync {
                 value: crate::dist::SyncEvery::MicroBatch
             }]
         );
-        assert_eq!(press('w'), vec![Control::SetZero { value: 1 }]);
+        assert_eq!(
+            app.apply(Action::Knob("zero_cycle")),
+            vec![Control::SetZero { value: 1 }]
+        );
+    }
+
+    /// Seeking in a live run, and turning a knob or recording in a replay, leave a line in the
+    /// event log and change nothing.
+    #[test]
+    fn keys_that_cannot_act_here_say_so() {
+        let mut app = app_with_config();
+        let knobs = app.run.knobs.clone();
+        for action in [
+            Action::SeekBack,
+            Action::SeekForward,
+            Action::SpeedDown,
+            Action::SpeedUp,
+        ] {
+            let lines = app.run.log.len();
+            assert!(app.apply(action).is_empty());
+            assert_eq!(app.run.log.len(), lines + 1, "{action:?} said nothing");
+            assert!(app
+                .run
+                .log
+                .back()
+                .unwrap()
+                .text
+                .contains("only in a replay"));
+        }
+        app.view.replay = Some(ReplayStatus {
+            speed: 1.0,
+            paused: false,
+            last_step: 0,
+            following: false,
+            steerable: false,
+            finished: false,
+        });
+        for action in [
+            Action::Knob("accum_up"),
+            Action::FitNow,
+            Action::RecordToggle,
+        ] {
+            let lines = app.run.log.len();
+            assert!(app.apply(action).is_empty());
+            assert_eq!(app.run.log.len(), lines + 1, "{action:?} said nothing");
+            assert!(app.run.log.back().unwrap().text.contains("a replay shows"));
+        }
+        assert_eq!(app.run.knobs, knobs);
+        assert!(app.run.pending.is_empty());
     }
 
     #[test]
@@ -694,6 +844,7 @@ mod tests {
             last_step: 0,
             following: false,
             steerable: false,
+            finished: false,
         });
         assert!(app.apply(Action::Knob("accum_up")).is_empty());
         assert!(app.run.pending.is_empty());

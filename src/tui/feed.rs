@@ -187,6 +187,11 @@ impl Live {
 
     fn try_toggle_recording(&mut self, app: &mut App) -> anyhow::Result<()> {
         if let Some(mut r) = self.recorder.take() {
+            // Said in the file, so that its replay tells a stop by key from a run cut off.
+            r.write(&Event::info(
+                app.last_step(),
+                crate::headless::RECORDING_STOPPED,
+            ))?;
             r.flush()?;
             let path = r.path().display().to_string();
             note(app, format!("recording saved to {path}"));
@@ -347,6 +352,7 @@ impl Replay {
             last_step: self.last_recorded_step(),
             following: self.tail.is_some(),
             steerable: self.steer.is_some(),
+            finished: self.at_end() && !self.still_written(),
         });
         app.view.dirty = true;
     }
@@ -428,10 +434,14 @@ impl Replay {
             while !self.at_end() {
                 self.feed_one_step(app);
             }
+            self.publish(app);
             return Ok(());
         }
         tokio::time::sleep_until(self.next_at).await;
         let step_ms = self.feed_one_step(app);
+        if self.at_end() {
+            self.publish(app);
+        }
         // A recorded step time may be anything (1e308, inf): never longer than MAX_GAP.
         let wait = Duration::try_from_secs_f64((step_ms / 1e3 / self.speed).max(0.0))
             .unwrap_or(MAX_GAP)

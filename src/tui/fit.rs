@@ -6,7 +6,7 @@
 //! that keeps B·K.
 
 use crate::memory::estimate::{largest_micro_batch, Config};
-use crate::memory::planner::human_bytes;
+use crate::memory::verdict::human_bytes;
 use crate::telemetry::Control;
 
 use super::app::App;

@@ -33,6 +33,7 @@ pub enum Action {
     SpeedUp,
     FitNow,
     NoiseView,
+    ScaleCycle,
 }
 
 impl Action {
@@ -84,6 +85,7 @@ impl Action {
             Action::SpeedUp => "replay: double speed",
             Action::FitNow => "fit B to the memory budget",
             Action::NoiseView => "grad pane ↔ noise scale",
+            Action::ScaleCycle => "y scale linear→robust→log",
         }
     }
 
@@ -217,6 +219,7 @@ const DEFAULTS: &[(&str, Action)] = &[
     (">", Action::SpeedUp),
     ("F", Action::FitNow),
     ("g", Action::NoiseView),
+    ("s", Action::ScaleCycle),
 ];
 
 /// Every default binding: the knob table's keys, then `DEFAULTS`.

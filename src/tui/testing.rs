@@ -23,6 +23,7 @@ pub fn header() -> Header {
             threads: 1,
         },
         params: 1000,
+        family: None,
         entropy_floor: Some(1.25),
         tokenizer: None,
         started_unix: 0,

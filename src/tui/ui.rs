@@ -111,6 +111,9 @@ fn header_line(app: &App, theme: Theme) -> Line<'static> {
     let mut spans = vec![Span::styled(" gaccwb ", theme.bold())];
     if let Some(h) = &app.run.header {
         spans.push(Span::raw(format!("· {} · {} ", h.config.name, h.device)));
+        if let Some(family) = &h.family {
+            spans.push(Span::styled(model_label(h, family), theme.bold()));
+        }
     }
     let total = app
         .run
@@ -129,15 +132,16 @@ fn header_line(app: &App, theme: Theme) -> Line<'static> {
         (None, true) => Span::styled("· PAUSED ".to_string(), theme.warn()),
         (None, false) => Span::styled("· running ".to_string(), theme.fg(Color::Green)),
     };
-    if app.view.replay.is_none() {
+    if app.view.replay.is_none() || app.run.ended.is_some() {
         spans.push(state);
     }
     if let Some(r) = &app.view.replay {
         let what = if r.paused { "paused" } else { "playing" };
-        let text = if r.following {
-            format!("· FOLLOWING {what} ({} steps so far) ", r.last_step)
-        } else {
-            format!("· REPLAY {what} ×{} ({} steps) ", r.speed, r.last_step)
+        let text = match (r.following, r.finished) {
+            (true, true) => format!("· FOLLOWED to its end ({} steps) ", r.last_step),
+            (true, false) => format!("· FOLLOWING {what} ({} steps so far) ", r.last_step),
+            (false, true) => format!("· REPLAY at its end ({} steps) ", r.last_step),
+            (false, false) => format!("· REPLAY {what} ×{} ({} steps) ", r.speed, r.last_step),
         };
         spans.push(Span::styled(text, theme.fg(Color::Magenta)));
     }
@@ -152,6 +156,28 @@ fn header_line(app: &App, theme: Theme) -> Line<'static> {
         theme.dim(),
     ));
     Line::from(spans)
+}
+
+/// A fine-tuned model in the header: family, parameters, directory and sequence length.
+fn model_label(h: &crate::telemetry::Header, family: &str) -> String {
+    // A directory by its name; a config file alone (random weights) by its directory's.
+    let path = h.config.model.path.as_deref();
+    let random = path.is_some_and(|p| p.extension().is_some_and(|e| e == "json"));
+    let named = path.and_then(|p| if random { p.parent() } else { Some(p) });
+    let mut dir = named
+        .and_then(|p| p.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if random {
+        dir.push_str(" (random weights)");
+    }
+    let params = h.params as f64;
+    let size = if params >= 1e9 {
+        format!("{:.1}B", params / 1e9)
+    } else {
+        format!("{:.1}M", params / 1e6)
+    };
+    format!("· {family} {size} {dir} T{} ", h.config.model.seq_len)
 }
 
 /// The most used keys, as many as fit: help, quit and pause, then replay's keys or each knob's
@@ -197,66 +223,102 @@ fn footer_line(app: &App, keys: &KeyMap, theme: Theme) -> Line<'static> {
     Line::from(spans)
 }
 
+/// The keys in two columns, then the closing note, always whole; the preset's story above them
+/// takes the rows left (at 80×24 a few, cut with `…`; the Controls pane shows the rest).
 fn help_overlay(frame: &mut Frame, body: Rect, app: &App, keys: &KeyMap, theme: Theme) {
     let width = body.width.saturating_sub(4).min(100);
-    let height = body.height.saturating_sub(2);
     let area = Rect {
         x: body.x + (body.width - width) / 2,
-        y: body.y + 1,
+        y: body.y,
         width,
-        height,
+        height: body.height,
     };
-    let mut lines = Vec::new();
-    if let Some(h) = &app.run.header {
-        let story = h.config.explanation.split_whitespace().collect::<Vec<_>>();
-        if !story.is_empty() {
-            lines.push(Line::styled(
-                format!("{}: {}", h.config.name, story.join(" ")),
-                theme.fg(Color::Green),
-            ));
-            lines.push(Line::raw(""));
-        }
-    }
+    let inner_w = width.saturating_sub(2) as usize;
     let shown: Vec<Action> = Action::all()
         .filter(|a| match app.view.replay {
             Some(_) => !a.live_only(),
             None => !a.replay_only(),
         })
         .collect();
-    // Two columns of "keys  what" so the whole list fits at 80×24.
     let half = shown.len().div_ceil(2);
-    let col_w = (width as usize).saturating_sub(2) / 2;
+    let col_w = inner_w / 2;
     let key_w = shown
         .iter()
         .map(|a| keys.label_for(*a).chars().count())
         .max()
         .unwrap_or(1);
-    for i in 0..half {
-        let cell = |a: Option<&Action>| {
-            a.map(|a| format!("{:>key_w$}  {}", keys.label_for(*a), a.describe()))
-                .unwrap_or_default()
-        };
-        let left = cell(shown.get(i));
-        let right = cell(shown.get(i + half));
-        lines.push(Line::raw(format!(
-            "{:<col_w$}{}",
-            truncate(&left, col_w),
-            truncate(&right, col_w)
-        )));
-    }
-    lines.push(Line::raw(""));
-    lines.push(Line::styled(
-        "Knob changes apply at the next window boundary; until then they show as pending. \
-         Any key closes this help.",
+    let cell = |a: Option<&Action>| {
+        a.map(|a| format!("{:>key_w$}  {}", keys.label_for(*a), a.describe()))
+            .unwrap_or_default()
+    };
+    let mut rows: Vec<Line> = (0..half)
+        .map(|i| {
+            let (left, right) = (cell(shown.get(i)), cell(shown.get(i + half)));
+            Line::raw(format!(
+                "{:<col_w$}{}",
+                truncate(&left, col_w),
+                truncate(&right, col_w)
+            ))
+        })
+        .collect();
+    rows.push(Line::raw(""));
+    rows.push(Line::styled(
+        truncate(
+            "Knob changes wait for the next window boundary. Any key closes this help.",
+            inner_w,
+        ),
         theme.dim(),
     ));
+    let room = (area.height.saturating_sub(2) as usize).saturating_sub(rows.len() + 1);
+    let mut lines: Vec<Line> = story_lines(app, inner_w, room)
+        .into_iter()
+        .map(|l| Line::styled(l, theme.fg(Color::Green)))
+        .collect();
+    if !lines.is_empty() {
+        lines.push(Line::raw(""));
+    }
+    lines.extend(rows);
+    let area = Rect {
+        height: area.height.min(lines.len() as u16 + 2),
+        ..area
+    };
     frame.render_widget(Clear, area);
     frame.render_widget(
-        Paragraph::new(lines)
-            .wrap(Wrap { trim: false })
-            .block(Block::bordered().title(" Keys (? to close) ")),
+        Paragraph::new(lines).block(Block::bordered().title(" Keys (? to close) ")),
         area,
     );
+}
+
+/// The preset's name and story wrapped at `width`, in at most `rows` lines (the last ends in
+/// `…` when it is cut).
+fn story_lines(app: &App, width: usize, rows: usize) -> Vec<String> {
+    let Some(h) = &app.run.header else {
+        return Vec::new();
+    };
+    let words: Vec<&str> = h.config.explanation.split_whitespace().collect();
+    if words.is_empty() || rows == 0 || width < 8 {
+        return Vec::new();
+    }
+    let name = format!("{}:", h.config.name);
+    let mut lines: Vec<String> = vec![String::new()];
+    for word in std::iter::once(name.as_str()).chain(words) {
+        let line = lines.last_mut().expect("one line at least");
+        if line.is_empty() {
+            line.push_str(word);
+        } else if line.chars().count() + 1 + word.chars().count() <= width {
+            line.push(' ');
+            line.push_str(word);
+        } else {
+            lines.push(word.to_string());
+        }
+    }
+    if lines.len() > rows {
+        lines.truncate(rows);
+        let last = lines.last_mut().expect("rows > 0");
+        let kept: String = last.chars().take(width.saturating_sub(2)).collect();
+        *last = format!("{kept} …");
+    }
+    lines
 }
 
 fn truncate(s: &str, w: usize) -> String {

@@ -37,6 +37,8 @@ impl TestModel {
             layers: self.layers,
             heads: self.heads,
             seq_len: self.seq_len,
+            path: None,
+            adapter: None,
         }
     }
 

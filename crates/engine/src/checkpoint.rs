@@ -92,6 +92,84 @@ impl Policy {
     }
 }
 
+/// `--save-model DIR`: at the end of a run that completed or was stopped, the model in Hugging
+/// Face's layout (`model::save`), or under LoRA its adapter as PEFT writes it (`merge`: the
+/// adapters folded into a whole model instead); a failed save fails the run.
+pub struct ModelSave {
+    /// The directory.
+    pub dir: PathBuf,
+    /// What may be replaced there (never an input of the run).
+    pub rules: Overwrite,
+    /// Under LoRA, save the merged model rather than the adapter.
+    pub merge: bool,
+}
+
+impl ModelSave {
+    /// Save `trainer`'s model; the event's text says what was written.
+    fn save(&self, trainer: &Trainer) -> anyhow::Result<String> {
+        let model = trainer.model();
+        let weights = trainer.master_weights();
+        let family = model.spec.naming_family().to_string();
+        let t = &trainer.scenario().train;
+        if model.frozen.is_empty() || self.merge {
+            let merged;
+            let (model, weights) = match model.frozen.is_empty() {
+                true => (model, weights),
+                false => {
+                    merged = model.merged(&weights)?;
+                    let w = merged.vars().map(|v| v.as_tensor().clone()).collect();
+                    (&merged, w)
+                }
+            };
+            let saved = crate::model::save::save(model, &weights, &self.dir, &self.rules)?;
+            return Ok(format!(
+                "model saved to {} ({} tensors, {:.1} MB, {family} layout{})",
+                saved.dir.display(),
+                saved.tensors,
+                saved.bytes as f64 / 1e6,
+                if self.merge { ", adapters merged" } else { "" }
+            ));
+        }
+        let lora = crate::model::lora::Lora {
+            rank: t.lora_rank,
+            alpha: t.lora_alpha,
+            targets: t.lora_targets.clone(),
+            rslora: t.lora_rslora,
+        };
+        let n = crate::model::lora::save_adapter(model, &lora, &weights, &self.dir, &self.rules)?;
+        Ok(format!(
+            "LoRA adapter saved to {} ({n} tensors, PEFT's layout; load it with --adapter)",
+            self.dir.display()
+        ))
+    }
+}
+
+impl AfterStep for ModelSave {
+    fn after_step(&mut self, _: &Trainer, _: &EventSink) -> Option<EndReason> {
+        None
+    }
+
+    fn at_end(&mut self, trainer: &Trainer, sink: &EventSink, reason: EndReason) -> EndReason {
+        if !matches!(reason, EndReason::Completed | EndReason::Stopped) {
+            sink.send(Event::warn(
+                trainer.step(),
+                format!(
+                    "the model was not saved to {}: the run {reason}",
+                    self.dir.display()
+                ),
+            ));
+            return reason;
+        }
+        match self.save(trainer) {
+            Ok(line) => {
+                sink.send(Event::info(trainer.step(), line));
+                reason
+            }
+            Err(e) => EndReason::Error(format!("saving the model: {e:#}")),
+        }
+    }
+}
+
 /// Saves by the policy and counts: the first failed save is a warning, a second one before
 /// any save succeeded ends the run, and a run that tried and saved nothing fails.
 struct Saver {
@@ -142,7 +220,7 @@ impl AfterStep for Saver {
         None
     }
 
-    fn at_end(&mut self, reason: EndReason) -> EndReason {
+    fn at_end(&mut self, _: &Trainer, _: &EventSink, reason: EndReason) -> EndReason {
         match (&reason, &self.first_error) {
             (EndReason::Completed | EndReason::Stopped, Some(first)) if self.saved == 0 => {
                 self.failure(first)
@@ -481,9 +559,45 @@ pub fn resume(
     if scenario.model != state.scenario.model {
         bail!("a resumed run keeps the checkpoint's model shape; remove the model.* overrides");
     }
+    let schedule = keep_schedule(&state.scenario, &mut scenario, state.step);
     let mut trainer = Trainer::new(scenario, device)?;
     restore(&mut trainer, dir, &state)?;
+    if let Some(message) = schedule {
+        trainer.announce(Event::warn(state.step, message));
+    }
     Ok(trainer)
+}
+
+/// A resumed run given another `train.steps` (`--steps`): with `decay_steps` 0 the cosine decay
+/// follows `steps`, so the LR would jump mid-run to where a longer schedule stands (2.0e-4 at
+/// step 60 of 60 became 4.9e-3 at step 61 of 120). The saved run's horizon is kept instead
+/// (`decay_steps` set to its `steps`): up to it the run continues as saved, after it the LR
+/// stays at its floor. Returns what to tell the user; `None` when nothing changes.
+fn keep_schedule(saved: &Scenario, resumed: &mut Scenario, step: u64) -> Option<String> {
+    let (was, now) = (saved.train.steps, resumed.train.steps);
+    if was == now || saved.train.decay_steps != 0 || resumed.train.decay_steps != 0 {
+        return None;
+    }
+    if was == 0 {
+        // No horizon to keep: an open-ended run never decayed.
+        return Some(format!(
+            "resumed at step {step} of a run without a step limit (constant LR after warm-up) \
+             with train.steps {now}: the LR now follows a cosine decay ending at step {now}"
+        ));
+    }
+    resumed.train.decay_steps = was;
+    let after = match now > was {
+        true => format!(
+            ", then stays at its floor ({} × lr) to step {now}",
+            saved.train.min_lr_ratio
+        ),
+        false => String::new(),
+    };
+    Some(format!(
+        "resumed at step {step} with train.steps {now} (the checkpoint's run had {was}): the LR \
+         schedule keeps that run's horizon (train.decay_steps = {was}), its cosine decay ending \
+         at step {was}{after}"
+    ))
 }
 
 /// Load weights, optimizer state, scaler, knobs and counters into a freshly built trainer.

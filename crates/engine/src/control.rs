@@ -423,6 +423,15 @@ impl Control {
             Control::Pause | Control::Resume | Control::SingleStep | Control::Stop
         )
     }
+
+    /// It changes how ranks share their work, which a run of one process does not do: the
+    /// knob is set, and nothing else changes.
+    pub fn needs_ranks(&self) -> bool {
+        matches!(
+            self,
+            Control::SetSync { .. } | Control::SetZero { .. } | Control::SetZero2Accumulate { .. }
+        )
+    }
 }
 
 /// The knobs a control can turn: the trainer's live configuration, and the UI's picture of it.

@@ -9,11 +9,13 @@
 //! - `Bpe`: the same windows over the text's BPE token ids (`crate::tokenizer`); the model's
 //!   vocabulary is the tokenizer's.
 
+use std::borrow::Cow;
+
 use candle_core::{Device, Result as CResult, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::scenario::{DataConfig, DataSource, ModelConfig, Scenario, TokenizerKind};
+use crate::scenario::{DataConfig, DataOrder, DataSource, ModelConfig, Scenario, TokenizerKind};
 use crate::telemetry::TokenizerInfo;
 
 /// Document delimiter (the first input of every synthetic document) and padding value.
@@ -82,12 +84,20 @@ impl Corpus {
                         ByteCorpus::from_bytes(bytes, &name, data, model).map(Corpus::Bytes)
                     }
                     TokenizerKind::Bpe => {
-                        let t = crate::tokenizer::tokenize(&bytes, &name, data).map_err(|e| {
-                            DataError::File {
-                                path: name.clone(),
-                                message: e.to_string(),
-                            }
-                        })?;
+                        let docs = documents(&bytes, &name)?;
+                        let docs: Vec<&str> = docs.iter().map(|d| d.as_ref()).collect();
+                        // The model's end-of-text token belongs to its own tokenizer only.
+                        let eos = match data.tokenizer_file {
+                            Some(_) => model_eos(model)?,
+                            None => None,
+                        };
+                        let t =
+                            crate::tokenizer::tokenize(&docs, &name, data, eos).map_err(|e| {
+                                DataError::File {
+                                    path: name.clone(),
+                                    message: e.to_string(),
+                                }
+                            })?;
                         let windows =
                             ByteCorpus::from_tokens(t.tokens, &name, "tokens", data, model)?;
                         Ok(Corpus::Bpe {
@@ -103,10 +113,25 @@ impl Corpus {
 
     /// Opens the scenario's data and sizes its model's vocabulary from the tokenizer, if any
     /// (the header's config then records the vocabulary used).
+    /// A model loaded from a directory keeps its embedding: the tokenizer must fit it.
     pub fn open_sizing(scenario: &mut Scenario) -> std::result::Result<Corpus, DataError> {
         let corpus = Corpus::open(&scenario.data, &scenario.model)?;
-        if let Some(vocab) = corpus.vocab() {
-            scenario.model.vocab = vocab;
+        let (Some(vocab), Some(info)) = (corpus.vocab(), corpus.tokenizer()) else {
+            return Ok(corpus);
+        };
+        match &scenario.model.path {
+            None => scenario.model.vocab = vocab,
+            Some(model) if vocab > scenario.model.vocab => {
+                return Err(DataError::File {
+                    path: info.path.clone(),
+                    message: format!(
+                        "the tokenizer has {vocab} tokens but the model at {} embeds {}; use the model's own tokenizer.json",
+                        model.display(),
+                        scenario.model.vocab
+                    ),
+                })
+            }
+            Some(_) => {}
         }
         Ok(corpus)
     }
@@ -263,6 +288,91 @@ impl Markov {
     }
 }
 
+/// The documents of a text: every line's `text` of a JSONL file (`*.jsonl`), else the whole
+/// text as one document.
+fn documents<'a>(bytes: &'a [u8], name: &str) -> std::result::Result<Vec<Cow<'a, str>>, DataError> {
+    let err = |message: String| DataError::File {
+        path: name.to_string(),
+        message,
+    };
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        err(format!(
+            "not UTF-8 text (byte {}); data.tokenizer = \"bpe\" needs text, use \"bytes\" for other files",
+            e.valid_up_to()
+        ))
+    })?;
+    if !name.ends_with(".jsonl") {
+        return Ok(vec![Cow::Borrowed(text)]);
+    }
+    let mut docs = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |why: &str| {
+            err(format!(
+                "line {}: {why}; each line of a .jsonl file is an object with a string field `text`",
+                i + 1
+            ))
+        };
+        let mut value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| bad(&format!("not JSON ({e})")))?;
+        match value.get_mut("text").map(serde_json::Value::take) {
+            Some(serde_json::Value::String(text)) => docs.push(Cow::Owned(text)),
+            Some(_) => return Err(bad("`text` is not a string")),
+            None => return Err(bad("no `text` field")),
+        }
+    }
+    if docs.is_empty() {
+        return Err(err("no documents: every line is blank".into()));
+    }
+    Ok(docs)
+}
+
+/// The token ids of the text file `path` (plain text, or a `.jsonl` file's `text` fields joined
+/// by `eos`) cut by the `tokenizer.json` at `tokenizer`, no special tokens added.
+pub fn text_ids(
+    path: &std::path::Path,
+    tokenizer: &std::path::Path,
+    eos: Option<u32>,
+) -> std::result::Result<Vec<u32>, DataError> {
+    let name = path.display().to_string();
+    let bytes =
+        crate::limits::read_bounded(path, crate::limits::MAX_DATA_BYTES, "text").map_err(|e| {
+            DataError::File {
+                path: name.clone(),
+                message: e.to_string(),
+            }
+        })?;
+    let docs = documents(&bytes, &name)?;
+    let docs: Vec<&str> = docs.iter().map(|d| d.as_ref()).collect();
+    let data = DataConfig {
+        tokenizer_file: Some(tokenizer.to_path_buf()),
+        tokenizer: TokenizerKind::Bpe,
+        ..DataConfig::default()
+    };
+    crate::tokenizer::tokenize(&docs, &name, &data, eos)
+        .map(|t| t.tokens)
+        .map_err(|e| DataError::File {
+            path: name,
+            message: e.to_string(),
+        })
+}
+
+/// The end-of-text token of the model the scenario fine-tunes, which joins documents.
+fn model_eos(model: &ModelConfig) -> std::result::Result<Option<u32>, DataError> {
+    let Some(path) = &model.path else {
+        return Ok(None);
+    };
+    let spec = crate::model::hf::ModelDir::open(path)
+        .and_then(|dir| dir.spec())
+        .map_err(|e| DataError::File {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+    Ok(spec.eos)
+}
+
 /// The text a file or docs source reads, with the name errors give it.
 fn text_source(data: &DataConfig) -> std::result::Result<(String, Vec<u8>), DataError> {
     if data.source == DataSource::Docs {
@@ -291,6 +401,7 @@ pub struct ByteCorpus {
     train_len: usize,
     seq_len: usize,
     seed: u64,
+    order: DataOrder,
 }
 
 impl ByteCorpus {
@@ -343,6 +454,7 @@ impl ByteCorpus {
             train_len,
             seq_len: model.seq_len,
             seed: data.seed,
+            order: data.order,
         })
     }
 
@@ -356,8 +468,17 @@ impl ByteCorpus {
             Split::Val if self.val_len() > self.seq_len => (self.train_len, self.val_len()),
             Split::Val => (0, self.train_len),
         };
-        let mut rng = sample_rng(self.seed, split, index);
-        let offset = start + rng.random_range(0..=len - self.seq_len - 1);
+        let window = self.seq_len + 1;
+        let offset = match (self.order, split) {
+            // Consecutive windows from the split's start, wrapping around at its end.
+            (DataOrder::Sequential, Split::Train) => {
+                start + (index % (len / window).max(1) as u64) as usize * window
+            }
+            _ => {
+                let mut rng = sample_rng(self.seed, split, index);
+                start + rng.random_range(0..=len - window)
+            }
+        };
         Sample {
             tokens: self.tokens[offset..offset + self.seq_len + 1].to_vec(),
             len: self.seq_len,

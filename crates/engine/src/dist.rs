@@ -197,10 +197,6 @@ pub struct RankComm {
     pub comm_ms: f64,
     /// Gradient all-reduces: 1 per window with `sync = window`, K with `micro-batch`.
     pub gradient_reduces: u32,
-    /// The rank's own step time, over which `comm_ms` was timed (0 in recordings made before
-    /// it was recorded).
-    #[serde(default)]
-    pub step_ms: f64,
 }
 
 /// The communication of one optimizer step: every rank's, gathered at the step's end.
@@ -227,18 +223,12 @@ impl CommEvent {
         self.per_rank.iter().map(|r| r.comm_ms).fold(0.0, f64::max)
     }
 
-    /// The largest share of a rank's step spent in collectives, in [0, 1]: each rank's time in
-    /// them over its own step. `step_ms` stands in for a rank's step time a recording lacks
-    /// (made before it was recorded, when the boundary's collectives were counted too: those
-    /// shares are capped at the whole step).
-    pub fn share(&self, step_ms: f64) -> f64 {
-        self.per_rank
-            .iter()
-            .map(|r| {
-                let step = if r.step_ms > 0.0 { r.step_ms } else { step_ms };
-                (r.comm_ms / step.max(1e-9)).clamp(0.0, 1.0)
-            })
-            .fold(0.0, f64::max)
+    /// The share of rank 0's step (`step_ms`, the time a step event reports) that rank 0 spent
+    /// in collectives, waiting for slower ranks included: at most 1. Another rank's time is on
+    /// another clock; set against rank 0's step it is no share of anything.
+    pub fn share_of_step(&self, step_ms: f64) -> f64 {
+        let mine = self.per_rank.first().map_or(0.0, |r| r.comm_ms);
+        (mine / step_ms.max(1e-9)).clamp(0.0, 1.0)
     }
 }
 
@@ -367,6 +357,21 @@ impl Group {
         out
     }
 
+    /// A collective between steps (the boundary's agreement, rank 0's controls, the telemetry):
+    /// watched, but not on the window's clock. Its wait includes whatever the other ranks do
+    /// between steps (rank 0 evaluating, recording, saving), which is no part of any step, and
+    /// counted it made "the share of the step in collectives" exceed the step.
+    fn between_steps<R>(
+        &mut self,
+        what: &'static str,
+        f: impl FnOnce(&mut dyn Transport) -> R,
+    ) -> R {
+        let clock = self.window.comm_ms;
+        let out = self.collective(what, f);
+        self.window.comm_ms = clock;
+        out
+    }
+
     fn count(&mut self, bytes: u64) {
         self.count_moved(ring_all_reduce_bytes(bytes, self.ranks()));
     }
@@ -469,7 +474,7 @@ impl Group {
             0 => serde_json::to_vec(&pairs)?,
             _ => Vec::new(),
         };
-        self.collective("sharing rank 0's controls", |t| {
+        self.between_steps("sharing rank 0's controls", |t| {
             t.broadcast_bytes(&mut bytes)
         });
         let pairs: Vec<(crate::control::Control, crate::control::Origin)> =
@@ -508,7 +513,7 @@ impl Group {
         }
         // max(fingerprint) and max(!fingerprint) = !min(fingerprint): equal iff all agree.
         let mut v = [u64::from(stop), fingerprint, !fingerprint];
-        self.collective("agreeing at the boundary", |t| t.max_u64(&mut v));
+        self.between_steps("agreeing at the boundary", |t| t.max_u64(&mut v));
         if v[1] != !v[2] {
             return Err(DistError::Disagree {
                 step,
@@ -518,15 +523,9 @@ impl Group {
         Ok(v[0] != 0)
     }
 
-    /// A step starts: its time in collectives is counted from here, so the boundary's (agreeing
-    /// on the knobs, waiting for a slower rank to arrive) stays outside the step's share.
-    pub fn start_window_clock(&mut self) {
-        self.window.comm_ms = 0.0;
-    }
-
-    /// Ends the window's counting: every rank's counters, peak and step time, gathered (not
-    /// counted: it is the workbench's telemetry, not training traffic).
-    pub fn finish_window(&mut self, sync: SyncEvery, peak_bytes: u64, step_ms: f64) -> CommEvent {
+    /// Ends the window's counting: every rank's counters and peak, gathered (not counted: it is
+    /// the workbench's telemetry, not training traffic).
+    pub fn finish_window(&mut self, sync: SyncEvery, peak_bytes: u64) -> CommEvent {
         let mine = std::mem::take(&mut self.window);
         let ranks = self.ranks();
         let fields = [
@@ -535,10 +534,9 @@ impl Group {
             (mine.comm_ms * 1e3) as u64,
             u64::from(mine.gradient_reduces),
             peak_bytes,
-            (step_ms * 1e3) as u64,
         ];
         let all = if self.is_parallel() {
-            self.collective("gathering telemetry", |t| t.gather_u64(&fields))
+            self.between_steps("gathering telemetry", |t| t.gather_u64(&fields))
         } else {
             fields.to_vec()
         };
@@ -549,7 +547,6 @@ impl Group {
                 received_bytes: c[1],
                 comm_ms: c[2] as f64 / 1e3,
                 gradient_reduces: c[3] as u32,
-                step_ms: c[5] as f64 / 1e3,
             })
             .collect();
         CommEvent {
@@ -567,6 +564,26 @@ mod tests {
     use candle_core::Device;
 
     #[test]
+    fn the_share_of_the_step_is_rank_zeros_and_never_above_the_whole() {
+        let rank = |comm_ms| RankComm {
+            comm_ms,
+            ..RankComm::default()
+        };
+        let c = CommEvent {
+            ranks: 2,
+            per_rank: vec![rank(30.0), rank(150.0)],
+            ..CommEvent::default()
+        };
+        assert_eq!(c.share_of_step(100.0), 0.3);
+        assert_eq!(c.comm_ms(), 150.0, "the slowest rank, in milliseconds");
+        let late = CommEvent {
+            per_rank: vec![rank(153.0)],
+            ..c
+        };
+        assert_eq!(late.share_of_step(100.0), 1.0);
+    }
+
+    #[test]
     fn ring_rule_moves_twice_the_share_of_the_others() {
         assert_eq!(ring_all_reduce_bytes(1000, 1), 0);
         assert_eq!(ring_all_reduce_bytes(1000, 2), 1000);
@@ -581,7 +598,7 @@ mod tests {
         assert_eq!(t[0].to_vec1::<f32>().unwrap(), [1.0, 2.0]);
         assert_eq!(g.sum_tokens(7), 7);
         assert!(g.agree(3, true, 9).unwrap());
-        let e = g.finish_window(SyncEvery::Window, 5, 1.0);
+        let e = g.finish_window(SyncEvery::Window, 5);
         assert_eq!(e.sent_bytes(), 0);
         assert_eq!(e.peak_bytes, [5]);
     }
@@ -636,7 +653,7 @@ mod tests {
         let second = t[1].to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(second, [1.0, -2.0, 16.0]);
         assert_eq!(before.to_vec2::<f32>().unwrap(), [[1.0, 2.0], [3.0, 4.0]]);
-        let e = g.finish_window(SyncEvery::Window, 0, 1.0);
+        let e = g.finish_window(SyncEvery::Window, 0);
         assert_eq!(e.per_rank[0].gradient_reduces, 1);
         // Seven f32 values, all-reduced over two ranks: 2·(W−1)/W·28 bytes.
         assert_eq!(e.per_rank[0].sent_bytes, 28);

@@ -1,6 +1,7 @@
 //! The gaccwb engine: a small GPT (`model`, `ops`) trained on a seeded corpus (`data`) by a
 //! trainer thread (`train`) that speaks only the vocabulary in `telemetry`: `Control`s in,
-//! `Event`s out. Memory is measured (`memory`) beside its analytic estimate; runs are scripted
+//! `Event`s out. Memory is measured (`memory`) beside its analytic estimate, and planned for the models of
+//! the Hugging Face hub (`hf`) on the usual mixed-precision stack (`planner`); runs are scripted
 //! (`scenario`, `presets`), recorded (`record`) and checkpointed (`checkpoint`).
 //!
 //! This crate knows nothing of the terminal: no ratatui, crossterm or clap. The `gaccwb` crate
@@ -19,10 +20,12 @@ pub mod data;
 pub mod device;
 pub mod dist;
 pub mod end;
+pub mod hf;
 pub mod limits;
 pub mod memory;
 pub mod model;
 pub mod ops;
+pub mod planner;
 pub mod presets;
 pub mod record;
 pub mod safe_write;

@@ -11,9 +11,11 @@
 //! changes what it keeps.
 
 use std::cell::Cell;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Result, Tensor};
+
+use rope::RopeTable;
 
 pub mod composite;
 pub mod cpu_load;
@@ -21,6 +23,8 @@ pub mod fused;
 pub mod half;
 pub mod lean;
 pub mod pool;
+pub mod rope;
+pub mod step;
 pub mod vmath;
 pub mod workspace;
 
@@ -149,6 +153,54 @@ impl Drop for KernelsGuard {
     }
 }
 
+/// `x + step(x)`: one residual step of a block (`step`), with `weights` outside the graph
+/// handing their gradients to `sink` (none: the weights get none). On the CPU one fused op,
+/// elsewhere one lean op; the plain composite reference when this thread asked for it
+/// (`force_plain`: the weights must then be graph inputs, and their gradients land in the
+/// `GradStore`).
+pub fn residual_step(
+    x: &Tensor,
+    step: &step::Step,
+    weights: step::StepWeights,
+    sink: Option<step::GradSink>,
+) -> Result<Tensor> {
+    let mut all = vec![x];
+    all.extend(weights.flat());
+    if fused_model_domain(&all) {
+        fused::branch(x, step, weights, sink)
+    } else if plain() {
+        step.composite(x, &weights)
+    } else {
+        lean::branch(x, step, weights, sink)
+    }
+}
+
+/// RMS norm over the last dimension (`LlamaRMSNorm`: f32 statistics, rounded before the gain).
+pub fn rms_norm(x: &Tensor, gain: &Tensor, eps: f64) -> Result<Tensor> {
+    if fused_model_domain(&[x, gain]) {
+        fused::rms_norm(x, gain, eps)
+    } else if plain() {
+        composite::rms_norm(x, gain, eps)
+    } else {
+        lean::rms_norm(x, gain, eps)
+    }
+}
+
+/// The norm `kind` of `x`: layer norm with `bias`, or RMS norm (which has none).
+pub fn norm(
+    x: &Tensor,
+    kind: NormKind,
+    gain: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
+    match (kind, bias) {
+        (NormKind::Layer, Some(bias)) => layer_norm(x, gain, bias, eps),
+        (NormKind::Layer, None) => candle_core::bail!("layer norm needs a bias"),
+        (NormKind::Rms, _) => rms_norm(x, gain, eps),
+    }
+}
+
 /// Layer norm over the last dimension, computed in f32 whatever the input dtype.
 pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     if fused_model_domain(&[x, gain, bias]) {
@@ -187,12 +239,17 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `x·w` for `x` `[N, I]`, `w` `[I, O]`: a layer without bias (the LM head).
-pub fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if fused_model_domain(&[x, w]) {
-        fused::project(x, w)
+/// `x·w` for `x` `[N, I]`, `w` `[I, O]` (or `x·wᵀ` for `w` `[O, I]` with
+/// `WeightLayout::OutIn`): a layer without bias (the LM head).
+pub fn project(x: &Tensor, w: &Tensor, layout: WeightLayout) -> Result<Tensor> {
+    let w = match layout {
+        WeightLayout::InOut => w.clone(),
+        WeightLayout::OutIn => w.t()?,
+    };
+    if fused_model_domain(&[x, &w]) {
+        fused::project(x, &w)
     } else {
-        x.matmul(w)
+        x.matmul(&w)
     }
 }
 
@@ -207,16 +264,138 @@ pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// How a matrix is stored: `[in, out]` (products `x·W`: this engine's layers, GPT-2's
+/// `Conv1D`), or `[out, in]` (`x·Wᵀ`: a head tied to the `[vocab, d]` token embedding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `[in, out]`.
+    InOut,
+    /// `[out, in]`.
+    OutIn,
+}
+
+/// What the MLP's second layer applies to its input before the product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// Nothing: a plain linear layer.
+    None,
+    /// GELU, tanh approximation (GPT-2's `gelu_new`).
+    Gelu,
+    /// SwiGLU: the input is `[gate | up]` and the product takes `silu(gate)·up` (the LLaMA family).
+    SwiGlu,
+}
+
+impl Activation {
+    /// Columns of the input for a product of width `i` (twice for SwiGLU's gate and up).
+    pub fn input_width(self, i: usize) -> usize {
+        match self {
+            Activation::SwiGlu => 2 * i,
+            _ => i,
+        }
+    }
+
+    /// Width of the product for an input of `cols` columns.
+    pub fn product_width(self, cols: usize) -> usize {
+        match self {
+            Activation::SwiGlu => cols / 2,
+            _ => cols,
+        }
+    }
+}
+
+/// Which norm a residual branch starts with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    /// Layer norm: centred, scaled, with gain and bias (GPT-2, this engine's GPT).
+    Layer,
+    /// RMS norm: scaled by the root mean square, gain only (the LLaMA family).
+    Rms,
+}
+
+/// The shape of one causal self-attention: `batch` sequences of `t` positions, `heads` query
+/// heads sharing `kv_heads` key/value heads (grouped-query attention; equal for multi-head),
+/// each `head_dim` wide. Its input `qkv` is `[B·T, (H + 2·KV)·hd]`: the queries, then the keys,
+/// then the values, heads side by side within each; its output `[B·T, H·hd]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Positions per sequence.
+    pub t: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads; they divide `heads`.
+    pub kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+}
+
+impl AttentionShape {
+    /// Multi-head attention over a model of width `d_model` (heads of `d_model / heads`).
+    pub fn multi_head(batch: usize, t: usize, heads: usize, d_model: usize) -> AttentionShape {
+        AttentionShape {
+            batch,
+            t,
+            heads,
+            kv_heads: heads,
+            head_dim: d_model / heads.max(1),
+        }
+    }
+
+    /// Width of the queries (and of the output): `heads · head_dim`.
+    pub fn q_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Width of the keys (and of the values).
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Width of the `qkv` input.
+    pub fn qkv_width(&self) -> usize {
+        self.q_width() + 2 * self.kv_width()
+    }
+
+    /// The query heads that read key/value head `g`.
+    pub fn group_of(&self, g: usize) -> std::ops::Range<usize> {
+        let group = self.heads / self.kv_heads.max(1);
+        g * group..(g + 1) * group
+    }
+
+    /// `qkv` has this shape's rows and width, and the heads group evenly.
+    pub fn check(&self, qkv: &Tensor) -> Result<()> {
+        let (n, w) = qkv.dims2()?;
+        let grouped = self.kv_heads > 0 && self.heads.is_multiple_of(self.kv_heads);
+        if n != self.batch * self.t || w != self.qkv_width() || !grouped || self.head_dim == 0 {
+            candle_core::bail!("attention: qkv {n}×{w} for {self:?}");
+        }
+        Ok(())
+    }
+}
+
+/// Causal self-attention of `shape` over `qkv`, with rotary positions when `rope` is given
+/// (queries and keys turned before the scores, half-split as transformers does); scores scaled
+/// by 1/√head_dim.
+pub fn attention(
+    qkv: &Tensor,
+    shape: AttentionShape,
+    rope: Option<&Arc<RopeTable>>,
+) -> Result<Tensor> {
+    if fused_model_domain(&[qkv]) {
+        fused::causal_attention(qkv, shape, rope)
+    } else if plain() {
+        composite::causal_attention(qkv, shape, rope)
+    } else {
+        lean::causal_attention(qkv, shape, rope)
+    }
+}
+
 /// Causal multi-head self-attention: `qkv` `[B·T, 3·D]` (queries, keys, values side by side,
 /// heads within each) to `[B·T, D]`, scores scaled by 1/√(D/heads).
 pub fn causal_attention(qkv: &Tensor, batch: usize, t: usize, heads: usize) -> Result<Tensor> {
-    if fused_model_domain(&[qkv]) {
-        fused::causal_attention(qkv, batch, t, heads)
-    } else if plain() {
-        composite::causal_attention(qkv, batch, t, heads)
-    } else {
-        lean::causal_attention(qkv, batch, t, heads)
-    }
+    let shape = AttentionShape::multi_head(batch, t, heads, qkv.dim(1)? / 3);
+    attention(qkv, shape, None)
 }
 
 /// Sum over counted positions of the negative log-likelihood of `targets`.
@@ -233,13 +412,19 @@ pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tenso
 /// `nll_sum(x·w, targets, mask)`: the LM head and the loss as one. The fused (CPU) and lean
 /// versions never hold the `[N, V]` logits at once (`fused::linear_nll_sum`,
 /// `lean::linear_nll_sum`); the plain one makes them and passes them to `nll_sum`.
-pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
+pub fn linear_nll_sum(
+    x: &Tensor,
+    w: &Tensor,
+    layout: WeightLayout,
+    targets: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
     if fused_loss_domain(&[x, w], mask) {
-        fused::linear_nll_sum(x, w, targets, mask)
+        fused::linear_nll_sum(x, w, layout, targets, mask)
     } else if plain() {
-        nll_sum(&project(x, w)?, targets, mask)
+        nll_sum(&project(x, w, layout)?, targets, mask)
     } else {
-        lean::linear_nll_sum(x, w, targets, mask)
+        lean::linear_nll_sum(x, w, layout, targets, mask)
     }
 }
 
@@ -249,8 +434,14 @@ mod tests {
     use candle_core::{Device, Var};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
+    use std::sync::Arc;
 
     const TOL: f64 = 1e-5;
+
+    /// Multi-head attention of `batch` sequences of `t` tokens, `heads` heads over width `d`.
+    fn mha(batch: usize, t: usize, heads: usize, d: usize) -> AttentionShape {
+        AttentionShape::multi_head(batch, t, heads, d)
+    }
 
     /// Uniform values in ±`std`, seeded (also used by the fused ops' tests).
     pub(crate) fn random(shape: &[usize], std: f32, seed: u64) -> Tensor {
@@ -377,11 +568,121 @@ mod tests {
             let inputs = [random(&[b * t, 3 * d], 2.0, 31)];
             assert_equivalent(
                 "causal_attention",
-                |x| fused::causal_attention(&x[0], b, t, h),
-                |x| composite::causal_attention(&x[0], b, t, h),
+                |x| fused::causal_attention(&x[0], mha(b, t, h, d), None),
+                |x| composite::causal_attention(&x[0], mha(b, t, h, d), None),
                 &inputs,
             );
         }
+    }
+
+    /// A rotary table for head width `hd` over `t` positions (Llama 3 scaling, so every
+    /// frequency regime is exercised).
+    fn table(hd: usize, t: usize) -> Arc<RopeTable> {
+        let rope = rope::Rope {
+            theta: 10_000.0,
+            head_dim: hd,
+            scaling: Some(rope::Llama3Scaling {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_positions: 8.0,
+            }),
+        };
+        Arc::new(rope.table(t))
+    }
+
+    #[test]
+    fn grouped_rotary_attention_matches_transformers_composite() {
+        // (batch, tokens, heads, kv heads, head width): grouped 4/2 and 6/2, one kv head,
+        // multi-head with rotary, a head width that is not d/heads.
+        for (b, t, h, kv, hd) in [
+            (2, 9, 4, 2, 8),
+            (1, 7, 6, 2, 4),
+            (2, 5, 3, 1, 6),
+            (3, 8, 2, 2, 16),
+        ] {
+            let shape = AttentionShape {
+                batch: b,
+                t,
+                heads: h,
+                kv_heads: kv,
+                head_dim: hd,
+            };
+            let rope = table(hd, t);
+            let inputs = [random(&[b * t, shape.qkv_width()], 2.0, 61)];
+            for r in [None, Some(&rope)] {
+                assert_equivalent(
+                    "fused attention",
+                    |x| fused::causal_attention(&x[0], shape, r),
+                    |x| composite::causal_attention(&x[0], shape, r),
+                    &inputs,
+                );
+                assert_equivalent(
+                    "lean attention",
+                    |x| lean::causal_attention(&x[0], shape, r),
+                    |x| composite::causal_attention(&x[0], shape, r),
+                    &inputs,
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn rms_norm_matches_transformers_composite() {
+        for (rows, d) in [(6, 16), (3000, 32)] {
+            let inputs = [random(&[rows, d], 2.0, 71), random(&[d], 1.0, 72)];
+            assert_equivalent(
+                "fused rms_norm",
+                |t| fused::rms_norm(&t[0], &t[1], 1e-6),
+                |t| composite::rms_norm(&t[0], &t[1], 1e-6),
+                &inputs,
+            );
+            assert_equivalent(
+                "lean rms_norm",
+                |t| lean::rms_norm(&t[0], &t[1], 1e-6),
+                |t| composite::rms_norm(&t[0], &t[1], 1e-6),
+                &inputs,
+            );
+        }
+    }
+
+    #[test]
+    fn swiglu_linear_matches_the_composite_expression() {
+        let (n, f, o) = (70, 24, 10);
+        let inputs = [random(&[n, 2 * f], 3.0, 81), random(&[f, o], 0.5, 82)];
+        let swiglu = |t: &[Tensor]| -> Result<Tensor> {
+            let gate = t[0].narrow(1, 0, f)?;
+            let up = t[0].narrow(1, f, f)?;
+            (candle_nn::ops::silu(&gate)? * up)?.matmul(&t[1])
+        };
+        assert_equivalent(
+            "fused swiglu",
+            |t| fused::act_linear(&t[0], &t[1], None, Activation::SwiGlu),
+            swiglu,
+            &inputs,
+        );
+    }
+
+    #[test]
+    fn a_tied_head_computes_the_loss_through_the_embedding() {
+        let (n, d, v) = (40, 8, 300);
+        let (targets, mask) = labels(n, v, 5);
+        // The embedding `[V, D]`, as a tied head stores it.
+        let inputs = [random(&[n, d], 1.0, 91), random(&[v, d], 0.5, 92)];
+        let reference =
+            |t: &[Tensor]| composite::nll_sum(&t[0].matmul(&t[1].t()?)?, &targets, &mask);
+        assert_equivalent(
+            "fused tied head",
+            |t| fused::linear_nll_sum(&t[0], &t[1], WeightLayout::OutIn, &targets, &mask),
+            reference,
+            &inputs,
+        );
+        assert_equivalent(
+            "lean tied head",
+            |t| lean::linear_nll_sum(&t[0], &t[1], WeightLayout::OutIn, &targets, &mask),
+            reference,
+            &inputs,
+        );
     }
 
     #[test]
@@ -394,8 +695,8 @@ mod tests {
             .iter_mut()
             .for_each(|v| *v += 1.0);
         let changed = Tensor::from_vec(changed, (t, 3 * d), &Device::Cpu).unwrap();
-        let y0 = fused::causal_attention(&qkv, 1, t, 2).unwrap();
-        let y1 = fused::causal_attention(&changed, 1, t, 2).unwrap();
+        let y0 = fused::causal_attention(&qkv, mha(1, t, 2, d), None).unwrap();
+        let y1 = fused::causal_attention(&changed, mha(1, t, 2, d), None).unwrap();
         let early = |y: &Tensor| y.narrow(0, 0, t - 1).unwrap().to_vec2::<f32>().unwrap();
         assert_eq!(early(&y0), early(&y1));
         assert_ne!(y0.to_vec2::<f32>().unwrap(), y1.to_vec2::<f32>().unwrap());
@@ -441,7 +742,9 @@ mod tests {
             let (targets, mask) = labels(n, v, 8);
             let inputs = [random(&[n, d], 1.0, 51), random(&[d, v], 0.5, 52)];
             // The previous fused path (head product, then the fused NLL) and the composite one.
-            let chunked = |t: &[Tensor]| fused::linear_nll_sum(&t[0], &t[1], &targets, &mask);
+            let chunked = |t: &[Tensor]| {
+                fused::linear_nll_sum(&t[0], &t[1], WeightLayout::InOut, &targets, &mask)
+            };
             assert_equivalent(
                 "linear_nll_sum vs fused",
                 chunked,
@@ -498,8 +801,8 @@ mod tests {
             assert!(t < 600 || lean::sequences_per_chunk(t, h) == 1);
             assert_equivalent(
                 "lean causal_attention",
-                |x| lean::causal_attention(&x[0], b, t, h),
-                |x| composite::causal_attention(&x[0], b, t, h),
+                |x| lean::causal_attention(&x[0], mha(b, t, h, d), None),
+                |x| composite::causal_attention(&x[0], mha(b, t, h, d), None),
                 &[random(&[b * t, 3 * d], 2.0, 31)],
             );
         }
@@ -508,7 +811,7 @@ mod tests {
             let (targets, mask) = labels(n, v, 8);
             assert_equivalent(
                 "lean linear_nll_sum",
-                |t| lean::linear_nll_sum(&t[0], &t[1], &targets, &mask),
+                |t| lean::linear_nll_sum(&t[0], &t[1], WeightLayout::InOut, &targets, &mask),
                 |t| composite::nll_sum(&t[0].matmul(&t[1])?, &targets, &mask),
                 &[random(&[n, d], 1.0, 51), random(&[d, v], 0.5, 52)],
             );
@@ -528,7 +831,8 @@ mod tests {
             let qkv = linear(&x, &c(&t_[3])?, &c(&t_[4])?)?;
             let y = causal_attention(&qkv, b, t, h)?;
             let y = gelu_linear(&y, &c(&t_[5])?, &c(&t_[6])?)?;
-            linear_nll_sum(&y, &c(&t_[7])?, &targets, &mask)?.to_dtype(DType::F32)
+            linear_nll_sum(&y, &c(&t_[7])?, WeightLayout::InOut, &targets, &mask)?
+                .to_dtype(DType::F32)
         };
         let inputs = [
             random(&[b * t, d], 2.0, 1),
@@ -636,8 +940,8 @@ mod tests {
                 "causal_attention",
                 dtype,
                 bound,
-                |x| fused::causal_attention(&x[0], b, t, h),
-                |x| composite::causal_attention(&x[0], b, t, h),
+                |x| fused::causal_attention(&x[0], mha(b, t, h, d), None),
+                |x| composite::causal_attention(&x[0], mha(b, t, h, d), None),
                 &[random(&[b * t, 3 * d], 2.0, 7)],
             );
             let head = random(&[d, v], 0.5, 8);
@@ -645,7 +949,7 @@ mod tests {
                 "linear_nll_sum",
                 dtype,
                 bound,
-                |t| fused::linear_nll_sum(&t[0], &t[1], &targets, &mask),
+                |t| fused::linear_nll_sum(&t[0], &t[1], WeightLayout::InOut, &targets, &mask),
                 |t| composite::nll_sum(&t[0].matmul(&t[1])?, &targets, &mask),
                 &[rows.clone(), head],
             );
@@ -718,7 +1022,7 @@ mod tests {
         let targets = Tensor::new(&[0u32, 7, 1, 2], &Device::Cpu).unwrap();
         let mask = Tensor::ones(4, DType::F32, &Device::Cpu).unwrap();
         let (x, w) = (random(&[4, 8], 1.0, 2), random(&[8, 5], 1.0, 3));
-        let err = fused::linear_nll_sum(&x, &w, &targets, &mask).unwrap_err();
+        let err = fused::linear_nll_sum(&x, &w, WeightLayout::InOut, &targets, &mask).unwrap_err();
         assert!(err.to_string().contains("outside vocab 5"), "{err}");
     }
 

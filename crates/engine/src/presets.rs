@@ -50,6 +50,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../presets/ddp-no-sync.toml"),
     ),
     ("ddp-zero", include_str!("../../../presets/ddp-zero.toml")),
+    ("finetune", include_str!("../../../presets/finetune.toml")),
 ];
 
 /// The preset `gaccwb` runs with no arguments.

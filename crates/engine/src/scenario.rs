@@ -73,6 +73,15 @@ pub struct ModelConfig {
     pub heads: usize,
     /// Tokens per sample: the context length.
     pub seq_len: usize,
+    /// A Hugging Face model directory (or `ORG/NAME[@REVISION]` in the local cache) to
+    /// fine-tune instead of this engine's GPT; its `config.json` then sets the other fields
+    /// but `seq_len`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// A PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`) for the model
+    /// at `path`: its settings become `train.lora_*`, its weights the adapters' start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<PathBuf>,
 }
 
 impl Default for ModelConfig {
@@ -83,6 +92,8 @@ impl Default for ModelConfig {
             layers: 4,
             heads: 4,
             seq_len: 128,
+            path: None,
+            adapter: None,
         }
     }
 }
@@ -136,6 +147,20 @@ pub struct DataConfig {
     pub vocab: usize,
     /// A `tokenizer.json` to load instead of training one.
     pub tokenizer_file: Option<PathBuf>,
+    /// The order training windows come in: seeded random offsets, or consecutive windows of
+    /// `seq_len + 1` tokens from the file's start (to compare with another trainer's stream).
+    pub order: DataOrder,
+}
+
+/// The order training windows of a text come in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DataOrder {
+    /// Each sample at a seeded random offset of the training split.
+    #[default]
+    Random,
+    /// Sample i is the i-th window of `seq_len + 1` tokens in file order (wrapping around).
+    Sequential,
 }
 
 impl Default for DataConfig {
@@ -151,6 +176,7 @@ impl Default for DataConfig {
             tokenizer: TokenizerKind::Bytes,
             vocab: 8192,
             tokenizer_file: None,
+            order: DataOrder::Random,
         }
     }
 }
@@ -248,6 +274,16 @@ pub struct TrainConfig {
     /// ZeRO-2: "buffer" (a whole local buffer, one reduce-scatter per window) or
     /// "reduce-scatter" (one per micro-batch, 1/W of the buffer).
     pub zero2_accumulate: crate::dist::Zero2Accumulate,
+    /// LoRA's rank r: 0 trains every weight; r ≥ 1 freezes them and trains a rank-r adapter on
+    /// each targeted layer (`model::lora`).
+    pub lora_rank: usize,
+    /// LoRA's alpha: the adapters' update is scaled by alpha / r (PEFT's default 8).
+    pub lora_alpha: f64,
+    /// The layers LoRA adapts, by name or name suffix (`["q_proj", "v_proj"]`, `["c_attn"]`,
+    /// `["attn.qkv"]`); empty: every linear layer of the blocks.
+    pub lora_targets: Vec<String>,
+    /// rsLoRA: scale the update by alpha / √r instead of alpha / r.
+    pub lora_rslora: bool,
 }
 
 impl Default for TrainConfig {
@@ -293,6 +329,10 @@ impl Default for TrainConfig {
             comm_timeout: 60.0,
             zero: 0,
             zero2_accumulate: crate::dist::Zero2Accumulate::Buffer,
+            lora_rank: 0,
+            lora_alpha: 8.0,
+            lora_targets: Vec::new(),
+            lora_rslora: false,
         }
     }
 }
@@ -578,7 +618,8 @@ impl Scenario {
         }
         check_knobs(t)?;
         bounds::check_scenario(self)?;
-        if !m.d_model.is_multiple_of(m.heads) {
+        // A model from a directory takes its head width from its config.
+        if m.path.is_none() && !m.d_model.is_multiple_of(m.heads) {
             return Err(Invalid::new(
                 "model.heads",
                 format!(
@@ -594,7 +635,7 @@ impl Scenario {
                 "data.tokenizer_file",
                 "data.tokenizer_file needs data.tokenizer = \"bpe\"".into(),
             ));
-        } else if m.vocab > 256 {
+        } else if m.vocab > 256 && m.path.is_none() {
             return Err(Invalid::new(
                 "model.vocab",
                 format!(

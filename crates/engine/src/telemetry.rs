@@ -91,6 +91,10 @@ pub struct Header {
     pub build: BuildInfo,
     /// Trainable parameter count.
     pub params: u64,
+    /// The family of a model loaded from a directory (`config.model.path`): gpt2, llama,
+    /// mistral or qwen2; absent for this engine's own GPT.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub family: Option<String>,
     /// Loss floor of the data source in nats/token, when it is known in closed form.
     pub entropy_floor: Option<f64>,
     /// The text's tokenizer (BPE runs only): kind, vocabulary and hash. Replay does not need it.
@@ -332,6 +336,18 @@ pub enum Phase {
     Step,
 }
 
+impl Phase {
+    /// The phase in words, for messages and the screen.
+    pub fn label(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Optimizer => "optimizer",
+            Phase::Step => "end of step",
+        }
+    }
+}
+
 /// Where a memory figure was measured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case")]
@@ -343,6 +359,17 @@ pub enum MemorySource {
     Nvml,
     /// The CUDA default memory pool's counters.
     CudaPool,
+}
+
+impl MemorySource {
+    /// The source in words, for messages and the screen.
+    pub fn label(self) -> &'static str {
+        match self {
+            MemorySource::Allocator => "allocator",
+            MemorySource::Nvml => "NVML",
+            MemorySource::CudaPool => "CUDA pool",
+        }
+    }
 }
 
 /// Bytes per ledger category; docs/MEMORY.md says what each holds and how it is measured.

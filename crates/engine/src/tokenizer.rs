@@ -343,15 +343,6 @@ pub struct Tokenized {
 /// Why a text could not be cut into tokens; the caller names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
-    /// The data is not text.
-    #[error(
-        "not UTF-8 text (byte {valid_up_to}); data.tokenizer = \"bpe\" needs text, use \
-         \"bytes\" for other files"
-    )]
-    NotUtf8 {
-        /// Bytes of valid UTF-8 before the first bad one.
-        valid_up_to: usize,
-    },
     /// The tokenizer could not be loaded or trained.
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
@@ -378,22 +369,33 @@ pub enum TokenizeError {
     },
 }
 
-/// Tokenizes `bytes` (the data named `name`) with the BPE `data` asks for. The error says what
-/// is wrong with the data; the caller names the file.
-pub fn tokenize(bytes: &[u8], name: &str, data: &DataConfig) -> Result<Tokenized, TokenizeError> {
-    let text = std::str::from_utf8(bytes).map_err(|e| TokenizeError::NotUtf8 {
-        valid_up_to: e.valid_up_to(),
-    })?;
+/// Tokenizes `documents` (the data named `name`) with the BPE `data` asks for, joined by
+/// `eos` when the model has an end-of-text token. The error says what is wrong with the data;
+/// the caller names the file.
+pub fn tokenize(
+    documents: &[&str],
+    name: &str,
+    data: &DataConfig,
+    eos: Option<u32>,
+) -> Result<Tokenized, TokenizeError> {
     let tokenizer = match &data.tokenizer_file {
         Some(path) => TextTokenizer::load_file(path),
-        None => TextTokenizer::trained_for(text, name, data.vocab, &default_cache_dir()),
+        None => {
+            let text = documents.join("\n");
+            TextTokenizer::trained_for(&text, name, data.vocab, &default_cache_dir())
+        }
     }?;
-    let mut tokens = tokenizer
-        .encode(text)
-        .map_err(|err| TokenizeError::Encode {
+    let mut tokens = Vec::new();
+    for (i, doc) in documents.iter().enumerate() {
+        if i > 0 {
+            tokens.extend(eos);
+        }
+        let ids = tokenizer.encode(doc).map_err(|err| TokenizeError::Encode {
             path: tokenizer.info.path.clone(),
             err,
         })?;
+        tokens.extend(ids);
+    }
     if let Some(&id) = tokens
         .iter()
         .find(|&&id| id as usize >= tokenizer.info.vocab)
@@ -404,6 +406,7 @@ pub fn tokenize(bytes: &[u8], name: &str, data: &DataConfig) -> Result<Tokenized
             vocab: tokenizer.info.vocab,
         });
     }
+    let bytes: usize = documents.iter().map(|d| d.len()).sum();
     tokens.shrink_to_fit();
     let how = match (tokenizer.info.kind.as_str(), tokenizer.cache_hit) {
         ("file", _) => "loaded",
@@ -422,7 +425,7 @@ pub fn tokenize(bytes: &[u8], name: &str, data: &DataConfig) -> Result<Tokenized
             tokenizer.info.vocab,
             tokenizer.info.hash,
             tokenizer.elapsed.as_secs_f64() * 1e3,
-            bytes.len(),
+            bytes,
             tokens.len()
         ),
         tokens,

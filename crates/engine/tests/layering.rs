@@ -26,10 +26,10 @@ const LAYERS: [&[&str]; 8] = [
         "end",
     ],
     &["scenario"],
-    &["telemetry", "presets"],
+    &["telemetry", "presets", "hf"],
     &["ops", "tokenizer", "record"],
     &["model", "data"],
-    &["memory"],
+    &["memory", "planner"],
     &["train"],
     &["checkpoint"],
 ];

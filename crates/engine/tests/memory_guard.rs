@@ -19,6 +19,8 @@ fn scenario(micro_batch: usize, accum_steps: usize, budget: MemoryBudget) -> Sce
             layers: 2,
             heads: 4,
             seq_len: 64,
+            path: None,
+            adapter: None,
         },
         data: DataConfig {
             alphabet: 16,

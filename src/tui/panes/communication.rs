@@ -8,16 +8,12 @@ use ratatui::text::Line;
 use ratatui::widgets::Paragraph;
 use ratatui::Frame;
 
-use super::{block, draw_chart, fmt_bytes, placeholder, steps_in_view, ChartSpec, Series, Theme};
+use super::{
+    block, draw_chart, fmt_bytes, placeholder, steps_in_view, ChartSpec, Series, Theme, Units,
+};
 use crate::dist::CommEvent;
 use crate::telemetry::StepEvent;
 use crate::tui::app::{App, PaneId};
-
-const MIB: f64 = (1u64 << 20) as f64;
-
-fn fmt_mib(v: f64) -> String {
-    format!("{v:.1}M")
-}
 
 /// Whether the run has communication to show.
 pub fn applies(app: &App) -> bool {
@@ -32,7 +28,8 @@ fn sent_per_rank(c: &CommEvent) -> f64 {
 /// The pane's figures for the latest step, as text.
 pub fn lines(step: &StepEvent, c: &CommEvent) -> Vec<Line<'static>> {
     let reduces = c.per_rank.first().map_or(0, |r| r.gradient_reduces);
-    let share = c.share(step.step_ms) * 100.0;
+    let share = c.share_of_step(step.step_ms) * 100.0;
+    let mine = c.per_rank.first().map_or(0.0, |r| r.comm_ms);
     let (lo, hi) = (
         c.peak_bytes.iter().copied().min().unwrap_or(0),
         c.peak_bytes.iter().copied().max().unwrap_or(0),
@@ -44,8 +41,8 @@ pub fn lines(step: &StepEvent, c: &CommEvent) -> Vec<Line<'static>> {
             if reduces == 1 { "" } else { "s" }
         )),
         Line::from(format!(
-            "in comm   {share:.0}% of the step ({:.0} ms)",
-            c.comm_ms()
+            "in comm   {share:.0}% of rank 0's step ({mine:.0} of {:.0} ms)",
+            step.step_ms
         )),
         Line::from(format!(
             "peak      {} min · {} max",
@@ -74,23 +71,19 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     let [text, chart] = Layout::vertical([Constraint::Length(3), Constraint::Min(0)]).areas(inner);
     frame.render_widget(Paragraph::new(lines(step, comm)), text);
     let sent: Vec<(f64, f64)> = steps_in_view(app)
-        .filter_map(|s| {
-            s.comm
-                .as_ref()
-                .map(|c| (s.step as f64, sent_per_rank(c) / MIB))
-        })
+        .filter_map(|s| s.comm.as_ref().map(|c| (s.step as f64, sent_per_rank(c))))
         .collect();
-    let top = sent.iter().map(|p| p.1).fold(0.0, f64::max);
     let series = [Series {
-        name: "MiB sent/rank".into(),
+        name: "sent/rank".into(),
         points: sent,
         style: theme.fg(Color::Magenta),
         scatter: false,
     }];
     let spec = ChartSpec {
         series: &series,
-        y_fixed: Some((0.0, super::nice_bounds(0.0, top.max(1e-3)).1)),
-        y_fmt: fmt_mib,
+        from_zero: true,
+        units: Units::Bytes,
+        scalable: true,
     };
     draw_chart(
         frame,

@@ -6,14 +6,10 @@ use ratatui::style::Color;
 use ratatui::text::Line;
 use ratatui::Frame;
 
-use super::{block, draw_chart, fmt_bytes, placeholder, ChartSpec, Series, Theme};
+use super::{block, draw_chart, fmt_bytes, placeholder, ChartSpec, Series, Theme, Units};
 use crate::memory::StepFigure;
 use crate::telemetry::MemorySource;
 use crate::tui::app::{App, PaneId};
-
-fn fmt_axis_bytes(v: f64) -> String {
-    fmt_bytes(v.max(0.0) as u64)
-}
 
 fn source_label(source: MemorySource, cpu: bool) -> &'static str {
     match source {
@@ -108,13 +104,11 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     if !has_data {
         return placeholder(frame, area, block, "no memory data yet", theme);
     }
-    let (lo, hi) =
-        super::y_range(series.iter().flat_map(|s| s.points.iter())).unwrap_or((0.0, 1.0));
-    let y = super::nice_bounds(lo.min(0.0), hi);
     let spec = ChartSpec {
         series: &series,
-        y_fixed: Some(y),
-        y_fmt: fmt_axis_bytes,
+        from_zero: true,
+        units: Units::Bytes,
+        scalable: true,
     };
     draw_chart(frame, area, block, app, spec, theme);
 }

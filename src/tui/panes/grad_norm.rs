@@ -4,7 +4,9 @@ use ratatui::layout::Rect;
 use ratatui::style::Color;
 use ratatui::Frame;
 
-use super::{block, draw_chart, fmt_num, placeholder, steps_in_view, ChartSpec, Series, Theme};
+use super::{
+    block, draw_chart, fmt_num, placeholder, steps_in_view, ChartSpec, Series, Theme, Units,
+};
 use crate::tui::app::{App, PaneId};
 
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
@@ -41,13 +43,13 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
         .collect();
     let series = [
         Series {
-            name: "pre-clip".into(),
+            name: "before".into(),
             points: pre,
             style: theme.fg(Color::Yellow),
             scatter: false,
         },
         Series {
-            name: "post-clip".into(),
+            name: "after".into(),
             points: post,
             style: theme.fg(Color::Green),
             scatter: false,
@@ -61,8 +63,9 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     ];
     let spec = ChartSpec {
         series: &series,
-        y_fixed: None,
-        y_fmt: fmt_num,
+        from_zero: false,
+        units: Units::Number,
+        scalable: true,
     };
     draw_chart(frame, area, block, app, spec, theme);
 }

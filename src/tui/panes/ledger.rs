@@ -8,7 +8,7 @@ use ratatui::widgets::Paragraph;
 use ratatui::Frame;
 
 use super::{block, fmt_bytes, placeholder, Theme};
-use crate::telemetry::{Categories, MemoryEvent, MemorySource, Phase};
+use crate::telemetry::Categories;
 use crate::tui::app::{App, PaneId};
 
 /// Category labels, short enough for the compact layout, in `Categories::NAMES` order.
@@ -23,55 +23,39 @@ const LABELS: [&str; 8] = [
     "other",
 ];
 
-fn source_name(m: &MemoryEvent) -> &'static str {
-    match m.source {
-        MemorySource::Allocator => "allocator",
-        MemorySource::Nvml => "NVML",
-        MemorySource::CudaPool => "CUDA pool",
-    }
-}
-
-fn phase_name(p: Phase) -> &'static str {
-    match p {
-        Phase::Forward => "forward",
-        Phase::Backward => "backward",
-        Phase::Optimizer => "optimizer",
-        Phase::Step => "end of step",
-    }
-}
-
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
-    let title = match &app.run.measured {
-        Some(m) => format!(
+    // Heads, 8 categories and the total need 10 rows; with fewer (80×24), the total moves into
+    // the frame's bottom edge, measured then estimated (the columns' order), and every category
+    // keeps its row.
+    let compact = area.height < 12;
+    let title = match (&app.run.measured, compact) {
+        (Some(m), false) => format!(
             " Memory ledger · {} at {} of step {} ",
-            source_name(m),
-            phase_name(m.phase),
+            m.source.label(),
+            m.phase.label(),
             m.step
         ),
-        None => " Memory ledger ".into(),
+        (Some(m), true) => format!(" Ledger · {}, step {} ", m.phase.label(), m.step),
+        (None, _) => " Memory ledger ".into(),
     };
-    let block = block(title, app, PaneId::Ledger, theme);
+    let mut block = block(title, app, PaneId::Ledger, theme);
     if app.run.measured.is_none() && app.estimate().is_none() {
         return placeholder(frame, area, block, "no memory data yet", theme);
     }
-    let inner = block.inner(area);
     let measured = app.run.measured.as_ref().map(|m| m.categories);
     let estimate = app.estimate().map(|m| m.categories);
-    let lines = rows(measured, estimate, inner.width as usize, theme);
-    // Every category always shows; the column heads and the total only when there is room.
-    let lines = fit(lines, inner.height as usize);
-    frame.render_widget(Paragraph::new(lines).block(block), area);
-}
-
-/// `lines` is heads, 8 categories, total: drop the total, then the heads, to fit `height`.
-fn fit(mut lines: Vec<Line<'static>>, height: usize) -> Vec<Line<'static>> {
-    if lines.len() > height {
+    let total = |c: Option<Categories>| c.map_or_else(|| "—".into(), |c| fmt_bytes(c.sum()));
+    let inner = block.inner(area);
+    let mut lines = rows(measured, estimate, inner.width as usize, theme);
+    if compact {
         lines.pop();
-    }
-    if lines.len() > height {
         lines.remove(0);
+        block = block.title_bottom(Line::from(vec![
+            Span::raw(format!(" total {}", total(measured))),
+            Span::styled(format!(" · est {} ", total(estimate)), theme.dim()),
+        ]));
     }
-    lines
+    frame.render_widget(Paragraph::new(lines).block(block), area);
 }
 
 fn rows(

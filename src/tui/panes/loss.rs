@@ -4,7 +4,7 @@ use ratatui::layout::Rect;
 use ratatui::style::Color;
 use ratatui::Frame;
 
-use super::{block, draw_chart, fmt_num, placeholder, steps_in_view, ChartSpec, Series, Theme};
+use super::{block, draw_chart, placeholder, steps_in_view, ChartSpec, Series, Theme, Units};
 use crate::tui::app::{App, PaneId};
 
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
@@ -65,8 +65,9 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     }
     let spec = ChartSpec {
         series: &series,
-        y_fixed: None,
-        y_fmt: fmt_num,
+        from_zero: false,
+        units: Units::Number,
+        scalable: true,
     };
     draw_chart(frame, area, block, app, spec, theme);
 }

@@ -4,12 +4,8 @@ use ratatui::layout::Rect;
 use ratatui::style::Color;
 use ratatui::Frame;
 
-use super::{block, draw_chart, placeholder, steps_in_view, ChartSpec, Series, Theme};
+use super::{block, draw_chart, placeholder, steps_in_view, ChartSpec, Series, Theme, Units};
 use crate::tui::app::{App, PaneId};
-
-fn fmt_log2(v: f64) -> String {
-    format!("2^{v:.0}")
-}
 
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     let title = match app.last() {
@@ -29,15 +25,19 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     if app.run.steps.is_empty() {
         return placeholder(frame, area, block, "waiting for the first step…", theme);
     }
-    let scale: Vec<(f64, f64)> = steps_in_view(app)
+    // Only the steps that scaled their loss: an f32 or bf16 step has no scale to draw.
+    let scaled = || steps_in_view(app).filter(|s| s.dtype.needs_loss_scaling());
+    let scale: Vec<(f64, f64)> = scaled()
         .map(|s| (s.step as f64, s.loss_scale.max(1.0).log2()))
         .collect();
-    let overflows: Vec<(f64, f64)> = steps_in_view(app)
+    if scale.is_empty() {
+        let text = "not used: only f16 scales the loss";
+        return placeholder(frame, area, block, text, theme);
+    }
+    let overflows: Vec<(f64, f64)> = scaled()
         .filter(|s| s.skipped)
         .map(|s| (s.step as f64, s.loss_scale.max(1.0).log2()))
         .collect();
-    let top = scale.iter().map(|p| p.1).fold(0.0, f64::max);
-    let y = (0.0, (top + 2.0).max(4.0).ceil());
     let series = [
         Series {
             name: "log2 scale".into(),
@@ -54,8 +54,9 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     ];
     let spec = ChartSpec {
         series: &series,
-        y_fixed: Some(y),
-        y_fmt: fmt_log2,
+        from_zero: true,
+        units: Units::Log2,
+        scalable: false,
     };
     draw_chart(frame, area, block, app, spec, theme);
 }

@@ -1,7 +1,9 @@
 //! One pane per file. Each is a pure function of the `App`: `render(frame, area, app, theme)`.
-//! Charts share the helpers here so their axes move in steps (page-wise in x, on a 1-2-5 grid in
-//! y): a new point then changes a few cells, not the whole chart, which keeps SSH traffic low.
+//! Charts share one drawing (`chart`) and the helpers here, so their axes move in steps
+//! (page-wise in x, on a 1-2-5 grid in y): a new point then changes a few cells, not the whole
+//! chart, which keeps SSH traffic low.
 
+pub mod chart;
 pub mod communication;
 pub mod device_memory;
 pub mod event_log;
@@ -14,10 +16,11 @@ pub mod status;
 
 use ratatui::layout::Rect;
 use ratatui::style::{Color, Modifier, Style};
-use ratatui::symbols::Marker;
-use ratatui::text::{Line, Span};
-use ratatui::widgets::{Axis, Block, BorderType, Chart, Dataset, GraphType, Paragraph};
+use ratatui::text::Line;
+use ratatui::widgets::{Block, BorderType, Paragraph};
 use ratatui::Frame;
+
+pub use chart::{draw_chart, ChartSpec, Units};
 
 use super::app::{App, PaneId};
 
@@ -88,8 +91,14 @@ pub const CHART_LIMIT: f64 = 1e300;
 
 /// Round `[min, max]` outwards to a 1-2-5 grid of about four intervals.
 pub fn nice_bounds(min: f64, max: f64) -> (f64, f64) {
+    let (lo, hi, _) = nice_axis(min, max);
+    (lo, hi)
+}
+
+/// [`nice_bounds`] and the grid's step.
+pub fn nice_axis(min: f64, max: f64) -> (f64, f64, f64) {
     if !min.is_finite() || !max.is_finite() {
-        return (0.0, 1.0);
+        return (0.0, 1.0, 0.25);
     }
     // Near f64::MAX the span and the rounding overflow; no chart needs more than this.
     let limit = |v: f64| v.clamp(-CHART_LIMIT, CHART_LIMIT);
@@ -111,7 +120,7 @@ pub fn nice_bounds(min: f64, max: f64) -> (f64, f64) {
     if hi <= lo {
         hi = lo + step;
     }
-    (lo, hi)
+    (lo, hi, step)
 }
 
 /// Min and max of the y values in `points`, ignoring non-finite ones.
@@ -150,7 +159,8 @@ pub fn fmt_bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
     let mut unit = 0;
-    while v >= 1024.0 && unit < UNITS.len() - 1 {
+    // From 1000 up the next unit: "1009.8 KiB" would overflow the ledger's columns.
+    while v >= 1000.0 && unit < UNITS.len() - 1 {
         v /= 1024.0;
         unit += 1;
     }
@@ -167,100 +177,6 @@ pub struct Series {
     pub points: Vec<(f64, f64)>,
     pub style: Style,
     pub scatter: bool,
-}
-
-/// Draw `series` over the x window with y bounds from the data (or `y_fixed`), plus a vertical
-/// marker at every applied control inside the window.
-/// What a chart plots: its series, fixed y bounds (else from the data) and y label format.
-pub struct ChartSpec<'s> {
-    pub series: &'s [Series],
-    pub y_fixed: Option<(f64, f64)>,
-    pub y_fmt: fn(f64) -> String,
-}
-
-pub fn draw_chart(
-    frame: &mut Frame,
-    area: Rect,
-    block: Block,
-    app: &App,
-    spec: ChartSpec,
-    theme: Theme,
-) {
-    let ChartSpec {
-        series,
-        y_fixed,
-        y_fmt,
-    } = spec;
-    let (x0, x1) = x_window(app);
-    let visible: Vec<Vec<(f64, f64)>> = series
-        .iter()
-        .map(|s| {
-            s.points
-                .iter()
-                .copied()
-                .filter(|p| p.0 >= x0 && p.0 <= x1 && p.1.is_finite())
-                .collect()
-        })
-        .collect();
-    let (y0, y1) = y_fixed.unwrap_or_else(|| {
-        y_range(visible.iter().flatten())
-            .map(|(lo, hi)| nice_bounds(lo, hi))
-            .unwrap_or((0.0, 1.0))
-    });
-    let marks: Vec<[(f64, f64); 2]> = app
-        .run
-        .markers
-        .iter()
-        .filter(|(s, _)| (*s as f64) >= x0 && (*s as f64) <= x1 && *s <= app.view_end())
-        .map(|(s, _)| [(*s as f64, y0), (*s as f64, y1)])
-        .collect();
-    let mut datasets: Vec<Dataset> = marks
-        .iter()
-        .map(|m| {
-            Dataset::default()
-                .marker(Marker::Dot)
-                .graph_type(GraphType::Line)
-                .style(theme.dim())
-                .data(m)
-        })
-        .collect();
-    for (s, pts) in series.iter().zip(&visible) {
-        datasets.push(
-            Dataset::default()
-                .name(s.name.clone())
-                .marker(if s.scatter {
-                    Marker::Dot
-                } else {
-                    Marker::Braille
-                })
-                .graph_type(if s.scatter {
-                    GraphType::Scatter
-                } else {
-                    GraphType::Line
-                })
-                .style(s.style)
-                .data(pts),
-        );
-    }
-    let chart = Chart::new(datasets)
-        .block(block)
-        .x_axis(
-            Axis::default()
-                .bounds([x0, x1])
-                .style(theme.dim())
-                .labels([Span::raw(fmt_num(x0)), Span::raw(fmt_num(x1))]),
-        )
-        .y_axis(
-            Axis::default()
-                .bounds([y0, y1])
-                .style(theme.dim())
-                .labels([Span::raw(y_fmt(y0)), Span::raw(y_fmt(y1))]),
-        )
-        .hidden_legend_constraints((
-            ratatui::layout::Constraint::Percentage(60),
-            ratatui::layout::Constraint::Percentage(60),
-        ));
-    frame.render_widget(chart, area);
 }
 
 /// A pane that has nothing to draw yet says so, in its frame.

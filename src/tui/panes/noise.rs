@@ -8,7 +8,9 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Paragraph, Wrap};
 use ratatui::Frame;
 
-use super::{block, draw_chart, fmt_num, placeholder, steps_in_view, ChartSpec, Series, Theme};
+use super::{
+    block, draw_chart, fmt_num, placeholder, steps_in_view, ChartSpec, Series, Theme, Units,
+};
 use crate::telemetry::AccumPolicy;
 use crate::tui::app::{App, PaneId};
 
@@ -61,8 +63,9 @@ pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     ];
     let spec = ChartSpec {
         series: &series,
-        y_fixed: None,
-        y_fmt: fmt_num,
+        from_zero: false,
+        units: Units::Number,
+        scalable: true,
     };
     draw_chart(frame, chart, Block::new(), app, spec, theme);
     frame.render_widget(

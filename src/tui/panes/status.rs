@@ -71,11 +71,11 @@ pub fn lines(app: &App, theme: Theme) -> Vec<Line<'static>> {
         theme,
     ));
     let lr = knob("lr", format!("{lr_now:.2e}"), None, theme);
-    let dev = knob("dev", app.device_name().to_string(), None, theme);
+    // The device is in the header line.
     let mut out = vec![
         knob_line(app, 0, batch, theme),
         knob_line(app, 1, lr, theme),
-        knob_line(app, 2, dev, theme),
+        knob_line(app, 2, Vec::new(), theme),
     ];
     out.push(super::noise::status_line(app, theme));
 

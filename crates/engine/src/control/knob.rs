@@ -287,7 +287,7 @@ pub static KNOBS: [Knob; 14] = [
     },
     Knob {
         key: "checkpointing",
-        label: "checkpointing",
+        label: "ckpt",
         name: "checkpointing",
         what: "activation checkpointing",
         kind: "set_checkpointing",
@@ -297,7 +297,7 @@ pub static KNOBS: [Knob; 14] = [
             item: "ckpt",
             bare: Some("blocks"),
         }),
-        pane: None,
+        pane: Some(2),
         moves_memory: true,
         actions: &[KnobAction {
             name: "checkpoint_toggle",

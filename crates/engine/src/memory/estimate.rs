@@ -32,7 +32,7 @@ use crate::telemetry::{
     ZeroGrad,
 };
 
-use super::planner::{aligned, human_bytes, Verdict};
+use super::verdict::Verdict;
 
 const F32: u64 = 4;
 
@@ -866,94 +866,6 @@ impl Report {
             verdict: Verdict::new(cfg, effective, budget),
         }
     }
-
-    /// Model states per parameter, device and host, beside DeepSpeed's way of counting them.
-    fn model_states_line(&self) -> String {
-        let m = model_states(&self.config);
-        let per = |b: u64| b as f64 / self.params.max(1) as f64;
-        format!(
-            "model states (weights, gradient buffer, optimizer state): {} on the device ({:.2} \
-             bytes/parameter), {} in host memory ({:.2} bytes/parameter)\n\n",
-            human_bytes(m.device),
-            per(m.device),
-            human_bytes(m.host),
-            per(m.host),
-        )
-    }
-
-    /// The report as the terminal shows it.
-    pub fn render(&self) -> String {
-        let c = &self.config;
-        let m = &c.model;
-        let mut out = format!(
-            "{}: d_model={} layers={} heads={} seq_len={} vocab={} ({} parameters, untied head {} of them)\n\
-             B={} K={} {} offload {}; {}\n",
-            self.preset,
-            m.d_model,
-            m.layers,
-            m.heads,
-            m.seq_len,
-            m.vocab,
-            self.params,
-            m.d_model as u64 * m.vocab as u64,
-            c.micro_batch,
-            c.accum_steps,
-            c.dtype.name(),
-            match (c.offload, c.offload_grads) {
-                (false, _) => "off",
-                (true, OffloadGrads::Device) => "on (gradients accumulate on the device)",
-                (true, OffloadGrads::Host) => "on (gradients accumulate in host memory)",
-            },
-            if c.unified {
-                "CPU: host and device are one memory"
-            } else {
-                "GPU: offloaded bytes live in host memory"
-            },
-        );
-        if let Some(why) = &self.not_trainable_here {
-            out += &format!("This shape cannot be trained here ({why}); the estimate is for this engine's stack (the reference stack is the usual one).\n");
-        }
-        out += "\n";
-        let phases = self.estimate.phases();
-        let mut rows = vec![["predicted", "forward", "backward", "optimizer", "step"]
-            .map(String::from)
-            .to_vec()];
-        for (i, name) in Categories::NAMES.iter().enumerate().take(7) {
-            let mut row = vec![name.to_string()];
-            row.extend(phases.iter().map(|(_, cats)| human_bytes(cats.values()[i])));
-            rows.push(row);
-        }
-        let mut total = vec!["total".to_string()];
-        total.extend(
-            phases
-                .iter()
-                .map(|(_, cats)| human_bytes(self.estimate.resident(cats))),
-        );
-        rows.push(total);
-        out += &aligned(&rows, &[false, true, true, true, true]);
-        out += &format!(
-            "peak {} (allocator workspace and CUDA context not included)\n",
-            human_bytes(self.peak)
-        );
-        out += &self.model_states_line();
-        out += &format!("At effective batch {}:\n", self.effective_batch);
-        let mut rows = vec![["B", "K", "activations", "grad transient", "peak"]
-            .map(String::from)
-            .to_vec()];
-        rows.extend(self.table.iter().map(|r| {
-            vec![
-                r.micro_batch.to_string(),
-                r.accum_steps.to_string(),
-                human_bytes(r.activations),
-                human_bytes(r.gradients_transient),
-                human_bytes(r.peak),
-            ]
-        }));
-        out += &aligned(&rows, &[true; 5]);
-        out += "\n";
-        out += &self.verdict.render(self.effective_batch);
-        out
-    }
 }
 
 #[cfg(test)]
@@ -968,6 +880,8 @@ mod tests {
                 layers: 2,
                 heads: 2,
                 seq_len: 32,
+                path: None,
+                adapter: None,
             },
             micro_batch: b,
             accum_steps: k,

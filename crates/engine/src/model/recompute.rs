@@ -76,7 +76,7 @@ impl ParamGrads {
 pub(super) fn segment(
     blocks: &[Block],
     x: &Tensor,
-    dims: Dims,
+    dims: &Dims,
     dtype: DType,
     grads: &ParamGrads,
 ) -> Result<Tensor> {
@@ -88,7 +88,7 @@ pub(super) fn segment(
     }
     let op = Recompute {
         blocks: blocks.to_vec(),
-        dims,
+        dims: dims.clone(),
         dtype,
         output: Mutex::new(Some(y.contiguous()?)),
         grads: grads.clone(),
@@ -163,7 +163,7 @@ impl CustomOp1 for Recompute {
         let mut weights = Weights::new(self.dtype, Some(&self.grads));
         let mut y = input.as_tensor().clone();
         for block in &self.blocks {
-            y = block.forward(&y, self.dims, &mut weights)?;
+            y = block.forward(&y, &self.dims, &mut weights)?;
         }
         // d/dy of sum(y · g) is g exactly (1 · g), so the blocks see the incoming gradient.
         let loss = (y * grad.detach())?.sum_all()?;

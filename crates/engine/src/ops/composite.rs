@@ -3,8 +3,12 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, DeviceLocation, Result, Tensor, D};
+
+use super::rope::RopeTable;
+use super::AttentionShape;
 
 /// Layer norm over the last dimension, computed in f32 whatever the input dtype.
 pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
@@ -22,6 +26,17 @@ pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<
         .to_dtype(dtype)
 }
 
+/// RMS norm as transformers' `LlamaRMSNorm`: `x/√(mean(x²) + eps)` in f32, rounded to `x`'s
+/// dtype, then times the gain.
+pub fn rms_norm(x: &Tensor, gain: &Tensor, eps: f64) -> Result<Tensor> {
+    let x32 = x.to_dtype(DType::F32)?;
+    let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = x32
+        .broadcast_div(&(ms + eps)?.sqrt()?)?
+        .to_dtype(x.dtype())?;
+    normed.broadcast_mul(gain)
+}
+
 /// `x + bias`, broadcast over the rows of `x`. In half precision the bias gradient is summed
 /// in f32 (Candle's broadcast backward would sum it in the half type).
 pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
@@ -37,22 +52,66 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     bias_add(&x.matmul(w)?, b)
 }
 
-/// Causal multi-head self-attention over `qkv` `[B·T, 3·D]`: split heads, softmax(QKᵀ/√hd)V,
-/// merge heads.
-pub fn causal_attention(qkv: &Tensor, batch: usize, t: usize, heads: usize) -> Result<Tensor> {
-    let d = qkv.dim(1)? / 3;
-    let hd = d / heads;
-    let qkv = qkv
-        .reshape((batch, t, 3, heads, hd))?
-        .permute((2, 0, 3, 1, 4))?; // [3, B, H, T, hd]
-    let q = qkv.get(0)?.contiguous()?;
-    let k = qkv.get(1)?.contiguous()?;
-    let v = qkv.get(2)?.contiguous()?;
-    let att = causal_softmax(&q.matmul(&k.t()?)?, 1.0 / (hd as f64).sqrt())?;
+/// Causal self-attention of `shape` over `qkv`, as transformers writes it: split the heads,
+/// turn queries and keys (`rotate`), repeat each key/value head for its query heads
+/// (`repeat_kv`), softmax(QKᵀ/√hd)V, merge the heads.
+pub fn causal_attention(
+    qkv: &Tensor,
+    shape: AttentionShape,
+    rope: Option<&Arc<RopeTable>>,
+) -> Result<Tensor> {
+    shape.check(qkv)?;
+    let s = shape;
+    let heads = |start: usize, n: usize| -> Result<Tensor> {
+        qkv.narrow(1, start, n * s.head_dim)?
+            .reshape((s.batch, s.t, n, s.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (mut q, mut k) = (heads(0, s.heads)?, heads(s.q_width(), s.kv_heads)?);
+    let v = heads(s.q_width() + s.kv_width(), s.kv_heads)?;
+    if let Some(table) = rope {
+        q = rotate(&q, table)?;
+        k = rotate(&k, table)?;
+    }
+    let (k, v) = (repeat_kv(&k, s)?, repeat_kv(&v, s)?);
+    let scale = 1.0 / (s.head_dim as f64).sqrt();
+    let att = causal_softmax(&q.contiguous()?.matmul(&k.t()?)?, scale)?;
     att.matmul(&v)?
         .transpose(1, 2)?
         .contiguous()?
-        .reshape((batch * t, d))
+        .reshape((s.batch * s.t, s.q_width()))
+}
+
+/// `x` `[B, heads, T, hd]` turned as transformers does: `x·cos + rotate_half(x)·sin` with the
+/// table's angles repeated over both halves and cast to `x`'s dtype.
+pub fn rotate(x: &Tensor, table: &RopeTable) -> Result<Tensor> {
+    let dev = x.device();
+    let half = table.half;
+    let both = |v: &[f32]| -> Result<Tensor> {
+        let t = Tensor::from_slice(v, (table.t, half), dev)?;
+        Tensor::cat(&[&t, &t], 1)?.to_dtype(x.dtype())
+    };
+    let (cos, sin) = (both(&table.cos)?, both(&table.sin)?);
+    let (x1, x2) = (
+        x.narrow(D::Minus1, 0, half)?,
+        x.narrow(D::Minus1, half, half)?,
+    );
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+}
+
+/// Key/value heads `[B, KV, T, hd]` repeated to `[B, H, T, hd]`, head `g` serving query heads
+/// `g·H/KV ..` (`repeat_interleave` over heads).
+fn repeat_kv(x: &Tensor, s: AttentionShape) -> Result<Tensor> {
+    let group = s.heads / s.kv_heads;
+    if group == 1 {
+        return Ok(x.clone());
+    }
+    x.unsqueeze(2)?
+        .broadcast_as((s.batch, s.kv_heads, group, s.t, s.head_dim))?
+        .contiguous()?
+        .reshape((s.batch, s.heads, s.t, s.head_dim))
 }
 
 /// GELU, tanh approximation.

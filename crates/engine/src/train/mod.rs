@@ -78,9 +78,9 @@ pub trait AfterStep: Send {
     /// with that reason.
     fn after_step(&mut self, trainer: &Trainer, sink: &EventSink) -> Option<EndReason>;
 
-    /// The run is ending with `reason`; the hook may turn it into a failure (a run that saved
-    /// nothing it tried to save).
-    fn at_end(&mut self, reason: EndReason) -> EndReason {
+    /// The run is ending with `reason`; the hook may do its last work (saving the model) and
+    /// turn the reason into a failure (a run that saved nothing it tried to save).
+    fn at_end(&mut self, _trainer: &Trainer, _sink: &EventSink, reason: EndReason) -> EndReason {
         reason
     }
 }
@@ -156,9 +156,11 @@ struct StepTiming {
 }
 
 fn run_after_step(trainer: &mut Trainer, sink: &EventSink) -> Option<EndReason> {
-    let mut hook = trainer.after_step.take()?;
-    let end = hook.after_step(trainer, sink);
-    trainer.after_step = Some(hook);
+    let mut hooks = std::mem::take(&mut trainer.after_step);
+    let end = hooks
+        .iter_mut()
+        .find_map(|hook| hook.after_step(trainer, sink));
+    trainer.after_step = hooks;
     end
 }
 
@@ -184,7 +186,7 @@ pub struct Trainer {
     memory: Ledger,
     /// Runs after every optimizer step; `--checkpoint-every` installs a saver
     /// (`checkpoint::Policy::after_step`).
-    after_step: Option<Box<dyn AfterStep>>,
+    after_step: Vec<Box<dyn AfterStep>>,
     /// Controls given with `--control STEP:KIND=VALUE`: a timeline reported with origin `cli`.
     cli_controls: Vec<TimelineEntry>,
     /// Run the composite ops (CUDA's code path) even where the fused CPU kernels apply; from
@@ -215,17 +217,21 @@ pub struct Trainer {
     gathered: Option<(Vec<Tensor>, Vec<Tensor>)>,
     base_batch: usize,
     started: Instant,
+    /// Said once the run starts, after its header ([`Trainer::announce`]).
+    announcements: Vec<Event>,
 }
 
 impl Trainer {
     /// Build the model, optimizer and data stream for `scenario` on `device`, after checking that the scenario is valid and fits; with a budget, the guard plans the first split.
     pub fn new(mut scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
         let cpu_load = crate::ops::cpu_load::OthersLoad::start();
+        crate::model::hf::prepare(&mut scenario)?;
         scenario.validate().map_err(anyhow::Error::msg)?;
         guard::check_model_fits(&scenario, &device)?;
         let corpus = Corpus::open_sizing(&mut scenario)?;
-        let mut model = Gpt::new(&scenario.model, scenario.train.seed, &device)
-            .context("building the model")?;
+        let available = crate::memory::gpu::device_total(&device)
+            .map(|total| (total, if device.is_cpu() { "host" } else { "GPU" }));
+        let mut model = crate::model::open(&scenario, &device, available, &mut |_, _| {})?;
         let t = &scenario.train;
         let hyper = Hyper {
             beta1: t.beta1,
@@ -264,7 +270,7 @@ impl Trainer {
             lr_step: 0,
             cursor: 0,
             overflow_count: 0,
-            after_step: None,
+            after_step: Vec::new(),
             cli_controls: Vec::new(),
             guard,
             window_observers: Vec::new(),
@@ -273,6 +279,7 @@ impl Trainer {
             gather_every: 0,
             gathered: None,
             started: Instant::now(),
+            announcements: Vec::new(),
         };
         let unified = trainer.memory.unified();
         trainer.guard.plan_start(
@@ -282,6 +289,12 @@ impl Trainer {
             trainer.step,
         )?;
         Ok(trainer)
+    }
+
+    /// Send `event` when the run starts, after its header: what the run was built with that
+    /// the user did not ask for in so many words (a resumed run's kept LR schedule).
+    pub fn announce(&mut self, event: Event) {
+        self.announcements.push(event);
     }
 
     /// The model's parameters, in the order of the optimizer's state and of checkpoints.
@@ -381,8 +394,8 @@ impl Trainer {
     }
 
     /// Run `hook` after every optimizer step (`--checkpoint-every` installs a saver).
-    pub fn set_after_step(&mut self, hook: Box<dyn AfterStep>) {
-        self.after_step = Some(hook);
+    pub fn add_after_step(&mut self, hook: Box<dyn AfterStep>) {
+        self.after_step.push(hook);
     }
 
     /// The counters a checkpoint saves.
@@ -573,6 +586,12 @@ impl Trainer {
             device: device_name(&self.device),
             build: BuildInfo::current(crate::ops::pool::cpu_threads()),
             params: self.model.param_count(),
+            family: self
+                .scenario
+                .model
+                .path
+                .as_ref()
+                .map(|_| self.model.spec.arch.family.clone()),
             entropy_floor: self.corpus.entropy_floor(),
             tokenizer: self.corpus.tokenizer().cloned(),
             started_unix: SystemTime::now()
@@ -689,7 +708,6 @@ impl Trainer {
     ) -> std::result::Result<StepEvent, Interrupt> {
         let _kernels = crate::ops::force_composite(self.composite);
         let started = Instant::now();
-        self.group.start_window_clock();
         if self.device.is_cpu() {
             crate::ops::workspace::reserve();
         }
@@ -714,8 +732,7 @@ impl Trainer {
         };
         let comm = self.group.is_parallel().then(|| {
             let sync = self.knobs.sync;
-            self.group
-                .finish_window(sync, self.memory.last_step_peak(), timing.step_ms)
+            self.group.finish_window(sync, self.memory.last_step_peak())
         });
         Ok(self.step_event(summary, update, timing, scale, noise, comm))
     }
@@ -1185,6 +1202,7 @@ pub fn run_returning(
     send_estimate(&trainer, &sink);
     let mut divergence = guard::Divergence::new(trainer.scenario.train.max_nonfinite_windows);
     send_all(&sink, trainer.guard.take_announcements());
+    send_all(&sink, std::mem::take(&mut trainer.announcements));
     let reason = loop {
         match boundary(&mut trainer, &mut flow, &mut controls, &sink) {
             ControlFlow::Break(end) => break end,
@@ -1208,7 +1226,7 @@ pub fn run_returning(
             break end;
         }
     };
-    let reason = finish(&mut trainer, reason, &divergence);
+    let reason = finish(&mut trainer, reason, &divergence, &sink);
     if reason.is_failure() {
         guard::send_error(&sink, trainer.step, &reason.to_string());
     }
@@ -1339,15 +1357,22 @@ fn after_window(
 
 /// The reason the run ends with, once the after-step hook had its say and a run that ends on a
 /// non-finite loss is called diverged however short it was.
-fn finish(trainer: &mut Trainer, reason: EndReason, divergence: &guard::Divergence) -> EndReason {
+fn finish(
+    trainer: &mut Trainer,
+    reason: EndReason,
+    divergence: &guard::Divergence,
+    sink: &EventSink,
+) -> EndReason {
     let reason = match reason {
         EndReason::Completed | EndReason::Stopped => divergence.at_end().unwrap_or(reason),
         other => other,
     };
-    match trainer.after_step.as_mut() {
-        Some(hook) => hook.at_end(reason),
-        None => reason,
-    }
+    let mut hooks = std::mem::take(&mut trainer.after_step);
+    let reason = hooks
+        .iter_mut()
+        .fold(reason, |reason, hook| hook.at_end(trainer, sink, reason));
+    trainer.after_step = hooks;
+    reason
 }
 
 /// Flow state and knob changes waiting for the boundary.

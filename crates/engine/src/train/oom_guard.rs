@@ -16,7 +16,7 @@
 
 use super::{Interrupt, Knobs};
 use crate::memory::estimate::{estimate, largest_micro_batch, Config};
-use crate::memory::planner::{human_bytes, Verdict};
+use crate::memory::verdict::{human_bytes, Verdict};
 use crate::scenario::ModelConfig;
 use crate::telemetry::{Control, ControlEvent, Event, MemoryEvent, Origin, Phase};
 
@@ -136,9 +136,10 @@ impl Guard {
         }
         let Some(row) = largest_micro_batch(&cfg, effective, budget) else {
             anyhow::bail!(
-                "the memory budget ({}) cannot hold this run at any micro-batch:\n{}",
+                "the memory budget ({}) cannot hold this run at any micro-batch: {} \
+                 (`gaccwb estimate` shows every lever)",
                 human_bytes(budget),
-                Verdict::new(&cfg, effective, budget).render(effective)
+                Verdict::new(&cfg, effective, budget).summary()
             );
         };
         self.queued
@@ -178,8 +179,10 @@ impl Guard {
         let (b, effective) = (knobs.micro_batch, knobs.effective_batch());
         let (peak, limit) = distinct_sizes(worst.peak, budget);
         let measured = format!(
-            "measured {:?} peak {peak} ({:?}) at step {} exceeds the budget {limit}",
-            worst.phase, worst.source, worst.step,
+            "measured {} peak {peak} ({}) at step {} exceeds the budget {limit}",
+            worst.phase.label(),
+            worst.source.label(),
+            worst.step,
         );
         if b == 1 {
             // Said once: every later step at B=1 would say the same.
@@ -340,6 +343,8 @@ mod tests {
                 layers: 2,
                 heads: 2,
                 seq_len: 16,
+                path: None,
+                adapter: None,
             },
             data: DataConfig {
                 alphabet: 8,
@@ -436,9 +441,14 @@ mod tests {
             panic!("no log at the first step over the budget");
         };
         assert!(
+            first.message.contains("measured backward peak"),
+            "the phase in words, not a type name: {}",
+            first.message
+        );
+        assert!(
             first
                 .message
-                .contains("1.86 MiB (1950001 B) (Allocator) at step 1 exceeds the budget 1.86 MiB (1950000 B)"),
+                .contains("1.86 MiB (1950001 B) (allocator) at step 1 exceeds the budget 1.86 MiB (1950000 B)"),
             "{}",
             first.message
         );

@@ -1,60 +1,94 @@
-//! Causal multi-head self-attention as one op: `qkv` (`[B·T, 3·D]`, the output of the qkv
-//! projection) to `y` (`[B·T, D]`, heads side by side). Heads are read and written in place
-//! through strides, so no split, permute or copy is made. Like FlashAttention, nothing of size
+//! Causal self-attention as one op: `qkv` (`[B·T, (H + 2·KV)·hd]`, the queries of H heads, then
+//! the keys and the values of KV heads, as the projections write them) to `y` (`[B·T, H·hd]`,
+//! heads side by side). Grouped-query attention shares key/value head `g` among query heads
+//! `g·H/KV ..`, as transformers' `repeat_kv` does, without copying it. With a rotary table the
+//! queries and keys are turned (half-split, `ops::rope`) into a per-head scratch as they are
+//! read; the kept `qkv` stays unturned and the backward turns again.
+//!
+//! Heads are read and written in place through strides. Like FlashAttention, nothing of size
 //! T×T is kept for the backward: it recomputes the probabilities from `qkv`, which costs one
 //! `QKᵀ` per head and saves B·H·T² floats per layer (and the graph nodes that would hold them).
+//! Work is split by (sequence, key/value head), so the gradients of a shared key/value head are
+//! summed by one thread in head order: the same bits at any thread count.
+
+use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{filled, for_each_unit, storage, Mat, MatMut};
-use crate::ops::vmath;
+use super::{filled, for_each_unit, storage, Mat, MatMut, Shared};
+use crate::ops::rope::RopeTable;
+use crate::ops::{vmath, AttentionShape};
 
-/// Causal self-attention over `qkv` of `batch` sequences of `t` tokens with `heads` heads.
-pub fn causal_attention(qkv: &Tensor, batch: usize, t: usize, heads: usize) -> Result<Tensor> {
-    let (n, d3) = qkv.dims2()?;
-    if n != batch * t || d3 % (3 * heads) != 0 {
-        candle_core::bail!("attention: qkv {n}×{d3} for {batch}×{t} tokens and {heads} heads");
-    }
-    qkv.contiguous()?.apply_op1(Attention {
-        batch,
-        t,
-        heads,
-        d: d3 / 3,
-    })
+/// Causal self-attention over `qkv` of the shape `shape`, rotary when `rope` is given.
+pub fn causal_attention(
+    qkv: &Tensor,
+    shape: AttentionShape,
+    rope: Option<&Arc<RopeTable>>,
+) -> Result<Tensor> {
+    shape.check(qkv)?;
+    qkv.contiguous()?
+        .apply_op1(Attention::new(shape, rope.cloned()))
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(super) struct Attention {
-    batch: usize,
-    t: usize,
-    heads: usize,
-    d: usize,
+    s: AttentionShape,
+    rope: Option<Arc<RopeTable>>,
+}
+
+/// A head's block `T×hd` as the products read it: a view into `qkv`, or its turned copy.
+struct Block {
+    turned: Vec<f32>,
 }
 
 impl Attention {
-    /// Attention over `batch` sequences of `t` tokens, `heads` heads, model width `d`.
-    pub(super) fn new(batch: usize, t: usize, heads: usize, d: usize) -> Attention {
-        Attention { batch, t, heads, d }
-    }
-
-    fn head_dim(&self) -> usize {
-        self.d / self.heads
+    /// Attention of `shape`, rotary with `rope`.
+    pub(super) fn new(s: AttentionShape, rope: Option<Arc<RopeTable>>) -> Attention {
+        Attention { s, rope }
     }
 
     fn scale(&self) -> f32 {
-        1.0 / (self.head_dim() as f32).sqrt()
+        1.0 / (self.s.head_dim as f32).sqrt()
     }
 
-    /// Q, K or V (`part` 0, 1, 2) of sequence `b`, head `h`: a T×hd view into `qkv`.
+    /// Q (`part` 0, query head `h`), K or V (`part` 1 or 2, key/value head `h`) of sequence
+    /// `b`: a T×hd view into `qkv`.
     fn part(&self, qkv: &[f32], part: usize, b: usize, h: usize) -> Mat {
-        let offset = b * self.t * 3 * self.d + part * self.d + h * self.head_dim();
-        Mat::new(qkv[offset..].as_ptr(), self.t, self.head_dim(), 3 * self.d)
+        Mat::new(
+            qkv[self.offset(part, b, h)..].as_ptr(),
+            self.s.t,
+            self.s.head_dim,
+            self.s.qkv_width(),
+        )
+    }
+
+    /// Where `part` of head `h` of sequence `b` starts in a `qkv`-shaped buffer.
+    fn offset(&self, part: usize, b: usize, h: usize) -> usize {
+        let s = &self.s;
+        let start = [0, s.q_width(), s.q_width() + s.kv_width()][part];
+        b * s.t * s.qkv_width() + start + h * s.head_dim
+    }
+
+    /// Q or K (`part` 0 or 1) as the scores multiply it: the view itself, or with a rotary table
+    /// its rows turned into `scratch`.
+    fn turned(&self, qkv: &[f32], part: usize, b: usize, h: usize, scratch: &mut Block) -> Mat {
+        let view = self.part(qkv, part, b, h);
+        let Some(table) = &self.rope else {
+            return view;
+        };
+        let (t, hd, w) = (self.s.t, self.s.head_dim, self.s.qkv_width());
+        let start = self.offset(part, b, h);
+        for (p, out) in scratch.turned.chunks_exact_mut(hd).enumerate().take(t) {
+            let row = &qkv[start + p * w..start + p * w + hd];
+            table.rotate(p, row, out, false);
+        }
+        Mat::rows(&scratch.turned[..t * hd], hd)
     }
 
     /// Row-wise causal softmax of `scale · S` in place (T×T, row i keeps columns 0..=i).
     #[inline(always)]
     fn softmax_rows(&self, s: &mut [f32]) {
-        let (t, scale) = (self.t, self.scale());
+        let (t, scale) = (self.s.t, self.scale());
         for (i, row) in s.chunks_exact_mut(t).enumerate() {
             let (seen, future) = row.split_at_mut(i + 1);
             let max = vmath::max(seen) * scale;
@@ -67,89 +101,146 @@ impl Attention {
         }
     }
 
-    /// P = softmax(scale · Q Kᵀ) for one (sequence, head) into `p` (T×T).
-    fn probabilities(&self, qkv: &[f32], b: usize, h: usize, p: &mut [f32]) {
-        let (q, k) = (self.part(qkv, 0, b, h), self.part(qkv, 1, b, h));
-        // SAFETY: `p` is T×T; q and k are views of `qkv` (`part`); `p` is not part of `qkv`.
-        unsafe { super::matmul(MatMut::rows(p, self.t), q, k.t(), false, false) };
+    /// P = softmax(scale · Q Kᵀ) into `p` (T×T).
+    fn probabilities(&self, q: Mat, k: Mat, p: &mut [f32]) {
+        // SAFETY: `p` is T×T; q and k are views of `qkv` or of scratch blocks, none of them `p`.
+        unsafe { super::matmul(MatMut::rows(p, self.s.t), q, k.t(), false, false) };
         vmath::widest(
             #[inline(always)]
             || self.softmax_rows(p),
         );
     }
 
+    /// Units of work: one per (sequence, key/value head).
     fn units(&self) -> usize {
-        self.batch * self.heads
+        self.s.batch * self.s.kv_heads
     }
 
-    /// `y` (`[B·T, D]`) from `qkv` (`[B·T, 3·D]`), in f32.
+    fn scratch(&self) -> Block {
+        let len = if self.rope.is_some() {
+            self.s.t * self.s.head_dim
+        } else {
+            0
+        };
+        Block {
+            turned: vec![0f32; len],
+        }
+    }
+
+    /// `y` (`[B·T, H·hd]`) from `qkv`, in f32.
     pub(super) fn forward_rows(&self, qkv: &[f32]) -> Vec<f32> {
-        let (n, d, t) = (self.batch * self.t, self.d, self.t);
-        // Every (sequence, head) writes its T×hd block of y: all of it.
-        filled(n * d, |out| {
+        let s = self.s;
+        let (t, hd, width) = (s.t, s.head_dim, s.q_width());
+        // Every (sequence, query head) writes its T×hd block of y: all of it.
+        filled(s.batch * t * width, |out| {
             for_each_unit(self.units(), |units| {
                 let mut p = vec![0f32; t * t];
+                let (mut kb, mut qb) = (self.scratch(), self.scratch());
                 for unit in units {
-                    let (b, h) = (unit / self.heads, unit % self.heads);
-                    self.probabilities(qkv, b, h, &mut p);
-                    let v = self.part(qkv, 2, b, h);
-                    let dst = out.offset(b * t * d + h * self.head_dim());
-                    let dst = MatMut::new(dst, t, self.head_dim(), d);
-                    // SAFETY: `dst` is head h's T×hd block of sequence b in the output, this
-                    // unit's alone; `p` and `v` are separate buffers.
-                    unsafe { super::matmul(dst, Mat::rows(&p, t), v, false, false) };
-                }
-            })
-        })
-    }
-
-    /// `dqkv` (`[B·T, 3·D]`) from `qkv` and the output gradient `dy`, in f32: the probabilities
-    /// are recomputed from `qkv`.
-    pub(super) fn backward_rows(&self, qkv: &[f32], dy: &[f32]) -> Vec<f32> {
-        let a = self;
-        let (n, d, t, hd) = (a.batch * a.t, a.d, a.t, a.head_dim());
-        let scale = a.scale();
-        // Every (sequence, head) writes its dQ, dK and dV blocks: all of dqkv.
-        filled(n * 3 * d, |out| {
-            for_each_unit(a.units(), |units| {
-                let (mut p, mut ds) = (vec![0f32; t * t], vec![0f32; t * t]);
-                for unit in units {
-                    let (b, h) = (unit / a.heads, unit % a.heads);
-                    a.probabilities(qkv, b, h, &mut p);
-                    let (q, k, v) = (
-                        a.part(qkv, 0, b, h),
-                        a.part(qkv, 1, b, h),
-                        a.part(qkv, 2, b, h),
-                    );
-                    let dy = Mat::new(dy[b * t * d + h * hd..].as_ptr(), t, hd, d);
-                    // dP = dY Vᵀ, then dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)).
-                    // SAFETY: `ds` is this unit's T×T scratch; dy and v are views of other buffers.
-                    unsafe { super::matmul(MatMut::rows(&mut ds, t), dy, v.t(), false, false) };
-                    vmath::widest(
-                        #[inline(always)]
-                        || {
-                            for (dr, pr) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-                                let dot = vmath::dot(dr, pr);
-                                for (d, &p) in dr.iter_mut().zip(pr) {
-                                    *d = scale * p * (*d - dot);
-                                }
-                            }
-                        },
-                    );
-                    let grad = |part: usize| {
-                        let dst = out.offset(b * t * 3 * d + part * d + h * hd);
-                        MatMut::new(dst, t, hd, 3 * d)
-                    };
-                    // SAFETY: grad(part) is head h's block of q, k or v's gradient for sequence
-                    // b, this unit's alone, in the output; the inputs are other buffers.
-                    unsafe {
-                        super::matmul(grad(0), Mat::rows(&ds, t), k, false, false);
-                        super::matmul(grad(1), Mat::rows(&ds, t).t(), q, false, false);
-                        super::matmul(grad(2), Mat::rows(&p, t).t(), dy, false, false);
+                    let (b, g) = (unit / s.kv_heads, unit % s.kv_heads);
+                    let k = self.turned(qkv, 1, b, g, &mut kb);
+                    let v = self.part(qkv, 2, b, g);
+                    for h in s.group_of(g) {
+                        let q = self.turned(qkv, 0, b, h, &mut qb);
+                        self.probabilities(q, k, &mut p);
+                        let dst = MatMut::new(out.offset(b * t * width + h * hd), t, hd, width);
+                        // SAFETY: `dst` is query head h's T×hd block of sequence b in the
+                        // output, this unit's alone; `p` and `v` are separate buffers.
+                        unsafe { super::matmul(dst, Mat::rows(&p, t), v, false, false) };
                     }
                 }
             })
         })
+    }
+
+    /// `dqkv` (`[B·T, (H + 2·KV)·hd]`) from `qkv` and the output gradient `dy`, in f32: the
+    /// probabilities are recomputed from `qkv`.
+    pub(super) fn backward_rows(&self, qkv: &[f32], dy: &[f32]) -> Vec<f32> {
+        let s = self.s;
+        let (t, hd, width) = (s.t, s.head_dim, s.q_width());
+        let scale = self.scale();
+        // Every (sequence, key/value head) writes its dK and dV blocks and the dQ blocks of
+        // its query heads: all of dqkv.
+        filled(s.batch * t * s.qkv_width(), |out| {
+            for_each_unit(self.units(), |units| {
+                let (mut p, mut ds) = (vec![0f32; t * t], vec![0f32; t * t]);
+                let (mut kb, mut qb) = (self.scratch(), self.scratch());
+                // With a rotary table, dQ and dK are made turned, then turned back.
+                let (mut dq_turned, mut dk_turned) = (self.scratch(), self.scratch());
+                for unit in units {
+                    let (b, g) = (unit / s.kv_heads, unit % s.kv_heads);
+                    let k = self.turned(qkv, 1, b, g, &mut kb);
+                    let v = self.part(qkv, 2, b, g);
+                    for (i, h) in s.group_of(g).enumerate() {
+                        let q = self.turned(qkv, 0, b, h, &mut qb);
+                        self.probabilities(q, k, &mut p);
+                        let dy = Mat::new(dy[b * t * width + h * hd..].as_ptr(), t, hd, width);
+                        // dP = dY Vᵀ, then dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)).
+                        // SAFETY: `ds` is this unit's T×T scratch; dy and v are views of other
+                        // buffers.
+                        unsafe { super::matmul(MatMut::rows(&mut ds, t), dy, v.t(), false, false) };
+                        vmath::widest(
+                            #[inline(always)]
+                            || {
+                                for (dr, pr) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+                                    let dot = vmath::dot(dr, pr);
+                                    for (d, &p) in dr.iter_mut().zip(pr) {
+                                        *d = scale * p * (*d - dot);
+                                    }
+                                }
+                            },
+                        );
+                        let sum = i > 0;
+                        let (dq, dk) = match self.rope {
+                            Some(_) => (
+                                MatMut::rows(&mut dq_turned.turned, hd),
+                                MatMut::rows(&mut dk_turned.turned, hd),
+                            ),
+                            None => (self.grad(out, 0, b, h), self.grad(out, 1, b, g)),
+                        };
+                        // SAFETY: the destinations are this unit's scratch blocks or its own
+                        // blocks of the output (query head h, key/value head g of sequence b);
+                        // the inputs are other buffers.
+                        unsafe {
+                            super::matmul(dq, Mat::rows(&ds, t), k, false, false);
+                            super::matmul(dk, Mat::rows(&ds, t).t(), q, sum, false);
+                            super::matmul(
+                                self.grad(out, 2, b, g),
+                                Mat::rows(&p, t).t(),
+                                dy,
+                                sum,
+                                false,
+                            );
+                        }
+                        if self.rope.is_some() {
+                            self.turn_back(&dq_turned, out, 0, b, h);
+                        }
+                    }
+                    if self.rope.is_some() {
+                        self.turn_back(&dk_turned, out, 1, b, g);
+                    }
+                }
+            })
+        })
+    }
+
+    /// Head `h`'s block of `part` of sequence `b` in a `qkv`-shaped output.
+    fn grad(&self, out: Shared, part: usize, b: usize, h: usize) -> MatMut {
+        let (t, hd, w) = (self.s.t, self.s.head_dim, self.s.qkv_width());
+        MatMut::new(out.offset(self.offset(part, b, h)), t, hd, w)
+    }
+
+    /// The turned gradient in `block` turned back into head `h`'s block of `part` of the output.
+    fn turn_back(&self, block: &Block, out: Shared, part: usize, b: usize, h: usize) {
+        let Some(table) = &self.rope else { return };
+        let (hd, w) = (self.s.head_dim, self.s.qkv_width());
+        let start = self.offset(part, b, h);
+        for (p, row) in block.turned.chunks_exact(hd).enumerate() {
+            // SAFETY: row p of head h's block of `part` of sequence b (hd values inside the
+            // output) is this unit's alone.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.offset(start + p * w), hd) };
+            table.rotate(p, row, dst, true);
+        }
     }
 }
 
@@ -163,12 +254,12 @@ impl CustomOp1 for Attention {
         let y = self.forward_rows(&qkv);
         Ok((
             storage::stored(y, s)?,
-            Shape::from((self.batch * self.t, self.d)),
+            Shape::from((self.s.batch * self.s.t, self.s.q_width())),
         ))
     }
 
     fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let op = AttentionBackward(*self);
+        let op = AttentionBackward(self.clone());
         Ok(Some(qkv.apply_op2_no_bwd(&grad.contiguous()?, &op)?))
     }
 }
@@ -193,7 +284,10 @@ impl CustomOp2 for AttentionBackward {
             storage::input(gs, gl, self.name())?,
         );
         let dqkv = self.0.backward_rows(&qkv, &dy);
-        let n = self.0.batch * self.0.t;
-        Ok((storage::stored(dqkv, qs)?, Shape::from((n, 3 * self.0.d))))
+        let s = self.0.s;
+        Ok((
+            storage::stored(dqkv, qs)?,
+            Shape::from((s.batch * s.t, s.qkv_width())),
+        ))
     }
 }

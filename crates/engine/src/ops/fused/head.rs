@@ -16,7 +16,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor}
 use super::{
     f32_slice, filled, for_units, log_sum_exp, matmul, storage, u32_slice, Mat, MatMut, Shared,
 };
-use crate::ops::vmath;
+use crate::ops::{vmath, WeightLayout};
 
 /// Logits one chunk holds: 2M floats (8 MiB), 256 rows at V = 8192. Measured on `text-bpe`
 /// at two threads (docs/TOKENIZER.md): 64, 256 and 1024 rows ran at the same speed within noise,
@@ -30,12 +30,22 @@ pub fn chunk_rows(v: usize) -> usize {
     (CHUNK_ELEMENTS / v.max(1)).max(64)
 }
 
-/// Sum over counted rows of `−log softmax(x·w)[target]`: `x` `[N, D]`, `w` `[D, V]`,
-/// `targets` `[N]` u32, `mask` `[N]` f32. Gradients flow to `x` and `w`.
-pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
+/// Sum over counted rows of `−log softmax(x·W)[target]`: `x` `[N, D]`, `w` `[D, V]` (or
+/// `[V, D]` with `WeightLayout::OutIn`: a head tied to the token embedding), `targets` `[N]`
+/// u32, `mask` `[N]` f32. Gradients flow to `x` and `w`.
+pub fn linear_nll_sum(
+    x: &Tensor,
+    w: &Tensor,
+    layout: WeightLayout,
+    targets: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
     let (x, w) = (x.contiguous()?, w.contiguous()?);
     let (n, d) = x.dims2()?;
-    let (wd, _) = w.dims2()?;
+    let wd = match layout {
+        WeightLayout::InOut => w.dim(0)?,
+        WeightLayout::OutIn => w.dim(1)?,
+    };
     // n ≥ 1: the backward's first chunk is what writes dW.
     if n == 0 || wd != d || targets.dims1()? != n || mask.dims1()? != n {
         candle_core::bail!(
@@ -49,6 +59,7 @@ pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -
     let op = LinearNll {
         targets: targets.contiguous()?,
         mask: mask.contiguous()?,
+        layout,
     };
     x.apply_op2(&w, op)
 }
@@ -58,6 +69,7 @@ pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -
 struct LinearNll {
     targets: Tensor,
     mask: Tensor,
+    layout: WeightLayout,
 }
 
 /// The shapes one pass works on.
@@ -66,14 +78,28 @@ struct Dims {
     n: usize,
     d: usize,
     v: usize,
+    layout: WeightLayout,
 }
 
 impl Dims {
-    fn of(xl: &Layout, wl: &Layout) -> Dims {
+    fn of(xl: &Layout, wl: &Layout, layout: WeightLayout) -> Dims {
+        let v = match layout {
+            WeightLayout::InOut => wl.dims()[1],
+            WeightLayout::OutIn => wl.dims()[0],
+        };
         Dims {
             n: xl.dims()[0],
             d: xl.dims()[1],
-            v: wl.dims()[1],
+            v,
+            layout,
+        }
+    }
+
+    /// W as the `d × v` matrix the logits multiply by.
+    fn w(&self, w: &[f32]) -> Mat {
+        match self.layout {
+            WeightLayout::InOut => Mat::rows(w, self.v),
+            WeightLayout::OutIn => Mat::rows(w, self.d).t(),
         }
     }
 
@@ -118,7 +144,7 @@ fn chunk_logits(buf: &mut [f32], x: &[f32], w: &[f32], dims: Dims, rows: &Range<
         matmul(
             MatMut::rows(&mut buf[..rows.len() * v], v),
             Mat::rows(x_rows, d),
-            Mat::rows(w, v),
+            dims.w(w),
             false,
             true,
         )
@@ -145,7 +171,7 @@ impl CustomOp2 for LinearNll {
         let x = storage::input(xs, xl, self.name())?;
         let w = storage::input(ws, wl, self.name())?;
         let (x, w) = (&x[..], &w[..]);
-        let dims = Dims::of(xl, wl);
+        let dims = Dims::of(xl, wl, self.layout);
         let losses = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
             Ok(row_losses(x, w, dims, targets, mask))
         })?;
@@ -162,18 +188,27 @@ impl CustomOp2 for LinearNll {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (n, d) = x.dims2()?;
-        let v = w.dim(1)?;
         let scale = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
         let op = LinearNllBackward {
             scale,
             targets: self.targets.clone(),
             mask: self.mask.clone(),
+            layout: self.layout,
+            // A frozen head (LoRA) takes part in no graph: its gradient is never computed.
+            weight_grad: w.track_op(),
         };
         // One buffer holds [dx; dw], as the fused linear's backward.
         let packed = x.apply_op2_no_bwd(w, &op)?;
         let dx = packed.narrow(0, 0, n * d)?.reshape((n, d))?;
-        let dw = packed.narrow(0, n * d, d * v)?.reshape((d, v))?;
-        Ok((Some(dx), Some(dw)))
+        let dw = match op.weight_grad {
+            true => Some(
+                packed
+                    .narrow(0, n * d, w.elem_count())?
+                    .reshape(w.shape())?,
+            ),
+            false => None,
+        };
+        Ok((Some(dx), dw))
     }
 }
 
@@ -217,6 +252,9 @@ struct LinearNllBackward {
     scale: f32,
     targets: Tensor,
     mask: Tensor,
+    layout: WeightLayout,
+    /// Whether dW is wanted (not for a frozen head).
+    weight_grad: bool,
 }
 
 impl CustomOp2 for LinearNllBackward {
@@ -238,34 +276,46 @@ impl CustomOp2 for LinearNllBackward {
             storage::input(ws, wl, self.name())?,
         );
         let (x, w) = (&xw[..], &ww[..]);
-        let dims = Dims::of(xl, wl);
-        let Dims { n, d, v } = dims;
+        let dims = Dims::of(xl, wl, self.layout);
+        let Dims { n, d, v, .. } = dims;
         let packed = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
             let mut buf = chunk_buffer(dims);
             // dx rows are written by their chunk's product, dw by the first chunk's (then
             // added to): every value, as chunks cover all rows and n ≥ 1.
-            Ok(filled(n * d + d * v, |out| {
+            let dw_len = if self.weight_grad { d * v } else { 0 };
+            Ok(filled(n * d + dw_len, |out| {
                 for (c, rows) in dims.chunks().enumerate() {
                     chunk_logits(&mut buf, x, w, dims, &rows);
                     let dlogits = &mut buf[..rows.len() * v];
                     to_dlogits(dlogits, v, rows.start, targets, mask, self.scale);
                     // SAFETY: `out` holds n·d dx values then d·v dw values; these views are
                     // this chunk's dx rows and the dw block, apart from `buf`, `x` and `w`.
+                    let x_rows = Mat::rows(&x[rows.start * d..rows.end * d], d);
                     unsafe {
                         matmul(
                             MatMut::new(out.offset(rows.start * d), rows.len(), d, d),
                             Mat::rows(dlogits, v),
-                            Mat::rows(w, v).t(),
+                            dims.w(w).t(),
                             false,
                             true,
                         );
-                        matmul(
-                            MatMut::new(out.offset(n * d), d, v, v),
-                            Mat::rows(&x[rows.start * d..rows.end * d], d).t(),
-                            Mat::rows(dlogits, v),
-                            c > 0,
-                            true,
-                        );
+                        match (self.weight_grad, dims.layout) {
+                            (false, _) => {}
+                            (true, WeightLayout::InOut) => matmul(
+                                MatMut::new(out.offset(n * d), d, v, v),
+                                x_rows.t(),
+                                Mat::rows(dlogits, v),
+                                c > 0,
+                                true,
+                            ),
+                            (true, WeightLayout::OutIn) => matmul(
+                                MatMut::new(out.offset(n * d), v, d, d),
+                                Mat::rows(dlogits, v).t(),
+                                x_rows,
+                                c > 0,
+                                true,
+                            ),
+                        }
                     }
                 }
             }))

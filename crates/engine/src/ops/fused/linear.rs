@@ -1,53 +1,52 @@
-//! Dense layers as single ops: `x·W + b`, `x·W` (the LM head) and `gelu(h)·W + b` (the MLP's
-//! second half). The GELU output (the largest activation of a block, N×4D) is not kept: the
-//! backward recomputes it from `h`, which the graph keeps anyway as the first linear's output.
-//! Products go straight to `gemm`; the backward returns dx, dW and db from one buffer.
+//! Dense layers as single ops: `x·W + b`, `x·W` (the LM head) and the MLP's second half
+//! `act(h)·W + b`, with `act` the GELU (GPT-2) or SwiGLU (`silu(gate)·up`, the LLaMA family, `h`
+//! being `[gate | up]`). The activation's output (the largest activation of a block) is not
+//! kept: the backward recomputes it from `h`, which the graph keeps anyway as the first
+//! linear's output. Products go straight to `gemm`; the backward returns dx, dW and db from one
+//! buffer. A step's layers (several weights side by side, adapters, frozen weights) are
+//! `layer.rs`.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::{column_sums, filled, for_ranges, for_units, matmul, storage, Mat, MatMut};
-use crate::ops::vmath;
+use crate::ops::{vmath, Activation};
 
 /// `x·w + b` for `x` `[N, I]`, `w` `[I, O]`, `b` `[O]`.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    apply(x, w, b, false)
+    act_linear(x, w, Some(b), Activation::None)
 }
 
 /// `gelu(h)·w + b` (GELU, tanh approximation) without keeping `gelu(h)`.
 pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    apply(h, w, b, true)
+    act_linear(h, w, Some(b), Activation::Gelu)
 }
 
 /// `x·w` (no bias: the LM head).
 pub fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let (x, w) = (x.contiguous()?, w.contiguous()?);
-    check(&x, &w, None)?;
-    x.apply_op2(
-        &w,
-        Linear {
-            gelu_input: false,
-            bias: false,
-        },
-    )
+    act_linear(x, w, None, Activation::None)
 }
 
-fn apply(x: &Tensor, w: &Tensor, b: &Tensor, gelu_input: bool) -> Result<Tensor> {
-    let (x, w, b) = (x.contiguous()?, w.contiguous()?, b.contiguous()?);
-    check(&x, &w, Some(&b))?;
+/// `act(h)·w (+ b)` without keeping `act(h)`: `h` `[N, I]` (`[N, 2·I]` for SwiGLU), `w` `[I, O]`.
+pub fn act_linear(h: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Activation) -> Result<Tensor> {
+    let (h, w) = (h.contiguous()?, w.contiguous()?);
+    check(&h, &w, b, act)?;
     let op = Linear {
-        gelu_input,
-        bias: true,
+        act,
+        bias: b.is_some(),
     };
-    x.apply_op3(&w, &b, op)
+    match b {
+        Some(b) => h.apply_op3(&w, &b.contiguous()?, op),
+        None => h.apply_op2(&w, op),
+    }
 }
 
-fn check(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<()> {
-    let (_, i) = x.dims2()?;
+fn check(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Activation) -> Result<()> {
+    let (_, cols) = x.dims2()?;
     let (wi, o) = w.dims2()?;
     let bias_ok = b.map_or(Ok(true), |b| b.dims1().map(|n| n == o))?;
-    if wi != i || !bias_ok {
+    if act.input_width(wi) != cols || !bias_ok {
         candle_core::bail!(
-            "linear: x [_, {i}], w [{wi}, {o}], b {:?}",
+            "linear: x [_, {cols}], w [{wi}, {o}], b {:?}, {act:?}",
             b.map(|b| b.dims())
         );
     }
@@ -74,60 +73,84 @@ pub fn gelu_value(x: f32) -> f32 {
     x / (1.0 + vmath::exp(-2.0 * u))
 }
 
-/// `gelu(h)` into a fresh buffer, in parallel.
-fn gelu_of(h: &[f32]) -> Vec<f32> {
-    super::map_range(h.len(), |r, dst| {
-        vmath::widest(
-            #[inline(always)]
-            || {
-                for (g, &x) in dst.iter_mut().zip(&h[r]) {
-                    g.write(gelu_value(x));
-                }
-            },
-        )
-    })
+/// σ(x) = 1/(1 + e⁻ˣ).
+#[inline(always)]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + vmath::exp(-x))
 }
 
-/// `x·w + b` (`gelu(x)·w + b` with `gelu_input`), plus `residual` (`[N, O]`) when given, in
-/// f32 (`w` `[I, O]` with `O = b.len()`). The residual is added where the bias is: no extra pass.
+/// `act(h)` into a fresh buffer, in parallel (`h` rows of `2·i` for SwiGLU).
+pub(super) fn activated(h: &[f32], act: Activation, i: usize) -> Vec<f32> {
+    match act {
+        Activation::None => h.to_vec(),
+        Activation::Gelu => super::map_range(h.len(), |r, dst| {
+            vmath::widest(
+                #[inline(always)]
+                || {
+                    for (g, &x) in dst.iter_mut().zip(&h[r]) {
+                        g.write(gelu_value(x));
+                    }
+                },
+            )
+        }),
+        Activation::SwiGlu => {
+            let n = h.len() / (2 * i);
+            super::map_range(n * i, |r, dst| {
+                vmath::widest(
+                    #[inline(always)]
+                    || {
+                        for (e, d) in r.zip(dst.iter_mut()) {
+                            let (row, j) = (e / i, e % i);
+                            let (g, u) = (h[row * 2 * i + j], h[row * 2 * i + i + j]);
+                            d.write(g * sigmoid(g) * u);
+                        }
+                    },
+                )
+            })
+        }
+    }
+}
+
+/// `x·w + b` (no bias when `b` is `None`; `act(x)·w + b` with an activation), plus `residual`
+/// (`[N, O]`) when given, in f32 (`w` `[I, O]`). The residual is added where the bias is: no
+/// extra pass.
 pub(super) fn linear_rows(
     x: &[f32],
     w: &[f32],
-    b: &[f32],
-    gelu_input: bool,
+    b: Option<&[f32]>,
+    o: usize,
+    act: Activation,
     residual: Option<&[f32]>,
 ) -> Vec<f32> {
     let layer = Linear {
-        gelu_input,
-        bias: true,
+        act,
+        bias: b.is_some(),
     };
-    layer.forward(x, w, Some(b), b.len(), residual)
+    layer.forward(x, w, b, o, residual)
 }
 
-/// `[dx; dw; db]` of `linear_rows` at `x` (rows of `i`) for the output gradient `dy`, in f32.
+/// `[dx; dw; db]` of `linear_rows` at `x` (rows of `cols`) for the output gradient `dy`, in f32
+/// (`db` only with a bias).
 pub(super) fn linear_backward_rows(
     x: &[f32],
     w: &[f32],
     dy: &[f32],
-    i: usize,
-    gelu_input: bool,
+    cols: usize,
+    act: Activation,
+    bias: bool,
 ) -> Vec<f32> {
-    let layer = Linear {
-        gelu_input,
-        bias: true,
-    };
-    LinearBackward(layer).packed(x, w, dy, i)
+    LinearBackward(Linear { act, bias }).packed(x, w, dy, cols)
 }
 
 #[derive(Clone, Copy)]
 struct Linear {
-    /// The input is `h` and the layer multiplies `gelu(h)`.
-    gelu_input: bool,
+    /// The activation applied to the input before the product.
+    act: Activation,
     bias: bool,
 }
 
 impl Linear {
-    /// `input·w (+ b)` with `input` = `x` or `gelu(x)`.
+    /// `act(x)·w (+ b)`.
     fn forward(
         &self,
         x: &[f32],
@@ -137,18 +160,19 @@ impl Linear {
         residual: Option<&[f32]>,
     ) -> Vec<f32> {
         let i = w.len() / o;
-        let n = x.len() / i;
-        let gelu;
-        let input = if self.gelu_input {
-            gelu = gelu_of(x);
-            &gelu[..]
-        } else {
+        let made;
+        let input = if self.act == Activation::None {
             x
+        } else {
+            made = activated(x, self.act, i);
+            &made[..]
         };
-        // With a bias, every row starts as the bias (plus the residual's row) and the product
-        // adds to it; without, the product writes every value.
+        let n = input.len() / i;
+        // With a bias or a residual, every row starts as the bias plus the residual's row and
+        // the product adds to it; with neither, the product writes every value.
+        let starts = b.is_some() || residual.is_some();
         filled(n * o, |out| {
-            if let Some(b) = b {
+            if starts {
                 for_units(n, o, |_, rows| {
                     // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
                     let dst = unsafe { out.uninit_rows(&rows, o) };
@@ -156,7 +180,8 @@ impl Linear {
                     for (r, row) in dst.chunks_exact_mut(o).enumerate() {
                         let res = res.map(|res| &res[r * o..(r + 1) * o]);
                         row.iter_mut().enumerate().for_each(|(j, d)| {
-                            d.write(b[j] + res.map_or(0.0, |res| res[j]));
+                            let bias = b.map_or(0.0, |b| b[j]);
+                            d.write(bias + res.map_or(0.0, |res| res[j]));
                         });
                     }
                 });
@@ -167,7 +192,7 @@ impl Linear {
                     MatMut::new(out.offset(0), n, o, o),
                     Mat::rows(input, i),
                     Mat::rows(w, o),
-                    b.is_some(),
+                    starts,
                     true,
                 )
             };
@@ -176,12 +201,12 @@ impl Linear {
 
     /// Gradients of `x`, `w` (and `b`) from one packed buffer.
     fn backward(&self, x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<Vec<Tensor>> {
-        let (n, i) = x.dims2()?;
-        let o = w.dim(1)?;
+        let (n, cols) = x.dims2()?;
+        let (i, o) = w.dims2()?;
         let packed = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LinearBackward(*self))?;
         let mut grads = vec![
-            packed.narrow(0, 0, n * i)?.reshape((n, i))?,
-            packed.narrow(0, n * i, i * o)?.reshape((i, o))?,
+            packed.narrow(0, 0, n * cols)?.reshape((n, cols))?,
+            packed.narrow(0, n * cols, i * o)?.reshape((i, o))?,
         ];
         if self.bias {
             grads.push(packed.narrow(0, n * i + i * o, o)?);
@@ -224,10 +249,10 @@ impl CustomOp2 for Linear {
 
 impl CustomOp3 for Linear {
     fn name(&self) -> &'static str {
-        if self.gelu_input {
-            "gaccwb-gelu-linear"
-        } else {
-            "gaccwb-linear"
+        match self.act {
+            Activation::None => "gaccwb-linear",
+            Activation::Gelu => "gaccwb-gelu-linear",
+            Activation::SwiGlu => "gaccwb-swiglu-linear",
         }
     }
 
@@ -292,32 +317,52 @@ impl CustomOp3 for LinearBackward {
 }
 
 impl LinearBackward {
-    /// `[dx; dw; db]` in f32 from the f32 values of `x` (`[N, i]`), `w` and `dy`.
-    fn packed(&self, x: &[f32], w: &[f32], dy: &[f32], i: usize) -> Vec<f32> {
-        let n = x.len() / i;
+    /// `[dx; dw; db]` in f32 from the f32 values of `x` (`[N, cols]`), `w` and `dy`.
+    fn packed(&self, x: &[f32], w: &[f32], dy: &[f32], cols: usize) -> Vec<f32> {
+        let act = self.0.act;
+        let n = x.len() / cols;
+        let i = act.product_width(cols);
         let o = w.len() / i;
         let bias = if self.0.bias { o } else { 0 };
-        let (input, slope) = if self.0.gelu_input {
-            let (g, s) = gelu_with_slope(x);
-            (g, Some(s))
-        } else {
-            (Vec::new(), None)
+        let (input, slope) = match act {
+            Activation::None => (None, None),
+            Activation::Gelu => {
+                let (g, s) = gelu_with_slope(x);
+                (Some(g), Some(s))
+            }
+            Activation::SwiGlu => (Some(activated(x, act, i)), None),
         };
-        let input = if slope.is_some() { &input[..] } else { x };
-        // dx and dw are written by the products, db by its zeroing and sum.
-        filled(n * i + i * o + bias, |out| {
-            // SAFETY: `out` packs dx (n×i) then dw (i×o) first, so the two destinations are
-            // disjoint and inside it; dy, w and input are other buffers.
-            unsafe {
+        let input = input.as_deref().unwrap_or(x);
+        // SwiGLU's dx is twice the product's width: the product lands apart, then splits.
+        let da = (act == Activation::SwiGlu).then(|| {
+            // SAFETY: the n×i buffer is written whole by the product; dy and w are others.
+            filled(n * i, |out| unsafe {
                 matmul(
                     MatMut::new(out.offset(0), n, i, i),
                     Mat::rows(dy, o),
                     Mat::rows(w, o).t(),
                     false,
                     true,
-                );
+                )
+            })
+        });
+        let dw_at = n * cols;
+        // dx and dw are written by the products (or the SwiGLU split), db by its zeroing and sum.
+        filled(dw_at + i * o + bias, |out| {
+            // SAFETY: `out` packs dx (n×cols) then dw (i×o) first, so the destinations are
+            // disjoint and inside it; dy, w and input are other buffers.
+            unsafe {
+                if da.is_none() {
+                    matmul(
+                        MatMut::new(out.offset(0), n, i, i),
+                        Mat::rows(dy, o),
+                        Mat::rows(w, o).t(),
+                        false,
+                        true,
+                    );
+                }
                 matmul(
-                    MatMut::new(out.offset(n * i), i, o, o),
+                    MatMut::new(out.offset(dw_at), i, o, o),
                     Mat::rows(input, i).t(),
                     Mat::rows(dy, o),
                     false,
@@ -325,13 +370,13 @@ impl LinearBackward {
                 );
             }
             if self.0.bias {
-                // SAFETY: rows n·i+i·o .. +o of `out` (the bias gradient) are this closure's alone.
-                let db = unsafe { out.uninit_rows(&(n * i + i * o..n * i + i * o + o), 1) };
+                // SAFETY: the bias gradient's o values after dw are this closure's alone.
+                let db = unsafe { out.uninit_rows(&(dw_at + i * o..dw_at + i * o + o), 1) };
                 db.iter_mut().for_each(|v| {
                     v.write(0.0);
                 });
-                // SAFETY: the same rows, now initialised by the loop above.
-                let db = unsafe { out.rows(&(n * i + i * o..n * i + i * o + o), 1) };
+                // SAFETY: the same values, now initialised by the loop above.
+                let db = unsafe { out.rows(&(dw_at + i * o..dw_at + i * o + o), 1) };
                 column_sums(dy, o, db);
             }
             if let Some(slope) = slope {
@@ -342,12 +387,41 @@ impl LinearBackward {
                     dst.iter_mut().zip(&slope[r]).for_each(|(d, s)| *d *= s);
                 });
             }
+            if let Some(da) = &da {
+                swiglu_backward(x, da, i, out);
+            }
         })
     }
 }
 
+/// SwiGLU's input gradient into `out`'s first `n·2i` values: with `s = σ(gate)`,
+/// d gate = da·up·s·(1 + gate·(1 − s)), d up = da·gate·s.
+pub(super) fn swiglu_backward(x: &[f32], da: &[f32], i: usize, out: super::Shared) {
+    let n = da.len() / i;
+    for_units(n, 2 * i, |_, rows| {
+        // SAFETY: `for_units` gives each call its own rows of dx (rows of 2·i).
+        let dst = unsafe { out.uninit_rows(&rows, 2 * i) };
+        vmath::widest(
+            #[inline(always)]
+            || {
+                for (r, row) in rows.clone().zip(dst.chunks_exact_mut(2 * i)) {
+                    let (gates, ups) = x[r * 2 * i..(r + 1) * 2 * i].split_at(i);
+                    let da = &da[r * i..(r + 1) * i];
+                    let (dg, du) = row.split_at_mut(i);
+                    for j in 0..i {
+                        let (g, u) = (gates[j], ups[j]);
+                        let s = sigmoid(g);
+                        dg[j].write(da[j] * u * s * (1.0 + g * (1.0 - s)));
+                        du[j].write(da[j] * g * s);
+                    }
+                }
+            },
+        )
+    });
+}
+
 /// `gelu(h)` and `gelu′(h)`, in parallel.
-fn gelu_with_slope(h: &[f32]) -> (Vec<f32>, Vec<f32>) {
+pub(super) fn gelu_with_slope(h: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let mut slope = Vec::new();
     // Both buffers are written over every range `for_ranges` covers: all of them.
     let gelu = filled(h.len(), |gp| {

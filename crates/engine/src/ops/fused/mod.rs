@@ -18,15 +18,19 @@ use crate::ops::vmath;
 mod attention;
 mod branch;
 mod head;
+mod layer;
 mod linear;
+mod norm;
 mod optim;
 mod storage;
 
 pub use attention::causal_attention;
-pub use branch::{branch, Branch, GradSink};
+pub use branch::branch;
 pub use head::{chunk_rows as head_chunk_rows, linear_nll_sum};
 
-pub use linear::{gelu_linear, linear, project};
+pub use linear::{act_linear, gelu_linear, linear, project};
+pub use norm::{layer_norm, rms_norm};
+use norm::{norm_backward_rows, norm_rows};
 pub use optim::{
     adamw_update_all, scale_in_place, sum_squared_difference, sum_squares, AdamWJob, AdamWStep,
 };
@@ -275,207 +279,6 @@ fn last_dim(shape: &Shape) -> Result<(usize, usize)> {
         .last()
         .ok_or_else(|| candle_core::Error::Msg("fused op on a scalar".into()))?;
     Ok((shape.elem_count() / d.max(1), d))
-}
-
-// ---------------------------------------------------------------------------------------------
-// Layer norm
-
-/// `y = (x - mean) / sqrt(var + eps) * gain + bias` over the last dimension.
-pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    x.contiguous()?.apply_op3(
-        &gain.contiguous()?,
-        &bias.contiguous()?,
-        LayerNorm { eps: eps as f32 },
-    )
-}
-
-struct LayerNorm {
-    eps: f32,
-}
-
-/// Layer norm of the rows of `x` (rows of `g.len()`), in f32.
-fn layer_norm_rows(x: &[f32], g: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
-    let d = g.len();
-    let n = x.len() / d;
-    output(n * d, |out| {
-        for_units(n, d, |_, rows| {
-            // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
-            let dst = unsafe { out.rows(&rows, d) };
-            let src = &x[rows.start * d..rows.end * d];
-            let mut centred = vec![0f32; d];
-            vmath::widest(
-                #[inline(always)]
-                || {
-                    for (yr, xr) in dst.chunks_exact_mut(d).zip(src.chunks_exact(d)) {
-                        let (_, rstd) = row_stats(xr, eps, &mut centred);
-                        for (((y, &c), &g), &b) in yr.iter_mut().zip(&centred).zip(g).zip(b) {
-                            *y = c * rstd * g + b;
-                        }
-                    }
-                },
-            )
-        })
-    })
-}
-
-/// Mean and 1/std of one row (two passes, like the composite version).
-#[inline(always)]
-fn row_stats(row: &[f32], eps: f32, centred: &mut [f32]) -> (f32, f32) {
-    let d = row.len() as f32;
-    let mean = vmath::sum(row) / d;
-    centred
-        .iter_mut()
-        .zip(row)
-        .for_each(|(c, &v)| *c = v - mean);
-    let var = vmath::dot(centred, centred) / d;
-    (mean, 1.0 / (var + eps).sqrt())
-}
-
-impl CustomOp3 for LayerNorm {
-    fn name(&self) -> &'static str {
-        "gaccwb-layer-norm"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        gs: &CpuStorage,
-        gl: &Layout,
-        bs: &CpuStorage,
-        bl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let x = storage::input(xs, xl, self.name())?;
-        let g = storage::input(gs, gl, self.name())?;
-        let b = storage::input(bs, bl, self.name())?;
-        let (g, b) = (&g[..], &b[..]);
-        let d = last_dim(xl.shape())?.1;
-        if g.len() != d || b.len() != d {
-            candle_core::bail!("layer norm: gain/bias of {} for rows of {d}", g.len());
-        }
-        let y = layer_norm_rows(&x, g, b, self.eps);
-        drop(x);
-        Ok((storage::stored(y, xs)?, xl.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        gain: &Tensor,
-        _bias: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = gain.elem_count();
-        let n = x.elem_count() / d;
-        // One pass yields [dx; dgain; dbias] stacked as n + 2 rows.
-        let packed = x.apply_op3_no_bwd(
-            gain,
-            &grad.contiguous()?,
-            &LayerNormBackward { eps: self.eps },
-        )?;
-        let dx = packed.narrow(0, 0, n)?.reshape(x.shape())?;
-        let dgain = packed.narrow(0, n, 1)?.reshape(d)?;
-        let dbias = packed.narrow(0, n + 1, 1)?.reshape(d)?;
-        Ok((Some(dx), Some(dgain), Some(dbias)))
-    }
-}
-
-struct LayerNormBackward {
-    eps: f32,
-}
-
-/// `[dx; dgain; dbias]` (`n + 2` rows of `g.len()`) of layer norm at `x` for the output
-/// gradient `dy`, in f32; `residual` (`[n, d]`), when given, is added to dx as it is written.
-fn layer_norm_backward_rows(
-    x: &[f32],
-    g: &[f32],
-    dy: &[f32],
-    eps: f32,
-    residual: Option<&[f32]>,
-) -> Vec<f32> {
-    let d = g.len();
-    let n = x.len() / d;
-    let units = n.div_ceil(unit_rows(d));
-    // Per-unit partial sums of dgain and dbias, added in unit order (deterministic).
-    let mut partial = vec![0f32; units * 2 * d];
-    let partial_ptr = Shared(partial.as_mut_ptr());
-    let mut out = output((n + 2) * d, |out| {
-        for_units(n, d, |unit, rows| {
-            // SAFETY: `for_units` gives each call its own rows, inside `output`'s buffer.
-            let dx = unsafe { out.rows(&rows, d) };
-            // SAFETY: unit `unit` is this call's alone; `partial` holds `units` rows of 2·d.
-            let acc = unsafe { partial_ptr.rows(&(unit..unit + 1), 2 * d) };
-            let (dg, db) = acc.split_at_mut(d);
-            let xs = &x[rows.start * d..rows.end * d];
-            let dys = &dy[rows.start * d..rows.end * d];
-            let (mut xhat, mut dxhat) = (vec![0f32; d], vec![0f32; d]);
-            vmath::widest(
-                #[inline(always)]
-                || {
-                    for ((dxr, xr), dyr) in dx
-                        .chunks_exact_mut(d)
-                        .zip(xs.chunks_exact(d))
-                        .zip(dys.chunks_exact(d))
-                    {
-                        let (_, rstd) = row_stats(xr, eps, &mut xhat);
-                        xhat.iter_mut().for_each(|v| *v *= rstd);
-                        for (((dh, &dy), &g), ((dg, db), &xh)) in dxhat
-                            .iter_mut()
-                            .zip(dyr)
-                            .zip(g)
-                            .zip(dg.iter_mut().zip(db.iter_mut()).zip(&xhat))
-                        {
-                            *dh = dy * g;
-                            *dg += dy * xh;
-                            *db += dy;
-                        }
-                        let m1 = vmath::sum(&dxhat) / d as f32;
-                        let m2 = vmath::dot(&dxhat, &xhat) / d as f32;
-                        for ((dx, &dh), &xh) in dxr.iter_mut().zip(&dxhat).zip(&xhat) {
-                            *dx = rstd * (dh - m1 - xh * m2);
-                        }
-                    }
-                    // The unit's rows are still in cache.
-                    if let Some(r) = residual {
-                        let r = &r[rows.start * d..rows.end * d];
-                        dx.iter_mut().zip(r).for_each(|(dx, &r)| *dx += r);
-                    }
-                },
-            )
-        })
-    });
-    let (dg, db) = out[n * d..].split_at_mut(d);
-    for unit in partial.chunks_exact(2 * d) {
-        for i in 0..d {
-            dg[i] += unit[i];
-            db[i] += unit[d + i];
-        }
-    }
-    out
-}
-
-impl CustomOp3 for LayerNormBackward {
-    fn name(&self) -> &'static str {
-        "gaccwb-layer-norm-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        gs: &CpuStorage,
-        gl: &Layout,
-        dys: &CpuStorage,
-        dyl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let x = storage::input(xs, xl, self.name())?;
-        let g = storage::input(gs, gl, self.name())?;
-        let dy = storage::input(dys, dyl, self.name())?;
-        let (n, d) = last_dim(xl.shape())?;
-        let out = layer_norm_backward_rows(&x, &g, &dy, self.eps, None);
-        Ok((storage::stored(out, xs)?, Shape::from((n + 2, d))))
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

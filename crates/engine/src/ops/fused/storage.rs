@@ -92,6 +92,15 @@ fn in_dtype(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
     })
 }
 
+/// The rounding of a value to `dtype` and back, as storing it would do (the identity for f32).
+pub(super) fn rounding(dtype: DType) -> fn(f32) -> f32 {
+    match dtype {
+        DType::BF16 => |x| f32::from_bits(u32::from(bf16_bits(x)) << 16),
+        DType::F16 => |x| half::f16::from_f32(x).to_f32(),
+        _ => |x| x,
+    }
+}
+
 /// The bf16 nearest to `x` (ties to even; a NaN stays a quiet NaN), branch-free so that a loop
 /// of it vectorises (`half`'s `bf16::from_f32` branches). The same bits as `bf16::from_f32`.
 #[inline(always)]

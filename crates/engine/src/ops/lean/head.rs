@@ -9,12 +9,25 @@ use candle_core::{DType, Result, Tensor, D};
 
 use super::apply;
 use crate::ops::fused::head_chunk_rows;
+use crate::ops::WeightLayout;
 
 /// Sum over counted rows of `−log softmax(x·w)[target]` (f32 scalar): `x` `[N, D]`, `w`
-/// `[D, V]`, `targets` `[N]` u32, `mask` `[N]` f32. Gradients flow to `x` and `w`.
-pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
+/// `[D, V]` (or `[V, D]` with `WeightLayout::OutIn`, a tied head), `targets` `[N]` u32, `mask`
+/// `[N]` f32. Gradients flow to `x` and `w`.
+pub fn linear_nll_sum(
+    x: &Tensor,
+    w: &Tensor,
+    layout: WeightLayout,
+    targets: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
     let (n, d) = x.dims2()?;
-    let (wd, v) = w.dims2()?;
+    // The `[D, V]` matrix the logits multiply by: a view of a tied head's `[V, D]`.
+    let as_in_out = move |w: &Tensor| match layout {
+        WeightLayout::InOut => Ok(w.clone()),
+        WeightLayout::OutIn => w.t(),
+    };
+    let (wd, v) = as_in_out(w)?.dims2()?;
     if n == 0 || wd != d || targets.dims1()? != n || mask.dims1()? != n {
         candle_core::bail!(
             "linear nll: x {:?}, w {:?}, targets {:?}, mask {:?}",
@@ -30,7 +43,9 @@ pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -
         rows: head_chunk_rows(v),
         n,
     };
-    let (xd, wd) = (x.detach(), w.detach());
+    let (xd, wd) = (x.detach(), as_in_out(&w.detach())?);
+    // A frozen head (LoRA) takes part in no graph: its gradient is never computed.
+    let weight_grad = w.track_op();
     let mut total = Tensor::zeros((), DType::F32, x.device())?;
     for (start, len) in labels.chunks() {
         let logits = xd
@@ -50,7 +65,7 @@ pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -
         total,
         Vec::new(),
         move |i, _, g| {
-            let (x, w) = (&i[0], &i[1]);
+            let (x, w) = (&i[0], &as_in_out(&i[1])?);
             let vocab = Tensor::arange(0u32, v as u32, x.device())?.unsqueeze(0)?;
             let mut dx = Vec::new();
             let mut dw: Option<Tensor> = None;
@@ -70,17 +85,24 @@ pub fn linear_nll_sum(x: &Tensor, w: &Tensor, targets: &Tensor, mask: &Tensor) -
                     .broadcast_mul(&weight)?
                     .to_dtype(x.dtype())?;
                 dx.push(dlogits.matmul(&w.t()?)?);
-                let part = xc.t()?.matmul(&dlogits)?.to_dtype(DType::F32)?;
-                dw = Some(match dw {
-                    None => part,
-                    Some(sum) => (sum + part)?,
-                });
+                if weight_grad {
+                    let part = xc.t()?.matmul(&dlogits)?.to_dtype(DType::F32)?;
+                    dw = Some(match dw {
+                        None => part,
+                        Some(sum) => (sum + part)?,
+                    });
+                }
             }
-            let dw = match dw {
-                Some(dw) => dw.to_dtype(w.dtype())?,
-                None => w.zeros_like()?,
+            let dw = match (dw, weight_grad) {
+                (_, false) => None,
+                (Some(dw), true) => Some(dw.to_dtype(w.dtype())?),
+                (None, true) => Some(w.zeros_like()?),
             };
-            Ok(vec![Some(Tensor::cat(&dx, 0)?), Some(dw)])
+            let dw = match (dw, layout) {
+                (Some(dw), WeightLayout::OutIn) => Some(dw.t()?.contiguous()?),
+                (dw, _) => dw,
+            };
+            Ok(vec![Some(Tensor::cat(&dx, 0)?), dw])
         },
     )
 }

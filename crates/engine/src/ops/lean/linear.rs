@@ -27,13 +27,13 @@ pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     })
 }
 
-fn affine(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub(super) fn affine(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     x.matmul(w)?.broadcast_add(b)
 }
 
 /// Gradients of `x·w + b` for the incoming `g`: `g·wᵀ`, `xᵀ·g` and `b`'s, summed over the rows
 /// in f32 and rounded once to `b`'s dtype.
-fn affine_grads(
+pub(super) fn affine_grads(
     x: &Tensor,
     w: &Tensor,
     b: &Tensor,
@@ -48,7 +48,7 @@ fn affine_grads(
 /// d gelu(x)/dx for the tanh approximation: with u = x·(a + b·x²) (a = √(2/π), b = 0.044715·a),
 /// 0.5·(1 + tanh u) + (1.5·u − a·x)·(1 − tanh² u), Candle's `Gelu` backward rearranged so that at
 /// most four tensors of `x`'s size are live at once (each Candle op makes a new one).
-fn gelu_slope(x: Tensor) -> Result<Tensor> {
+pub(super) fn gelu_slope(x: Tensor) -> Result<Tensor> {
     const A: f64 = 0.797885;
     const B: f64 = 0.0356774;
     let sq = x.sqr()?;
@@ -63,4 +63,26 @@ fn gelu_slope(x: Tensor) -> Result<Tensor> {
     let sech2 = t.sqr()?.affine(-1.0, 1.0)?;
     let product = (outer * sech2)?;
     product + t.affine(0.5, 0.5)?
+}
+
+/// `silu(gate)·up` of `h` `[N, 2·F]` = `[gate | up]`, in `h`'s dtype (computed in f32).
+pub(super) fn swiglu(h: &Tensor) -> Result<Tensor> {
+    let f = h.dim(1)? / 2;
+    let h32 = h.to_dtype(DType::F32)?;
+    let gate = h32.narrow(1, 0, f)?;
+    (gate.silu()? * h32.narrow(1, f, f)?)?.to_dtype(h.dtype())
+}
+
+/// The gradient of `swiglu(h)` for `da` `[N, F]`: `[d gate | d up]` with `s = σ(gate)`,
+/// d gate = da·up·s·(1 + gate·(1 − s)), d up = da·gate·s; in `h`'s dtype.
+pub(super) fn swiglu_grad(h: &Tensor, da: &Tensor) -> Result<Tensor> {
+    let f = h.dim(1)? / 2;
+    let h32 = h.to_dtype(DType::F32)?;
+    let (gate, up) = (h32.narrow(1, 0, f)?, h32.narrow(1, f, f)?);
+    let da = da.to_dtype(DType::F32)?;
+    let s = candle_nn::ops::sigmoid(&gate)?;
+    let slope = (&s * (gate.broadcast_mul(&s.affine(-1.0, 1.0)?)? + 1.0)?)?;
+    let dgate = ((&da * up)? * slope)?;
+    let dup = ((da * gate)? * s)?;
+    Tensor::cat(&[dgate, dup], 1)?.to_dtype(h.dtype())
 }

@@ -14,7 +14,7 @@
 //!
 //! What each keeps: attention, its `qkv` input and its output plus an f32 log-sum-exp per
 //! (sequence, head, row), and no `T×T` tensor (`attention`); layer norm, its input plus an f32
-//! mean and reciprocal std per row (`layer_norm`); the linear layers and the MLP's output layer,
+//! mean and reciprocal std per row, RMS norm its input and a reciprocal root mean square (`norm`); the linear layers and the MLP's output layer,
 //! their input (for the MLP the GELU's input, not its output: `linear`); the LM head and loss,
 //! nothing but its input and weight, its logits made and dropped a chunk of rows at a time
 //! (`head`).
@@ -30,14 +30,16 @@ use candle_core::{
 use crate::tensors::{keep_beside, KeptBeside};
 
 mod attention;
+mod branch;
 mod head;
-mod layer_norm;
 mod linear;
+mod norm;
 
 pub use attention::{causal_attention, sequences_per_chunk};
+pub use branch::branch;
 pub use head::linear_nll_sum;
-pub use layer_norm::layer_norm;
 pub use linear::{gelu_linear, linear};
+pub use norm::{layer_norm, rms_norm};
 
 /// A lean op's backward: from its inputs and its output (both detached) and the incoming
 /// gradient, one gradient per input (`None`: no gradient flows there).
@@ -65,6 +67,7 @@ pub fn apply(
     let op = Lean {
         name,
         arity: inputs.len(),
+        tracks: inputs.iter().map(|t| t.track_op()).collect(),
         output: Mutex::new(Some(output.contiguous()?)),
         backward: Box::new(backward),
         _booking: booking.clone(),
@@ -84,6 +87,8 @@ pub fn apply(
 struct Lean {
     name: &'static str,
     arity: usize,
+    /// Which inputs take part in the graph: the others (a frozen weight) get no gradient.
+    tracks: Vec<bool>,
     /// The result, computed before the op runs; handed over once by the forward.
     output: Mutex<Option<Tensor>>,
     backward: Backward,
@@ -137,7 +142,11 @@ impl Lean {
                 self.arity
             );
         }
-        Ok(grads)
+        Ok(grads
+            .into_iter()
+            .zip(&self.tracks)
+            .map(|(g, &tracks)| g.filter(|_| tracks))
+            .collect())
     }
 }
 
