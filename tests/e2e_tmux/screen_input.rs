@@ -16,11 +16,14 @@ fn recording(dir: &std::path::Path) -> std::path::PathBuf {
     dir.join("r.jsonl")
 }
 
-/// The exit status the shell printed after the command (`EXIT=N` on a line of its own).
+/// The exit status the shell printed after the command (`EXIT=N`, after the prompt when the
+/// screen left the cursor there; the command line's own `EXIT=$?` is not a number).
 fn exit_status(s: &str) -> Option<String> {
     s.lines()
-        .find_map(|l| l.trim().strip_prefix("EXIT=").map(str::to_string))
-        .filter(|c| !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit()))
+        .filter_map(|l| l.split("EXIT=").nth(1))
+        .map(str::trim)
+        .find(|c| !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit()))
+        .map(str::to_string)
 }
 
 /// The bytes `ESC[?25h` (or `ESC[?1l`, `ESC[?u`, an unterminated `ESC[200~`) stopped every

@@ -76,6 +76,45 @@ fn record_may_not_replace_the_controls_file_even_forced() {
     assert_eq!(std::fs::read(dir.path().join("c.ctl")).unwrap(), b"");
 }
 
+/// `run --model DIR --record DIR/model.safetensors --force` replaced the model's weights with
+/// the recording.
+#[test]
+fn record_may_not_replace_a_file_of_the_model_even_forced() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/models/gpt2-tied");
+    let model = dir.path().join("m");
+    std::fs::create_dir(&model).unwrap();
+    for name in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(source.join(name), model.join(name)).unwrap();
+    }
+    let weights = std::fs::read(model.join("model.safetensors")).unwrap();
+    let run = [
+        "run",
+        "finetune",
+        "--model",
+        "m",
+        "--set",
+        "model.seq_len=16",
+        "--headless",
+        "--steps",
+        "1",
+    ];
+    let record = [&run[..], &["--record", "m/model.safetensors", "--force"]].concat();
+    let log = [&["--log", "m/config.json"], &run[..]].concat();
+    for args in [record, log] {
+        let (code, _, stderr) = gaccwb(&args, dir.path());
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(stderr.contains("the model's file"), "{args:?}: {stderr}");
+    }
+    assert_eq!(
+        std::fs::read(model.join("model.safetensors")).unwrap(),
+        weights
+    );
+    assert!(std::fs::read_to_string(model.join("config.json"))
+        .unwrap()
+        .contains("gpt2"));
+}
+
 /// `compare --grid 'data.path="corpus.txt",…' --csv corpus.txt --force` overwrote the corpus.
 #[test]
 fn compare_outputs_may_not_replace_a_grid_items_data() {
@@ -250,10 +289,7 @@ fn replay_follow_ends_when_the_writer_is_gone_without_an_end() {
     assert_eq!(code, 1, "{stderr}");
     assert!(stderr.contains("without an end event"), "{stderr}");
     assert!(stderr.contains("has exited"), "{stderr}");
-    assert!(
-        stdout.contains("no end of the run in it"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("no end of the run in it"), "{stdout}");
     assert!(started.elapsed() < Duration::from_secs(30));
 }
 

@@ -1077,6 +1077,12 @@ mod tests {
                 tokenizer_file: Some("t.json".into()),
                 ..Default::default()
             },
+            // Options serialise only when set.
+            model: ModelConfig {
+                path: Some("m".into()),
+                adapter: Some("a".into()),
+                ..Default::default()
+            },
             ..Default::default()
         })
         .unwrap();
