@@ -499,9 +499,12 @@ fn a_broken_model_directory_is_refused_naming_the_file_and_the_fix() {
     );
 }
 
+/// Changes a fixture's config.json.
+type Edit = fn(&mut serde_json::Map<String, Value>);
+
 #[test]
 fn families_and_features_the_engine_does_not_train_are_refused_with_the_alternative() {
-    let cases: [(&str, fn(&mut serde_json::Map<String, Value>), &str); 5] = [
+    let cases: [(&str, Edit, &str); 5] = [
         (
             "gpt2-tied",
             |c| {

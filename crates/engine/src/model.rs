@@ -374,7 +374,7 @@ impl Gpt {
 
     /// A model of `spec` with random weights (seeded), recorded as `cfg`.
     pub fn random(spec: Spec, cfg: ModelConfig, seed: u64, device: &Device) -> Result<Gpt> {
-        let source = Source::Random(ChaCha8Rng::seed_from_u64(seed));
+        let source = Source::Random(Box::new(ChaCha8Rng::seed_from_u64(seed)));
         Gpt::build(Arc::new(spec), cfg, Init::new(source, device))
     }
 
@@ -383,7 +383,7 @@ impl Gpt {
         spec: Spec,
         cfg: ModelConfig,
         device: &Device,
-        read: &mut dyn FnMut(&str, &[usize], WeightLayout) -> Result<Tensor>,
+        read: &mut ReadWeight<'_>,
     ) -> Result<Gpt> {
         Gpt::build(Arc::new(spec), cfg, Init::new(Source::Read(read), device))
     }
@@ -608,11 +608,14 @@ impl Forward {
 /// Where a model's weights come from.
 enum Source<'a> {
     /// Drawn from a seeded generator.
-    Random(ChaCha8Rng),
+    Random(Box<ChaCha8Rng>),
     /// Read by name: `(name, shape the engine holds, how the source stores it)` → the f32
     /// tensor in the engine's shape (a `[out, in]` matrix already turned).
-    Read(&'a mut dyn FnMut(&str, &[usize], WeightLayout) -> Result<Tensor>),
+    Read(&'a mut ReadWeight<'a>),
 }
+
+/// Reads one weight by name: `(name, shape the engine holds, how the source stores it)`.
+pub(crate) type ReadWeight<'a> = dyn FnMut(&str, &[usize], WeightLayout) -> Result<Tensor> + 'a;
 
 /// How a new parameter starts when drawn.
 #[derive(Clone, Copy)]

@@ -5,13 +5,13 @@
 //! Activations. Candle keeps every tensor of the graph alive until the loss is dropped (each op
 //! holds its inputs), so activations are every new storage the forward's graph holds; views
 //! (reshape, permute, transpose, narrow, broadcast) add none. With N = B·T tokens, d model
-//! width, H heads, V vocab and c the compute dtype's bytes, one block keeps 14·N·d·c on the
-//! lean ops' path (`ops::lean`: CUDA), which add f32 row figures (each norm's mean and reciprocal
-//! std, attention's log-sum-exp: 4·N·4 + B·H·T·4), and 12·N·d·c on the fused CPU ops' (any
-//! storage dtype), whose residual steps are one op each and keep no branch output; no T² term.
+//! width, H heads, V vocab and c the compute dtype's bytes, one block keeps 12·N·d·c: both the
+//! fused CPU ops and the lean ones (`ops::lean`: CUDA) run each residual step as one op that
+//! keeps no branch output; the lean ops add f32 row figures (each norm's mean and reciprocal
+//! std, attention's log-sum-exp: 4·N·4 + B·H·T·4); no T² term.
 //! In the transformer form of Korthikanti et al. 2022, "Reducing Activation Recomputation in
-//! Large Transformer Models", s·b·h·(α + β·a·s/h) per layer, that is α = 14·c (28 bytes in
-//! bf16; 12·c, 24 bytes, fused) and β = 0, against their 34 and 5 for a 16-bit Megatron block: attention's
+//! Large Transformer Models", s·b·h·(α + β·a·s/h) per layer, that is α = 12·c (24 bytes in
+//! bf16) and β = 0, against their 34 and 5 for a 16-bit Megatron block: attention's
 //! probabilities and the GELU are recomputed in the backward, as in their "selective
 //! recomputation". The head and loss keep no logits on either path.
 //!
@@ -357,20 +357,19 @@ fn checkpointed_block_peak_bytes(cfg: &Config, blocks: u64) -> u64 {
     attention.max(mlp) + casts
 }
 
-/// Bytes one block's graph keeps for backward. The lean ops keep two norms' outputs (2), qkv
-/// (3), attention's output (1: the probabilities are recomputed in the backward), proj (1),
-/// residual (1), fc (4), the GELU-linear's output (1: the GELU is recomputed), residual (1):
-/// 14·N·d, and f32 row figures beside their nodes: each norm's mean and reciprocal std (2·N
-/// each) and attention's log-sum-exp (B·H·T). The fused ops run each residual step as one op
-/// (`ops::fused::branch`), which keeps the same but the two branch outputs (proj and the
-/// GELU-linear's, which only Candle's residual add held): 12·N·d.
+/// Bytes one block's graph keeps for backward. Both paths run each residual step as one op
+/// (`ops::fused::branch`, `ops::lean::branch`) that keeps the norm's output (1), the first
+/// layer's output (qkv 3, fc 4) and attention's output (1: the probabilities and the activation
+/// are recomputed in the backward), and each step's output is the next one's input (2): 12·N·d.
+/// The lean ops add f32 row figures beside their nodes: each norm's mean and reciprocal std
+/// (2·N each) and attention's log-sum-exp (B·H·T).
 fn block_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     let nd = s.n * s.d * s.c;
     if fused(cfg) {
         12 * nd
     } else {
-        14 * nd + 4 * s.n * F32 + (s.scores / s.t) * F32
+        12 * nd + 4 * s.n * F32 + (s.scores / s.t) * F32
     }
 }
 

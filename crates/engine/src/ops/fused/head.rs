@@ -288,9 +288,9 @@ impl CustomOp2 for LinearNllBackward {
                     chunk_logits(&mut buf, x, w, dims, &rows);
                     let dlogits = &mut buf[..rows.len() * v];
                     to_dlogits(dlogits, v, rows.start, targets, mask, self.scale);
+                    let x_rows = Mat::rows(&x[rows.start * d..rows.end * d], d);
                     // SAFETY: `out` holds n·d dx values then d·v dw values; these views are
                     // this chunk's dx rows and the dw block, apart from `buf`, `x` and `w`.
-                    let x_rows = Mat::rows(&x[rows.start * d..rows.end * d], d);
                     unsafe {
                         matmul(
                             MatMut::new(out.offset(rows.start * d), rows.len(), d, d),
