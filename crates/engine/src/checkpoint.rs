@@ -16,7 +16,6 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
-use sha2::Digest;
 
 use crate::safe_write::{self, DirLock, Inputs, Overwrite};
 use crate::scenario::Scenario;
@@ -28,6 +27,10 @@ use crate::train::{AfterStep, EventSink, Knobs, Progress, Saved, Trainer};
 /// hash and the ranks; version 1 files are still read (without those checks).
 pub const CHECKPOINT_VERSION: u32 = 2;
 const STATE_FILE: &str = "checkpoint.json";
+
+mod integrity;
+pub use integrity::check_ranks;
+use integrity::{is_abandoned_save, sha256_hex};
 
 /// When and where a running trainer saves.
 #[derive(Clone, Debug, PartialEq)]
@@ -254,7 +257,7 @@ fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<P
     let tensors = safetensors::serialize(tensor_map(trainer)?, None)
         .with_context(|| format!("serialising the tensors for {}", tensor_path.display()))?;
     safe_write::write_file(&tensor_path, &tensors, "checkpoint", &rules)?;
-    let tensors_sha256 = hex(&sha2::Sha256::digest(&tensors));
+    let tensors_sha256 = sha256_hex(&tensors);
     drop(tensors);
 
     let progress = trainer.progress();
@@ -316,62 +319,6 @@ fn remove_stale_tensor_files(dir: &Path, keep: &str) {
         if regular && (old || is_abandoned_save(&name)) {
             let _ = std::fs::remove_file(entry.path());
         }
-    }
-}
-
-/// `.step-N.safetensors.PID.tmp` or `.checkpoint.json.PID.tmp` of a process no longer running.
-fn is_abandoned_save(name: &str) -> bool {
-    let Some(rest) = name
-        .strip_prefix(".step-")
-        .or_else(|| name.strip_prefix(".checkpoint.json."))
-    else {
-        return false;
-    };
-    let Some(rest) = rest.strip_suffix(".tmp") else {
-        return false;
-    };
-    let pid = rest.rsplit('.').next().and_then(|p| p.split('-').next());
-    match pid.and_then(|p| p.parse::<u32>().ok()) {
-        Some(pid) => !Path::new(&format!("/proc/{pid}")).exists(),
-        None => false,
-    }
-}
-
-/// Lowercase hex of `bytes`.
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// SHA-256 of the file at `path`, read in chunks (a regular file only).
-fn file_sha256(path: &Path) -> anyhow::Result<String> {
-    use std::io::Read;
-    let mut file = crate::limits::open_input(path, "checkpoint tensor file")
-        .with_context(|| path.display().to_string())?;
-    let mut hasher = sha2::Sha256::new();
-    let mut chunk = vec![0u8; 1 << 20];
-    loop {
-        let n = file
-            .read(&mut chunk)
-            .with_context(|| format!("reading {}", path.display()))?;
-        if n == 0 {
-            return Ok(hex(&hasher.finalize()));
-        }
-        hasher.update(&chunk[..n]);
-    }
-}
-
-/// A checkpoint saved by a run of another number of ranks: a window would take another W·K·B
-/// samples and the data order would change, so the run would not continue but fork.
-pub fn check_ranks(dir: &Path, state: &State, ranks: usize) -> anyhow::Result<()> {
-    match state.ranks {
-        Some(saved) if saved != ranks => bail!(
-            "{}: saved by a run of {saved} rank(s), resumed on {ranks}: each window would take \
-             {} samples instead of {}; resume with --ranks {saved} (mpirun -n {saved})",
-            dir.join(STATE_FILE).display(),
-            ranks * state.knobs.micro_batch * state.knobs.accum_steps,
-            saved * state.knobs.micro_batch * state.knobs.accum_steps
-        ),
-        _ => Ok(()),
     }
 }
 
@@ -605,16 +552,7 @@ pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> anyhow::Resu
     let path = dir.join(&state.tensors);
     // Candle maps the file: a FIFO or a device there would block or never end (refused by
     // the hash's read, which opens it as an input).
-    let sha256 = file_sha256(&path)?;
-    if let Some(saved) = state.tensors_sha256.as_deref().filter(|s| *s != sha256) {
-        bail!(
-            "{}: its contents are not the tensors {} was saved with (SHA-256 {sha256}, expected \
-             {saved}): the file was changed or belongs to another save; restore the pair of \
-             files one save wrote",
-            path.display(),
-            dir.join(STATE_FILE).display()
-        );
-    }
+    integrity::verify_tensors(dir, state)?;
     let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("reading {}", path.display()))?;
     let mut take = |key: String, like: &Tensor| -> anyhow::Result<Tensor> {
