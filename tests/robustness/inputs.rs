@@ -425,7 +425,15 @@ fn numbers_beyond_their_bounds_are_refused_before_anything_runs() {
             &["estimate", "--ranks", "18446744073709551615"],
             "at most 1024",
         ),
-        (&["estimate", "--mfu", "1e-300"], "--mfu"),
+        // The value as short as given, not 300 digits.
+        (
+            &["estimate", "--mfu", "1e-300"],
+            "--mfu 1e-300: expected a fraction",
+        ),
+        (
+            &["estimate", "--pcie-gbps", "1e300"],
+            "--pcie-gbps 1e300: expected",
+        ),
         (&["run", "--headless", "--ranks", "1025"], "at most 1024"),
     ];
     for (args, expected) in cases {

@@ -56,10 +56,10 @@ pub enum TimeError {
     #[error("--gpu-model {0}: unknown GPU; models: {models}", models = gpu_names().join(", "))]
     /// `--gpu-model` names no known GPU.
     UnknownGpu(String),
-    #[error("--mfu {0}: expected a fraction from {MIN_MFU} to 1")]
+    #[error("--mfu {0:?}: expected a fraction from {MIN_MFU} to 1")]
     /// `--mfu` outside [`MIN_MFU`, 1].
     Mfu(f64),
-    #[error("--{0} {1}: expected a positive number from {MIN_RATE} to {MAX_RATE}")]
+    #[error("--{0} {1:?}: expected a positive number from {MIN_RATE:?} to {MAX_RATE}")]
     /// A rate that is not positive or is out of range: the flag and the value.
     Rate(&'static str, f64),
 }
