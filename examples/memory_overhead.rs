@@ -76,7 +76,7 @@ fn main() -> anyhow::Result<()> {
         let params = t.model().vars().map(|v| v.as_tensor().clone()).collect();
         let t0 = Instant::now();
         let th = Instant::now();
-        ledger.begin_window(params, t.persistent_memory());
+        ledger.begin_window(params, Vec::new(), t.persistent_memory());
         let mut spent = th.elapsed();
         let mut timed = Timed {
             ledger: &mut ledger,

@@ -88,8 +88,9 @@ run_presets() {
         start=$SECONDS
         # A preset that fine-tunes a Hugging Face model runs on the repository's tiny checkpoint.
         local model=()
-        [ "$preset" = finetune ] &&
-            model=(--model "$PWD/tests/fixtures/hf/models/llama-tied" --set model.seq_len=16)
+        case $preset in finetune | lora-vs-full)
+            model=(--model "$PWD/tests/fixtures/hf/models/llama-tied" --set model.seq_len=16) ;;
+        esac
         # --ranks 1: one process each, the data-parallel presets too (their own `train.ranks`
         # would start mpirun, which this table does not measure).
         timeout --kill-after=10 "$PRESET_LIMIT_S" "$bin" run "$preset" --headless --steps "$steps" \

@@ -368,3 +368,41 @@ fn nvml_sees_at_least_what_the_pool_holds() {
         );
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda --test gpu -- --include-ignored"]
+fn every_hugging_face_family_computes_transformers_loss_and_gradients_on_the_gpu() {
+    use common::hf::{gradients, loss, reference_grad, rel_l2, Case, CASES};
+    let cuda = gpu("every_hugging_face_family_computes_transformers_loss_and_gradients_on_the_gpu");
+    let mut worst = 0f64;
+    for name in CASES {
+        let case = Case::on(name, &cuda);
+        let model = case.model();
+        let (value, root, held) = loss(&model, &case, DType::F32);
+        let want = case.number("/loss");
+        assert!(
+            (value - want).abs() / want <= 1e-5,
+            "{name}: loss {value} on cuda:0 vs transformers {want}"
+        );
+        // bf16 on the lean ops: within the CPU test's 2% of transformers' f32 loss.
+        let (half, _, _) = loss(&model, &case, DType::BF16);
+        assert!(
+            (half - want).abs() / want <= 0.02,
+            "{name}: bf16 loss {half} on cuda:0 vs transformers' f32 {want}"
+        );
+        if case.reference.get("grads").is_none() {
+            continue;
+        }
+        for (i, g) in gradients(&model, &root, &held).iter().enumerate() {
+            let g = g.to_device(&Device::Cpu).unwrap();
+            let e = rel_l2(&g, &reference_grad(&case, &model, i));
+            worst = worst.max(e);
+            let p = &model.params[i].name;
+            assert!(
+                e <= 1e-4,
+                "{name}: gradient of {p} on cuda:0 off transformers' by {e:e}"
+            );
+        }
+    }
+    println!("Hugging Face families on cuda:0 vs transformers: worst gradient rel. L2 {worst:.2e}");
+}

@@ -2,143 +2,17 @@
 //! three AdamW steps, bf16 and perplexity, held to figures transformers produced on the same
 //! tiny checkpoints (`benches/hf_parity.py` wrote `tests/fixtures/hf/models/`; docs/PARITY.md).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
+use common::hf::*;
 use gaccwb::model::hf::ModelDir;
-use gaccwb::model::{perplexity, Gpt, ParamGrads};
-use gaccwb::ops::WeightLayout;
+use gaccwb::model::{perplexity, Gpt};
 use gaccwb::tokenizer::TextTokenizer;
 use gaccwb::train::adamw::{AdamW, Hyper};
 use serde_json::Value;
-
-const CASES: [&str; 7] = [
-    "gpt2-tied",
-    "gpt2-untied",
-    "gpt2-hub-layout",
-    "llama-gqa-llama3",
-    "llama-tied",
-    "qwen2-bias",
-    "mistral-window",
-];
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/models")
-}
-
-struct Case {
-    name: &'static str,
-    dir: ModelDir,
-    reference: Value,
-}
-
-impl Case {
-    fn open(name: &'static str) -> Case {
-        let path = fixtures().join(name);
-        let text = std::fs::read_to_string(path.join("reference.json")).unwrap();
-        Case {
-            name,
-            dir: ModelDir::open(&path).unwrap(),
-            reference: serde_json::from_str(&text).unwrap(),
-        }
-    }
-
-    fn model(&self) -> Gpt {
-        self.dir
-            .load(16, &Device::Cpu, None, &mut |_, _| {})
-            .unwrap()
-    }
-
-    /// The batch as (inputs `[B, T−1]`, targets `[B·(T−1)]`, mask).
-    fn batch(&self) -> (Tensor, Tensor, Tensor) {
-        let rows: Vec<Vec<u32>> =
-            serde_json::from_value(self.reference["batch"]["input_ids"].clone()).unwrap();
-        let t = rows[0].len();
-        let inputs: Vec<u32> = rows.iter().flat_map(|r| r[..t - 1].to_vec()).collect();
-        let targets: Vec<u32> = rows.iter().flat_map(|r| r[1..].to_vec()).collect();
-        let n = targets.len();
-        (
-            Tensor::from_vec(inputs, (rows.len(), t - 1), &Device::Cpu).unwrap(),
-            Tensor::from_vec(targets, n, &Device::Cpu).unwrap(),
-            Tensor::ones(n, DType::F32, &Device::Cpu).unwrap(),
-        )
-    }
-
-    fn number(&self, pointer: &str) -> f64 {
-        self.reference
-            .pointer(pointer)
-            .and_then(Value::as_f64)
-            .unwrap_or_else(|| panic!("{}: no {pointer}", self.name))
-    }
-}
-
-/// The mean loss of the batch (as transformers' `labels = input_ids`) and its graph's root.
-fn loss(model: &Gpt, case: &Case, dtype: DType) -> (f64, Tensor, ParamGrads) {
-    let (inputs, targets, mask) = case.batch();
-    let forward = model.forward(&inputs, dtype, true).unwrap();
-    let n = targets.dim(0).unwrap() as f64;
-    let sum = forward.nll_sum(&targets, &mask).unwrap();
-    let mean = (sum.to_dtype(DType::F32).unwrap() / n).unwrap();
-    let value = f64::from(mean.to_scalar::<f32>().unwrap());
-    (value, mean, forward.recomputed)
-}
-
-/// Every parameter's gradient, in the model's order.
-fn gradients(model: &Gpt, root: &Tensor, held: &ParamGrads) -> Vec<Tensor> {
-    let store = root.backward().unwrap();
-    model
-        .params
-        .iter()
-        .map(|p| {
-            held.get(&store, &p.var)
-                .unwrap_or_else(|| panic!("{} got no gradient", p.name))
-        })
-        .collect()
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(f64::MIN_POSITIVE)
-}
-
-fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(DType::F64).unwrap();
-    let b = b.to_dtype(DType::F64).unwrap();
-    let norm = |t: &Tensor| {
-        t.sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
-    };
-    (norm(&(&a - &b).unwrap()) / norm(&b).max(f64::MIN_POSITIVE)).sqrt()
-}
-
-/// transformers' gradient of parameter `name`, in the engine's layout.
-fn reference_grad(case: &Case, model: &Gpt, index: usize) -> Tensor {
-    let grads = candle_core::safetensors::load(
-        fixtures().join(case.name).join("grads.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let p = &model.params[index];
-    let names = model.spec.naming();
-    let found = grads
-        .get(&p.name)
-        .or_else(|| grads.get(&p.name.replacen(names.optional_prefix, "", 1)))
-        .unwrap_or_else(|| panic!("{}: transformers has no gradient for {}", case.name, p.name));
-    let is_head = model.head.as_ref().is_some_and(|h| h.id() == p.var.id());
-    let linear = p.var.rank() == 2 && p.name != names.embed && p.name != names.positions;
-    let stored = match (is_head, linear) {
-        (true, _) => names.head_stored,
-        (false, true) => names.stored,
-        _ => WeightLayout::InOut,
-    };
-    match stored {
-        WeightLayout::OutIn => found.t().unwrap().contiguous().unwrap(),
-        WeightLayout::InOut => found.clone(),
-    }
-}
 
 #[test]
 fn every_family_computes_transformers_loss_and_gradients_in_f32() {
@@ -845,4 +719,136 @@ fn peft_adapters_give_peft_loss_gradients_and_steps_with_no_base_gradient() {
         let adamw = case.reference["adamw"].clone();
         assert_trajectory(&what, &model, &case, &adamw);
     }
+}
+
+/// `gaccwb eval --json` with `args`: its mean NLL.
+fn eval_nll(args: &[&str]) -> f64 {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gaccwb"))
+        .arg("eval")
+        .args(args)
+        .args(["--json", "--device", "cpu"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "eval {args:?} failed: {stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["nll"].as_f64().unwrap()
+}
+
+#[test]
+fn eval_reports_transformers_perplexity_and_that_of_an_adapted_model() {
+    let case = Case::open("llama-gqa-llama3");
+    let eval = &case.reference["eval"];
+    let seq_len = eval["seq_len"].as_u64().unwrap().to_string();
+    let dir = fixtures().join(case.name);
+    let text = fixtures().join("eval.txt");
+    let common = [
+        "--model",
+        dir.to_str().unwrap(),
+        "--data",
+        text.to_str().unwrap(),
+        "--seq-len",
+        &seq_len,
+    ];
+    let base = eval_nll(&common);
+    let want = eval["nll"].as_f64().unwrap();
+    assert!(
+        rel(base, want) <= 1e-4,
+        "eval nll {base} vs transformers {want}"
+    );
+    // With the adapter: the adapted model (whose loss is PEFT's) over the same windows.
+    let lora = dir.join("lora");
+    let adapted = eval_nll(&[&common[..], &["--adapter", lora.to_str().unwrap()]].concat());
+    let (model, _) = self::adapted(case.name, "lora");
+    let tokenizer = TextTokenizer::load_file(case.dir.tokenizer.as_ref().unwrap()).unwrap();
+    let ids = tokenizer
+        .encode(&std::fs::read_to_string(&text).unwrap())
+        .unwrap();
+    let seq = seq_len.parse().unwrap();
+    let p = perplexity::perplexity(&model, &ids, seq, 8, DType::F32, &Device::Cpu).unwrap();
+    assert!(
+        rel(adapted, p.nll) <= 1e-6 && rel(adapted, base) > 1e-3,
+        "eval --adapter nll {adapted}: the adapted model's {}, the base's {base}",
+        p.nll
+    );
+}
+
+#[test]
+fn a_lora_fine_tune_books_its_frozen_base_and_trains_with_every_knob() {
+    use gaccwb::telemetry::Phase;
+    let lora = ["train.lora_rank=4", "train.lora_alpha=8"];
+    let name = "llama-gqa-llama3";
+    let mut trainer = gaccwb::train::Trainer::new(finetune(name, 2, &lora), Device::Cpu).unwrap();
+    let plain = losses(&mut trainer);
+    // The ledger: gradients and AdamW's state for the adapters alone, the base in `frozen`.
+    let adapters: u64 = trainer.model().param_count();
+    let base: u64 = trainer
+        .model()
+        .frozen
+        .iter()
+        .map(|p| p.var.elem_count() as u64)
+        .sum();
+    assert!(
+        adapters > 0 && base > 5 * adapters,
+        "{adapters} adapter, {base} base"
+    );
+    let events = trainer.take_memory_events();
+    let optimizer = events
+        .iter()
+        .rfind(|e| e.phase == Phase::Optimizer)
+        .expect("an optimizer phase measured");
+    let c = optimizer.categories;
+    assert_eq!(c.parameters, 4 * adapters, "parameters: the f32 adapters");
+    assert_eq!(c.frozen, 4 * base, "frozen: the f32 base");
+    assert_eq!(c.gradients, 4 * adapters, "gradients: the adapters' buffer");
+    assert_eq!(
+        c.optimizer_state,
+        8 * adapters,
+        "AdamW: two moments per adapter weight"
+    );
+    // Every knob trains: half precision and offload near the f32 losses, checkpointing and
+    // offloaded moments to the same bits, and a resumed LoRA run continues the same steps.
+    let knobs: [(&[&str], f64); 5] = [
+        (&["train.dtype=bf16"], 0.03),
+        (&["train.dtype=bf16", "train.offload=true"], 0.03),
+        (&["train.offload=true"], 0.0),
+        (&["train.checkpointing=blocks"], 0.0),
+        (&["train.clip=0.5", "train.noise=true"], 0.05),
+    ];
+    for (sets, bound) in knobs {
+        let all: Vec<&str> = lora.iter().chain(sets).copied().collect();
+        let mut t = gaccwb::train::Trainer::new(finetune(name, 2, &all), Device::Cpu).unwrap();
+        let got = losses(&mut t);
+        for (a, b) in got.iter().zip(&plain) {
+            assert!(rel(*a, *b) <= bound, "{sets:?}: {got:?} vs {plain:?}");
+        }
+        if sets.contains(&"train.dtype=bf16") {
+            let c = t.take_memory_events().last().unwrap().categories;
+            assert_eq!(c.frozen, 2 * base, "{sets:?}: the base frozen in bf16");
+        }
+    }
+}
+
+#[test]
+fn a_lora_fine_tune_resumes_bit_identically() {
+    use gaccwb::checkpoint;
+    let lora = [
+        "train.lora_rank=4",
+        "train.lora_targets=[\"q_proj\",\"v_proj\"]",
+    ];
+    let name = "qwen2-bias";
+    let straight =
+        losses(&mut gaccwb::train::Trainer::new(finetune(name, 4, &lora), Device::Cpu).unwrap());
+    let mut first = gaccwb::train::Trainer::new(finetune(name, 2, &lora), Device::Cpu).unwrap();
+    let head = losses(&mut first);
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint::save(&first, dir.path()).unwrap();
+    let mut resumed = checkpoint::resume(dir.path(), Device::Cpu, |s| s.train.steps = 4).unwrap();
+    assert_eq!(resumed.model().frozen.len(), first.model().frozen.len());
+    let tail: Vec<f64> = (0..2)
+        .map(|_| resumed.train_step(|| true).ok().unwrap().loss)
+        .collect();
+    let joined: Vec<u64> = head.iter().chain(&tail).map(|l| l.to_bits()).collect();
+    let expected: Vec<u64> = straight.iter().map(|l| l.to_bits()).collect();
+    assert_eq!(joined, expected, "losses step for step");
 }

@@ -70,6 +70,8 @@ impl ExitClass {
             || cause.is::<gaccwb::planner::options::OptionsError>()
             || cause.is::<gaccwb::model::hf::HfError>()
             || cause.is::<gaccwb::model::spec::SpecError>()
+            || cause.is::<gaccwb::model::lora::AdaptError>()
+            || cause.is::<gaccwb::model::lora::AdapterError>()
         {
             return Some(ExitClass::Usage);
         }

@@ -34,6 +34,10 @@ pub struct EvalArgs {
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "auto")]
     device: DeviceChoice,
+    /// A PEFT LoRA adapter of the model (adapter_config.json, adapter_model.safetensors):
+    /// the perplexity of the adapted model.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
     /// Print {"tokens", "nll", "ppl"} as one JSON object.
     #[arg(long)]
     json: bool,
@@ -78,7 +82,12 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
         .into());
     }
     let device = args.device.open()?;
-    let model = dir.load(seq_len as usize, &device, None, &mut |_, _| {})?;
+    let mut model = dir.load(seq_len as usize, &device, None, &mut |_, _| {})?;
+    if let Some(adapter) = &args.adapter {
+        let lora = gaccwb::model::lora::read_adapter_config(adapter)?;
+        model = model.adapt(&lora, 0, candle_core::DType::F32)?;
+        model.load_adapter(adapter)?;
+    }
     let p = perplexity(
         &model,
         &ids,
@@ -90,11 +99,20 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let line = match args.json {
         true => serde_json::to_string(&p)?,
         false => format!(
-            "{} ({}, {} parameters) on {}: {} predicted tokens in windows of {seq_len}, {}: \
+            "{}{} ({}, {} parameters) on {}: {} predicted tokens in windows of {seq_len}, {}: \
              mean NLL {:.6} nats/token, perplexity {:.4}",
             dir.dir.display(),
+            args.adapter.as_ref().map_or(String::new(), |a| format!(
+                " with the adapter {}",
+                a.display()
+            )),
             spec.arch.family,
-            model.param_count(),
+            model.param_count()
+                + model
+                    .frozen
+                    .iter()
+                    .map(|p| p.var.elem_count() as u64)
+                    .sum::<u64>(),
             args.data.display(),
             p.tokens,
             args.dtype.name(),

@@ -27,11 +27,12 @@ pub const PALETTE: [RGBColor; 4] = [
 
 /// Ledger categories bottom to top, as indices into `Categories::NAMES`: what persists across a
 /// step (parameters, optimizer state, the accumulated gradients) under what comes and goes
-/// inside it (transient gradients, activations), `other` on top.
-pub const STACK_ORDER: [usize; 8] = [0, 1, 4, 2, 5, 3, 6, 7];
+/// inside it (transient gradients, activations), `other` on top; frozen weights (LoRA's base)
+/// beside the parameters.
+pub const STACK_ORDER: [usize; 9] = [0, 7, 1, 4, 2, 5, 3, 6, 8];
 
 /// One colour per category, indexed like `Categories::NAMES`.
-const CATEGORY_COLORS: [RGBColor; 8] = [
+const CATEGORY_COLORS: [RGBColor; 9] = [
     RGBColor(31, 119, 180),  // parameters
     RGBColor(158, 202, 225), // compute weights
     RGBColor(255, 127, 14),  // gradients
@@ -39,6 +40,7 @@ const CATEGORY_COLORS: [RGBColor; 8] = [
     RGBColor(44, 160, 44),   // optimizer state
     RGBColor(148, 103, 189), // offloaded
     RGBColor(214, 39, 40),   // activations
+    RGBColor(23, 190, 207),  // frozen
     RGBColor(190, 190, 190), // other
 ];
 

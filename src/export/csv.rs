@@ -193,6 +193,7 @@ struct CategoryCells {
     optimizer_state: u64,
     offloaded: u64,
     activations: u64,
+    frozen: u64,
     other: u64,
 }
 
@@ -206,6 +207,7 @@ impl From<Categories> for CategoryCells {
             optimizer_state,
             offloaded,
             activations,
+            frozen,
             other,
         } = c;
         CategoryCells {
@@ -216,6 +218,7 @@ impl From<Categories> for CategoryCells {
             optimizer_state,
             offloaded,
             activations,
+            frozen,
             other,
         }
     }

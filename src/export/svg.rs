@@ -283,7 +283,7 @@ fn held(points: impl IntoIterator<Item = (u64, f64)>) -> Vec<(u64, f64)> {
 /// The stacked layers: per category present, the running sum up to it (MiB) held over each
 /// step's span, bottom layer first, with the category's index.
 fn memory_stack(figures: &[StepFigure]) -> Vec<(usize, Vec<(u64, f64)>)> {
-    let values: Vec<[u64; 8]> = figures
+    let values: Vec<[u64; 9]> = figures
         .iter()
         .map(|f| f.measured_ledger().values())
         .collect();

@@ -76,6 +76,7 @@ fn categories(activation_mib: u64) -> Categories {
         optimizer_state: 8 << 20,
         offloaded: 0,
         activations: activation_mib << 20,
+        frozen: 0,
         other: 1 << 20,
     }
 }

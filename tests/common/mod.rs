@@ -3,6 +3,7 @@
 // Each test binary uses its own subset.
 #![allow(dead_code)]
 
+pub mod hf;
 pub mod tmux;
 
 use gaccwb::scenario::{ModelConfig, Scenario};

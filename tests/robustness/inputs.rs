@@ -394,7 +394,7 @@ fn a_resumed_run_saves_into_its_checkpoint_refuses_nothing_to_do_and_cleans_up()
 #[test]
 fn numbers_beyond_their_bounds_are_refused_before_anything_runs() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 10] = [
         (&["bench", "--warmup", "18446744073709551615"], "--warmup"),
         (&["bench", "--steps", "18446744073709551615"], "--steps"),
         (

@@ -532,6 +532,12 @@ impl Gpt {
         let recomputed = ParamGrads::default();
         let mut w = Weights::new(dtype, track.then_some(&recomputed));
         let mut x = self.embed(ids, &mut w)?;
+        // Under LoRA the embedding is frozen and its output tracks no graph: made a leaf that
+        // does (PEFT's `enable_input_require_grads`), so every block's op, and a checkpointed
+        // segment's recompute, joins the graph whatever the dtype.
+        if track && !self.frozen.is_empty() && !x.track_op() {
+            x = Var::from_tensor(&x)?.into_inner();
+        }
         match checkpointing.segment().filter(|_| track) {
             None => {
                 for block in &self.blocks {

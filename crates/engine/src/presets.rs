@@ -51,6 +51,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ),
     ("ddp-zero", include_str!("../../../presets/ddp-zero.toml")),
     ("finetune", include_str!("../../../presets/finetune.toml")),
+    (
+        "lora-vs-full",
+        include_str!("../../../presets/lora-vs-full.toml"),
+    ),
 ];
 
 /// The preset `gaccwb` runs with no arguments.

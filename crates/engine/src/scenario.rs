@@ -284,6 +284,10 @@ pub struct TrainConfig {
     pub lora_targets: Vec<String>,
     /// rsLoRA: scale the update by alpha / √r instead of alpha / r.
     pub lora_rslora: bool,
+    /// Dropout on the adapters' input (PEFT's `lora_dropout`). Only 0 trains here: the fused
+    /// and lean steps draw no masks; a non-zero value is refused, never silently ignored. An
+    /// adapter read with `--adapter` keeps this run's value, not the one it was trained with.
+    pub lora_dropout: f64,
 }
 
 impl Default for TrainConfig {
@@ -333,6 +337,7 @@ impl Default for TrainConfig {
             lora_alpha: 8.0,
             lora_targets: Vec::new(),
             lora_rslora: false,
+            lora_dropout: 0.0,
         }
     }
 }
@@ -674,6 +679,7 @@ impl Scenario {
         }
         check_noise(t)?;
         check_comm_timeout(t)?;
+        check_lora(t)?;
         for (i, e) in self.timeline.iter().enumerate() {
             validate_control(&e.control).map_err(|m| {
                 Invalid::new(
@@ -852,6 +858,29 @@ pub fn nearest<'a>(given: &str, candidates: &[&'a str]) -> Option<&'a str> {
         .filter(|(edits, similarity, _)| *edits <= max_edits || *similarity >= 0.9)
         .min_by(|a, b| a.0.cmp(&b.0).then(b.1.total_cmp(&a.1)))
         .map(|(_, _, c)| c)
+}
+
+/// LoRA's settings: the adapters' scale must be finite, and dropout is not computed here.
+fn check_lora(t: &TrainConfig) -> Result<(), Invalid> {
+    if t.lora_rank > 0 && !t.lora_alpha.is_finite() {
+        return Err(Invalid::new(
+            "train.lora_alpha",
+            format!(
+                "train.lora_alpha ({}) must be a finite number",
+                t.lora_alpha
+            ),
+        ));
+    }
+    if t.lora_dropout != 0.0 {
+        return Err(Invalid::new(
+            "train.lora_dropout",
+            format!(
+                "train.lora_dropout ({}): the engine's LoRA computes no dropout; set train.lora_dropout = 0",
+                t.lora_dropout
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Value checks shared by presets, the command line and hotkeys: a knob's value within the
@@ -1071,16 +1100,16 @@ mod tests {
 
     #[test]
     fn keys_of_matches_the_structs() {
+        // Options serialise only when set: each is set here.
         let root = toml::Value::try_from(Scenario {
-            data: DataConfig {
-                path: Some("x".into()),
-                tokenizer_file: Some("t.json".into()),
-                ..Default::default()
-            },
-            // Options serialise only when set.
             model: ModelConfig {
                 path: Some("m".into()),
                 adapter: Some("a".into()),
+                ..Default::default()
+            },
+            data: DataConfig {
+                path: Some("x".into()),
+                tokenizer_file: Some("t.json".into()),
                 ..Default::default()
             },
             ..Default::default()

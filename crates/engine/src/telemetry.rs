@@ -389,6 +389,9 @@ pub struct Categories {
     pub offloaded: u64,
     /// The graph kept for backward.
     pub activations: u64,
+    /// Weights that are not trained (LoRA's base), in the run's dtype: no gradient, no state.
+    #[serde(default)]
+    pub frozen: u64,
     /// Everything else measured (gemm's per-thread packing workspaces among it).
     pub other: u64,
 }
@@ -412,7 +415,7 @@ impl Categories {
     }
 
     /// The categories' names as recordings and CSV spell them, in ledger order.
-    pub const NAMES: [&'static str; 8] = [
+    pub const NAMES: [&'static str; 9] = [
         "parameters",
         "compute_weights",
         "gradients",
@@ -420,11 +423,12 @@ impl Categories {
         "optimizer_state",
         "offloaded",
         "activations",
+        "frozen",
         "other",
     ];
 
     /// Values in the order of `NAMES`.
-    pub fn values(&self) -> [u64; 8] {
+    pub fn values(&self) -> [u64; 9] {
         [
             self.parameters,
             self.compute_weights,
@@ -433,6 +437,7 @@ impl Categories {
             self.optimizer_state,
             self.offloaded,
             self.activations,
+            self.frozen,
             self.other,
         ]
     }

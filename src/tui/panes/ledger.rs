@@ -12,7 +12,7 @@ use crate::telemetry::Categories;
 use crate::tui::app::{App, PaneId};
 
 /// Category labels, short enough for the compact layout, in `Categories::NAMES` order.
-const LABELS: [&str; 8] = [
+const LABELS: [&str; 9] = [
     "params",
     "compute w",
     "grads",
@@ -20,8 +20,12 @@ const LABELS: [&str; 8] = [
     "opt state",
     "offloaded",
     "activation",
+    "frozen",
     "other",
 ];
+
+/// The `frozen` row's index in `Categories::NAMES`.
+const FROZEN: usize = 7;
 
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {
     // Heads, 8 categories and the total need 10 rows; with fewer (80×24), the total moves into
@@ -86,6 +90,10 @@ fn rows(
     for (i, label) in LABELS.iter().enumerate() {
         let mv = m.map(|v| v[i]);
         let ev = e.map(|v| v[i]);
+        // Frozen weights exist under LoRA only: other runs keep their rows (and layout).
+        if i == FROZEN && mv.unwrap_or(0) == 0 && ev.unwrap_or(0) == 0 {
+            continue;
+        }
         let len = |v: u64| ((v as f64 / scale as f64) * bar_w as f64).round() as usize;
         let filled = mv.map(len).unwrap_or(0).min(bar_w);
         let mut bar: Vec<char> = (0..bar_w)

@@ -76,6 +76,8 @@ pub struct Ledger {
     /// The model's weights kept in half precision (offload in bf16/f16: the device holds only
     /// these): `compute_weights` for the whole step, not a forward's casts.
     resident_compute: Vec<Tensor>,
+    /// Weights no step trains (LoRA's base): `frozen`.
+    frozen: Vec<Tensor>,
     persistent: Persistent,
     /// The highest-peak snapshot of each phase in the current window.
     forward: Option<Snapshot>,
@@ -101,6 +103,7 @@ impl Ledger {
             meter,
             params: Vec::new(),
             resident_compute: Vec::new(),
+            frozen: Vec::new(),
             persistent: Persistent::default(),
             forward: None,
             backward: None,
@@ -123,13 +126,20 @@ impl Ledger {
         self.meter.unified()
     }
 
-    /// A window for optimizer step `step` (1-based) starts with these parameters and state.
-    pub fn begin_window(&mut self, params: Vec<Tensor>, persistent: Persistent) {
+    /// A window for optimizer step `step` (1-based) starts with these parameters, frozen weights
+    /// and state.
+    pub fn begin_window(
+        &mut self,
+        params: Vec<Tensor>,
+        frozen: Vec<Tensor>,
+        persistent: Persistent,
+    ) {
         let (f32_weights, half) = params
             .into_iter()
             .partition(|t| t.dtype() == candle_core::DType::F32);
         self.params = f32_weights;
         self.resident_compute = half;
+        self.frozen = frozen;
         self.persistent = persistent;
         self.window_activations = None;
         self.forward = None;
@@ -235,6 +245,7 @@ impl Ledger {
         Categories {
             optimizer_state: self.persistent.optimizer_state,
             offloaded: self.persistent.offloaded,
+            frozen: StorageSet::default().add_all(&self.frozen),
             ..Categories::default()
         }
     }
@@ -243,6 +254,7 @@ impl Ledger {
         let mut seen = StorageSet::default();
         seen.add_all(&self.params);
         seen.add_all(&self.resident_compute);
+        seen.add_all(&self.frozen);
         seen
     }
 
@@ -269,6 +281,7 @@ impl Ledger {
         buffer: &[&Tensor],
     ) -> Categories {
         let mut seen = StorageSet::default();
+        seen.add_all(&self.frozen);
         let parameters = seen.add_all(&self.params);
         let compute_weights = seen.add_all(&self.resident_compute) + seen.add_all(compute_weights);
         let buffer = seen.add_all(buffer.iter().copied());

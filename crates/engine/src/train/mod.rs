@@ -828,7 +828,9 @@ impl Trainer {
         loop {
             let samples = self.next_window();
             let params = self.model.vars().map(|v| v.as_tensor().clone()).collect();
-            self.memory.begin_window(params, self.persistent_memory());
+            let frozen = self.model.frozen.iter().map(|p| p.var.as_tensor().clone());
+            self.memory
+                .begin_window(params, frozen.collect(), self.persistent_memory());
             match self.window_attempt(&samples, scale, &mut *between) {
                 Ok(w) => return Ok(w),
                 Err(e) if self.group.is_parallel() => return Err(e),
