@@ -246,6 +246,8 @@ pub struct Runner {
     pub exe: PathBuf,
     /// The preset as the user named it (a built-in name or a path).
     pub preset: String,
+    /// `run --model` for every configuration.
+    pub model: Option<String>,
     pub device: String,
     pub steps: u64,
     /// Where the recordings go.
@@ -275,6 +277,9 @@ impl Runner {
         ]
         .map(String::from)
         .to_vec();
+        if let Some(model) = &self.model {
+            args.extend(["--model".to_string(), model.clone()]);
+        }
         for set in &config.sets {
             args.extend(["--set".to_string(), set.to_string()]);
         }

@@ -169,3 +169,46 @@ fn a_bad_grid_entry_exits_2_with_one_line_naming_its_position() {
         assert!(lines[0].contains(hint), "{grid}: {hint}: {stderr}");
     }
 }
+
+#[test]
+fn lora_against_full_fine_tuning_frees_the_gradient_and_optimizer_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/models/llama-tied");
+    let (code, stdout, stderr) = gaccwb(
+        &[
+            "compare",
+            "lora-vs-full",
+            "--model",
+            model.to_str().unwrap(),
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+            "--grid",
+            "model.seq_len=16,train.lora_rank=4; model.seq_len=16,train.lora_rank=0",
+        ],
+        dir.path(),
+    );
+    assert_eq!(code, 0, "{stderr}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
+    let ledger = |i: usize| -> Categories {
+        serde_json::from_value(rows[i]["measured_ledger"].clone()).unwrap()
+    };
+    let (lora, full) = (ledger(0), ledger(1));
+    // Full: every weight trained, none frozen. LoRA: the base frozen, and the gradients and
+    // AdamW's state only the adapters', a small share of the full run's.
+    assert_eq!(full.frozen, 0);
+    assert_eq!(lora.frozen, full.parameters, "the base, frozen in f32");
+    assert!(
+        lora.optimizer_state * 5 < full.optimizer_state,
+        "{lora:?} vs {full:?}"
+    );
+    assert!(
+        lora.gradients * 5 < full.gradients.max(1),
+        "{lora:?} vs {full:?}"
+    );
+    assert!(rows
+        .iter()
+        .all(|r| r["train_loss"].as_f64().unwrap().is_finite()));
+}

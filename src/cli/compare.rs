@@ -21,6 +21,10 @@ pub struct CompareArgs {
     /// the preset's [compare] grid).
     #[arg(long)]
     grid: Option<String>,
+    /// The Hugging Face model every configuration trains (as `run --model`): a directory,
+    /// ORG/NAME[@REVISION] from the local cache, or a config.json alone (random weights).
+    #[arg(long, value_name = "PATH")]
+    model: Option<String>,
     /// Optimizer steps per configuration (default: the preset's [compare] steps, else 20).
     #[arg(long)]
     steps: Option<u64>,
@@ -105,6 +109,7 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
     let runner = compare::Runner {
         exe: std::env::current_exe()?,
         preset: args.preset.clone(),
+        model: args.model.clone(),
         device: args.device.clone(),
         steps,
         record_dir,
