@@ -216,11 +216,13 @@ impl Row {
         let (measured_peak, ledger) = peak
             .map(|p| (p.peak, p.measured_ledger()))
             .unwrap_or_default();
+        // Every rank trains its own K·B samples of the window.
+        let ranks = recording.header.ranks.unwrap_or(1);
         Ok(Row {
             config: config.to_string(),
             micro_batch: last.micro_batch,
             accum_steps: last.accum_steps,
-            effective_batch: last.micro_batch * last.accum_steps,
+            effective_batch: ranks * last.micro_batch * last.accum_steps,
             measured_peak,
             largest_category: largest_category(&ledger),
             measured_ledger: ledger,
@@ -392,31 +394,13 @@ fn send(pid: i32, signo: i32) {
 /// `compare` alone and is forwarded once, and it is sent SIGTERM if `compare` dies first (even
 /// by SIGKILL): no run outlives `compare`.
 fn run_child(exe: &Path, args: &[String]) -> anyhow::Result<std::process::Output> {
-    use std::os::unix::process::CommandExt;
-    let parent = std::process::id();
     let mut command = std::process::Command::new(exe);
     command
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    // SAFETY: the closure runs in the forked child before exec and calls only prctl and
-    // getppid, which are async-signal-safe; it allocates nothing.
-    unsafe {
-        command.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // The parent may have died before the prctl: then nothing would ever signal us.
-            if libc::getppid() as u32 != parent {
-                return Err(std::io::Error::other("gaccwb compare exited"));
-            }
-            Ok(())
-        });
-    }
-    let child = command
-        .spawn()
+        .stderr(Stdio::piped());
+    let child = crate::children::spawn_tied(&mut command, true)
         .with_context(|| format!("starting {}", exe.display()))?;
     set_child(child.id() as i32);
     let out = child.wait_with_output();
@@ -441,7 +425,7 @@ pub fn table(rows: &[Row]) -> String {
         "configuration",
         "B",
         "K",
-        "B·K",
+        "W·K·B",
         "peak MiB",
         "largest",
         "pred. MiB",

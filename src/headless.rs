@@ -117,14 +117,25 @@ pub fn run_session(
         sampler: _sampler,
         mut recorder,
         steps: total,
+        sink,
     } = session;
+    // A rank whose collective timed out is stuck in it: the recording gets its `end` from here,
+    // and the stuck trainer thread is not waited for.
+    let timed_out = sink.clone();
+    crate::dist::watchdog::on_timeout(move |why| {
+        send_end(&timed_out, EndReason::Error(why.to_string()));
+    });
     if signals == SignalHandling::Stop {
         let controls = handle.controls.clone();
-        crate::signals::watch(move || {
+        let ender = sink.clone();
+        crate::signals::watch(move |signo| {
             let _ = controls.send(ControlMsg {
                 control: Control::Stop,
                 origin: Origin::Key,
             });
+            let _ = std::thread::Builder::new()
+                .name("gaccwb-last-words".into())
+                .spawn(move || end_if_stuck(&ender, signo));
         })?;
     }
     let bar = progress_bar(total, progress);
@@ -163,8 +174,44 @@ pub fn run_session(
     if let Some(r) = recorder.take() {
         r.finish()?;
     }
-    handle.stop();
+    if crate::dist::watchdog::abandoned() {
+        // Joining would wait forever; the watchdog ends the process shortly.
+        std::mem::forget(handle);
+    } else {
+        handle.stop();
+    }
     Ok(summary)
+}
+
+/// How long a rank asked to stop may sit in one collective before it ends without its peers:
+/// a peer that died leaves it there, and Open MPI's launcher kills what is left of the job one
+/// second after its SIGTERM (`odls_base_sigkill_timeout`), before the trainer could write `end`.
+const STUCK_AFTER_SIGNAL: std::time::Duration = std::time::Duration::from_millis(400);
+
+/// After a stopping signal: if the trainer sits in one collective (the other ranks do not
+/// answer) for [`STUCK_AFTER_SIGNAL`], the run ends here, with its `end`, without it. Alone, a
+/// run enters no collective and this never fires.
+fn end_if_stuck(sink: &crate::train::EventSink, signo: i32) {
+    let signalled = std::time::Instant::now();
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let Some(entered) = crate::dist::watchdog::collective_entered() else {
+            continue;
+        };
+        if entered.max(signalled).elapsed() >= STUCK_AFTER_SIGNAL {
+            crate::dist::watchdog::abandon();
+            send_end(sink, EndReason::Signalled(signo));
+            return;
+        }
+    }
+}
+
+/// An `end` sent from outside the trainer (which is stuck in a collective).
+fn send_end(sink: &crate::train::EventSink, reason: EndReason) {
+    sink.send(Event::End(crate::telemetry::EndEvent {
+        step: sink.last_step(),
+        reason,
+    }));
 }
 
 fn progress_bar(total: u64, progress: Progress) -> ProgressBar {

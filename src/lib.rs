@@ -11,6 +11,7 @@ pub use gaccwb_engine::{
 };
 
 pub mod bench;
+pub mod children;
 pub mod compare;
 pub mod export;
 pub mod headless;

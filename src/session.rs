@@ -16,6 +16,8 @@ pub struct Session {
     pub recorder: Option<Recorder>,
     /// The run's `train.steps` (0: until stopped).
     pub steps: u64,
+    /// The trainer's event stream, for other producers (a timed-out collective's `end`).
+    pub sink: crate::train::EventSink,
 }
 
 impl Session {
@@ -31,12 +33,13 @@ impl Session {
         let steps = trainer.scenario().train.steps;
         let device = trainer.device().clone();
         let (handle, sink) = crate::train::spawn_trainer(trainer)?;
-        let sampler = crate::memory::gpu::start_sampler(sink, &device);
+        let sampler = crate::memory::gpu::start_sampler(sink.clone(), &device);
         Ok(Session {
             handle,
             sampler,
             recorder,
             steps,
+            sink,
         })
     }
 }

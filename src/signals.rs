@@ -108,6 +108,11 @@ impl Stoppers {
         Ok(Stoppers { seen: 0 })
     }
 
+    /// Signals caught so far count as handled (another watcher took them).
+    pub fn skip_past(&mut self) {
+        self.seen = COUNT.load(Ordering::SeqCst);
+    }
+
     /// The next signal, or `None` if none has arrived since the last call.
     pub fn poll(&mut self) -> Option<i32> {
         if COUNT.load(Ordering::SeqCst) <= self.seen {
@@ -165,16 +170,16 @@ pub fn until_started() -> std::io::Result<()> {
     Ok(())
 }
 
-/// Without a screen: on the first signal call `stop` (ask the trainer to end); on a second one,
-/// the user insists, exit at once. The handlers are installed before this returns.
-pub fn watch(stop: impl FnOnce() + Send + 'static) -> anyhow::Result<()> {
+/// Without a screen: on the first signal call `stop` with it (ask the trainer to end); on a
+/// second one, the user insists, exit at once. The handlers are installed before this returns.
+pub fn watch(stop: impl FnOnce(i32) + Send + 'static) -> anyhow::Result<()> {
     let mut stoppers = Stoppers::register()?;
     std::thread::Builder::new()
         .name("gaccwb-signals".into())
         .spawn(move || {
             let first = stoppers.wait();
             // Stop first: stderr may be a closed pipe, and nothing must keep the run going.
-            stop();
+            stop(first);
             crate::out::note(&format!(
                 "gaccwb: {}: stopping at the next micro-batch",
                 name(first)

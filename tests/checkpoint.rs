@@ -279,7 +279,10 @@ fn bad_checkpoints_are_refused_with_the_reason() {
     let text = std::fs::read_to_string(&state_path).unwrap();
     std::fs::write(
         &state_path,
-        text.replace("\"version\": 1", "\"version\": 7"),
+        text.replace(
+            &format!("\"version\": {}", checkpoint::CHECKPOINT_VERSION),
+            "\"version\": 7",
+        ),
     )
     .unwrap();
     let err = checkpoint::read_state(dir.path()).err().unwrap();

@@ -6,6 +6,8 @@
 #![cfg(feature = "mpi")]
 
 mod common;
+#[path = "data_parallel/process_tree.rs"]
+mod process_tree;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -403,8 +405,8 @@ fn a_stuck_rank_ends_the_job_when_the_collective_times_out() {
     assert_recording_whole(&dir.path().join("stuck.jsonl"));
 }
 
-/// Open MPI's `A : B` starts rank 0 with one clip and rank 1 with another: the first boundary
-/// says so, rather than the ranks training different models.
+/// Open MPI's `A : B` starts rank 0 with one clip and rank 1 with another: the ranks say so
+/// before they start, rather than training different models.
 #[test]
 fn ranks_that_disagree_on_knobs_stop_with_an_error() {
     let dir = tempfile::tempdir().unwrap();
@@ -414,7 +416,7 @@ fn ranks_that_disagree_on_knobs_stop_with_an_error() {
     let (code, text, _) = wait(spawn(c), Duration::from_secs(120));
     assert_ne!(code, 0, "{text}");
     assert!(
-        text.contains("the ranks disagree on the knobs in force"),
+        text.contains("scenario.train.clip is 2.0 here, 1.0 on rank 0"),
         "{text}"
     );
 }

@@ -6,6 +6,8 @@ use std::process::Command;
 use std::time::Duration;
 
 mod common;
+#[path = "e2e_tmux/screen_input.rs"]
+mod screen_input;
 
 use common::tmux::{require_tmux, Tmux};
 use common::TINY;

@@ -27,6 +27,7 @@ fn valid_recording() -> Vec<u8> {
         collectives: None,
         memory_budget_bytes: None,
         unified_memory: Some(true),
+        writer: None,
     })];
     for step in 1..=5u64 {
         events.push(Event::Step(StepEvent {

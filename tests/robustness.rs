@@ -1,4 +1,4 @@
-//! Nothing lost, nothing hung: the break-it cases of issue 14, each a regression test. Every
+//! Nothing lost, nothing hung: the break-it cases, each a regression test. Every
 //! case checks the exit code and what is on disk before and after.
 
 use std::path::Path;
@@ -9,6 +9,8 @@ use gaccwb::record::read_recording;
 use gaccwb::telemetry::{Event, Level};
 
 mod common;
+#[path = "robustness/inputs.rs"]
+mod inputs;
 
 use common::TINY;
 

@@ -95,7 +95,7 @@ fn replay_headless_and_cast_export_read_a_recording() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("at least 80x24"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("from 80x24"), "{}", stderr(&o));
 }
 
 #[test]

@@ -18,16 +18,16 @@ pub struct BenchArgs {
     /// plus the default preset's steps/s).
     #[arg(long = "case", value_name = "B,K", value_parser = parse_case)]
     cases: Vec<Case>,
-    /// Timed optimizer steps per case.
-    #[arg(long, default_value_t = 10)]
-    steps: usize,
+    /// Timed optimizer steps per case (at most 100000).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
+    steps: u64,
     /// Compute dtypes, comma-separated (f32, bf16, f16): with several, each case runs in every
-    /// one, a step of each in turn, and a ratio against the first is printed.
-    #[arg(long = "dtype", value_name = "LIST", default_value = "f32", value_parser = parse_dtypes)]
-    dtypes: DtypeList,
-    /// Untimed optimizer steps before timing.
-    #[arg(long, default_value_t = 2)]
-    warmup: usize,
+    /// one, a step of each in turn, and a ratio against the first is printed [default: f32].
+    #[arg(long = "dtype", value_name = "LIST", value_parser = parse_dtypes)]
+    dtypes: Option<DtypeList>,
+    /// Untimed optimizer steps before timing (at most 100000).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(..=MAX_STEPS))]
+    warmup: u64,
     /// One JSON object per case on stdout instead of the table.
     #[arg(long)]
     json: bool,
@@ -40,6 +40,9 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(2..))]
     ranks: Option<u64>,
 }
+
+/// Most timed or warm-up steps a benchmark takes (each is a whole optimizer step).
+const MAX_STEPS: u64 = 100_000;
 
 /// Parameters `--adamw` updates per step (16 bytes each of optimizer state: 256 MiB).
 const ADAMW_PARAMS: usize = 1 << 24;
@@ -94,15 +97,14 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         // Candle sizes its thread pools from this on first use, which has not happened yet.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
-    if args.steps == 0 {
-        anyhow::bail!(UsageError("--steps must be at least 1".into()));
-    }
+    let (warmup, steps) = (args.warmup as usize, args.steps as usize);
+    refuse_unused(&args)?;
     if args.adamw {
         return host_rates(&args);
     }
     if let Some(ranks) = args.ranks {
         let threads = args.threads.unwrap_or_else(bench::threads);
-        return super::bench_ranks::bench_ranks(ranks as usize, threads, args.warmup, args.steps);
+        return super::bench_ranks::bench_ranks(ranks as usize, threads, warmup, steps);
     }
     let preset = presets::resolve(presets::DEFAULT).map_err(usage)?;
     let device = candle_core::Device::Cpu;
@@ -112,15 +114,20 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         args.cases.clone()
     };
+    let f32_only = [Dtype::F32];
+    let dtypes = args.dtypes.as_ref().map_or(&f32_only[..], |d| &d.0[..]);
+    // Every case is checked before anything is printed or trained.
+    for &case in &cases {
+        check_case(&preset, case, dtypes)?;
+    }
     let m = &preset.model;
-    let dtypes = &args.dtypes.0;
     let names: Vec<&str> = dtypes.iter().map(|d| d.name()).collect();
     if !args.json {
         gaccwb::out::println(&format!(
             "gaccwb bench: model vocab {} d_model {} layers {} heads {} seq_len {}, {}, CPU, {} thread(s), \
              {} timed steps after {} warm-up{}",
             m.vocab, m.d_model, m.layers, m.heads, m.seq_len, names.join(" and "), bench::threads(),
-            args.steps, args.warmup,
+            steps, warmup,
             if dtypes.len() > 1 { " (the dtypes' steps interleaved)" } else { "" }
         ))?;
         gaccwb::out::println(&format!(
@@ -141,7 +148,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let mut results = Vec::new();
     for case in cases {
         let scenarios = in_dtypes(&bench::case_scenario(&preset, case));
-        let rs = bench::measure_interleaved(scenarios, &device, args.warmup, args.steps)?;
+        let rs = bench::measure_interleaved(scenarios, &device, warmup, steps)?;
         for r in &rs {
             print_case(r, args.json)?;
         }
@@ -172,8 +179,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             (1.0 - k4 / k1) * 100.0
         ))?;
     }
-    let defaults =
-        bench::measure_interleaved(in_dtypes(&preset), &device, args.warmup, args.steps)?;
+    let defaults = bench::measure_interleaved(in_dtypes(&preset), &device, warmup, steps)?;
     for default in &defaults {
         gaccwb::out::println(&format!(
             "default preset `{}` (B={}, K={}, variable-length documents, {}): {:.2} optimizer steps/s (median; target >= 2)",
@@ -182,6 +188,51 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         ))?;
     }
     print_ratios(&defaults, &format!("default preset `{}`", preset.name))?;
+    Ok(())
+}
+
+/// `--ranks` and `--adamw` measure fixed things: the flags that choose what else to measure
+/// are refused with them rather than ignored.
+fn refuse_unused(args: &BenchArgs) -> Result<(), UsageError> {
+    let chosen = [
+        (!args.cases.is_empty(), "--case"),
+        (args.dtypes.is_some(), "--dtype"),
+        (args.json && args.ranks.is_some(), "--json"),
+        (args.ranks.is_some() && args.adamw, "--ranks"),
+    ];
+    let given: Vec<&str> = chosen.iter().filter(|(g, _)| *g).map(|(_, f)| *f).collect();
+    let with = match (args.adamw, args.ranks) {
+        (true, _) => "--adamw",
+        (false, Some(_)) => "--ranks",
+        (false, None) => return Ok(()),
+    };
+    if given.is_empty() {
+        return Ok(());
+    }
+    Err(UsageError(format!(
+        "{with} measures the default preset's own case in f32 and prints a table; {} cannot \
+         be used with it",
+        given.join(", ")
+    )))
+}
+
+/// A case the default model can run: B and K within bounds (else a usage error), and a window
+/// that fits in memory (else the failure any run that does not fit is).
+fn check_case(
+    preset: &gaccwb::scenario::Scenario,
+    case: Case,
+    dtypes: &[Dtype],
+) -> anyhow::Result<()> {
+    let name = format!("--case {},{}", case.micro_batch, case.accum_steps);
+    let (b, k) = (case.micro_batch, case.accum_steps);
+    gaccwb::limits::check_window(b, k, preset.model.seq_len)
+        .map_err(|e| UsageError(format!("{name}: {e}")))?;
+    for &dtype in dtypes {
+        let mut s = bench::case_scenario(preset, case);
+        s.train.dtype = dtype;
+        let cfg = gaccwb::memory::estimate::Config::from_scenario(&s, true)?;
+        gaccwb::memory::fit::check_fits(&cfg, None).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+    }
     Ok(())
 }
 
@@ -203,7 +254,7 @@ fn print_ratios(rs: &[bench::Measurement], what: &str) -> Result<(), gaccwb::out
 
 /// `--adamw`: the rates `gaccwb estimate` reads, with the flags that pass them on.
 fn host_rates(args: &BenchArgs) -> anyhow::Result<()> {
-    let r = bench::measure_host_rates(ADAMW_PARAMS, MATMUL_N, args.steps)?;
+    let r = bench::measure_host_rates(ADAMW_PARAMS, MATMUL_N, args.steps as usize)?;
     if args.json {
         gaccwb::out::println(&serde_json::to_string(&r)?)?;
         return Ok(());

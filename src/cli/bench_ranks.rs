@@ -31,7 +31,7 @@ pub fn bench_ranks(
     if !cfg!(feature = "mpi") {
         return Err(usage("--ranks needs a gaccwb built with `--features mpi`").into());
     }
-    let scratch = tempfile::tempdir()?;
+    let scratch = gaccwb::children::Scratch::create("bench")?;
     let preset = gaccwb::presets::resolve(gaccwb::presets::DEFAULT).map_err(usage)?;
     gaccwb::out::println(&format!(
         "gaccwb bench --ranks {ranks}: default preset `{}` (B={} K={} per rank), CPU, {threads} \
@@ -74,9 +74,9 @@ fn measure(
     dir: &std::path::Path,
 ) -> anyhow::Result<RanksRow> {
     let record = dir.join(format!("ranks-{ranks}.jsonl"));
-    let mut mpirun = Command::new("mpirun");
-    super::ranks::allow_root(&mut mpirun, super::ranks::is_root());
-    let status = mpirun
+    let mut command = Command::new("mpirun");
+    super::ranks::allow_root(&mut command, super::ranks::is_root());
+    command
         .args(["-n", &ranks.to_string()])
         .arg(std::env::current_exe()?)
         .args(["run", "--headless", "--device", "cpu", "--steps"])
@@ -85,8 +85,10 @@ fn measure(
         .arg(&record)
         .env("RAYON_NUM_THREADS", threads.to_string())
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .status()
+        .stdout(Stdio::null());
+    // The ranks end with this process, however it ends.
+    let status = gaccwb::children::spawn_tied(&mut command, false)
+        .and_then(|mut child| child.wait())
         .map_err(|e| anyhow::anyhow!("starting mpirun (Debian: openmpi-bin): {e}"))?;
     if !status.success() {
         anyhow::bail!("the {ranks}-rank run failed ({status})");

@@ -54,9 +54,19 @@ fn device_name(s: &str) -> Result<String, String> {
 }
 
 impl CompareArgs {
-    /// The files compare reads: the preset and the data it names.
+    /// The files compare reads: the preset, the data it names, and the data every grid item
+    /// names (`data.path="corpus.txt"`): no output may replace one of them.
     pub(super) fn inputs(&self) -> gaccwb::safe_write::Inputs {
-        super::inputs::preset(&self.preset)
+        let mut inputs = super::inputs::preset(&self.preset);
+        let Ok(base) = presets::resolve(&self.preset) else {
+            return inputs;
+        };
+        let spec = base.compare.clone().unwrap_or_default();
+        let grid = self.grid.clone().unwrap_or(spec.grid);
+        for config in compare::parse_grid(&grid, &base).unwrap_or_default() {
+            super::inputs::add_scenario(&config.scenario, &mut inputs);
+        }
+        inputs
     }
 }
 
@@ -87,17 +97,22 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
             gaccwb::safe_write::check(path, what, rules)?;
         }
     }
-    let temporary = tempfile::tempdir()?;
+    // Without --record-dir the recordings are scratch; a compare killed before it removes
+    // them leaves them to the next one.
+    let temporary = (args.record_dir.is_none())
+        .then(|| gaccwb::children::Scratch::create("compare"))
+        .transpose()?;
+    let record_dir = match &temporary {
+        Some(t) => t.path().to_path_buf(),
+        None => args.record_dir.clone().unwrap_or_default(),
+    };
     let runner = compare::Runner {
         exe: std::env::current_exe()?,
         preset: args.preset.clone(),
         model: args.model.clone(),
         device: args.device.clone(),
         steps,
-        record_dir: args
-            .record_dir
-            .clone()
-            .unwrap_or_else(|| temporary.path().to_path_buf()),
+        record_dir,
         keep: args.record_dir.is_some(),
         force: args.force,
     };

@@ -47,14 +47,20 @@ impl ExitClass {
             });
         }
         if let Some(super::ranks::RanksFailed(code)) = cause.downcast_ref() {
-            return Some(match *code {
-                2 => ExitClass::Usage,
-                129..=255 => ExitClass::Signal(*code as u8),
-                _ => ExitClass::Failure,
-            });
+            return Some(ExitClass::from_code(*code));
+        }
+        if let Some(refused) = cause.downcast_ref::<super::rank_check::PeerRefused>() {
+            return Some(ExitClass::from_code(i32::from(refused.code)));
         }
         if cause.downcast_ref::<UsageError>().is_some() {
             return Some(ExitClass::Usage);
+        }
+        // A `--config` that cannot be read is a file that cannot be read (1), as the table
+        // says; one that reads but is wrong is a usage error like any bad value.
+        use gaccwb::hf::config::HfConfigError;
+        use gaccwb::planner::options::OptionsError;
+        if let Some(OptionsError::Config(HfConfigError::Read { .. })) = cause.downcast_ref() {
+            return Some(ExitClass::Failure);
         }
         // Engine errors that only ever describe what the user typed.
         use gaccwb::budget::BudgetError;
@@ -76,6 +82,15 @@ impl ExitClass {
                 Some(ExitClass::Usage)
             }
             _ => None,
+        }
+    }
+
+    /// The class another process's exit code stands for (a rank's, the launcher's).
+    pub fn from_code(code: i32) -> ExitClass {
+        match code {
+            2 => ExitClass::Usage,
+            129..=255 => ExitClass::Signal(code as u8),
+            _ => ExitClass::Failure,
         }
     }
 

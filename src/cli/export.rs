@@ -42,6 +42,9 @@ enum ExportFormat {
     Cast,
 }
 
+/// The largest cast screen, each side: every frame is drawn into a buffer of that many cells.
+const MAX_CAST_SIDE: u16 = 1000;
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum Scale {
     Linear,
@@ -60,10 +63,15 @@ impl From<Scale> for gaccwb::tui::app::YScale {
 }
 
 fn parse_size(s: &str) -> Result<(u16, u16), String> {
-    let bad = || format!("bad size `{s}`: expected COLSxROWS, at least 80x24, e.g. 120x40");
+    let bad = || {
+        format!(
+            "bad size `{s}`: expected COLSxROWS, from 80x24 to {MAX_CAST_SIDE}x{MAX_CAST_SIDE}, \
+             e.g. 120x40"
+        )
+    };
     let (w, h) = s.split_once('x').ok_or_else(bad)?;
     let (w, h): (u16, u16) = (w.parse().map_err(|_| bad())?, h.parse().map_err(|_| bad())?);
-    if w < 80 || h < 24 {
+    if w < 80 || h < 24 || w > MAX_CAST_SIDE || h > MAX_CAST_SIDE {
         return Err(bad());
     }
     Ok((w, h))

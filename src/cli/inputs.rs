@@ -17,13 +17,37 @@ pub fn preset(name: &str) -> Inputs {
     inputs
 }
 
-/// The data files `scenario` names: the corpus and the tokenizer file.
+/// The files `scenario` reads: the corpus, the tokenizer file, and every file of the model
+/// directory and the adapter directory it names.
 pub fn add_scenario(scenario: &Scenario, inputs: &mut Inputs) {
     if let Some(path) = &scenario.data.path {
         inputs.add("the corpus", path);
     }
     if let Some(path) = &scenario.data.tokenizer_file {
         inputs.add("the tokenizer file", path);
+    }
+    if let Some(model) = &scenario.model.path {
+        // `ORG/NAME` stands for a directory of the local cache.
+        let dir = model
+            .to_str()
+            .and_then(|name| gaccwb::model::hf::resolve(name).ok())
+            .unwrap_or_else(|| model.clone());
+        add_files(&dir, "the model's", inputs);
+    }
+    if let Some(adapter) = &scenario.model.adapter {
+        add_files(adapter, "the adapter's", inputs);
+    }
+}
+
+/// `path` when it is a file, else every file directly in it (links followed: the cache's
+/// snapshots link to their blobs).
+fn add_files(path: &Path, label: &str, inputs: &mut Inputs) {
+    let Ok(entries) = std::fs::read_dir(path) else {
+        inputs.add(&format!("{label} file"), path);
+        return;
+    };
+    for entry in entries.flatten() {
+        inputs.add(&format!("{label} file"), &entry.path());
     }
 }
 

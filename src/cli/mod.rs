@@ -11,6 +11,7 @@ mod eval;
 mod export;
 mod inputs;
 mod presets;
+mod rank_check;
 mod ranks;
 mod replay;
 mod run;

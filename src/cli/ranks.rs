@@ -2,16 +2,27 @@
 //!
 //! The ranks are this same program, started by `mpirun -n N … run --headless`, rank 0 recording
 //! the run. Headless, the launcher's output is the run's. On the screen, the workbench follows
-//! rank 0's recording as it grows (`replay --follow`); the launcher's own output goes to a log
-//! file, shown if the job fails. Knob keys go to a controls file rank 0 reads and shares with
-//! every rank at the next boundary. Quitting the screen ends the ranks (SIGTERM to the launcher:
-//! each rank stops at the next boundary, all together).
+//! rank 0's recording as it grows (`replay --follow`); the launcher's own output goes to a log,
+//! shown if the job fails. Knob keys go to a controls file rank 0 reads and shares with every
+//! rank at the next boundary; `q` sends `stop` the same way, so the ranks stop together.
+//!
+//! One process tree: `mpirun` is started with a parent-death signal and each rank asks for one
+//! towards its own parent (`children`), so nothing trains on after the launcher is gone, however
+//! it ends. `mpirun` leads a process group of its own: a terminal's ctrl-c reaches the launcher
+//! alone, which sends the signal as it came to each rank (they stop at the next boundary and
+//! record which signal stopped them) and exits 128 + its number; a second signal ends them at
+//! once. The scratch files (the recording the screen follows when none was asked for, the
+//! controls file, the launcher's log) are unlinked as soon as both sides hold them open.
 
 use std::ffi::OsString;
+use std::io::{Read, Seek};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use gaccwb::children::{self, Scratch};
+use gaccwb::signals::{Signalled, Stoppers};
+use gaccwb::telemetry::Control;
 use gaccwb::tui::{self, keymap::KeyMap};
 
 use super::{usage, UsageError};
@@ -22,21 +33,29 @@ const LAUNCHER: &str = "mpirun";
 /// How long the screen waits for rank 0 to start its recording.
 const START_LIMIT: Duration = Duration::from_secs(300);
 
+/// How often the launcher looks at its child and at the signals.
+const POLL: Duration = Duration::from_millis(50);
+
 /// What `run --ranks N` needs from the command line that was given.
 pub struct Launch<'a> {
     pub ranks: usize,
+    /// What asked for the ranks, for messages: `--ranks` or `train.ranks`.
+    pub flag: &'static str,
     pub headless: bool,
     pub record: Option<&'a Path>,
     pub keys: Option<&'a Path>,
 }
 
-/// Start `ranks` ranks of this command line and follow them to the end.
-pub fn launch(l: Launch) -> anyhow::Result<()> {
+/// Start `ranks` ranks of this command line and follow them to the end. `precheck` refuses
+/// what rank 0 would refuse (its recording, checkpoint directory, controls file) before any
+/// rank starts.
+pub fn launch(l: Launch, precheck: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
     if !cfg!(feature = "mpi") {
-        return Err(usage(
-            "--ranks needs a gaccwb built with MPI: `cargo build --release --features mpi` (needs \
+        return Err(usage(format!(
+            "{} {} needs a gaccwb built with MPI: `cargo build --release --features mpi` (needs \
              Open MPI, e.g. Debian's openmpi-bin and libopenmpi-dev, and libclang)",
-        )
+            l.flag, l.ranks
+        ))
         .into());
     }
     if gaccwb::dist::launch::read(|n| std::env::var(n).ok())?.is_some() {
@@ -54,37 +73,50 @@ pub fn launch(l: Launch) -> anyhow::Result<()> {
         }
         true => None,
     };
-    // The recording the screen follows, when the user asked for none: a temporary file.
-    let scratch = tempfile::tempdir()?;
-    let record = l
-        .record
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| scratch.path().join("ranks.jsonl"));
-    let mut command = launcher(l.ranks, &record, l.record.is_none())?;
+    precheck()?;
+    // From here on a signal is the launcher's to pass on, never the early exit.
+    let mut stoppers = Stoppers::register()?;
     let Some(keys) = keys else {
-        return exit_as(command.status());
+        let mut command = launcher(l.ranks, None)?;
+        let mut child = spawn(&mut command)?;
+        let (status, signalled) = supervise(&mut child, &mut stoppers, None)?;
+        return outcome(status, signalled);
     };
+    let scratch = Scratch::create("ranks")?;
+    // The recording the screen follows, when the user asked for none: a scratch file.
+    let scratch_record = scratch.path().join("ranks.jsonl");
+    let record = l.record.unwrap_or(scratch_record.as_path());
+    let existed = record.symlink_metadata().is_ok();
+    let mut command = launcher(l.ranks, l.record.is_none().then_some(record))?;
     // The screen's knob keys, for rank 0 to share with every rank at the next boundary.
     let steer = gaccwb::steer::ControlWriter::create(&scratch.path().join("controls.jsonl"))?;
     command.arg("--controls-from").arg(steer.path());
-    let log = scratch.path().join("mpirun.log");
-    let log_file = std::fs::File::create(&log)?;
+    let log_path = scratch.path().join("mpirun.log");
+    let log_file = std::fs::File::create(&log_path)?;
+    let log = std::fs::File::open(&log_path)?;
     command
         .stdout(Stdio::from(log_file.try_clone()?))
         .stderr(Stdio::from(log_file));
-    let child = command.spawn().map_err(not_found)?;
-    on_screen(child, &record, &log, &keys, steer)
+    let child = spawn(&mut command)?;
+    let _ = std::fs::remove_file(&log_path);
+    let job = Job {
+        child,
+        log,
+        stoppers,
+        scratch,
+    };
+    job.on_screen(record, existed, &keys, steer)
 }
 
 /// `mpirun -n N THIS-PROGRAM ARGS…`: this command line without `--ranks`, headless, with
-/// rank 0 recording to `record` (added when the user gave no `--record`).
-fn launcher(ranks: usize, record: &Path, add_record: bool) -> anyhow::Result<Command> {
+/// rank 0 recording to `record` when given (the user gave no `--record`).
+fn launcher(ranks: usize, record: Option<&Path>) -> anyhow::Result<Command> {
     let exe = std::env::current_exe()?;
     let mut args = without_ranks(std::env::args_os().skip(1));
     if !args.iter().any(|a| a == "--headless") {
         args.push("--headless".into());
     }
-    if add_record {
+    if let Some(record) = record {
         args.extend(["--record".into(), record.as_os_str().to_owned()]);
     }
     let mut c = Command::new(LAUNCHER);
@@ -95,6 +127,11 @@ fn launcher(ranks: usize, record: &Path, add_record: bool) -> anyhow::Result<Com
         .args(args);
     allow_root(&mut c, is_root());
     Ok(c)
+}
+
+/// Starts the launcher tied to this process, in a process group of its own.
+fn spawn(command: &mut Command) -> anyhow::Result<Child> {
+    children::spawn_tied(command, true).map_err(not_found)
 }
 
 /// What Open MPI's mpirun needs to start ranks as root: it refuses otherwise, and most GPU
@@ -150,9 +187,12 @@ fn not_found(e: std::io::Error) -> anyhow::Error {
     anyhow::Error::new(e).context(format!("starting {LAUNCHER}"))
 }
 
-/// The launcher's exit status as this process's result.
-fn exit_as(status: std::io::Result<std::process::ExitStatus>) -> anyhow::Result<()> {
-    let status = status.map_err(not_found)?;
+/// How the job ended, as this process's result: the signal the launcher passed on, else the
+/// launcher's exit status.
+fn outcome(status: ExitStatus, signalled: Option<i32>) -> anyhow::Result<()> {
+    if let Some(signo) = signalled {
+        return Err(Signalled(signo).into());
+    }
     if status.success() {
         return Ok(());
     }
@@ -164,62 +204,136 @@ fn exit_as(status: std::io::Result<std::process::ExitStatus>) -> anyhow::Result<
 #[error("the ranks' job ended with exit code {0}")]
 pub struct RanksFailed(pub i32);
 
-/// Follow rank 0's recording on the screen; on quit, end the ranks. A job that fails shows the
-/// launcher's log.
-fn on_screen(
-    mut child: Child,
-    record: &Path,
-    log: &Path,
-    keys: &KeyMap,
-    steer: gaccwb::steer::ControlWriter,
-) -> anyhow::Result<()> {
-    let started = Instant::now();
-    while !record.exists() {
+/// Waits for the launcher, passing signals on: the first to every rank as it came (they stop
+/// at the next boundary), a second ends the ranks and the launcher at once. `signalled`: a
+/// signal already caught, to pass on first. Returns the exit status and the first signal.
+fn supervise(
+    child: &mut Child,
+    stoppers: &mut Stoppers,
+    mut signalled: Option<i32>,
+) -> anyhow::Result<(ExitStatus, Option<i32>)> {
+    let exe = std::env::current_exe()?;
+    let mut passed_on = false;
+    loop {
         if let Some(status) = child.try_wait()? {
-            print_log(log);
-            return exit_as(Ok(status));
+            return Ok((status, signalled));
         }
-        if started.elapsed() > START_LIMIT {
-            let _ = child.kill();
-            print_log(log);
-            anyhow::bail!("rank 0 wrote no recording in {} s", START_LIMIT.as_secs());
+        if let Some(signo) = stoppers.poll() {
+            match signalled {
+                None => {
+                    signalled = Some(signo);
+                    gaccwb::out::note(&format!(
+                        "gaccwb: {}: stopping the ranks at the next boundary (again to end them \
+                         at once)",
+                        gaccwb::signals::name(signo)
+                    ));
+                }
+                Some(_) => {
+                    for pid in children::descendants(child.id()) {
+                        children::send(pid, libc::SIGKILL);
+                    }
+                    let _ = child.kill();
+                }
+            }
         }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let shown = tui::run_follow(record, keys, Some(steer));
-    let ended_by_us = child.try_wait()?.is_none();
-    if ended_by_us {
-        terminate(&child);
-    }
-    let status = child.wait();
-    shown?;
-    if ended_by_us {
-        // The user quit: the ranks were asked to stop, and how they ended is that answer.
-        status?;
-        return Ok(());
-    }
-    let result = exit_as(status);
-    if result.is_err() {
-        print_log(log);
-    }
-    result
-}
-
-/// SIGTERM to the launcher, which passes it to the ranks: they stop together at the next
-/// boundary.
-fn terminate(child: &Child) {
-    // SAFETY: kill(2) with a process id we started and have not yet waited for, so it cannot
-    // have been reused; no memory is involved.
-    unsafe {
-        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+        if let (Some(signo), false) = (signalled, passed_on) {
+            // Ranks not started yet are looked for again at the next poll.
+            let ranks = children::ranks_below(child.id(), &exe);
+            for &pid in &ranks {
+                children::send(pid, signo);
+            }
+            passed_on = !ranks.is_empty();
+        }
+        std::thread::sleep(POLL);
     }
 }
 
-fn print_log(log: &Path) {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    for line in &lines[lines.len().saturating_sub(30)..] {
-        gaccwb::out::note(&gaccwb::headless::strip(line));
+/// A job followed on the screen.
+struct Job {
+    child: Child,
+    /// The launcher's output (its name already unlinked).
+    log: std::fs::File,
+    stoppers: Stoppers,
+    scratch: Scratch,
+}
+
+impl Job {
+    /// Follow rank 0's recording on the screen; on quit, stop the ranks through the controls
+    /// file (a signal is passed on as it came). A job that fails shows the launcher's log.
+    fn on_screen(
+        mut self,
+        record: &Path,
+        existed: bool,
+        keys: &KeyMap,
+        steer: gaccwb::steer::ControlWriter,
+    ) -> anyhow::Result<()> {
+        // An existing --record (with --force) is replaced when the run ends; until then the
+        // run writes beside it, and that is the file to follow.
+        let started = Instant::now();
+        let ready = || match existed {
+            true => gaccwb::safe_write::replacement_in_progress(record).is_some(),
+            false => record.exists(),
+        };
+        while !ready() {
+            if let Some(status) = self.child.try_wait()? {
+                self.print_log();
+                return outcome(status, None);
+            }
+            if let Some(signo) = self.stoppers.poll() {
+                let (status, signalled) =
+                    supervise(&mut self.child, &mut self.stoppers, Some(signo))?;
+                return outcome(status, signalled);
+            }
+            if started.elapsed() > START_LIMIT {
+                self.end_now();
+                self.print_log();
+                anyhow::bail!("rank 0 wrote no recording in {} s", START_LIMIT.as_secs());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let tail = gaccwb::record::Tail::open(record)?;
+        // Rank 0 opened the controls file before it created the recording: both sides hold
+        // every scratch file now, and their names can go.
+        self.scratch.remove();
+        let mut stop = steer.try_clone()?;
+        let shown = tui::follow_tail(tail, keys, Some(steer));
+        // The screen handled the signals so far.
+        self.stoppers.skip_past();
+        let running = self.child.try_wait()?.is_none();
+        let signalled = gaccwb::signals::caught().map(|s| s.0);
+        if running && signalled.is_none() {
+            // The user quit: every rank stops at the next boundary, together.
+            stop.send(&Control::Stop)?;
+            gaccwb::out::note("gaccwb: stopping the ranks at the next boundary…");
+        }
+        let (status, signalled) = supervise(&mut self.child, &mut self.stoppers, signalled)?;
+        shown?;
+        let result = outcome(status, signalled);
+        if result.is_err() && signalled.is_none() {
+            self.print_log();
+        }
+        result
+    }
+
+    /// SIGKILL to the ranks and the launcher.
+    fn end_now(&mut self) {
+        for pid in children::descendants(self.child.id()) {
+            children::send(pid, libc::SIGKILL);
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The last lines of the launcher's output.
+    fn print_log(&mut self) {
+        let mut text = Vec::new();
+        let _ = self.log.rewind();
+        let _ = (&self.log).take(1 << 20).read_to_end(&mut text);
+        let text = String::from_utf8_lossy(&text);
+        let lines: Vec<&str> = text.lines().collect();
+        for line in &lines[lines.len().saturating_sub(30)..] {
+            gaccwb::out::note(&gaccwb::headless::strip(line));
+        }
     }
 }
 

@@ -58,24 +58,47 @@ pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
 }
 
 /// `replay --follow --headless`: read the recording as it grows until its end event, then print
-/// the summary the run prints (and exit as the run did not, when it failed).
+/// the summary the run prints (and exit as the run did not, when it failed). A writer that is
+/// gone without writing its end ends the follow with what it recorded, and exit 1.
 fn follow_headless(path: &std::path::Path) -> anyhow::Result<()> {
+    use gaccwb::record::Liveness;
     let mut tail = gaccwb::record::Tail::open(path)?;
+    if tail.reading() != path {
+        gaccwb::out::note(&format!(
+            "gaccwb: {} is being replaced by a run writing {}; following that run",
+            path.display(),
+            tail.reading().display()
+        ));
+    }
     let mut summary = headless::Summary::default();
-    loop {
-        let events = tail.poll()?;
-        let ended = events
-            .iter()
-            .any(|e| matches!(e, gaccwb::telemetry::Event::End(_)));
+    let mut gone = None;
+    while summary.end_reason.is_none() {
+        let mut events = tail.poll()?;
+        if events.is_empty() {
+            if let Liveness::Gone(why) = tail.liveness() {
+                // A writer that ended wrote its last line first: read once more.
+                events = tail.poll()?;
+                gone = events.is_empty().then_some(why);
+            }
+        }
         for e in &events {
             summary.absorb(e);
         }
-        if ended {
+        if gone.is_some() {
             break;
         }
-        std::thread::sleep(std::time::Duration::from_millis(250));
+        if events.is_empty() {
+            std::thread::sleep(std::time::Duration::from_millis(250));
+        }
     }
     gaccwb::out::println(&summary.render())?;
+    if let Some(why) = gone {
+        anyhow::bail!(
+            "{}: the recording stopped growing without an end event ({why}): the run was killed \
+             or failed; the summary above is what it recorded",
+            path.display()
+        );
+    }
     match summary.outcome() {
         Some(ended) => Err(ended.into()),
         None => Ok(()),

@@ -13,6 +13,8 @@ use gaccwb::train::Trainer;
 use gaccwb::tui::{self, keymap::KeyMap, LiveOptions};
 use gaccwb::{checkpoint, presets};
 
+use gaccwb::signals::Signalled;
+
 use super::{usage, UsageError};
 
 #[derive(Args, Debug)]
@@ -68,9 +70,9 @@ pub struct RunArgs {
     /// Save a checkpoint every N optimizer steps (into --checkpoint-dir).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     checkpoint_every: Option<u64>,
-    /// Where checkpoints go.
-    #[arg(long, value_name = "DIR", default_value = "checkpoints")]
-    checkpoint_dir: PathBuf,
+    /// Where checkpoints go [default: the --resume directory, else ./checkpoints].
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
     /// Continue the run saved in DIR (its preset and knobs; --steps may extend it).
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
@@ -96,6 +98,41 @@ impl RunArgs {
     /// The `--record` file, if any.
     pub fn record(&self) -> Option<&Path> {
         self.record.as_deref()
+    }
+
+    /// What every rank of a job must agree on before anything is built: the scenario (the
+    /// checkpoint's when resuming, with `--steps`), the step resumed from, `--control` and
+    /// `--checkpoint-every` (ranks gather what rank 0 saves).
+    pub(super) fn fingerprint(&self, scenario: &Scenario) -> serde_json::Value {
+        let resumed = self
+            .resume
+            .as_deref()
+            .map(|dir| checkpoint::read_state(dir).ok());
+        let (scenario, step) = match resumed {
+            Some(Some(mut state)) => {
+                if let Some(n) = self.steps {
+                    state.scenario.train.steps = n;
+                }
+                (serde_json::to_value(&state.scenario), Some(state.step))
+            }
+            Some(None) => (Ok(serde_json::Value::Null), None),
+            None => (serde_json::to_value(scenario), None),
+        };
+        serde_json::json!({
+            "scenario": scenario.unwrap_or_default(),
+            "resumed step": step,
+            "--control": self.controls,
+            "--checkpoint-every": self.checkpoint_every,
+        })
+    }
+
+    /// Where checkpoints go: as given, else the checkpoint resumed (a resumed run continues
+    /// it), else `./checkpoints`.
+    fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint_dir
+            .clone()
+            .or_else(|| self.resume.clone())
+            .unwrap_or_else(|| PathBuf::from("checkpoints"))
     }
 
     /// The preset as named, or the default one.
@@ -128,6 +165,9 @@ impl RunArgs {
         if let Some(keys) = &self.keys {
             inputs.add("the keymap", keys);
         }
+        if let Some(controls) = &self.controls_from {
+            inputs.add("the controls file", controls);
+        }
         inputs
     }
 }
@@ -136,43 +176,50 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // Building the model (or training a tokenizer) can take a while; a signal meanwhile ends
     // the process with a line saying so. The run takes over once it starts.
     gaccwb::signals::until_started()?;
-    let scenario = scenario_from(&args)?;
     let launched = gaccwb::dist::launch::read(|n| std::env::var(n).ok())?.is_some();
-    let ranks = args
-        .ranks
-        .or((!launched && scenario.train.ranks > 1).then_some(scenario.train.ranks as u64));
-    if let Some(ranks) = ranks.filter(|&n| n > 1) {
-        return super::ranks::launch(super::ranks::Launch {
-            ranks: ranks as usize,
+    // A rank dies with the launcher that started it, however that ends.
+    if launched && !gaccwb::children::die_with_parent() {
+        return Err(Signalled(libc::SIGTERM).into());
+    }
+    let scenario = scenario_from(&args)?;
+    if !args.headless && args.controls_from.is_some() {
+        return Err(
+            usage("--controls-from steers a headless run; on the screen, use the keys").into(),
+        );
+    }
+    if let Some((ranks, flag)) = ranks_asked(&args, &scenario, launched)? {
+        let launch = super::ranks::Launch {
+            ranks,
+            flag,
             headless: args.headless,
             record: args.record.as_deref(),
             keys: args.keys.as_deref(),
-        });
+        };
+        // What rank 0 would refuse is refused here, before any rank starts.
+        return super::ranks::launch(launch, || prepare(&args, &scenario).map(drop));
     }
-    let group = join_ranks(&args, &scenario)?;
+    let mut group = join_ranks(&args, &scenario)?;
     let lead = group.rank() == 0;
-    let keys = match args.headless {
-        false => {
-            let keys = KeyMap::load(args.keys.as_deref()).map_err(usage)?;
-            tui::require_terminal().map_err(usage)?;
-            Some(keys)
-        }
-        true => None,
-    };
+    // The keymap and rank 0's files are checked (and claimed) before anything is built; every
+    // rank hears how it went on the others.
+    let local = keymap(&args).and_then(|keys| {
+        let prepared = match lead {
+            true => prepare(&args, &scenario)?,
+            false => Prepared::default(),
+        };
+        Ok((keys, prepared))
+    });
+    let (keys, prepared) = start_together(&mut group, &args, &scenario, local)?;
     let overwrite = Overwrite::new(args.force, args.inputs());
     // Rank 0 writes what the run writes; the other ranks train beside it.
     let record = args.record.clone().filter(|_| lead);
-    if let Some(record) = &record {
-        // Checked here too (the recorder checks again, race-free) so the screen and headless
-        // both say it before anything starts, as a usage error.
-        gaccwb::safe_write::check(record, "recording", &overwrite).map_err(usage)?;
-    }
     let device = match group.is_parallel() {
         true => args
             .device
-            .open_for_rank(gaccwb::dist::launch::local_rank(|n| std::env::var(n).ok()))?,
-        false => args.device.open()?,
+            .open_for_rank(gaccwb::dist::launch::local_rank(|n| std::env::var(n).ok())),
+        false => args.device.open(),
     };
+    let device = together(&mut group, device)?;
     let group = group.adopt_device(&device)?;
     if lead && group.gradients_cross_the_host(&device) {
         eprintln!(
@@ -180,13 +227,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
              NCCL); `cargo build --release --features nccl` keeps them on the GPUs"
         );
     }
-    let trainer = build_trainer(&args, scenario, device, group)?;
-    if keys.is_some() && args.controls_from.is_some() {
-        return Err(
-            usage("--controls-from steers a headless run; on the screen, use the keys").into(),
-        );
-    }
-    if let Some(keys) = keys {
+    let trainer = build_trainer(&args, scenario, device, group, prepared.lock)?;
+    if !args.headless {
         let options = LiveOptions {
             record,
             keys,
@@ -197,10 +239,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     headless::refuse_screen_controls(&trainer).map_err(|e| usage(format!("{e:#}")))?;
     let session = gaccwb::session::Session::start(trainer, record.as_deref(), &overwrite)
         .map_err(|e| usage(format!("{e:#}")))?;
-    if let Some(path) = args.controls_from.as_deref().filter(|_| lead) {
-        let trainer = session.handle.controls.clone();
-        gaccwb::steer::follow(path, trainer)
-            .map_err(|e| usage(format!("--controls-from {}: {e}", path.display())))?;
+    if let Some(controls) = prepared.controls {
+        controls.follow(session.handle.controls.clone())?;
     }
     let progress = if lead {
         Progress::Bar
@@ -218,6 +258,128 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(ended) => Err(ended.into()),
         None => Ok(printed?),
     }
+}
+
+/// Ranks `run` starts itself (through mpirun), and the flag that asked for them: `--ranks`, or
+/// the preset's `train.ranks` when not under a launcher already.
+fn ranks_asked(
+    args: &RunArgs,
+    scenario: &Scenario,
+    launched: bool,
+) -> Result<Option<(usize, &'static str)>, UsageError> {
+    let asked = match args.ranks {
+        Some(n) => Some((n, "--ranks")),
+        None if !launched && scenario.train.ranks > 1 => {
+            Some((scenario.train.ranks as u64, "train.ranks"))
+        }
+        None => None,
+    };
+    let Some((n, flag)) = asked else {
+        return Ok(None);
+    };
+    let max = gaccwb::limits::MAX_RANKS as u64;
+    if n > max {
+        return Err(UsageError(format!(
+            "{flag} {n}: at most {max} ranks on one host"
+        )));
+    }
+    Ok((n > 1).then_some((n as usize, flag)))
+}
+
+/// The keys of the screen; a keymap given with `--keys` is checked headless too (a bad one
+/// fails now, not on the next screen run).
+fn keymap(args: &RunArgs) -> anyhow::Result<KeyMap> {
+    if args.headless && args.keys.is_none() {
+        return Ok(KeyMap::default());
+    }
+    let keys = KeyMap::load(args.keys.as_deref()).map_err(usage)?;
+    if !args.headless {
+        tui::require_terminal().map_err(usage)?;
+    }
+    Ok(keys)
+}
+
+/// What rank 0 claims and opens before anything is built.
+#[derive(Default)]
+struct Prepared {
+    /// The checkpoint directory's lock, held for the run's life.
+    lock: Option<gaccwb::safe_write::DirLock>,
+    /// `--controls-from`, opened (a FIFO or a directory is refused, never waited on).
+    controls: Option<gaccwb::steer::ControlReader>,
+}
+
+/// Rank 0's files: the recording's name, the checkpoint directory (locked), the controls
+/// file (opened before the recording is created, so a refused one leaves no file behind),
+/// `--save-model`'s directory. Each refusal is a usage error.
+fn prepare(args: &RunArgs, scenario: &Scenario) -> anyhow::Result<Prepared> {
+    let overwrite = Overwrite::new(args.force, args.inputs());
+    if let Some(record) = &args.record {
+        // The recorder checks again, race-free; said here before anything starts.
+        gaccwb::safe_write::check(record, "recording", &overwrite).map_err(usage)?;
+    }
+    if let Some(dir) = &args.save_model {
+        // Checked again once built (a resumed run's model is the checkpoint's).
+        gaccwb::model::save::check_target(scenario.model.path.as_deref(), dir).map_err(usage)?;
+    }
+    let controls = match &args.controls_from {
+        Some(path) => Some(
+            gaccwb::steer::ControlReader::open(path)
+                .map_err(|e| usage(format!("--controls-from {}: {e}", path.display())))?,
+        ),
+        None => None,
+    };
+    let lock = match args.checkpoint_every {
+        Some(_) => Some(
+            checkpoint::claim_dir(&args.checkpoint_dir(), args.resume.as_deref(), args.force)
+                .map_err(|e| usage(format!("{e:#}")))?,
+        ),
+        None => None,
+    };
+    Ok(Prepared { lock, controls })
+}
+
+/// Under a launcher, before anything is built: every rank compares its scenario with rank 0's
+/// (a rank started with another shape, seed or step count would corrupt the collectives), then
+/// all hear how `local` went on every rank ([`together`]). Alone, `local` as it is.
+fn start_together<T>(
+    group: &mut gaccwb::dist::Group,
+    args: &RunArgs,
+    scenario: &Scenario,
+    local: anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    if !group.is_parallel() {
+        return local;
+    }
+    let mine = args.fingerprint(scenario);
+    let rank0 = group.rank0_bytes(mine.to_string().as_bytes());
+    let local = match super::rank_check::difference(&mine, &rank0) {
+        Some(why) => local.and(Err(usage(format!(
+            "rank {} was started with another run than rank 0: {why}; start every rank with \
+             the same preset, --set, --seed, --steps, --data, --control, --resume and \
+             --checkpoint-every",
+            group.rank()
+        ))
+        .into())),
+        None => local,
+    };
+    together(group, local)
+}
+
+/// Under a launcher, every rank hears how a stage went on every rank: all go on, or all end at
+/// once with the first failing rank's exit code (that rank says why), instead of the others
+/// waiting in their next collective until `train.comm_timeout`.
+fn together<T>(group: &mut gaccwb::dist::Group, local: anyhow::Result<T>) -> anyhow::Result<T> {
+    if !group.is_parallel() {
+        return local;
+    }
+    let code = local
+        .as_ref()
+        .err()
+        .map_or(0, |e| super::ExitClass::of(e).code());
+    let codes = group.settle(u64::from(code));
+    let local = local?;
+    super::rank_check::peer_refusal(&codes)?;
+    Ok(local)
 }
 
 /// The preset with every command-line override applied.
@@ -276,27 +438,19 @@ fn build_trainer(
     args: &RunArgs,
     scenario: Scenario,
     device: candle_core::Device,
-    group: gaccwb::dist::Group,
+    mut group: gaccwb::dist::Group,
+    lock: Option<gaccwb::safe_write::DirLock>,
 ) -> anyhow::Result<Trainer> {
-    refuse_with_resume(args)?;
     let lead = group.rank() == 0;
     let saves = args.checkpoint_every.filter(|_| lead);
-    // Held by the checkpoint hook, so for as long as the trainer lives.
-    let lock = match saves {
-        Some(_) => Some(
-            checkpoint::claim_dir(&args.checkpoint_dir, args.resume.as_deref(), args.force)
-                .map_err(|e| usage(format!("{e:#}")))?,
-        ),
-        None => None,
-    };
-    let mut trainer = match &args.resume {
-        Some(dir) => checkpoint::resume(dir, device, |s| {
-            if let Some(n) = args.steps {
-                s.train.steps = n;
-            }
-        })?,
-        None => Trainer::new(scenario, device)?,
-    };
+    let built = refuse_with_resume(args)
+        .map_err(anyhow::Error::from)
+        .and_then(|()| match &args.resume {
+            Some(dir) => resume(args, dir, device, group.ranks()),
+            None => Trainer::new(scenario, device),
+        });
+    // A rank that failed to build ends every rank now, not at their first collective.
+    let mut trainer = together(&mut group, built)?;
     trainer.join(group).map_err(|e| usage(format!("{e:#}")))?;
     // Every rank takes part in gathering what rank 0 saves (ZeRO's sharded moments).
     if let Some(every) = args.checkpoint_every {
@@ -326,12 +480,40 @@ fn build_trainer(
     if let Some((every, lock)) = saves.zip(lock) {
         let policy = checkpoint::Policy {
             every,
-            dir: args.checkpoint_dir.clone(),
+            dir: args.checkpoint_dir(),
             inputs,
         };
         trainer.add_after_step(policy.after_step(lock));
     }
     Ok(trainer)
+}
+
+/// The checkpoint in `dir` continued on `ranks` ranks: refused when saved on another number of
+/// ranks, or when `--steps` (the checkpoint's own, or the one given) is already reached.
+fn resume(
+    args: &RunArgs,
+    dir: &Path,
+    device: candle_core::Device,
+    ranks: usize,
+) -> anyhow::Result<Trainer> {
+    let state = checkpoint::read_state(dir)?;
+    checkpoint::check_ranks(dir, &state, ranks).map_err(|e| usage(format!("{e:#}")))?;
+    let steps = args.steps.unwrap_or(state.scenario.train.steps);
+    if steps > 0 && state.step >= steps {
+        return Err(usage(format!(
+            "--resume {}: the checkpoint is at step {}, and the run ends at step {steps}: \
+             nothing is left to train; give --steps beyond {} (or 0: until stopped)",
+            dir.display(),
+            state.step,
+            state.step
+        ))
+        .into());
+    }
+    checkpoint::resume(dir, device, |s| {
+        if let Some(n) = args.steps {
+            s.train.steps = n;
+        }
+    })
 }
 
 /// `--control` values checked against the run's model before the trainer starts, with the

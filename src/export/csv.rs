@@ -92,10 +92,19 @@ pub fn write_csv(
     for (name, _) in &files {
         crate::safe_write::check(&dir.join(name), "CSV export", rules)?;
     }
-    let mut written = Vec::new();
-    for (name, text) in files {
+    // Every file is written whole under its temporary name first, then all are renamed: an
+    // export cut short (killed, a full disk) leaves no file of the set to block the next one.
+    let mut pending = Vec::new();
+    for (name, text) in &files {
         let path = dir.join(name);
-        crate::safe_write::write_file(&path, text.as_bytes(), "CSV export", rules)?;
+        let mut p = crate::safe_write::Pending::begin(&path, "CSV export", rules)?;
+        std::io::Write::write_all(p.file(), text.as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
+        pending.push((path, p));
+    }
+    let mut written = Vec::new();
+    for (path, p) in pending {
+        p.commit()?;
         written.push(path);
     }
     Ok(written)

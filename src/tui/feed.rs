@@ -370,12 +370,38 @@ impl Replay {
         let Some(tail) = self.tail.as_mut() else {
             return Ok(());
         };
-        let new = tail.poll()?;
+        let mut new = tail.poll()?;
+        if new.is_empty() {
+            // A writer that ended wrote its last line first: read once more before believing it.
+            if let crate::record::Liveness::Gone(why) = tail.liveness() {
+                new = tail.poll()?;
+                if new.is_empty() {
+                    self.writer_gone(app, &why);
+                    return Ok(());
+                }
+            }
+        }
         if !new.is_empty() {
             self.events.extend(new);
             self.publish(app);
         }
         Ok(())
+    }
+
+    /// The followed recording will not grow any more and has no `end`: say so and stop
+    /// following (what was recorded stays on screen).
+    fn writer_gone(&mut self, app: &mut App, why: &str) {
+        let message = format!(
+            "the recording stopped growing without an end event ({why}): the run was killed or \
+             failed; what it recorded stays on screen"
+        );
+        app.update(&Event::log(
+            app.last_step(),
+            crate::telemetry::Level::Error,
+            message,
+        ));
+        self.tail = None;
+        self.publish(app);
     }
 
     fn last_recorded_step(&self) -> u64 {
@@ -439,6 +465,14 @@ impl Replay {
     /// Transport actions (pause, step, seek, speed); false for any other action.
     fn transport(&mut self, app: &mut App, action: Action) -> bool {
         match action {
+            // Ranks cannot pause: each would wait in a collective until the watchdog ends it.
+            // Pausing the display alone would look like a paused run while it trains on.
+            Action::PauseResume | Action::SingleStep if self.steer.is_some() => {
+                note(
+                    app,
+                    "the ranks cannot pause (each would wait on the others); q stops them".into(),
+                );
+            }
             Action::PauseResume => {
                 self.paused = !self.paused;
                 self.next_at = Instant::now();

@@ -303,6 +303,8 @@ impl KeyMap {
             ),
         })?;
         let mut map = KeyMap::default();
+        // Every action the file names, with its keys and where they stand.
+        let mut named: Vec<(Action, Vec<Key>, usize)> = Vec::new();
         for (section, entries) in table {
             if section != "keys" {
                 return Err(KeyMapError {
@@ -328,9 +330,28 @@ impl KeyMap {
                         message,
                     })?;
                 map.bindings.retain(|_, a| *a != action);
-                for key in parsed {
-                    map.bindings.insert(key, action);
+                named.push((action, parsed, keys.span().start));
+            }
+        }
+        // A key does one thing: one the file lists for two actions is refused rather than left
+        // to whichever comes last. (A key taken from an action the file does not name moves.)
+        let mut listed: HashMap<Key, Action> = HashMap::new();
+        for (action, keys, offset) in &named {
+            for key in keys {
+                if let Some(other) = listed.insert(*key, *action).filter(|o| o != action) {
+                    return Err(KeyMapError {
+                        location: at(*offset),
+                        message: format!(
+                            "`{}` is listed for `{}` too; a key does one thing: give `{}` or \
+                             `{}` another key",
+                            key.label(),
+                            other.name(),
+                            action.name(),
+                            other.name()
+                        ),
+                    });
                 }
+                map.bindings.insert(*key, *action);
             }
         }
         if map.keys_for(Action::Quit).is_empty() {
@@ -514,6 +535,17 @@ mod tests {
 
         let e = KeyMap::from_toml("[keys]\nquit = \n", "keys.toml").unwrap_err();
         assert!(e.location.starts_with("keys.toml:2"), "{e}");
+    }
+
+    #[test]
+    fn a_key_listed_for_two_actions_is_refused_with_both_named() {
+        let e = KeyMap::from_toml(
+            "[keys]\nquit = \"q\"\nfreeze = [\"x\", \"q\"]\n",
+            "keys.toml",
+        )
+        .unwrap_err();
+        assert!(e.message.contains("`q` is listed for `freeze` too"), "{e}");
+        assert!(e.location.starts_with("keys.toml:"), "{e}");
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod app;
 pub mod event_loop;
 pub mod feed;
 pub mod fit;
+pub mod input;
 pub mod keymap;
 pub mod panes;
 pub mod terminal;
@@ -17,7 +18,6 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use crossterm::event::EventStream;
 
 use crate::headless::Summary;
 use crate::telemetry::Event;
@@ -38,13 +38,20 @@ pub struct LiveOptions {
 
 /// The UI needs a terminal on stdout; say what to do instead when there is none.
 pub fn require_terminal() -> anyhow::Result<()> {
-    if std::io::stdout().is_terminal() {
-        return Ok(());
+    if !std::io::stdout().is_terminal() {
+        anyhow::bail!(
+            "stdout is not a terminal, so the workbench screen cannot start; \
+             add --headless for a progress bar and a summary"
+        );
     }
-    anyhow::bail!(
-        "stdout is not a terminal, so the workbench screen cannot start; \
-         add --headless for a progress bar and a summary"
-    )
+    // A terminal that says it cannot move the cursor would show escape sequences as text.
+    if std::env::var_os("TERM").is_some_and(|t| t == "dumb") {
+        anyhow::bail!(
+            "TERM=dumb: this terminal cannot draw the workbench screen; add --headless for a \
+             progress bar and a summary, or run in a terminal that can (TERM=xterm-256color)"
+        );
+    }
+    Ok(())
 }
 
 /// Run `trainer` with the workbench screen until the user quits.
@@ -85,7 +92,17 @@ pub fn run_follow(
     steer: Option<crate::steer::ControlWriter>,
 ) -> anyhow::Result<()> {
     require_terminal()?;
-    let tail = crate::record::Tail::open(path)?;
+    follow_tail(crate::record::Tail::open(path)?, keys, steer)
+}
+
+/// [`run_follow`] of a recording already opened (the launcher of `--ranks` removes its scratch
+/// files once it holds them).
+pub fn follow_tail(
+    tail: crate::record::Tail,
+    keys: &KeyMap,
+    steer: Option<crate::steer::ControlWriter>,
+) -> anyhow::Result<()> {
+    require_terminal()?;
     let mut app = App::default();
     app.view.color = terminal::color_enabled();
     let replay = match steer {
@@ -102,12 +119,13 @@ fn on_screen(app: &mut App, keys: &KeyMap, feed: &mut Feed) -> anyhow::Result<()
         .build()
         .context("starting the event loop")?;
     let mut guard = TerminalGuard::enter().context("preparing the terminal")?;
+    let input = input::start().context("reading the terminal's keys")?;
     let result = runtime.block_on(event_loop::run(
         &mut guard.terminal,
         app,
         keys,
         feed,
-        EventStream::new(),
+        input,
         terminal::termination(),
     ));
     drop(guard);

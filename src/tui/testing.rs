@@ -31,6 +31,7 @@ pub fn header() -> Header {
         collectives: None,
         memory_budget_bytes: None,
         unified_memory: Some(true),
+        writer: None,
     }
 }
 

@@ -4,6 +4,9 @@
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+/// The largest budget in bytes: what a preset can write back (TOML's largest integer).
+pub const MAX_BUDGET_BYTES: u64 = i64::MAX as u64;
+
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 /// How much memory a run may use (`train.memory_budget`, `--budget`).
 pub enum MemoryBudget {
@@ -48,8 +51,16 @@ impl MemoryBudget {
         let (number, unit) = (t[..split].trim(), t[split..].trim());
         let value: f64 = number.parse().map_err(|_| bad("not a number"))?;
         let scale = unit_bytes(unit).ok_or_else(|| bad("unknown unit"))?;
+        if scale == 1.0 && number.contains('.') {
+            return Err(bad(
+                "bytes are a whole number (or give a unit: \"1.5 GiB\")",
+            ));
+        }
         let bytes = value * scale;
-        if !(bytes >= 1.0 && bytes < u64::MAX as f64) {
+        if bytes >= MAX_BUDGET_BYTES as f64 {
+            return Err(bad("beyond the largest budget, 2^63 - 1 bytes (8 EiB)"));
+        }
+        if bytes < 1.0 {
             return Err(bad("must be at least 1 byte"));
         }
         Ok(MemoryBudget::Bytes(bytes as u64))
@@ -189,6 +200,20 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("6 GiB"));
+    }
+
+    /// `1.5` read as 1 byte, and a number beyond 2^64 was "at least 1 byte".
+    #[test]
+    fn fractional_bytes_and_numbers_beyond_the_largest_are_refused_saying_why() {
+        let why = |text: &str| MemoryBudget::parse(text).unwrap_err().to_string();
+        assert!(why("1.5").contains("whole number"), "{}", why("1.5"));
+        assert!(why("18446744073709551616").contains("beyond the largest budget"));
+        assert!(why("9223372036854775808").contains("beyond the largest budget"));
+        assert!(why("0.5 B").contains("whole number"));
+        assert_eq!(
+            MemoryBudget::parse("1 TiB"),
+            Ok(MemoryBudget::Bytes(1 << 40))
+        );
     }
 
     #[test]

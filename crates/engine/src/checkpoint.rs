@@ -23,9 +23,14 @@ use crate::telemetry::{Control, EndReason, Event, Level};
 use crate::train::scaler::LossScaler;
 use crate::train::{AfterStep, EventSink, Knobs, Progress, Saved, Trainer};
 
-/// Version of the checkpoint layout; a newer one is refused.
-pub const CHECKPOINT_VERSION: u32 = 1;
+/// Version of the checkpoint layout; a newer one is refused. Version 2 added the tensor file's
+/// hash and the ranks; version 1 files are still read (without those checks).
+pub const CHECKPOINT_VERSION: u32 = 2;
 const STATE_FILE: &str = "checkpoint.json";
+
+mod integrity;
+pub use integrity::check_ranks;
+use integrity::{is_abandoned_save, sha256_hex};
 
 /// When and where a running trainer saves.
 #[derive(Clone, Debug, PartialEq)]
@@ -66,6 +71,14 @@ pub struct State {
     pub scenario: Scenario,
     /// The tensor file in the same directory.
     pub tensors: String,
+    /// SHA-256 of the tensor file, lowercase hex: a resume refuses tensors that are not the
+    /// ones this state was saved with. Absent in version 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensors_sha256: Option<String>,
+    /// Data-parallel ranks (W) of the run that saved: W·K·B samples per window and the data
+    /// order depend on it. Absent in version 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<usize>,
 }
 
 impl Policy {
@@ -244,6 +257,7 @@ fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<P
     let tensors = safetensors::serialize(tensor_map(trainer)?, None)
         .with_context(|| format!("serialising the tensors for {}", tensor_path.display()))?;
     safe_write::write_file(&tensor_path, &tensors, "checkpoint", &rules)?;
+    let tensors_sha256 = sha256_hex(&tensors);
     drop(tensors);
 
     let progress = trainer.progress();
@@ -260,6 +274,8 @@ fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<P
         knobs: trainer.knobs().clone(),
         scenario: trainer.scenario().clone(),
         tensors: tensors_name.clone(),
+        tensors_sha256: Some(tensors_sha256),
+        ranks: Some(trainer.ranks()),
     };
     let state_path = dir.join(STATE_FILE);
     let json = serde_json::to_vec_pretty(&state)?;
@@ -289,7 +305,9 @@ fn tensor_map(trainer: &Trainer) -> anyhow::Result<HashMap<String, Tensor>> {
     Ok(map)
 }
 
-/// Older tensor files are no longer referenced once the new state file is in place.
+/// Older tensor files are no longer referenced once the new state file is in place; the
+/// temporary files of saves a killed run left (`.step-N.safetensors.PID.tmp`, whose PID is no
+/// longer running) are removed too.
 fn remove_stale_tensor_files(dir: &Path, keep: &str) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -297,7 +315,8 @@ fn remove_stale_tensor_files(dir: &Path, keep: &str) {
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let regular = entry.file_type().is_ok_and(|t| t.is_file());
-        if regular && name.starts_with("step-") && name.ends_with(".safetensors") && name != keep {
+        let old = name.starts_with("step-") && name.ends_with(".safetensors") && name != keep;
+        if regular && (old || is_abandoned_save(&name)) {
             let _ = std::fs::remove_file(entry.path());
         }
     }
@@ -531,10 +550,9 @@ fn keep_schedule(saved: &Scenario, resumed: &mut Scenario, step: u64) -> Option<
 /// Load weights, optimizer state, scaler, knobs and counters into a freshly built trainer.
 pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> anyhow::Result<()> {
     let path = dir.join(&state.tensors);
-    // Candle maps the file: a FIFO or a device there would block or never end.
-    if !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
-        bail!("{}: missing, or not a regular file", path.display());
-    }
+    // Candle maps the file: a FIFO or a device there would block or never end (refused by
+    // the hash's read, which opens it as an input).
+    integrity::verify_tensors(dir, state)?;
     let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("reading {}", path.display()))?;
     let mut take = |key: String, like: &Tensor| -> anyhow::Result<Tensor> {

@@ -22,7 +22,7 @@ pub mod launch;
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
-mod watchdog;
+pub mod watchdog;
 
 use std::time::{Duration, Instant};
 
@@ -63,10 +63,10 @@ pub enum DistError {
     },
     /// Rank 0's controls did not reach the others intact.
     #[error("sharing rank 0's controls: {0}")]
-    Controls(#[from] serde_json::Error),
+    Controls(serde_json::Error),
     /// Flattening or rebuilding the gradients failed.
     #[error("gradients for data parallel: {0}")]
-    Tensor(#[from] candle_core::Error),
+    Tensor(candle_core::Error),
     /// NCCL refused to start or to reduce.
     #[error("NCCL on rank {rank}: {what}")]
     Nccl {
@@ -75,6 +75,20 @@ pub enum DistError {
         /// What failed, with NCCL's error.
         what: String,
     },
+}
+
+// The causes are in the messages already: `From` without `#[from]`, which would make them
+// `source`s too and print each twice in a chain.
+impl From<serde_json::Error> for DistError {
+    fn from(e: serde_json::Error) -> Self {
+        DistError::Controls(e)
+    }
+}
+
+impl From<candle_core::Error> for DistError {
+    fn from(e: candle_core::Error) -> Self {
+        DistError::Tensor(e)
+    }
 }
 
 /// What carries the ranks' gradients.
@@ -469,6 +483,26 @@ impl Group {
             .into_iter()
             .map(|(control, origin)| crate::control::ControlMsg { control, origin })
             .collect())
+    }
+
+    /// Before anything is built: rank 0's `mine` on every rank (a rank compares it with its
+    /// own scenario). Not counted: workbench traffic.
+    pub fn rank0_bytes(&mut self, mine: &[u8]) -> Vec<u8> {
+        let mut bytes = mine.to_vec();
+        if self.is_parallel() {
+            self.collective("comparing the scenarios", |t| t.broadcast_bytes(&mut bytes));
+        }
+        bytes
+    }
+
+    /// Every rank's outcome of a stage (0: ready; else the exit code it ends with), in rank
+    /// order, so a rank that refused ends every rank at once instead of leaving them waiting
+    /// in their first collective.
+    pub fn settle(&mut self, outcome: u64) -> Vec<u64> {
+        if !self.is_parallel() {
+            return vec![outcome];
+        }
+        self.collective("starting together", |t| t.gather_u64(&[outcome]))
     }
 
     /// At a boundary: whether any rank asks to stop, and a check that every rank runs the same

@@ -6,6 +6,8 @@
 use std::io::Read;
 use std::path::Path;
 
+pub mod growing;
+
 /// Largest preset or keymap file read (they are a few hundred bytes in practice).
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 /// Largest recording read (it is held in memory whole).
@@ -42,12 +44,14 @@ pub const MAX_INTEGER: u64 = i64::MAX as u64;
 pub enum ReadError {
     /// A device, pipe or directory: reading it might never end.
     #[error(
-        "the {what} is not a regular file (a device, pipe or directory could be endless); \
-         copy it to a file first"
+        "the {what} is {kind}, not a regular file (a device, pipe or directory could block or \
+         never end); copy it to a file first"
     )]
     NotRegular {
         /// The file's role.
         what: String,
+        /// What is there instead ("a FIFO (named pipe)", "a directory").
+        kind: &'static str,
     },
     /// The operating system refused to open or read it.
     #[error("cannot read the {what}: {err}")]
@@ -107,35 +111,84 @@ pub enum BoundError {
     },
 }
 
-/// Read a whole file of at most `limit` bytes. A device, pipe or directory is refused (it may
-/// never end), and so is a file that turns out longer than `limit` while it is read.
-pub fn read_bounded(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>, ReadError> {
+/// Open a file the user named as an input: it must be a regular file. It is opened without
+/// blocking (a FIFO with no writer would wait forever; a FIFO with one is refused all the same)
+/// and checked once open, as the path may have changed meanwhile; reads then block as usual.
+pub fn open_input(path: &Path, what: &str) -> Result<std::fs::File, ReadError> {
+    use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
-    let what = || what.to_string();
-    let io = |err| ReadError::Io { what: what(), err };
+    let io = |err| ReadError::Io {
+        what: what.to_string(),
+        err,
+    };
+    let not_regular = |meta: &std::fs::Metadata| ReadError::NotRegular {
+        what: what.to_string(),
+        kind: kind_of(meta),
+    };
+    // Refused without opening it where the path says so already: opening a device can act.
     let meta = std::fs::metadata(path).map_err(io)?;
     if !meta.is_file() {
-        return Err(ReadError::NotRegular { what: what() });
+        return Err(not_regular(&meta));
     }
-    // Non-blocking, and checked again once open: the path may have become a FIFO meanwhile.
     let file = std::fs::File::options()
         .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
         .open(path)
         .map_err(io)?;
     let meta = file.metadata().map_err(io)?;
     if !meta.is_file() {
-        return Err(ReadError::NotRegular { what: what() });
+        return Err(not_regular(&meta));
     }
+    let fd = file.as_raw_fd();
+    // SAFETY: `fd` is open and owned by `file`; F_GETFL/F_SETFL change only its status flags.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+        }
+    }
+    Ok(file)
+}
+
+/// The kind of a file that is not a regular file, for messages.
+pub fn kind_of(meta: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else {
+        "a special file"
+    }
+}
+
+/// Read a whole file of at most `limit` bytes. A device, pipe or directory is refused (it may
+/// never end), and so is a file that turns out longer than `limit` while it is read.
+pub fn read_bounded(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>, ReadError> {
+    let file = open_input(path, what)?;
+    let io = |err| ReadError::Io {
+        what: what.to_string(),
+        err,
+    };
     let too_large = |size| ReadError::TooLarge {
-        what: what(),
+        what: what.to_string(),
         size,
         limit,
     };
-    if meta.len() > limit {
-        return Err(too_large(meta.len()));
+    let len = file.metadata().map_err(io)?.len();
+    if len > limit {
+        return Err(too_large(len));
     }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    let mut bytes = Vec::with_capacity(len as usize);
     file.take(limit + 1).read_to_end(&mut bytes).map_err(io)?;
     if bytes.len() as u64 > limit {
         return Err(too_large(bytes.len() as u64));

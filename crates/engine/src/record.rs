@@ -20,6 +20,8 @@ use anyhow::Context;
 
 use crate::telemetry::{Event, EventKind, Header, FORMAT_VERSION};
 
+mod tail;
+
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 
 /// Whether this build knows an event type; a same-major file may hold others (skipped with a
@@ -41,6 +43,8 @@ pub struct Recorder {
     before_header: Option<Vec<Event>>,
     /// With `create_replacing`: the temporary file written, renamed over `path` when done.
     replacing: Option<Box<crate::safe_write::Pending>>,
+    /// A write failed (a full disk): the recording is incomplete and never replaces a file.
+    failed: bool,
 }
 
 impl Recorder {
@@ -72,6 +76,7 @@ impl Recorder {
             last_flush: Instant::now(),
             before_header: Some(Vec::new()),
             replacing,
+            failed: false,
         }
     }
 
@@ -111,24 +116,42 @@ impl Recorder {
     }
 
     fn write_line(&mut self, event: &Event) -> anyhow::Result<()> {
-        serde_json::to_writer(&mut self.out, event)?;
-        self.out.write_all(b"\n")?;
-        Ok(())
+        let written = match event {
+            // The header names the process writing it: a follower checks it is still there.
+            Event::Header(h) if h.writer.is_none() => {
+                let mut h = h.clone();
+                h.writer = Some(crate::telemetry::Writer::this_process());
+                serde_json::to_writer(&mut self.out, &Event::Header(h))
+            }
+            _ => serde_json::to_writer(&mut self.out, event),
+        };
+        let written = written
+            .map_err(anyhow::Error::from)
+            .and_then(|()| Ok(self.out.write_all(b"\n")?));
+        self.failed |= written.is_err();
+        written.with_context(|| format!("writing {}", self.path.display()))
     }
 
     /// Push buffered lines to the OS (they survive a crash of this process from here on).
     pub fn flush(&mut self) -> anyhow::Result<()> {
-        self.out
-            .flush()
-            .with_context(|| format!("writing {}", self.path.display()))?;
+        let flushed = self.out.flush();
+        self.failed |= flushed.is_err();
+        flushed.with_context(|| format!("writing {}", self.path.display()))?;
         self.last_flush = Instant::now();
         Ok(())
     }
 
     /// The recording is complete: flushed, and (with `create_replacing`) renamed over its target,
-    /// which is checked again first. Dropping a recorder does the same, errors unreported.
+    /// which is checked again first. A recording that could not be written whole (a full disk)
+    /// never replaces the old file: its temporary file is removed, the old file stays.
     pub fn finish(mut self) -> anyhow::Result<PathBuf> {
         self.flush()?;
+        if self.failed {
+            anyhow::bail!(
+                "{}: the recording could not be written whole; the file is left as it was",
+                self.path.display()
+            );
+        }
         if let Some(pending) = self.replacing.take() {
             pending.commit()?;
         }
@@ -137,11 +160,10 @@ impl Recorder {
 }
 
 impl Drop for Recorder {
+    /// A recorder dropped without `finish` (an error ended the run first) flushes what it has;
+    /// a replacement is abandoned (its temporary file removed), so the old file stays whole.
     fn drop(&mut self) {
         let _ = self.out.flush();
-        if let Some(pending) = self.replacing.take() {
-            let _ = pending.commit();
-        }
     }
 }
 
@@ -168,14 +190,22 @@ pub enum RecordError {
         err: crate::limits::ReadError,
     },
     /// A recording being followed could not be opened or read further.
-    #[error("{path}: cannot {action}: {err}")]
+    #[error("{path}: {err}")]
     Follow {
         /// The recording's path.
         path: String,
-        /// "open" or "read".
-        action: &'static str,
-        /// What the operating system said.
-        err: std::io::Error,
+        /// Why: not a regular file, too large, an I/O error.
+        err: crate::limits::ReadError,
+    },
+    /// A recording being followed has a line longer than any event gaccwb writes.
+    #[error("{path}:{line}: a line longer than {limit} bytes: not a recording gaccwb wrote")]
+    LineTooLong {
+        /// The recording's path.
+        path: String,
+        /// 1-based line number.
+        line: usize,
+        /// The longest line read.
+        limit: usize,
     },
     /// A line that is not a valid event where one is needed.
     #[error("{path}:{line}: {problem}")]
@@ -303,88 +333,7 @@ pub fn parse_recording(bytes: &[u8], origin: &str) -> Result<Recording, RecordEr
     })
 }
 
-/// A recording that may still be growing (a headless run's, read from another terminal): each
-/// [`Tail::poll`] returns the events of the complete lines written since the last one.
-pub struct Tail {
-    path: String,
-    file: std::fs::File,
-    /// Bytes after the last newline read so far: a line still being written.
-    partial: Vec<u8>,
-    /// Lines read so far, for messages.
-    lines: usize,
-    unknown: usize,
-    /// Events read so far.
-    events: usize,
-}
-
-impl Tail {
-    /// Follow `path` from its first line.
-    pub fn open(path: &Path) -> Result<Tail, RecordError> {
-        let p = path.display().to_string();
-        let file = std::fs::File::open(path).map_err(|err| RecordError::Follow {
-            path: p.clone(),
-            action: "open",
-            err,
-        })?;
-        Ok(Tail {
-            path: p,
-            file,
-            partial: Vec::new(),
-            lines: 0,
-            unknown: 0,
-            events: 0,
-        })
-    }
-
-    /// The events of the lines completed since the last call (none if nothing new). A bad
-    /// complete line is an error naming it, as in [`read_recording`].
-    pub fn poll(&mut self) -> Result<Vec<Event>, RecordError> {
-        use std::io::Read;
-        let before = self.partial.len();
-        self.file
-            .read_to_end(&mut self.partial)
-            .map_err(|err| RecordError::Follow {
-                path: self.path.clone(),
-                action: "read",
-                err,
-            })?;
-        let Some(end) = self.partial[before..]
-            .iter()
-            .rposition(|&b| b == b'\n')
-            .map(|i| before + i)
-        else {
-            return Ok(Vec::new());
-        };
-        let complete: Vec<u8> = self.partial.drain(..=end).collect();
-        let mut events = Vec::new();
-        for raw in complete[..complete.len() - 1].split(|&b| b == b'\n') {
-            self.lines += 1;
-            let first = self.events == 0;
-            let parsed = std::str::from_utf8(raw)
-                .map_err(LineError::NotUtf8)
-                .and_then(|text| parse_line(text, first, &mut self.unknown))
-                .and_then(|e| match (&e, first) {
-                    (Some(event), true) => check_header(event).map(|()| e),
-                    _ => Ok(e),
-                });
-            match parsed {
-                Ok(Some(event)) => {
-                    self.events += 1;
-                    events.push(event);
-                }
-                Ok(None) => {}
-                Err(problem) => {
-                    return Err(RecordError::Line {
-                        path: self.path.clone(),
-                        line: self.lines,
-                        problem,
-                    })
-                }
-            }
-        }
-        Ok(events)
-    }
-}
+pub use tail::{Liveness, Tail};
 
 /// One line: an event, nothing (blank line, unknown event type) or why it is not valid.
 fn parse_line(text: &str, first: bool, unknown: &mut usize) -> Result<Option<Event>, LineError> {

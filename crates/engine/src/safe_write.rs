@@ -18,6 +18,8 @@ use std::io::{Read, Seek, Write};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use crate::limits::kind_of;
+
 /// Why a file was not written.
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
@@ -162,26 +164,6 @@ impl Overwrite {
     /// directory).
     pub fn ours() -> Overwrite {
         Overwrite::new(true, Inputs::default())
-    }
-}
-
-/// The kind of a file that is not a regular file, for messages.
-fn kind_of(meta: &Metadata) -> &'static str {
-    let t = meta.file_type();
-    if t.is_dir() {
-        "a directory"
-    } else if t.is_char_device() {
-        "a character device"
-    } else if t.is_block_device() {
-        "a block device"
-    } else if t.is_fifo() {
-        "a FIFO (named pipe)"
-    } else if t.is_socket() {
-        "a socket"
-    } else if t.is_symlink() {
-        "a symbolic link"
-    } else {
-        "a special file"
     }
 }
 
@@ -352,6 +334,33 @@ fn temp_name(path: &Path, n: u32) -> PathBuf {
         0 => path.with_file_name(format!(".{name}.{pid}.tmp")),
         _ => path.with_file_name(format!(".{name}.{pid}-{n}.tmp")),
     }
+}
+
+/// The replacement of `path` another process is writing now (`--force`: `.NAME.PID.tmp`
+/// beside it, its PID alive), the newest when there are several: a follower of `path` reads the
+/// new run rather than the old file.
+pub fn replacement_in_progress(path: &Path) -> Option<PathBuf> {
+    let name = path.file_name()?.to_str()?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let prefix = format!(".{name}.");
+    let writer = |file: &str| -> Option<u32> {
+        let rest = file.strip_prefix(&prefix)?.strip_suffix(".tmp")?;
+        rest.split('-').next()?.parse().ok()
+    };
+    std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let pid = writer(e.file_name().to_str()?)?;
+            let alive = Path::new(&format!("/proc/{pid}")).exists();
+            let meta = e.metadata().ok().filter(|m| m.is_file() && alive)?;
+            Some((meta.modified().ok()?, e.path()))
+        })
+        .max()
+        .map(|(_, p)| p)
 }
 
 /// Rename `tmp` to `path` only if nothing is at `path` (a file made meanwhile is never replaced).

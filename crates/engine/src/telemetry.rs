@@ -117,6 +117,41 @@ pub struct Header {
     /// absent in recordings made before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unified_memory: Option<bool>,
+    /// The process writing the recording, stamped by the recorder: a follower (`replay
+    /// --follow`) checks it is still writing. Absent in recordings made before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writer: Option<Writer>,
+}
+
+/// The process that writes a recording, and its host.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Writer {
+    /// Its process id.
+    pub pid: u32,
+    /// Its host name (a pid is only meaningful there).
+    pub host: String,
+}
+
+impl Writer {
+    /// This process.
+    pub fn this_process() -> Writer {
+        Writer {
+            pid: std::process::id(),
+            host: host_name(),
+        }
+    }
+}
+
+/// This machine's host name ("" when it cannot be read).
+pub fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into the buffer it is given.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return String::new();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
 /// What the header records about the tokenizer a run used; replay needs nothing else.

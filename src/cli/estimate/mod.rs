@@ -249,7 +249,8 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if args.json {
         gaccwb::out::println(&serde_json::to_string_pretty(&answer)?)?;
     } else {
-        gaccwb::out::print(&render::answer(&answer))?;
+        // A preset's name or a config's path may hold escape sequences: printed as text only.
+        gaccwb::out::print(&gaccwb::headless::strip(&render::answer(&answer)))?;
     }
     Ok(())
 }

@@ -341,6 +341,11 @@ impl Trainer {
         self.step
     }
 
+    /// The data-parallel ranks this trainer is one of (W; 1 alone).
+    pub fn ranks(&self) -> usize {
+        self.group.ranks()
+    }
+
     /// Steps the LR schedule has advanced (skipped steps do not advance it).
     pub fn lr_step(&self) -> u64 {
         self.lr_step
@@ -596,6 +601,7 @@ impl Trainer {
             collectives: self.group.is_parallel().then(|| self.group.collectives()),
             memory_budget_bytes: self.guard.budget(),
             unified_memory: Some(self.memory.unified()),
+            writer: None,
         }
     }
 
