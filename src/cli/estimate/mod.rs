@@ -228,7 +228,16 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     }
     let arch = opts::resolve_arch(&options, Arch::engine(&scenario.model))?;
     let lora = opts::resolve_lora(&options, &arch)?;
-    let engine = engine_model(&arch, lora.as_ref());
+    // A config of a family the engine trains is estimated as a run would load it (GPT-2's tied
+    // head included), not as this engine's GPT of the same widths.
+    let family = lora
+        .is_none()
+        .then(|| trained_family(&args, scenario.model.seq_len))
+        .flatten();
+    let engine = match family {
+        Some(model) => Ok(model),
+        None => engine_model(&arch, lora.as_ref()),
+    };
     if let Ok(m) = &engine {
         scenario.model = m.clone();
     }
@@ -351,6 +360,17 @@ fn answer(
     })
 }
 
+/// `--config` of a family this engine trains (`model::spec`), as a run reads it: the estimator
+/// then books that family's blocks (`memory::estimate::arch_of`).
+fn trained_family(args: &EstimateArgs, seq_len: usize) -> Option<gaccwb::scenario::ModelConfig> {
+    let path = args.config.as_ref()?;
+    let dir = gaccwb::model::hf::resolve(&path.to_string_lossy()).ok()?;
+    let spec = gaccwb::model::hf::ModelDir::open(&dir).ok()?.spec().ok()?;
+    let mut model = spec.model_config(seq_len);
+    model.path = Some(path.clone());
+    Some(model)
+}
+
 /// This engine's estimate for the GPT model it builds.
 fn engine_report(
     args: &EstimateArgs,
@@ -358,7 +378,11 @@ fn engine_report(
     budget: u64,
 ) -> anyhow::Result<est::Report> {
     // The estimate needs only a well-formed shape; what this program can train is reported.
-    let not_trainable_here = scenario.validate().err().map(|e| e.message);
+    // A Hugging Face model's vocabulary is its tokenizer's, which a run reads (`hf::prepare`).
+    let not_trainable_here = match scenario.model.path {
+        Some(_) => None,
+        None => scenario.validate().err().map(|e| e.message),
+    };
     gaccwb::memory::verdict::check_shape(scenario)?;
     if not_trainable_here.is_none()
         && scenario.data.tokenizer == gaccwb::scenario::TokenizerKind::Bpe

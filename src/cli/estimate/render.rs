@@ -206,16 +206,20 @@ pub fn engine(report: &Report) -> String {
     let c = &report.config;
     let m = &c.model;
     let mut out = format!(
-        "{}: d_model={} layers={} heads={} seq_len={} vocab={} ({} parameters, untied head {} of them)\n\
+        "{}: {} d_model={} layers={} heads={} seq_len={} vocab={} ({} parameters, {})\n\
          B={} K={} {} offload {}; {}\n",
         printable(&report.preset),
+        c.arch.family,
         m.d_model,
         m.layers,
         m.heads,
         m.seq_len,
         m.vocab,
         report.params,
-        m.d_model as u64 * m.vocab as u64,
+        match c.arch.tied {
+            true => "tied head".to_string(),
+            false => format!("untied head {} of them", c.arch.hidden * c.arch.vocab),
+        },
         c.micro_batch,
         c.accum_steps,
         c.dtype.name(),
