@@ -259,6 +259,7 @@ def one_round(args, config, threads, first):
             if first and impl == "torch-nano":
                 cmd.append("--products")
         for row in run_lines(cmd, env):
+            print("raw " + json.dumps({k: v for k, v in row.items() if k != "step_s"}), file=sys.stderr, flush=True)
             if row["impl"] in IMPLS:
                 rows.setdefault(row["impl"], {})[row["dtype"]] = row
             elif row["impl"] == "candle-product":
