@@ -11,7 +11,7 @@ use candle_core::Device;
 use serde::Serialize;
 
 use crate::scenario::{DataSource, Scenario};
-use crate::telemetry::Dtype;
+use crate::telemetry::{Dtype, PhaseMs};
 use crate::train::Trainer;
 
 /// One shape to measure.
@@ -49,6 +49,8 @@ pub struct Measurement {
     pub tokens_per_step: u64,
     /// Wall time of each timed step, in seconds.
     pub step_s: Vec<f64>,
+    /// The trainer's forward, backward and optimizer time of each timed step.
+    pub phase_ms: Vec<PhaseMs>,
 }
 
 impl Measurement {
@@ -71,6 +73,17 @@ impl Measurement {
     /// Median optimizer steps per second.
     pub fn median_steps_per_s(&self) -> f64 {
         self.median_tokens_per_s() / self.tokens_per_step as f64
+    }
+
+    /// Median forward, backward and optimizer time over the timed steps, each phase on its own.
+    pub fn median_phase_ms(&self) -> PhaseMs {
+        let of =
+            |f: fn(&PhaseMs) -> f64| median_of(&self.phase_ms.iter().map(f).collect::<Vec<_>>());
+        PhaseMs {
+            forward: of(|p| p.forward),
+            backward: of(|p| p.backward),
+            optimizer: of(|p| p.optimizer),
+        }
     }
 }
 
@@ -128,6 +141,7 @@ pub fn measure_interleaved(
         .map(|s| Trainer::new(s, device.clone()))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut step_s = vec![Vec::with_capacity(steps); trainers.len()];
+    let mut phase_ms = vec![Vec::with_capacity(steps); trainers.len()];
     let mut tokens_per_step = vec![0; trainers.len()];
     for i in 0..warmup + steps {
         for (j, trainer) in trainers.iter_mut().enumerate() {
@@ -140,6 +154,7 @@ pub fn measure_interleaved(
             let elapsed = t0.elapsed().as_secs_f64();
             if i >= warmup {
                 step_s[j].push(elapsed);
+                phase_ms[j].push(step.phase_ms);
                 tokens_per_step[j] = step.tokens;
             }
         }
@@ -147,15 +162,19 @@ pub fn measure_interleaved(
     Ok(trainers
         .iter()
         .zip(step_s)
+        .zip(phase_ms)
         .zip(tokens_per_step)
-        .map(|((trainer, step_s), tokens_per_step)| Measurement {
-            micro_batch: trainer.knobs().micro_batch,
-            accum_steps: trainer.knobs().accum_steps,
-            dtype: trainer.knobs().dtype,
-            threads: threads(),
-            tokens_per_step,
-            step_s,
-        })
+        .map(
+            |(((trainer, step_s), phase_ms), tokens_per_step)| Measurement {
+                micro_batch: trainer.knobs().micro_batch,
+                accum_steps: trainer.knobs().accum_steps,
+                dtype: trainer.knobs().dtype,
+                threads: threads(),
+                tokens_per_step,
+                step_s,
+                phase_ms,
+            },
+        )
         .collect())
 }
 
@@ -260,6 +279,40 @@ pub fn measure_host_rates(params: usize, n: usize, steps: usize) -> anyhow::Resu
     })
 }
 
+/// One product shape, `[m, k] · [k, n]`, and the rate the fused ops' f32 product ran it at.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProductRate {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    /// 2·m·k·n / the median of the timed products.
+    pub flops_per_s: f64,
+}
+
+/// The fused ops' f32 product (`ops::fused::project`, the path the step's products take) at each
+/// shape, `steps` timed products after one untimed one.
+pub fn measure_products(
+    shapes: &[(usize, usize, usize)],
+    steps: usize,
+) -> anyhow::Result<Vec<ProductRate>> {
+    use candle_core::{DType, Tensor};
+    let device = Device::Cpu;
+    shapes
+        .iter()
+        .map(|&(m, k, n)| {
+            let a = Tensor::ones((m, k), DType::F32, &device)?;
+            let b = Tensor::ones((k, n), DType::F32, &device)?;
+            let s = timed(steps, || crate::ops::fused::project(&a, &b).map(drop))?;
+            Ok(ProductRate {
+                m,
+                k,
+                n,
+                flops_per_s: 2.0 * (m * k * n) as f64 / median_of(&s),
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,5 +382,13 @@ mod tests {
         let adamw = 16.0 * 1000.0 / median_of(&r.adamw_step_s);
         assert_eq!(r.adamw_bytes_per_s, adamw);
         assert_eq!(r.matmul_flops_per_s, 2.0 * 4096.0 / median_of(&r.matmul_s));
+    }
+
+    #[test]
+    fn product_rates_keep_their_shapes_in_order() {
+        let r = measure_products(&[(4, 8, 16), (16, 8, 4)], 2).unwrap();
+        let shapes: Vec<_> = r.iter().map(|p| (p.m, p.k, p.n)).collect();
+        assert_eq!(shapes, [(4, 8, 16), (16, 8, 4)]);
+        assert!(r.iter().all(|p| p.flops_per_s > 0.0));
     }
 }

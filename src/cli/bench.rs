@@ -1,4 +1,5 @@
-//! `gaccwb bench`: training tokens/s of the default model on the CPU, case by case.
+//! `gaccwb bench`: training tokens/s of the default model (or of `--model`) on the CPU, case by
+//! case.
 
 use clap::Args;
 
@@ -13,28 +14,37 @@ use super::{usage, UsageError};
 pub struct BenchArgs {
     /// CPU threads for Candle's kernels (default: RAYON_NUM_THREADS, else every core).
     #[arg(long)]
-    threads: Option<usize>,
+    pub(super) threads: Option<usize>,
     /// Micro-batch and accumulation steps to measure, as B,K (repeatable; default 8,1 8,4 32,1
     /// plus the default preset's steps/s).
     #[arg(long = "case", value_name = "B,K", value_parser = parse_case)]
-    cases: Vec<Case>,
+    pub(super) cases: Vec<Case>,
     /// Timed optimizer steps per case (at most 100000).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
-    steps: u64,
+    pub(super) steps: u64,
     /// Compute dtypes, comma-separated (f32, bf16, f16): with several, each case runs in every
     /// one, a step of each in turn, and a ratio against the first is printed [default: f32].
     #[arg(long = "dtype", value_name = "LIST", value_parser = parse_dtypes)]
-    dtypes: Option<DtypeList>,
+    pub(super) dtypes: Option<DtypeList>,
     /// Untimed optimizer steps before timing (at most 100000).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(..=MAX_STEPS))]
-    warmup: u64,
+    pub(super) warmup: u64,
     /// One JSON object per case on stdout instead of the table.
     #[arg(long)]
-    json: bool,
+    pub(super) json: bool,
     /// Measure this host's rates for `gaccwb estimate` instead of training: the fused AdamW
     /// (GB/s of optimizer state) and the f32 product (TFLOP/s).
     #[arg(long)]
     adamw: bool,
+    /// Time this Hugging Face model's step instead of the default model's: a directory with
+    /// config.json (a shape's config.json alone trains random weights), or ORG/NAME from the
+    /// local cache. Prints FLOP/s (6 per multiplied parameter per token plus attention) beside
+    /// the host's f32 product rate. Default case 2,1.
+    #[arg(long, value_name = "PATH")]
+    pub(super) model: Option<String>,
+    /// Positions per sample with `--model` (default: the default preset's).
+    #[arg(long, value_name = "T", requires = "model")]
+    pub(super) seq_len: Option<usize>,
     /// Data parallel: positions/s and the share of the step in collectives with N ranks
     /// against one rank on the same cores (each a run under mpirun; `--features mpi`).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(2..))]
@@ -51,7 +61,7 @@ const MATMUL_N: usize = 1024;
 
 /// The `--dtype` list, in the order given.
 #[derive(Clone, Debug)]
-struct DtypeList(Vec<Dtype>);
+pub(super) struct DtypeList(pub(super) Vec<Dtype>);
 
 /// One compute dtype by name: f32, bf16 or f16.
 pub(super) fn parse_dtype(name: &str) -> Result<Dtype, String> {
@@ -101,6 +111,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     refuse_unused(&args)?;
     if args.adamw {
         return host_rates(&args);
+    }
+    if args.model.is_some() {
+        return super::bench_model::bench_model(&args);
     }
     if let Some(ranks) = args.ranks {
         let threads = args.threads.unwrap_or_else(bench::threads);
@@ -237,7 +250,10 @@ fn check_case(
 }
 
 /// Each later dtype's median tokens/s against the first's, from interleaved measurements.
-fn print_ratios(rs: &[bench::Measurement], what: &str) -> Result<(), gaccwb::out::OutputError> {
+pub(super) fn print_ratios(
+    rs: &[bench::Measurement],
+    what: &str,
+) -> Result<(), gaccwb::out::OutputError> {
     let Some((first, rest)) = rs.split_first() else {
         return Ok(());
     };
@@ -281,20 +297,28 @@ fn host_rates(args: &BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One case as a JSON object: the medians, each step's time and the median phase times.
+pub(super) fn case_json(r: &bench::Measurement) -> serde_json::Value {
+    let phase = r.median_phase_ms();
+    serde_json::json!({
+        "impl": "candle",
+        "micro_batch": r.micro_batch,
+        "accum_steps": r.accum_steps,
+        "dtype": r.dtype.name(),
+        "threads": r.threads,
+        "tokens_per_step": r.tokens_per_step,
+        "tokens_per_s": r.median_tokens_per_s(),
+        "step_s": r.step_s,
+        "forward_ms": phase.forward,
+        "backward_ms": phase.backward,
+        "optimizer_ms": phase.optimizer,
+    })
+}
+
 /// One case as a table row, or as a JSON object.
 fn print_case(r: &bench::Measurement, json: bool) -> Result<(), gaccwb::out::OutputError> {
     if json {
-        let row = serde_json::json!({
-            "impl": "candle",
-            "micro_batch": r.micro_batch,
-            "accum_steps": r.accum_steps,
-            "dtype": r.dtype.name(),
-            "threads": r.threads,
-            "tokens_per_step": r.tokens_per_step,
-            "tokens_per_s": r.median_tokens_per_s(),
-            "step_s": r.step_s,
-        });
-        return gaccwb::out::println(&row.to_string());
+        return gaccwb::out::println(&case_json(r).to_string());
     }
     let sorted = r.tokens_per_s_sorted();
     gaccwb::out::println(&format!(

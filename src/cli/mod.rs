@@ -3,6 +3,7 @@
 //! --headless`, parsed by the same clap arguments (and defaults) as `run` itself.
 
 mod bench;
+mod bench_model;
 mod bench_ranks;
 mod compare;
 mod error;

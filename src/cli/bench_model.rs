@@ -1,0 +1,177 @@
+//! `gaccwb bench --model PATH`: the training step of a Hugging Face model (a checkpoint, or a
+//! shape's config.json alone with random weights), its FLOP/s against the host's own f32 product
+//! rate, measured in the same process, and where the step's time goes.
+
+use std::path::PathBuf;
+
+use gaccwb::bench::{self, Case, Measurement, ProductRate};
+use gaccwb::planner::activations::Recompute;
+use gaccwb::planner::step_time::flops_per_token;
+use gaccwb::presets;
+use gaccwb::scenario::{DataSource, Scenario};
+
+use super::bench::{case_json, print_ratios, BenchArgs};
+use super::usage;
+
+/// The case `--model` runs when none is given: a fine-tuning micro-batch.
+const MODEL_CASE: Case = Case {
+    micro_batch: 2,
+    accum_steps: 1,
+};
+
+/// The side of the square product timed beside the step's own shapes.
+const SQUARE: usize = 1024;
+
+pub(super) fn bench_model(args: &BenchArgs) -> anyhow::Result<()> {
+    let (base, flops) = model_scenario(args)?;
+    let m = &base.model;
+    let cases = if args.cases.is_empty() {
+        vec![MODEL_CASE]
+    } else {
+        args.cases.clone()
+    };
+    let source = args.model.as_deref().unwrap_or_default();
+    if !args.json {
+        gaccwb::out::println(&format!(
+            "gaccwb bench --model {source}: vocab {} d_model {} layers {} seq_len {}, {:.3} GFLOP \
+             per token (6 per multiplied parameter + attention), CPU, {} thread(s), {} timed steps \
+             after {} warm-up",
+            m.vocab,
+            m.d_model,
+            m.layers,
+            m.seq_len,
+            flops / 1e9,
+            bench::threads(),
+            args.steps,
+            args.warmup
+        ))?;
+    }
+    let mut results = Vec::new();
+    for case in &cases {
+        let f32_only = [gaccwb::telemetry::Dtype::F32];
+        let dtypes = args.dtypes.as_ref().map_or(&f32_only[..], |d| &d.0[..]);
+        let scenarios: Vec<Scenario> = dtypes
+            .iter()
+            .map(|&d| {
+                let mut s = bench::case_scenario(&base, *case);
+                s.train.dtype = d;
+                s
+            })
+            .collect();
+        let rs = bench::measure_interleaved(
+            scenarios,
+            &candle_core::Device::Cpu,
+            args.warmup as usize,
+            args.steps as usize,
+        )?;
+        if !args.json && rs.len() > 1 {
+            print_ratios(
+                &rs,
+                &format!("B={},K={}", case.micro_batch, case.accum_steps),
+            )?;
+        }
+        results.extend(rs);
+    }
+    let shapes = product_shapes(&base, &cases);
+    let products = bench::measure_products(&shapes, args.steps as usize)?;
+    let best = products.iter().map(|p| p.flops_per_s).fold(0.0, f64::max);
+    report(args, source, &results, &products, flops, best)
+}
+
+/// The default preset's training settings on the model at `--model`, and its FLOPs per token.
+fn model_scenario(args: &BenchArgs) -> anyhow::Result<(Scenario, f64)> {
+    let mut s = presets::resolve(presets::DEFAULT).map_err(usage)?;
+    s.model.path = args.model.as_ref().map(PathBuf::from);
+    if let Some(t) = args.seq_len {
+        s.model.seq_len = t;
+    }
+    // Synthetic samples: the step's cost does not depend on which tokens it reads.
+    s.data.source = DataSource::Synthetic;
+    s.data.path = None;
+    let Some((_, spec)) = gaccwb::model::hf::prepare(&mut s)? else {
+        anyhow::bail!("--model needs a path");
+    };
+    s.validate().map_err(usage)?;
+    let mut arch = spec.arch;
+    arch.seq_len = s.model.seq_len as u64;
+    Ok((s, flops_per_token(&arch, Recompute::None, None)))
+}
+
+/// A square product, and `[rows, d]·[d, 4d]` and the head's `[rows, d]·[d, V]` at each case's rows.
+fn product_shapes(s: &Scenario, cases: &[Case]) -> Vec<(usize, usize, usize)> {
+    let (d, v) = (s.model.d_model, s.model.vocab);
+    let mut shapes = vec![(SQUARE, SQUARE, SQUARE)];
+    for c in cases {
+        let rows = c.micro_batch * s.model.seq_len;
+        for shape in [(rows, d, 4 * d), (rows, d, v)] {
+            if !shapes.contains(&shape) {
+                shapes.push(shape);
+            }
+        }
+    }
+    shapes
+}
+
+fn report(
+    args: &BenchArgs,
+    source: &str,
+    results: &[Measurement],
+    products: &[ProductRate],
+    flops: f64,
+    best: f64,
+) -> anyhow::Result<()> {
+    if args.json {
+        for r in results {
+            let mut row = case_json(r);
+            let rate = r.median_tokens_per_s() * flops;
+            row["model"] = source.into();
+            row["seq_len"] = (r.tokens_per_step / (r.micro_batch * r.accum_steps) as u64).into();
+            row["flops_per_token"] = flops.into();
+            row["flops_per_s"] = rate.into();
+            row["of_best_product"] = (rate / best).into();
+            gaccwb::out::println(&row.to_string())?;
+        }
+        let row = serde_json::json!({
+            "impl": "candle-product",
+            "threads": bench::threads(),
+            "products": products,
+            "best_flops_per_s": best,
+        });
+        return Ok(gaccwb::out::println(&row.to_string())?);
+    }
+    gaccwb::out::println(&format!(
+        "{:>3} {:>2} {:>5} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}",
+        "B", "K", "dtype", "tok/s med", "GFLOP/s", "of best", "fwd ms", "bwd ms", "optim ms"
+    ))?;
+    for r in results {
+        let rate = r.median_tokens_per_s() * flops;
+        let p = r.median_phase_ms();
+        gaccwb::out::println(&format!(
+            "{:>3} {:>2} {:>5} {:>9.1} {:>8.1} {:>7.1}% {:>9.0} {:>9.0} {:>9.0}",
+            r.micro_batch,
+            r.accum_steps,
+            r.dtype.name(),
+            r.median_tokens_per_s(),
+            rate / 1e9,
+            100.0 * rate / best,
+            p.forward,
+            p.backward,
+            p.optimizer
+        ))?;
+    }
+    for p in products {
+        gaccwb::out::println(&format!(
+            "f32 product [{}x{}]·[{}x{}]: {:.1} GFLOP/s",
+            p.m,
+            p.k,
+            p.k,
+            p.n,
+            p.flops_per_s / 1e9
+        ))?;
+    }
+    gaccwb::out::println(&format!(
+        "best f32 product rate: {:.1} GFLOP/s (\"of best\" above is the step's model FLOP/s over it)",
+        best / 1e9
+    ))?;
+    Ok(())
+}
