@@ -32,6 +32,7 @@ CATEGORIES = [
     "optimizer_state",
     "offloaded",
     "activations",
+    "frozen",
     "other",
 ]
 TRAINER_SOURCES = ("allocator", "cuda-pool")

@@ -123,13 +123,11 @@ fn lora_adapters_count_what_peft_counts() {
 }
 
 #[test]
-fn a_llama_config_gets_the_reference_stack_only() {
+fn a_llama_config_gets_this_engines_estimate_and_the_reference_stack() {
     let report = estimate_json(&["--config", &fixture("llama3-8b.json"), "--seq-len", "4096"]);
-    assert!(report["engine_unavailable"]
-        .as_str()
-        .unwrap()
-        .contains("grouped-query attention"));
-    assert!(report["engine"].is_null(), "no engine table: {report}");
+    // The engine trains llama: its estimate books the family's own blocks and tied-or-not head.
+    assert!(report["engine_unavailable"].is_null(), "{report}");
+    assert_eq!(report["engine"]["params"], 8_030_261_248u64);
     assert_eq!(report["model"]["params"], 8_030_261_248u64);
     assert_eq!(report["model"]["arch"]["seq_len"], 4096);
     let r = &report["reference"];
@@ -151,6 +149,13 @@ fn a_llama_config_gets_the_reference_stack_only() {
     }
     assert_eq!(t["bound"], "compute");
     assert!(r["levers"].as_array().unwrap().len() >= 3);
+    // A family the engine does not train (GeGLU, post-norms, soft-capping): the reference only.
+    let gemma2 = estimate_json(&["--config", &fixture("gemma2-2b.json"), "--seq-len", "1024"]);
+    assert!(gemma2["engine"].is_null(), "{gemma2}");
+    assert!(gemma2["engine_unavailable"]
+        .as_str()
+        .unwrap()
+        .contains("gemma2"));
 }
 
 /// The question people ask, with no flags: a fine-tune's sequence length (not the 8192-token

@@ -70,6 +70,10 @@ impl ExitClass {
             || cause.is::<gaccwb::planner::options::OptionsError>()
             || cause.is::<gaccwb::model::hf::HfError>()
             || cause.is::<gaccwb::model::spec::SpecError>()
+            || matches!(
+                cause.downcast_ref(),
+                Some(gaccwb::model::OpenError::Hf(_) | gaccwb::model::OpenError::Adapter(_))
+            )
             || cause.is::<gaccwb::model::lora::AdaptError>()
             || cause.is::<gaccwb::model::lora::AdapterError>()
         {

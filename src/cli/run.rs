@@ -39,7 +39,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "PATH")]
     model: Option<String>,
     /// At the end of the run, save the model in Hugging Face's layout into DIR (never into
-    /// the directory it was read from); `S` on the screen saves it there at the next boundary.
+    /// the directory it was read from).
     #[arg(long, value_name = "DIR")]
     save_model: Option<PathBuf>,
     /// With LoRA, --save-model writes the model with the adapters merged into it, not the

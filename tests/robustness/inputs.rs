@@ -256,7 +256,7 @@ fn estimate_refuses_a_config_that_is_a_fifo_or_endless_at_once() {
     for path in ["config.json", "/dev/zero"] {
         let started = Instant::now();
         let (code, _, stderr) = gaccwb(&["estimate", "--config", path], dir.path());
-        assert_eq!(code, 1, "{path}: {stderr}");
+        assert_eq!(code, 2, "{path}: {stderr}");
         assert!(stderr.contains("not a regular file"), "{stderr}");
         assert!(started.elapsed() < Duration::from_secs(30));
     }
@@ -423,7 +423,7 @@ fn numbers_beyond_their_bounds_are_refused_before_anything_runs() {
         ),
         (
             &["estimate", "--ranks", "18446744073709551615"],
-            "at most 1024",
+            "at most 65536",
         ),
         // The value as short as given, not 300 digits.
         (
@@ -514,7 +514,8 @@ fn estimate_json_carries_no_null_for_a_number() {
     let dir = tempfile::tempdir().unwrap();
     let (code, stdout, stderr) = gaccwb(&["estimate", "--gpu-model", "cpu", "--json"], dir.path());
     assert_eq!(code, 0, "{stderr}");
-    // `null` stands only for an absent object (no blocker), never for a number.
+    // `null` stands only for something absent (no blocker, no experts, no LoRA), never for a
+    // number.
     fn nulls(v: &serde_json::Value, key: &str, out: &mut Vec<String>) {
         match v {
             serde_json::Value::Null => out.push(key.to_string()),
@@ -525,7 +526,18 @@ fn estimate_json_carries_no_null_for_a_number() {
     }
     let mut found = Vec::new();
     nulls(&serde_json::from_str(&stdout).unwrap(), "", &mut found);
-    assert!(found.iter().all(|k| k == "blocker"), "{found:?}");
+    let absent = [
+        "blocker",
+        "experts",
+        "sliding",
+        "wrapper",
+        "lora",
+        "engine_unavailable",
+    ];
+    assert!(
+        found.iter().all(|k| absent.contains(&k.as_str())),
+        "{found:?}"
+    );
 }
 
 /// `--keys` was ignored headless, so a keymap that could not be read passed.

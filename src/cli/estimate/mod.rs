@@ -246,9 +246,10 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         (None, Some(shape)) => scenario.name = shape.clone(),
         (None, None) => {}
     }
-    if engine.is_err() && !args.sets("train.micro_batch") && !args.sets("train.accum_steps") {
-        // A model only the reference stack plans: start from one sample per micro-batch at the
-        // preset's effective batch, what a fine-tune of a large model starts from.
+    let hub_model = engine.is_err() || args.config.is_some();
+    if hub_model && !args.sets("train.micro_batch") && !args.sets("train.accum_steps") {
+        // A Hugging Face model: start from one sample per micro-batch at the preset's effective
+        // batch, what a fine-tune of a large model starts from.
         let t = &mut scenario.train;
         t.accum_steps *= t.micro_batch;
         t.micro_batch = 1;

@@ -385,20 +385,21 @@ impl Fields<'_> {
                 .ok_or_else(|| (self.unsupported)(format!("`rope_theta`: got {v}")))?,
             None => 10_000.0,
         };
-        let scaling = match (params, self.get("rope_scaling")) {
-            (Some(p), _) if p.contains_key("rope_type") || p.contains_key("type") => Some(p),
-            (_, Some(Value::Object(s))) => Some(s),
-            (_, Some(v)) => {
+        // Both places are read: a scaling named in either is computed or refused, never passed
+        // over because the other says `default`.
+        let mut scaling = None;
+        if let Some(p) = params.filter(|p| p.contains_key("rope_type") || p.contains_key("type")) {
+            scaling = self.scaling(p)?;
+        }
+        match self.get("rope_scaling") {
+            Some(Value::Object(s)) => scaling = self.scaling(s)?.or(scaling),
+            Some(Value::Null) | None => {}
+            Some(v) => {
                 return Err((self.unsupported)(format!(
                     "`rope_scaling`: expected an object, got {v}"
                 )))
             }
-            _ => None,
-        };
-        let scaling = match scaling {
-            None => None,
-            Some(s) => self.scaling(s)?,
-        };
+        }
         Ok(Rope {
             theta,
             head_dim,

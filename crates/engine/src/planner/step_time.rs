@@ -280,9 +280,14 @@ pub fn step_time(arch: &Arch, setup: &Setup, w: &Weights, rates: &Rates) -> Step
     } else {
         pcie_bytes(w, z, accum, recompute)
     };
-    let pcie_s = h2d.max(d2h) as f64 / (rates.gpu.pcie_gbps * 1e9);
+    // Nothing to move takes no time, whatever the link (the CPU's is 0 GB/s: none exists).
+    let over = |bytes: u64, gbps: f64| match bytes {
+        0 => 0.0,
+        b => b as f64 / (gbps * 1e9),
+    };
+    let pcie_s = over(h2d.max(d2h), rates.gpu.pcie_gbps);
     let network = network_bytes(w, z, accum, recompute);
-    let network_s = network as f64 / (rates.gpu.link_gbps * 1e9);
+    let network_s = over(network, rates.gpu.link_gbps);
     // The host updates every rank's partition: the trained parameters once (stage 0: once per
     // rank).
     let cpu_adam_bytes = if z.offload.optimizer || rates.gpu.host {
