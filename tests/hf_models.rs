@@ -378,7 +378,7 @@ type Edit = fn(&mut serde_json::Map<String, Value>);
 
 #[test]
 fn families_and_features_the_engine_does_not_train_are_refused_with_the_alternative() {
-    let cases: [(&str, Edit, &str); 5] = [
+    let cases: [(&str, Edit, &str); 6] = [
         (
             "gpt2-tied",
             |c| {
@@ -399,6 +399,17 @@ fn families_and_features_the_engine_does_not_train_are_refused_with_the_alternat
                 c.insert(
                     "rope_parameters".into(),
                     serde_json::json!({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+                );
+            },
+            "yarn",
+        ),
+        // A config naming yarn in `rope_scaling` while `rope_parameters` says default.
+        (
+            "llama-tied",
+            |c| {
+                c.insert(
+                    "rope_scaling".into(),
+                    serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
                 );
             },
             "yarn",

@@ -45,8 +45,8 @@ pub enum FitError {
     /// The step's estimated peak is over the memory available.
     #[error(
         "the estimated step peak is {:.1} GiB ({shape}) but only {:.1} GiB of memory is \
-         available; lower model.d_model, model.layers or train.micro_batch \
-         (`gaccwb estimate` shows the figures)",
+         available; lower train.micro_batch or model.seq_len, or train a smaller model \
+         (model.d_model, model.layers, or a smaller --model; `gaccwb estimate` shows the figures)",
         gib_f(*peak),
         gib_f(*budget)
     )]
