@@ -226,6 +226,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if let Some(s) = options.seq_len {
         scenario.model.seq_len = usize::try_from(s).unwrap_or(usize::MAX);
     }
+    share_lora(&mut options, &mut scenario);
     let arch = opts::resolve_arch(&options, Arch::engine(&scenario.model))?;
     let lora = opts::resolve_lora(&options, &arch)?;
     let engine = engine_model(&arch, lora.as_ref());
@@ -253,6 +254,37 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         gaccwb::out::print(&gaccwb::headless::strip(&render::answer(&answer)))?;
     }
     Ok(())
+}
+
+/// `--lora-*` and `--set train.lora_*` are one setting for both stacks: the flags win, and a
+/// preset's or `--set`'s LoRA reaches the reference stack when no flag names one.
+fn share_lora(options: &mut Options, scenario: &mut Scenario) {
+    let t = &mut scenario.train;
+    match options.lora_rank {
+        Some(rank) => {
+            t.lora_rank = usize::try_from(rank).unwrap_or(usize::MAX);
+            if let Some(targets) = &options.lora_targets {
+                t.lora_targets = targets
+                    .split(',')
+                    .map(|n| n.trim().to_string())
+                    .filter(|n| !n.is_empty())
+                    .collect();
+            }
+            if let Some(dropout) = options.lora_dropout {
+                t.lora_dropout = dropout;
+            }
+        }
+        None if t.lora_rank > 0 => {
+            options.lora_rank = Some(t.lora_rank as u64);
+            if !t.lora_targets.is_empty() {
+                options.lora_targets = Some(t.lora_targets.join(","));
+            }
+            if t.lora_dropout > 0.0 {
+                options.lora_dropout = Some(t.lora_dropout);
+            }
+        }
+        None => {}
+    }
 }
 
 /// `--seq-len` and `--set model.seq_len` are one setting: either, or both when they agree.
