@@ -226,8 +226,8 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if let Some(s) = options.seq_len {
         scenario.model.seq_len = usize::try_from(s).unwrap_or(usize::MAX);
     }
-    share_lora(&mut options, &mut scenario);
     let arch = opts::resolve_arch(&options, Arch::engine(&scenario.model))?;
+    share_lora(&mut options, &mut scenario, &arch);
     let lora = opts::resolve_lora(&options, &arch)?;
     let engine = engine_model(&arch, lora.as_ref());
     if let Ok(m) = &engine {
@@ -257,8 +257,10 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
 }
 
 /// `--lora-*` and `--set train.lora_*` are one setting for both stacks: the flags win, and a
-/// preset's or `--set`'s LoRA reaches the reference stack when no flag names one.
-fn share_lora(options: &mut Options, scenario: &mut Scenario) {
+/// preset's or `--set`'s LoRA reaches the reference stack when no flag names one (its targets
+/// only when they are names the reference stack knows, such as `q_proj`, not this engine's
+/// `attn.qkv`: else it plans its default, every projection, and says so in its line).
+fn share_lora(options: &mut Options, scenario: &mut Scenario, arch: &Arch) {
     let t = &mut scenario.train;
     match options.lora_rank {
         Some(rank) => {
@@ -276,7 +278,15 @@ fn share_lora(options: &mut Options, scenario: &mut Scenario) {
         }
         None if t.lora_rank > 0 => {
             options.lora_rank = Some(t.lora_rank as u64);
-            if !t.lora_targets.is_empty() {
+            let known = gaccwb::planner::lora::Lora::new(
+                arch,
+                t.lora_rank as u64,
+                Some(t.lora_targets.clone()),
+                0.0,
+                Default::default(),
+            )
+            .is_ok();
+            if !t.lora_targets.is_empty() && known {
                 options.lora_targets = Some(t.lora_targets.join(","));
             }
             if t.lora_dropout > 0.0 {
@@ -399,6 +409,15 @@ fn engine_report(
         gaccwb::data::Corpus::open_sizing(scenario)?;
     }
     let cfg = Config::from_scenario(scenario, !args.gpu)?;
+    if cfg.lora.as_ref().is_some_and(|a| !a.any()) {
+        anyhow::bail!(UsageError(format!(
+            "train.lora_targets {:?}: no layer of this engine's {} model has that name; its \
+             layers are {} (or give --stack reference)",
+            scenario.train.lora_targets,
+            cfg.arch.family,
+            est::Adapters::layer_names(&cfg.arch).join(", ")
+        )));
+    }
     if args.effective == Some(0) {
         anyhow::bail!(UsageError(
             "--effective 0: the effective batch is at least 1 sequence".into()

@@ -54,6 +54,23 @@ impl Adapters {
         })
     }
 
+    /// Whether any layer is adapted (a target list may name none of this family's layers).
+    pub fn any(&self) -> bool {
+        self.attention.iter().chain(&self.mlp).any(|on| *on)
+    }
+
+    /// A block's linear layers as the family names them, the names targets match.
+    pub fn layer_names(arch: &Arch) -> Vec<&'static str> {
+        let names = crate::model::spec::naming_of(&arch.family);
+        [
+            names.attn_in,
+            &[names.attn_out],
+            names.mlp_in,
+            &[names.mlp_out],
+        ]
+        .concat()
+    }
+
     /// `step`'s layers (attention's or the MLP's; the first layer's parts, then the second):
     /// `(in, out)` of each adapted one, `None` for the others.
     pub(super) fn layers(&self, step: &Step, s: &Shape) -> Vec<Option<(u64, u64)>> {
