@@ -227,16 +227,26 @@ fn lora_on_the_reference_stack_and_a_seam_for_this_engine() {
         .as_array()
         .unwrap()
         .is_empty());
-    // The engine builds GPT-2 but trains every weight: its column says so.
+    // The engine books LoRA on GPT-2's shape: the adapters of every linear layer of its 12
+    // blocks trained (8·(768 + 2304) + 8·(768 + 768) + 2·8·(768 + 3072) each), the base frozen.
     let gpt2 = estimate_json(&["--shape", "gpt2", "--lora-rank", "8"]);
-    assert!(gpt2["engine_unavailable"]
-        .as_str()
-        .unwrap()
-        .contains("no estimate with LoRA yet"));
-    assert!(
-        refused(&["--shape", "gpt2", "--lora-rank", "8", "--stack", "engine"])
-            .contains("--stack reference")
-    );
+    let engine = &gpt2["engine"];
+    let adapters = 12 * 8 * (768 + 2304 + 768 + 768 + 2 * (768 + 3072));
+    assert_eq!(engine["params"], adapters);
+    assert_eq!(engine["estimate"]["step"]["optimizer_state"], 8 * adapters);
+    assert!(engine["estimate"]["step"]["frozen"].as_u64().unwrap() > 100_000_000);
+    // A 4-bit base is the reference stack's alone.
+    assert!(refused(&[
+        "--shape",
+        "gpt2",
+        "--lora-rank",
+        "8",
+        "--base-dtype",
+        "nf4",
+        "--stack",
+        "engine"
+    ])
+    .contains("--stack reference"));
 }
 
 #[test]

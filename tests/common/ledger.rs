@@ -78,7 +78,8 @@ pub const FIXTURES: [&str; 6] = [
 ];
 
 /// Categories the estimate matches to the byte (the others hold transients).
-const EXACT: [&str; 5] = [
+const EXACT: [&str; 6] = [
+    "frozen",
     "parameters",
     "compute_weights",
     "gradients",
@@ -100,22 +101,34 @@ pub struct FamilyPoint {
     pub lean: bool,
     pub micro_batch: usize,
     pub accum_steps: usize,
+    /// LoRA of rank 4 on these targets (`train.lora_targets`; empty: every linear layer of
+    /// the blocks), or every weight trained.
+    pub lora: Option<&'static [&'static str]>,
 }
 
 impl FamilyPoint {
-    fn name(&self) -> &'static str {
-        self.family.unwrap_or("gaccwb")
+    fn name(&self) -> String {
+        let family = self.family.unwrap_or("gaccwb");
+        match self.lora {
+            None => family.to_string(),
+            Some(_) => format!("{family} lora"),
+        }
     }
 
     fn label(&self) -> String {
         format!(
-            "{} {} ckpt-{} {} B{} K{}",
+            "{} {} ckpt-{} {} B{} K{}{}",
             self.name(),
             self.dtype,
             self.checkpointing,
             if self.lean { "lean" } else { "fused" },
             self.micro_batch,
             self.accum_steps,
+            match self.lora {
+                None => String::new(),
+                Some([]) => " lora-r4 all-linear".to_string(),
+                Some(targets) => format!(" lora-r4 {}", targets.join(",")),
+            },
         )
     }
 
@@ -139,13 +152,54 @@ impl FamilyPoint {
         ] {
             s.set(&set).unwrap();
         }
+        if let Some(targets) = self.lora {
+            s.train.lora_rank = 4;
+            s.train.lora_targets = targets.iter().map(|t| t.to_string()).collect();
+        }
         s
     }
 }
 
 /// Every family × f32 and bf16 × checkpointing off and `blocks` × (B, K) ∈ {(4, 1), (2, 3)},
-/// on the lean ops or the fused ones.
+/// on the lean ops or the fused ones; then LoRA runs (`lora_grid`).
 pub fn family_grid(lean: bool) -> Vec<FamilyPoint> {
+    let mut points = full_grid(lean);
+    points.extend(lora_grid(lean));
+    points
+}
+
+/// LoRA of rank 4 on a Llama with grouped-query attention and a tied GPT-2 × every linear
+/// layer (B = 4, K = 1) or a target list (B = 2, K = 3: attention's q and v for the Llama,
+/// GPT-2's fused qkv and MLP output, so one step adapts only its first layer and the other
+/// only its second) × f32 and bf16 × checkpointing off and `blocks`.
+pub fn lora_grid(lean: bool) -> Vec<FamilyPoint> {
+    let targets: [(&str, &[&str]); 2] = [
+        ("llama-gqa-llama3", &["q_proj", "v_proj"]),
+        ("gpt2-tied", &["c_attn", "mlp.c_proj"]),
+    ];
+    let mut points = Vec::new();
+    for (family, some) in targets {
+        for (lora, (micro_batch, accum_steps)) in [(&[][..], (4, 1)), (some, (2, 3))] {
+            for dtype in ["f32", "bf16"] {
+                for checkpointing in ["none", "blocks"] {
+                    points.push(FamilyPoint {
+                        family: Some(family),
+                        dtype,
+                        checkpointing,
+                        lean,
+                        micro_batch,
+                        accum_steps,
+                        lora: Some(lora),
+                    });
+                }
+            }
+        }
+    }
+    points
+}
+
+/// The families with every weight trained.
+fn full_grid(lean: bool) -> Vec<FamilyPoint> {
     let families = std::iter::once(None).chain(FIXTURES.into_iter().map(Some));
     let mut points = Vec::new();
     for family in families {
@@ -159,6 +213,7 @@ pub fn family_grid(lean: bool) -> Vec<FamilyPoint> {
                         lean,
                         micro_batch,
                         accum_steps,
+                        lora: None,
                     });
                 }
             }
@@ -175,7 +230,7 @@ pub fn family_sweep(points: &[FamilyPoint]) -> Vec<String> {
     use gaccwb::memory::estimate::{estimate, Config};
     use gaccwb::telemetry::Categories;
     gaccwb::ops::workspace::reserve();
-    let mut worst = std::collections::BTreeMap::<(&str, usize), (f64, String)>::new();
+    let mut worst = std::collections::BTreeMap::<(String, usize), (f64, String)>::new();
     let mut failures = Vec::new();
     for point in points {
         let s = point.scenario();

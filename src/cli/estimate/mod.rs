@@ -227,6 +227,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         scenario.model.seq_len = usize::try_from(s).unwrap_or(usize::MAX);
     }
     let arch = opts::resolve_arch(&options, Arch::engine(&scenario.model))?;
+    share_lora(&mut options, &mut scenario, &arch);
     let lora = opts::resolve_lora(&options, &arch)?;
     // A config of a family the engine trains is estimated as a run would load it (GPT-2's tied
     // head included), not as this engine's GPT of the same widths.
@@ -263,6 +264,47 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         gaccwb::out::print(&gaccwb::headless::strip(&render::answer(&answer)))?;
     }
     Ok(())
+}
+
+/// `--lora-*` and `--set train.lora_*` are one setting for both stacks: the flags win, and a
+/// preset's or `--set`'s LoRA reaches the reference stack when no flag names one (its targets
+/// only when they are names the reference stack knows, such as `q_proj`, not this engine's
+/// `attn.qkv`: else it plans its default, every projection, and says so in its line).
+fn share_lora(options: &mut Options, scenario: &mut Scenario, arch: &Arch) {
+    let t = &mut scenario.train;
+    match options.lora_rank {
+        Some(rank) => {
+            t.lora_rank = usize::try_from(rank).unwrap_or(usize::MAX);
+            if let Some(targets) = &options.lora_targets {
+                t.lora_targets = targets
+                    .split(',')
+                    .map(|n| n.trim().to_string())
+                    .filter(|n| !n.is_empty())
+                    .collect();
+            }
+            if let Some(dropout) = options.lora_dropout {
+                t.lora_dropout = dropout;
+            }
+        }
+        None if t.lora_rank > 0 => {
+            options.lora_rank = Some(t.lora_rank as u64);
+            let known = gaccwb::planner::lora::Lora::new(
+                arch,
+                t.lora_rank as u64,
+                Some(t.lora_targets.clone()),
+                0.0,
+                Default::default(),
+            )
+            .is_ok();
+            if !t.lora_targets.is_empty() && known {
+                options.lora_targets = Some(t.lora_targets.join(","));
+            }
+            if t.lora_dropout > 0.0 {
+                options.lora_dropout = Some(t.lora_dropout);
+            }
+        }
+        None => {}
+    }
 }
 
 /// `--seq-len` and `--set model.seq_len` are one setting: either, or both when they agree.
@@ -392,6 +434,15 @@ fn engine_report(
         gaccwb::data::Corpus::open_sizing(scenario)?;
     }
     let cfg = Config::from_scenario(scenario, !args.gpu)?;
+    if cfg.lora.as_ref().is_some_and(|a| !a.any()) {
+        anyhow::bail!(UsageError(format!(
+            "train.lora_targets {:?}: no layer of this engine's {} model has that name; its \
+             layers are {} (or give --stack reference)",
+            scenario.train.lora_targets,
+            cfg.arch.family,
+            est::Adapters::layer_names(&cfg.arch).join(", ")
+        )));
+    }
     if args.effective == Some(0) {
         anyhow::bail!(UsageError(
             "--effective 0: the effective batch is at least 1 sequence".into()

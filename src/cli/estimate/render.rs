@@ -190,7 +190,7 @@ pub fn aligned(rows: &[Vec<String>], right: &[bool]) -> String {
 /// Model states per parameter, device and host, beside DeepSpeed's way of counting them.
 fn model_states_line(r: &Report) -> String {
     let m = model_states(&r.config);
-    let per = |b: u64| b as f64 / r.params.max(1) as f64;
+    let per = |b: u64| b as f64 / r.config.arch.param_count().max(1) as f64;
     format!(
         "model states (weights, gradient buffer, optimizer state): {} on the device ({:.2} \
          bytes/parameter), {} in host memory ({:.2} bytes/parameter)\n\n",
@@ -215,7 +215,7 @@ pub fn engine(report: &Report) -> String {
         m.heads,
         m.seq_len,
         m.vocab,
-        report.params,
+        c.arch.param_count(),
         match c.arch.tied {
             true => "tied head".to_string(),
             false => format!("untied head {} of them", c.arch.hidden * c.arch.vocab),
@@ -234,6 +234,14 @@ pub fn engine(report: &Report) -> String {
             "GPU: offloaded bytes live in host memory"
         },
     );
+    if let Some(l) = &c.lora {
+        out += &format!(
+            "LoRA r={}: {} adapter parameters trained, the base frozen in {}\n",
+            l.rank,
+            report.params,
+            c.dtype.name()
+        );
+    }
     if let Some(why) = &report.not_trainable_here {
         out += &format!("This shape cannot be trained here ({why}); the estimate is for this engine's stack (the reference stack is the usual one).\n");
     }

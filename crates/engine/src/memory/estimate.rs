@@ -31,12 +31,14 @@ use crate::telemetry::{
 };
 
 mod graph;
+mod lora;
 mod peaks;
 mod report;
 
 pub use graph::{
     activation_bytes, checkpointed, checkpointed_forward_excess_bytes, recomputed_bytes, Segments,
 };
+pub use lora::{adapter_params, Adapters};
 pub use peaks::{embedding_peak_bytes, grad_store_bytes, head_peak_bytes, transient_bytes};
 pub use report::Report;
 
@@ -73,6 +75,8 @@ pub struct Config {
     pub workspace: u64,
     /// Activation checkpointing (`model/recompute.rs`): see `checkpointed`.
     pub checkpointing: Checkpointing,
+    /// LoRA (`train.lora_rank` > 0): the base frozen in the compute dtype, the adapters trained.
+    pub lora: Option<Adapters>,
 }
 
 /// The architecture a scenario's model has: the `config.json` of the Hugging Face model
@@ -110,6 +114,15 @@ impl Config {
                 0
             },
             checkpointing: k.checkpointing,
+            lora: None,
+        }
+    }
+
+    /// This configuration with the LoRA adapters `train` asks for (`train.lora_*`), if any.
+    pub fn with_lora(self, train: &crate::scenario::TrainConfig) -> Config {
+        Config {
+            lora: Adapters::of(&self.arch, train),
+            ..self
         }
     }
 
@@ -121,7 +134,32 @@ impl Config {
 
     /// [`Config::from_knobs`] with the scenario's first knobs.
     pub fn from_scenario(s: &Scenario, unified: bool) -> Result<Config, HfError> {
-        Config::from_knobs(&s.model, &Knobs::from_scenario(s), unified)
+        Ok(Config::from_knobs(&s.model, &Knobs::from_scenario(s), unified)?.with_lora(&s.train))
+    }
+
+    /// Parameters the optimizer trains: every weight, or under LoRA the adapters'.
+    pub fn trained_params(&self) -> u64 {
+        match &self.lora {
+            None => self.arch.param_count(),
+            Some(a) => adapter_params(self, a),
+        }
+    }
+
+    /// Elements of one block's weights the forward casts to the compute dtype: all of them, or
+    /// under LoRA the adapters' (the frozen base is in the compute dtype already).
+    pub fn block_cast_params(&self) -> u64 {
+        match &self.lora {
+            None => self.arch.layer_params(),
+            Some(a) => adapter_params(self, a) / self.arch.layers.max(1),
+        }
+    }
+
+    /// Bytes of the frozen base under LoRA (in the compute dtype), else 0.
+    pub fn frozen_bytes(&self) -> u64 {
+        match self.lora {
+            None => 0,
+            Some(_) => self.arch.param_count() * self.dtype.size_in_bytes() as u64,
+        }
     }
 
     /// Offload in half precision (`train::offload`): the device's weights are compute-dtype
@@ -224,9 +262,14 @@ pub fn head_bytes(cfg: &Config) -> u64 {
     2 * F32 + head_peak_bytes(cfg)
 }
 
-/// Bytes of the largest parameter (f32): the token embedding or head (V·D), the position
-/// table, or a block's largest matrix (the fused qkv, an MLP matrix).
-fn largest_param_bytes(a: &Arch) -> u64 {
+/// Bytes of the largest trained parameter (f32): the token embedding or head (V·D), the
+/// position table, or a block's largest matrix (the fused qkv, an MLP matrix); under LoRA the
+/// largest adapter matrix.
+fn largest_param_bytes(cfg: &Config) -> u64 {
+    if let Some(l) = &cfg.lora {
+        return lora::largest_adapter(cfg, l) * F32;
+    }
+    let a = &cfg.arch;
     let (d, q, kv, f) = (a.hidden, a.q_width(), a.kv_width(), a.intermediate);
     let attention = if a.fused_qkv { d * (q + 2 * kv) } else { d * q };
     [a.vocab * d, a.positions_table * d, attention, d * f]
@@ -245,7 +288,7 @@ pub fn boundary_copy_bytes(cfg: &Config) -> u64 {
     if cfg.unified || !cfg.scales_gradients || cfg.grads_on_host() {
         return 0;
     }
-    largest_param_bytes(&cfg.arch)
+    largest_param_bytes(cfg)
 }
 
 /// Host bytes the optimizer phase adds while offloaded from a separate device: each gradient
@@ -255,7 +298,7 @@ pub fn offload_copy_bytes(cfg: &Config) -> u64 {
     if cfg.unified || !cfg.offload || cfg.grads_on_host() {
         return 0;
     }
-    largest_param_bytes(&cfg.arch)
+    largest_param_bytes(cfg)
 }
 
 /// Bytes of the copy back of one updated weight in half precision under offload: the host
@@ -265,7 +308,7 @@ pub fn weight_copy_bytes(cfg: &Config) -> u64 {
     if !cfg.half_weights() {
         return 0;
     }
-    largest_param_bytes(&cfg.arch) / F32 * cfg.dtype.size_in_bytes() as u64
+    largest_param_bytes(cfg) / F32 * cfg.dtype.size_in_bytes() as u64
 }
 
 /// Bytes the optimizer's update holds beyond the moments on the lean path without offload:
@@ -277,14 +320,21 @@ pub fn update_work_bytes(cfg: &Config) -> u64 {
     if cfg.fused || cfg.offload {
         return 0;
     }
-    6 * largest_param_bytes(&cfg.arch)
+    6 * largest_param_bytes(cfg)
 }
 
 /// Compute-dtype copies the forward keeps through the micro-step: one of every parameter, or
 /// with checkpointing only of those outside the blocks (the blocks cast theirs transiently);
-/// a tied head is cast again from the token embedding for the head.
+/// a tied head is cast again from the token embedding for the head. Under LoRA the frozen base
+/// is in the compute dtype already: the adapters' casts only (all in the blocks).
 fn kept_cast_params(cfg: &Config) -> u64 {
     let a = &cfg.arch;
+    if cfg.lora.is_some() {
+        return match checkpointed(cfg) {
+            Some(_) => 0,
+            None => cfg.trained_params(),
+        };
+    }
     let all = a.param_count() + if a.tied { a.vocab * a.hidden } else { 0 };
     match checkpointed(cfg) {
         Some(_) => all - a.layers * a.layer_params(),
@@ -294,7 +344,7 @@ fn kept_cast_params(cfg: &Config) -> u64 {
 
 /// The predicted ledger of one optimizer step under `cfg`.
 pub fn estimate(cfg: &Config) -> Estimate {
-    let p = cfg.arch.param_count() * F32;
+    let p = cfg.trained_params() * F32;
     let c = cfg.dtype.size_in_bytes() as u64;
     let buffers = if cfg.pitfall { 2 } else { 1 };
     let moments = 2 * p;
@@ -316,6 +366,7 @@ pub fn estimate(cfg: &Config) -> Estimate {
         (p, 0)
     };
     let persistent = Categories {
+        frozen: cfg.frozen_bytes(),
         parameters,
         compute_weights: resident_compute,
         optimizer_state,
@@ -390,11 +441,11 @@ pub struct ModelStates {
 /// Where `cfg`'s model states live, from its estimate at the optimizer step.
 pub fn model_states(cfg: &Config) -> ModelStates {
     let e = estimate(cfg);
-    let buffer = if cfg.pitfall { 2 } else { 1 } * cfg.arch.param_count() * F32;
+    let buffer = if cfg.pitfall { 2 } else { 1 } * cfg.trained_params() * F32;
     let on_host = if cfg.grads_on_host() { buffer } else { 0 };
     let s = &e.step;
     ModelStates {
-        device: s.parameters + s.compute_weights + s.optimizer_state + buffer - on_host,
+        device: s.frozen + s.parameters + s.compute_weights + s.optimizer_state + buffer - on_host,
         host: s.offloaded + on_host,
     }
 }
@@ -499,6 +550,7 @@ mod tests {
             scales_gradients: false,
             workspace: 0,
             checkpointing: Checkpointing::None,
+            lora: None,
         }
     }
 
@@ -532,6 +584,57 @@ mod tests {
             let (arch, cfg) = (spec.arch.clone(), spec.model_config(16));
             let model = crate::model::Gpt::random(spec, cfg, 0, &candle_core::Device::Cpu).unwrap();
             assert_eq!(arch.param_count(), model.param_count(), "{}", arch.family);
+        }
+    }
+
+    /// Every layer, and one layer of each step (the first of attention, the last of the MLP).
+    #[test]
+    fn lora_books_the_adapters_the_model_trains_and_its_frozen_base() {
+        for spec in fixture_specs() {
+            let names = crate::model::spec::naming_of(&spec.arch.family);
+            let (arch, model) = (spec.arch.clone(), spec.model_config(16));
+            let gpt = crate::model::Gpt::random(spec, model.clone(), 0, &candle_core::Device::Cpu)
+                .unwrap();
+            for targets in [vec![], vec![names.attn_in[0], names.mlp_out]] {
+                let targets: Vec<String> = targets.iter().map(|t| t.to_string()).collect();
+                let lora = crate::model::lora::Lora {
+                    rank: 4,
+                    alpha: 8.0,
+                    targets: targets.clone(),
+                    rslora: false,
+                };
+                let adapted = gpt.adapt(&lora, 0, candle_core::DType::BF16).unwrap();
+                let train = crate::scenario::TrainConfig {
+                    lora_rank: 4,
+                    lora_targets: targets,
+                    ..Default::default()
+                };
+                let cfg = Config {
+                    arch: arch.clone(),
+                    model: model.clone(),
+                    dtype: Dtype::Bf16,
+                    ..tiny(4, 1)
+                }
+                .with_lora(&train);
+                let frozen: usize = adapted.frozen.iter().map(|p| p.var.elem_count()).sum();
+                assert_eq!(
+                    cfg.trained_params(),
+                    adapted.param_count(),
+                    "{}",
+                    arch.family
+                );
+                assert_eq!(cfg.frozen_bytes(), 2 * frozen as u64, "{}", arch.family);
+                let e = estimate(&cfg);
+                let p = adapted.param_count() * F32;
+                assert_eq!(
+                    (
+                        e.step.parameters,
+                        e.optimizer.gradients,
+                        e.step.optimizer_state
+                    ),
+                    (p, p, 2 * p)
+                );
+            }
         }
     }
 

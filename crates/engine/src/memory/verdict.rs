@@ -379,6 +379,7 @@ mod tests {
             offload_grads: crate::telemetry::OffloadGrads::Device,
             workspace: 0,
             checkpointing: crate::telemetry::Checkpointing::None,
+            lora: None,
         };
         let v = Verdict::new(&cfg, 4, 40 << 30);
         assert!(!v.configured_fits && v.largest_fitting.is_none());
@@ -424,6 +425,7 @@ mod tests {
             offload_grads: crate::telemetry::OffloadGrads::Device,
             workspace: 0,
             checkpointing: crate::telemetry::Checkpointing::None,
+            lora: None,
         };
         let v = Verdict::new(&cfg, 16, u64::MAX);
         assert!(v.configured_fits && v.blocker.is_none());
@@ -462,6 +464,7 @@ mod tests {
             scales_gradients: false,
             workspace: 0,
             checkpointing: crate::telemetry::Checkpointing::None,
+            lora: None,
         };
         let v = Verdict::new(&cfg, 8, u64::MAX);
         let names: Vec<&str> = v.levers.iter().map(|l| l.name.as_str()).collect();

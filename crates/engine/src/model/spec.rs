@@ -154,6 +154,15 @@ pub enum SpecError {
     },
 }
 
+/// How the family `family` names and stores its tensors.
+pub fn naming_of(family: &str) -> &'static Naming {
+    match family {
+        "gpt2" => &GPT2,
+        "llama" | "mistral" | "qwen2" => &LLAMA,
+        _ => &GACCWB,
+    }
+}
+
 impl Spec {
     /// This engine's GPT of `cfg`: pre-LN blocks, learned positions, untied head.
     pub fn gaccwb(cfg: &ModelConfig) -> Spec {
@@ -170,11 +179,7 @@ impl Spec {
 
     /// How this family names and stores its tensors.
     pub fn naming(&self) -> &'static Naming {
-        match self.arch.family.as_str() {
-            "gpt2" => &GPT2,
-            "llama" | "mistral" | "qwen2" => &LLAMA,
-            _ => &GACCWB,
-        }
+        naming_of(&self.arch.family)
     }
 
     /// The Hugging Face family the model saves as (this engine's GPT saves as GPT-2).

@@ -13,9 +13,9 @@ use crate::hf::{Arch, Mlp, Norm, Positions};
 use crate::scenario::ModelConfig;
 
 /// The model this engine would estimate for `arch` trained as `lora` says (`None`: every weight),
-/// or why it cannot, in one line. This is where the engine's estimate for the Hugging Face
-/// families and for LoRA plugs in; today its estimator books GPT blocks, every weight trained
-/// (the engine trains more: `model::spec::TRAINED`, `model::lora`).
+/// or why it cannot, in one line. Its estimator books GPT blocks here (the engine trains more:
+/// `model::spec::TRAINED`), every weight trained or LoRA on a base in the run's dtype
+/// (`memory::estimate::Adapters`).
 pub fn engine_model(arch: &Arch, lora: Option<&Lora>) -> Result<ModelConfig, String> {
     let Some(model) = arch.engine_model() else {
         return Err(format!(
@@ -26,12 +26,17 @@ pub fn engine_model(arch: &Arch, lora: Option<&Lora>) -> Result<ModelConfig, Str
         ));
     };
     match lora {
-        Some(_) => Err(
-            "has no estimate with LoRA yet (its estimator books every weight trained); \
-                 only the reference stack answers"
+        Some(l) if l.base != BaseDtype::Bf16 => Err(format!(
+            "has no estimate with a {} base (it trains LoRA on a bf16 or f32 base only); only \
+             the reference stack answers",
+            l.base
+        )),
+        Some(l) if l.dropout > 0.0 => Err(
+            "has no estimate with LoRA dropout (it trains LoRA without dropout only); only the \
+             reference stack answers"
                 .into(),
         ),
-        None => Ok(model),
+        _ => Ok(model),
     }
 }
 
@@ -431,9 +436,11 @@ mod tests {
         let gpt2 = named("gpt2").unwrap();
         assert!(engine_model(&gpt2, None).is_ok());
         let lora = Lora::new(&gpt2, 8, None, 0.0, BaseDtype::Bf16).unwrap();
-        assert!(engine_model(&gpt2, Some(&lora))
+        assert!(engine_model(&gpt2, Some(&lora)).is_ok());
+        let nf4 = Lora::new(&gpt2, 8, None, 0.0, BaseDtype::Nf4).unwrap();
+        assert!(engine_model(&gpt2, Some(&nf4))
             .unwrap_err()
-            .starts_with("has no estimate with LoRA yet"));
+            .starts_with("has no estimate with a nf4 base"));
         let llama = named("llama3-8b").unwrap();
         assert_eq!(
             engine_model(&llama, None).unwrap_err(),

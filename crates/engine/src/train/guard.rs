@@ -125,7 +125,8 @@ pub enum Refused {
 /// engine's GPT) this machine cannot hold, before any weight is allocated.
 pub fn check_model_fits(scenario: &Scenario, arch: &Arch, device: &Device) -> Result<(), Refused> {
     let knobs = crate::telemetry::Knobs::from_scenario(scenario);
-    let cfg = Config::for_arch(arch, &scenario.model, &knobs, device.is_cpu());
+    let cfg =
+        Config::for_arch(arch, &scenario.model, &knobs, device.is_cpu()).with_lora(&scenario.train);
     fit::check_fits(&cfg, budget(device)).map_err(Refused::Model)
 }
 

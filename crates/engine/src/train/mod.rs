@@ -611,7 +611,8 @@ impl Trainer {
         let unified = self.memory.unified();
         let arch = &self.model.spec.arch;
         let mut cfg =
-            crate::memory::estimate::Config::for_arch(arch, &self.scenario.model, k, unified);
+            crate::memory::estimate::Config::for_arch(arch, &self.scenario.model, k, unified)
+                .with_lora(&self.scenario.train);
         cfg.fused = unified && !self.composite;
         cfg
     }

@@ -41,6 +41,8 @@ pub(super) struct Shape {
     pub c: u64,
     /// The compute dtype differs from f32 (the fused ops widen their inputs into f32 copies).
     pub cast: bool,
+    /// The base is frozen (LoRA): the embedding's output is a leaf copy, not a graph node.
+    pub frozen: bool,
 }
 
 impl Shape {
@@ -69,6 +71,7 @@ impl Shape {
             learned: a.positions == Positions::Learned,
             c: cfg.dtype.size_in_bytes() as u64,
             cast: cfg.dtype != crate::telemetry::Dtype::F32,
+            frozen: cfg.lora.is_some(),
         }
     }
 
@@ -90,8 +93,13 @@ pub(super) fn loss_scalar_bytes() -> u64 {
 }
 
 /// The embeddings' outputs: the token rows (`[N, D]`) and, with a learned position table, their
-/// sum with the positions; rotary families add their positions inside attention.
+/// sum with the positions; rotary families add their positions inside attention. Under LoRA
+/// the frozen embedding computes outside the graph and its output is copied into a leaf
+/// (`Gpt::forward_checkpointed`, PEFT's `enable_input_require_grads`): that copy only.
 fn embedding_bytes(s: &Shape) -> u64 {
+    if s.frozen {
+        return s.nd() * s.c;
+    }
     (1 + u64::from(s.learned)) * s.nd() * s.c
 }
 
@@ -204,7 +212,7 @@ fn checkpointed_block_peak_bytes(cfg: &Config, blocks: u64) -> u64 {
     let s = Shape::new(cfg);
     let c = s.c;
     let casts = if s.cast && !cfg.half_weights() {
-        blocks * cfg.arch.layer_params() * c
+        blocks * cfg.block_cast_params() * c
     } else {
         0
     };

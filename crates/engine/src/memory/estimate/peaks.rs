@@ -16,44 +16,44 @@ use crate::telemetry::Dtype;
 
 /// Bytes live over a run of allocations and frees, from 0, and the highest point reached.
 #[derive(Default)]
-struct Tape {
+pub(super) struct Tape {
     live: u64,
     peak: u64,
 }
 
 impl Tape {
-    fn add(&mut self, bytes: u64) {
+    pub(super) fn add(&mut self, bytes: u64) {
         self.live += bytes;
         self.peak = self.peak.max(self.live);
     }
 
-    fn free(&mut self, bytes: u64) {
+    pub(super) fn free(&mut self, bytes: u64) {
         self.live = self.live.saturating_sub(bytes);
     }
 
     /// `bytes` live for a moment: allocated and freed again.
-    fn touch(&mut self, bytes: u64) {
+    pub(super) fn touch(&mut self, bytes: u64) {
         self.add(bytes);
         self.free(bytes);
     }
 }
 
 /// One residual step as the backward sees it.
-struct Step {
+pub(super) struct Step {
     /// The first layer's parts: output width and whether it has a bias.
-    first: Vec<(u64, bool)>,
+    pub first: Vec<(u64, bool)>,
     /// Columns of the second layer's input (attention's output, or the MLP's first layer).
-    second_in: u64,
+    pub second_in: u64,
     /// Width of the second layer's product input (`second_in`, or F for SwiGLU).
-    product: u64,
+    pub product: u64,
     /// The second layer has a bias.
-    second_bias: bool,
+    pub second_bias: bool,
     /// The step is attention (else the MLP).
-    attention: bool,
+    pub attention: bool,
 }
 
 impl Step {
-    fn attention(cfg: &Config, s: &Shape) -> Step {
+    pub(super) fn attention(cfg: &Config, s: &Shape) -> Step {
         let a = &cfg.arch;
         let first = if a.fused_qkv {
             vec![(s.qkv, a.qkv_bias)]
@@ -70,7 +70,7 @@ impl Step {
         }
     }
 
-    fn mlp(cfg: &Config, s: &Shape) -> Step {
+    pub(super) fn mlp(cfg: &Config, s: &Shape) -> Step {
         let a = &cfg.arch;
         let parts = match a.mlp {
             Mlp::Gelu => 1,
@@ -86,7 +86,7 @@ impl Step {
     }
 
     /// Elements of the step's weights: the norm's, the first layer's and the second's.
-    fn params(&self, s: &Shape) -> u64 {
+    pub(super) fn params(&self, s: &Shape) -> u64 {
         let norm = s.d * (1 + u64::from(s.norm_bias));
         let first: u64 = self
             .first
@@ -97,7 +97,7 @@ impl Step {
     }
 
     /// Width of the first layer's output.
-    fn width(&self) -> u64 {
+    pub(super) fn width(&self) -> u64 {
         self.first.iter().map(|p| p.0).sum()
     }
 }
@@ -256,7 +256,7 @@ fn keep_gradients(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
 /// sequences: the probabilities, dP and the three temporaries of dS (five score-sized f32
 /// tensors at once), beside the q, k, v head copies, the output's and its gradient's head
 /// copies and dV, in the compute dtype.
-fn lean_attention_backward(cfg: &Config, s: &Shape) -> u64 {
+pub(super) fn lean_attention_backward(cfg: &Config, s: &Shape) -> u64 {
     let copies = s.qkv + 2 * s.att + cfg.arch.kv_width();
     5 * attention_chunk(s) * F32 + s.n * copies * s.c
 }
@@ -268,6 +268,9 @@ fn lean_attention_backward(cfg: &Config, s: &Shape) -> u64 {
 /// (N·D·c). The fused head (CPU): see `fused_head_peak_bytes`.
 pub fn head_peak_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
+    if cfg.lora.is_some() {
+        return frozen_head_peak_bytes(cfg, &s);
+    }
     let op = if cfg.fused {
         fused_head_peak_bytes(&s)
     } else {
@@ -283,7 +286,7 @@ pub fn head_peak_bytes(cfg: &Config) -> u64 {
 /// zeroed f32 tensor, D·V·(c + 3·4) beside the features' gradient. 0 in f32, and under offload
 /// in half precision (the weights are half already).
 fn head_cast_bytes(cfg: &Config, s: &Shape) -> u64 {
-    if !s.cast || cfg.half_weights() {
+    if !s.cast || cfg.half_weights() || cfg.lora.is_some() {
         return 0;
     }
     s.d * s.v * (s.c + 3 * F32) + s.nd() * s.c
@@ -314,6 +317,22 @@ fn fused_head_peak_bytes(s: &Shape) -> u64 {
     inside.max(adding_dx).max(adding_dw) * F32
 }
 
+/// The head and loss's backward with a frozen head (LoRA): the same moments without dW. Fused:
+/// inside, dx and a chunk of logits (with half storage beside the f32 copies of x and W), then
+/// dx rounded, then the store adding dx (a zero tensor and the sum beside it). Lean: the
+/// chunk's three tensors beside the rows of dx.
+fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
+    let (nd, dv, chunk) = (s.nd(), s.d * s.v, head_chunk(s));
+    if !cfg.fused {
+        return 3 * chunk * F32 + nd * s.c;
+    }
+    if s.cast {
+        let inside = (2 * nd + dv + chunk) * F32;
+        return inside.max(nd * (F32 + s.c)).max(3 * nd * s.c);
+    }
+    (nd + chunk).max(3 * nd) * F32
+}
+
 /// Floats of one chunk of the head's logits (both paths chunk alike).
 fn head_chunk(s: &Shape) -> u64 {
     (crate::ops::fused::head_chunk_rows(s.v as usize) as u64).min(s.n) * s.v
@@ -323,14 +342,20 @@ fn head_chunk(s: &Shape) -> u64 {
 /// in the store (a tied head's is the token embedding's) and the features' gradient (`[N, D]`,
 /// in flight to the final norm).
 fn after_head(cfg: &Config, s: &Shape) -> u64 {
-    s.d * s.v * cfg.grad_elem_bytes() + s.nd() * s.c
+    let head = if cfg.lora.is_some() { 0 } else { s.d * s.v };
+    head * cfg.grad_elem_bytes() + s.nd() * s.c
 }
 
 /// The final norm's backward: its packed [dx; dgain (; dbias)] in the compute dtype, then the
 /// store adds each (a zeroed tensor and the sum). Leaves its gain's (and bias's) gradient and
 /// dx.
 fn final_norm(cfg: &Config, s: &Shape, t: &mut Tape) {
-    let norm = (1 + u64::from(s.norm_bias)) * s.d;
+    // A frozen norm (LoRA) gets no gradient.
+    let norm = if cfg.lora.is_some() {
+        0
+    } else {
+        (1 + u64::from(s.norm_bias)) * s.d
+    };
     let packed = (s.nd() + norm) * s.c;
     t.add(packed);
     t.add(2 * s.nd() * s.c);
@@ -343,8 +368,17 @@ fn final_norm(cfg: &Config, s: &Shape, t: &mut Tape) {
 /// dtype under offload in half precision). Neither path gives constants a gradient (the causal
 /// mask and the loss mask are not graph inputs), and both return gradients computed from
 /// detached tensors, which reference nothing. A tied head's gradient is the token embedding's.
+///
+/// Under LoRA the adapters' gradients, and the first block's input's: the frozen embedding's
+/// output is a leaf (`Gpt::forward_checkpointed`), whose gradient stays in the store.
 pub fn grad_store_bytes(cfg: &Config) -> u64 {
-    cfg.arch.param_count() * cfg.grad_elem_bytes()
+    match &cfg.lora {
+        None => cfg.arch.param_count() * cfg.grad_elem_bytes(),
+        Some(a) => {
+            let s = Shape::new(cfg);
+            super::lora::adapter_params(cfg, a) * cfg.grad_elem_bytes() + s.nd() * s.c
+        }
+    }
 }
 
 /// Bytes at the backward's very end, in the embeddings' gradients: every other gradient is
@@ -358,6 +392,10 @@ pub fn grad_store_bytes(cfg: &Config) -> u64 {
 /// is counted where it was measured, on the fused CPU path (`tests/memory_ledger.rs`, V = 8192);
 /// the lean path's estimate leaves it out.
 pub fn embedding_peak_bytes(cfg: &Config) -> u64 {
+    if cfg.lora.is_some() {
+        // A frozen embedding gets no gradient: the backward ends at the first block.
+        return 0;
+    }
     let s = Shape::new(cfg);
     let (vd, nd) = (s.v * s.d, s.nd());
     if !s.cast {
@@ -384,10 +422,11 @@ fn blocks_peak(cfg: &Config, s: &Shape) -> u64 {
     for _ in 0..s.layers {
         t.add(recompute);
         for step in [&mlp, &attention] {
-            if cfg.fused {
-                fused_step(cfg, s, step, &mut t);
-            } else {
-                lean_step(cfg, s, step, &mut t);
+            match (&cfg.lora, cfg.fused) {
+                (Some(a), true) => super::lora::fused_step(cfg, a, s, step, &mut t),
+                (Some(a), false) => super::lora::lean_step(cfg, a, s, step, &mut t),
+                (None, true) => fused_step(cfg, s, step, &mut t),
+                (None, false) => lean_step(cfg, s, step, &mut t),
             }
         }
         t.free(recompute);
@@ -413,7 +452,7 @@ pub fn transient_bytes(cfg: &Config) -> u64 {
 fn recompute_casts(cfg: &Config) -> u64 {
     match checkpointed(cfg) {
         Some(seg) if cfg.dtype != Dtype::F32 && !cfg.half_weights() => {
-            seg.largest * cfg.arch.layer_params() * cfg.dtype.size_in_bytes() as u64
+            seg.largest * cfg.block_cast_params() * cfg.dtype.size_in_bytes() as u64
         }
         _ => 0,
     }

@@ -14,7 +14,7 @@ pub struct Report {
     pub preset: String,
     /// The configuration estimated.
     pub config: Config,
-    /// Trainable parameters.
+    /// Trained parameters (the adapters' under LoRA).
     pub params: u64,
     /// The predicted ledger per phase.
     pub estimate: Estimate,
@@ -42,7 +42,7 @@ impl Report {
         Report {
             preset: preset.to_string(),
             config: cfg.clone(),
-            params: cfg.arch.param_count(),
+            params: cfg.trained_params(),
             peak: estimate.peak(),
             estimate,
             effective_batch: effective,
