@@ -10,7 +10,7 @@ use clap::Args;
 use gaccwb::hf::Arch;
 use gaccwb::memory::estimate::{self as est, Config};
 use gaccwb::planner::options::{self as opts, Options};
-use gaccwb::planner::plan::{engine_model, ReferencePlan};
+use gaccwb::planner::plan::{engine_lora, engine_model, ReferencePlan};
 use gaccwb::presets;
 use gaccwb::scenario::Scenario;
 use serde::Serialize;
@@ -231,12 +231,8 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     let lora = opts::resolve_lora(&options, &arch)?;
     // A config of a family the engine trains is estimated as a run would load it (GPT-2's tied
     // head included), not as this engine's GPT of the same widths.
-    let family = lora
-        .is_none()
-        .then(|| trained_family(&args, scenario.model.seq_len))
-        .flatten();
-    let engine = match family {
-        Some(model) => Ok(model),
+    let engine = match trained_family(&args, scenario.model.seq_len) {
+        Some(model) => engine_lora(lora.as_ref()).map(|()| model),
         None => engine_model(&arch, lora.as_ref()),
     };
     if let Ok(m) = &engine {

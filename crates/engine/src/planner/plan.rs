@@ -19,12 +19,17 @@ use crate::scenario::ModelConfig;
 pub fn engine_model(arch: &Arch, lora: Option<&Lora>) -> Result<ModelConfig, String> {
     let Some(model) = arch.engine_model() else {
         return Err(format!(
-            "has no estimate for {} yet ({}; its estimator books GPT blocks); only the \
-             reference stack answers",
+            "has no estimate for {} ({}; it trains and estimates its own GPT, gpt2, llama, \
+             mistral and qwen2 from their config.json); only the reference stack answers",
             arch.family,
             differences(arch).join(", ")
         ));
     };
+    engine_lora(lora).map(|()| model)
+}
+
+/// Whether this engine's estimate covers LoRA as `lora` asks it (`None`: every weight trained).
+pub fn engine_lora(lora: Option<&Lora>) -> Result<(), String> {
     match lora {
         Some(l) if l.base != BaseDtype::Bf16 => Err(format!(
             "has no estimate with a {} base (it trains LoRA on a bf16 or f32 base only); only \
@@ -36,7 +41,7 @@ pub fn engine_model(arch: &Arch, lora: Option<&Lora>) -> Result<ModelConfig, Str
              reference stack answers"
                 .into(),
         ),
-        _ => Ok(model),
+        _ => Ok(()),
     }
 }
 
