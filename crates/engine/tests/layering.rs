@@ -43,7 +43,7 @@ fn layer_of(module: &str) -> usize {
 
 /// Collects the top-level engine modules named by the paths of one file.
 struct Names<'a> {
-    /// The module the file's items are in, from the crate root (`["train", "guard"]`).
+    /// The module the file's items are in, from the crate root (`["train", "failures"]`).
     module: Vec<String>,
     /// The top-level modules named.
     found: &'a mut BTreeSet<String>,
