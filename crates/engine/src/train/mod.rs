@@ -216,7 +216,6 @@ pub struct Trainer {
     /// Those whole moments (`m`, `v`), from the step's end until its after-step hook has run.
     gathered: Option<(Vec<Tensor>, Vec<Tensor>)>,
     base_batch: usize,
-    started: Instant,
     /// Said once the run starts, after its header ([`Trainer::announce`]).
     announcements: Vec<Event>,
 }
@@ -282,7 +281,6 @@ impl Trainer {
             zero: None,
             gather_every: 0,
             gathered: None,
-            started: Instant::now(),
             announcements: Vec::new(),
         };
         let start = trainer.estimate_config(&trainer.knobs);
@@ -1116,11 +1114,6 @@ impl Trainer {
     pub fn eval_samples(&self) -> std::ops::Range<u64> {
         let t = &self.scenario.train;
         0..(t.eval_batches * t.micro_batch) as u64
-    }
-
-    /// Milliseconds since the trainer was built.
-    pub fn millis(&self) -> u64 {
-        self.started.elapsed().as_millis() as u64
     }
 }
 
