@@ -11,8 +11,8 @@ parameters and (under autocast) their half-precision casts left out, as gaccwb b
 `F.scaled_dot_product_attention` (SDPA), in f32 and under bf16 autocast.
 
 Per layer: the difference between 4 and 2 layers, halved (both sides). gaccwb's f32 and bf16 rows
-are the fused CPU path (f32 arithmetic on bf16 storage); its `composite` rows
-(`GACCWB_KERNELS=composite`) are the lean path, what a CUDA step runs.
+are the fused CPU path (f32 arithmetic on bf16 storage); its `lean` rows
+(`GACCWB_KERNELS=lean`) are the lean path, what a CUDA step runs.
 
 Last, the bf16/f32 tokens/s ratio of gaccwb's default shape (d128 T128 B8, V 256) at one thread and
 at two: `gaccwb bench --dtype f32,bf16 --case 8,1`, the two dtypes' steps interleaved in one process.
@@ -41,10 +41,10 @@ LAYERS = (4, 2)
 VOCAB, HEADS = 256, 4
 
 
-def gaccwb_activations(binary, d, t, b, layers, dtype, composite):
+def gaccwb_activations(binary, d, t, b, layers, dtype, lean):
     """The backward phase's `activations` of one recorded step."""
     env = dict(os.environ, RAYON_NUM_THREADS="1")
-    env["GACCWB_KERNELS"] = "composite" if composite else "fused"
+    env["GACCWB_KERNELS"] = "lean" if lean else "fused"
     with tempfile.TemporaryDirectory() as tmp:
         record = os.path.join(tmp, "run.jsonl")
         sets = [
@@ -115,13 +115,13 @@ def main():
              "per layer", "gaccwb/SDPA per layer")]
     for d, t in SHAPES:
         for b in BATCHES:
-            for label, dtype, composite, bf16 in [
+            for label, dtype, lean, bf16 in [
                 ("f32 (fused)", "f32", False, False),
-                ("f32 composite", "f32", True, False),
+                ("f32 lean", "f32", True, False),
                 ("bf16 (fused)", "bf16", False, True),
-                ("bf16 composite", "bf16", True, True),
+                ("bf16 lean", "bf16", True, True),
             ]:
-                g = per_layer(lambda n: gaccwb_activations(args.gaccwb, d, t, b, n, dtype, composite))
+                g = per_layer(lambda n: gaccwb_activations(args.gaccwb, d, t, b, n, dtype, lean))
                 e = per_layer(lambda n: torch_saved(d, t, b, n, bf16, sdpa=False))
                 s = per_layer(lambda n: torch_saved(d, t, b, n, bf16, sdpa=True))
                 rows.append((f"d{d} T{t} B{b} {label}", *(f"{x:,}" for x in (*g, *e, *s)),

@@ -202,11 +202,11 @@ fn assert_same_tensors(reference: &Path, dir: &Path) {
     }
 }
 
-/// On the composite ops (a GPU's code path, here on the CPU) ZeRO updates its pieces by the
+/// On the lean ops (a GPU's code path, here on the CPU) ZeRO updates its pieces by the
 /// Candle ops the unsharded step uses, not the fused CPU kernel: the same steps and the same
 /// checkpoint as ZeRO-0 on those ops, bit for bit, in f32 and in bf16.
 #[test]
-fn zero_on_the_composite_ops_takes_zero_0s_steps() {
+fn zero_on_the_lean_ops_takes_zero_0s_steps() {
     for dtype in [Dtype::F32, Dtype::Bf16] {
         let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
         let at = |zero: u8| {
@@ -214,7 +214,7 @@ fn zero_on_the_composite_ops_takes_zero_0s_steps() {
             (s.train.micro_batch, s.train.accum_steps, s.train.dtype) = (2, 2, dtype);
             (s.train.steps, s.train.decay_steps, s.train.zero) = (SPLIT, SPLIT, zero);
             let mut t = zero_trainer(Trainer::new(s, Device::Cpu), SPLIT);
-            t.force_composite_ops(true);
+            t.force_lean_ops(true);
             t
         };
         let plain = run(at(0), dirs[0].path(), SPLIT);

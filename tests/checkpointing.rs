@@ -68,19 +68,16 @@ fn fused_path_gradients_are_bit_identical() {
 }
 
 #[test]
-fn half_precision_gradients_agree_on_the_fused_and_the_composite_path() {
+fn half_precision_gradients_agree_on_the_fused_and_the_lean_path() {
     let t = trainer();
-    for composite in [false, true] {
-        let _kernels = ops::force_composite(composite);
+    for lean in [false, true] {
+        let _kernels = ops::force_lean(lean);
         for dtype in [Dtype::Bf16, Dtype::F16] {
             let plain = grads(&t, dtype, Checkpointing::None);
             let recomputed = grads(&t, dtype, Checkpointing::Blocks);
             let err = max_relative_error(&recomputed, &plain);
-            println!("{dtype:?}, composite {composite}: max relative error {err:e}");
-            assert!(
-                err <= 1e-5,
-                "{dtype:?}, composite {composite}: {err:e} > 1e-5"
-            );
+            println!("{dtype:?}, lean {lean}: max relative error {err:e}");
+            assert!(err <= 1e-5, "{dtype:?}, lean {lean}: {err:e} > 1e-5");
         }
     }
 }

@@ -478,7 +478,7 @@ fn a_run_beside_busy_processes_starts_on_one_thread_and_logs_why() {
 }
 
 #[test]
-fn the_composite_kernels_switch_runs_and_rejects_unknown_values() {
+fn the_lean_kernels_switch_and_its_old_name_run_and_unknown_values_are_refused() {
     let run = |value: &str| {
         let model = TINY.args();
         let mut args = vec!["run", "--headless", "--device", "cpu", "--steps", "2"];
@@ -494,12 +494,14 @@ fn the_composite_kernels_switch_runs_and_rejects_unknown_values() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let (code, stderr) = run("composite");
-    assert_eq!(code, Some(0), "{stderr}");
+    for value in ["lean", "composite"] {
+        let (code, stderr) = run(value);
+        assert_eq!(code, Some(0), "{value}: {stderr}");
+    }
     let (code, stderr) = run("tensor-cores");
     assert_ne!(code, Some(0));
     assert!(
-        stderr.contains("GACCWB_KERNELS") && stderr.contains("composite"),
+        stderr.contains("GACCWB_KERNELS") && stderr.contains("lean"),
         "{stderr}"
     );
 }

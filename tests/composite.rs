@@ -1,5 +1,5 @@
-//! The composite ops (the code every CUDA step runs) on the CPU in f32, against the fused CPU
-//! kernels: training, the composite AdamW branch, and the offload branch that keeps host master
+//! The lean ops (the code every CUDA step runs) on the CPU in f32, against the fused CPU
+//! kernels: training, the Candle-ops AdamW branch, and the offload branch that keeps host master
 //! copies (the path taken when the weights live on a separate device).
 
 mod common;
@@ -32,13 +32,13 @@ fn flat(t: &Tensor) -> Vec<f32> {
 }
 
 #[test]
-fn training_on_the_composite_ops_follows_the_fused_run() {
+fn training_on_the_lean_ops_follows_the_fused_run() {
     let mut fused = Trainer::new(tiny(), Device::Cpu).unwrap();
-    let mut composite = Trainer::new(tiny(), Device::Cpu).unwrap();
-    composite.force_composite_ops(true);
+    let mut lean = Trainer::new(tiny(), Device::Cpu).unwrap();
+    lean.force_lean_ops(true);
     let mut first_and_last = Vec::new();
     for i in 0..8 {
-        let (Ok(a), Ok(b)) = (fused.train_step(|| true), composite.train_step(|| true)) else {
+        let (Ok(a), Ok(b)) = (fused.train_step(|| true), lean.train_step(|| true)) else {
             panic!("step {i} failed");
         };
         let e = (a.loss - b.loss).abs() / a.loss;
@@ -56,27 +56,27 @@ fn training_on_the_composite_ops_follows_the_fused_run() {
     }
     assert!(
         first_and_last[1] < first_and_last[0],
-        "the composite run trains: {first_and_last:?}"
+        "the lean run trains: {first_and_last:?}"
     );
-    for (p, q) in fused.model().params.iter().zip(&composite.model().params) {
+    for (p, q) in fused.model().params.iter().zip(&lean.model().params) {
         let e = rel_diff(&flat(q.var.as_tensor()), &flat(p.var.as_tensor()));
         assert!(e < 1e-4, "{}: weights differ by {e:e}", p.name);
     }
-    let (a, b) = (fused.evaluate().unwrap(), composite.evaluate().unwrap());
+    let (a, b) = (fused.evaluate().unwrap(), lean.evaluate().unwrap());
     assert!((a - b).abs() / a < 1e-5, "evaluation {a} vs {b}");
 }
 
 #[test]
-fn the_composite_path_is_what_runs_when_forced() {
-    // The lean residual steps (the composite path) keep what the fused ones keep, plus f32 row
+fn the_lean_path_is_what_runs_when_forced() {
+    // The lean residual steps keep what the fused ones keep, plus f32 row
     // figures beside their nodes (each layer norm's mean and reciprocal std, attention's
     // log-sum-exp), which the fused steps recompute.
     let s = tiny();
     let model = Gpt::new(&s.model, 1, &Device::Cpu).unwrap();
     let (b, t) = (2, 8);
     let ids = Tensor::zeros((b, t), DType::U32, &Device::Cpu).unwrap();
-    let kept = |composite: bool| {
-        let _kernels = ops::force_composite(composite);
+    let kept = |lean: bool| {
+        let _kernels = ops::force_lean(lean);
         let logits = model
             .forward(&ids, DType::F32, true)
             .unwrap()
@@ -86,10 +86,10 @@ fn the_composite_path_is_what_runs_when_forced() {
         seen.add_all(model.vars().map(|v| v.as_tensor()));
         activation_bytes(&logits.sum_all().unwrap(), &mut seen)
     };
-    let (fused, composite) = (kept(false), kept(true));
+    let (fused, lean) = (kept(false), kept(true));
     let (n, layers, heads) = (b * t, s.model.layers, s.model.heads);
     let statistics = layers * (2 * 2 * n + heads * n) * 4 + 2 * n * 4;
-    assert_eq!(composite, fused + statistics as u64);
+    assert_eq!(lean, fused + statistics as u64);
 }
 
 /// One vector of values per parameter.
@@ -97,7 +97,7 @@ type PerParam = Vec<Vec<f32>>;
 
 /// Weights, first and second moments after two AdamW steps on the same weights and gradients,
 /// one way and the other.
-fn adamw_after_two_steps(composite: bool, with_master: bool) -> (PerParam, PerParam, PerParam) {
+fn adamw_after_two_steps(lean: bool, with_master: bool) -> (PerParam, PerParam, PerParam) {
     let model = Gpt::new(&tiny().model, 3, &Device::Cpu).unwrap();
     let hyper = Hyper {
         beta1: 0.9,
@@ -118,7 +118,7 @@ fn adamw_after_two_steps(composite: bool, with_master: bool) -> (PerParam, PerPa
                 .collect(),
         );
     }
-    let _kernels = ops::force_composite(composite);
+    let _kernels = ops::force_lean(lean);
     for seed in 0..2u64 {
         let grads: Vec<Tensor> = model
             .params
@@ -143,10 +143,10 @@ fn adamw_after_two_steps(composite: bool, with_master: bool) -> (PerParam, PerPa
 }
 
 #[test]
-fn composite_adamw_matches_the_fused_kernel() {
+fn lean_adamw_matches_the_fused_kernel() {
     let fused = adamw_after_two_steps(false, false);
     for (name, other) in [
-        ("composite", adamw_after_two_steps(true, false)),
+        ("lean", adamw_after_two_steps(true, false)),
         (
             "offload with host master copies",
             adamw_after_two_steps(false, true),

@@ -676,24 +676,24 @@ fn zero_stages_take_the_steps_zero_0_takes_with_a_w_th_of_the_state() {
     }
 }
 
-/// On the composite ops (a GPU's code path, here on the CPU) each rank updates its ZeRO pieces
+/// On the lean ops (a GPU's code path, here on the CPU) each rank updates its ZeRO pieces
 /// by the Candle ops the unsharded step uses, not the fused CPU kernel. ZeRO-1 then takes
 /// ZeRO-0's steps on those ops bit for bit (the same sums, each element's update the same ops),
 /// and ZeRO-2 reduce-scattering every micro-batch within 1e-6 (its sums run in another order);
 /// their checkpoints hold ZeRO-0's weights and moments, each tensor within those bounds.
 #[test]
-fn zero_on_the_composite_ops_takes_zero_0s_steps() {
+fn zero_on_the_lean_ops_takes_zero_0s_steps() {
     let dir = tempfile::tempdir().unwrap();
-    let composite = [("GACCWB_KERNELS", "composite")];
+    let lean = [("GACCWB_KERNELS", "lean")];
     let (fused, _, _) = zero_run(dir.path(), "fused", (3, 3), &["train.zero=0"]);
-    let run = |name, sets| zero_run_in_env(dir.path(), name, (3, 3), sets, &composite).0;
+    let run = |name, sets| zero_run_in_env(dir.path(), name, (3, 3), sets, &lean).0;
     let base = run("zero0", &["train.zero=0"]);
     let bits = |r: &[Value], key: &str| -> Vec<u64> {
         r.iter()
             .map(|s| s[key].as_f64().unwrap().to_bits())
             .collect()
     };
-    // The ranks ran the composite ops: their summation order is not the fused kernels'.
+    // The ranks ran the lean ops: their summation order is not the fused kernels'.
     assert_ne!(
         bits(&base, "loss"),
         bits(&fused, "loss"),
@@ -723,9 +723,7 @@ fn zero_on_the_composite_ops_takes_zero_0s_steps() {
         for prefix in ["param/", "adam_m/", "adam_v/"] {
             let (e, at) =
                 largest_difference(&dir.path().join("zero0"), &dir.path().join(name), prefix);
-            eprintln!(
-                "composite {name} against zero0: largest relative L2 of {prefix} {e:e} ({at})"
-            );
+            eprintln!("lean {name} against zero0: largest relative L2 of {prefix} {e:e} ({at})");
             assert!(e <= bound, "{name}: {at} differs by {e:e}");
         }
     }

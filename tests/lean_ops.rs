@@ -1,5 +1,5 @@
 //! The lean ops (`ops::lean`, what every CUDA step runs, and the CPU under
-//! `GACCWB_KERNELS=composite`) in a whole model: their gradients against the plain composite
+//! `GACCWB_KERNELS=lean`) in a whole model: their gradients against the plain composite
 //! expressions they replace, and what their graph keeps against what the estimator books; and
 //! what the fused CPU ops keep in half precision.
 
@@ -29,7 +29,7 @@ fn scenario(micro_batch: usize) -> Scenario {
     s
 }
 
-/// Every parameter's gradient of one micro-batch, on the composite path, lean or plain.
+/// Every parameter's gradient of one micro-batch, off the fused path: lean or plain.
 fn gradients(s: &Scenario, dtype: Dtype, plain: bool) -> Vec<Tensor> {
     let t = Trainer::new(s.clone(), Device::Cpu).unwrap();
     let samples: Vec<_> = (0..s.train.micro_batch)
@@ -37,7 +37,7 @@ fn gradients(s: &Scenario, dtype: Dtype, plain: bool) -> Vec<Tensor> {
         .collect();
     let mut knobs = Knobs::from_scenario(s);
     knobs.dtype = dtype;
-    let _composite = ops::force_composite(true);
+    let _lean = ops::force_lean(true);
     let _plain = ops::force_plain(plain);
     let w = window_gradients(t.model(), &samples, &knobs, 1.0, &Device::Cpu, || true);
     let Ok(w) = w else { panic!("window failed") };
@@ -128,8 +128,8 @@ fn training_graph(s: &Scenario, dtype: DType) -> (Tensor, StorageSet) {
 #[test]
 fn the_lean_graph_keeps_no_score_tensor_and_exactly_what_the_estimator_books() {
     let t = SHORT.seq_len;
-    // On the CPU half precision takes the fused ops unless the composite ones are forced.
-    let _composite = ops::force_composite(true);
+    // On the CPU half precision takes the fused ops unless the lean ones are forced.
+    let _lean = ops::force_lean(true);
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for b in [1, 3] {
             let mut s = scenario(b);

@@ -44,7 +44,7 @@ pub fn third_step(s: Scenario, lean: bool) -> (Vec<MemoryEvent>, u64) {
     let before = gaccwb::memory::alloc::live();
     let mut t = Trainer::new(s, Device::Cpu).unwrap();
     let built = gaccwb::memory::alloc::live() - before;
-    t.force_composite_ops(lean);
+    t.force_lean_ops(lean);
     for _ in 0..2 {
         t.train_step(|| true).ok().unwrap();
         t.take_memory_events();

@@ -20,11 +20,6 @@ pub enum MemoryBudget {
 }
 
 impl MemoryBudget {
-    /// Whether there is no budget (the guard stays idle).
-    pub fn is_off(&self) -> bool {
-        *self == MemoryBudget::Off
-    }
-
     /// Parse `"6 GiB"`, `"6GiB"`, `"1.5 TiB"`, `"8 GB"`, `"123"` (bytes), `"80%"` or `"off"`.
     pub fn parse(text: &str) -> Result<MemoryBudget, BudgetError> {
         let t = text.trim();

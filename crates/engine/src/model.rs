@@ -832,7 +832,7 @@ mod tests {
             (true, false, DType::F32),
             (true, true, DType::F32),
         ] {
-            let _kernels = ops::force_composite(lean);
+            let _kernels = ops::force_lean(lean);
             let _plain = ops::force_plain(plain);
             let x = Tensor::randn(0f32, 1.0, (16, 16), &Device::Cpu).unwrap();
             let x = Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();

@@ -3,7 +3,7 @@
 //! Candle's fused `LayerNorm`, `softmax_last_dim` and `sdpa` are forward-only (gradients silently
 //! stop there), so the model calls these instead. On CPU each is one fused Candle custom op
 //! whose backward is one more fused pass (`fused`; f32 arithmetic on f32, bf16 or f16 storage);
-//! anywhere else (CUDA, or the CPU under `GACCWB_KERNELS=composite`) the `lean` version runs: Candle tensor ops that exist on every backend, with a backward of its own
+//! anywhere else (CUDA, or the CPU under `GACCWB_KERNELS=lean`) the `lean` version runs: Candle tensor ops that exist on every backend, with a backward of its own
 //! and only what that backward needs kept. `composite`, the plain differentiable Candle
 //! expressions, is the reference both are tested against (`force_plain` runs it in a model). All
 //! compute the same function; tests hold value and gradient of each pair together. The memory
@@ -29,9 +29,9 @@ pub mod vmath;
 pub mod workspace;
 
 /// True when every tensor is an f32 CPU tensor (the domain of the fused f32-only kernels:
-/// AdamW, norms, scaling) and this thread has not asked for the composite ops.
+/// AdamW, norms, scaling) and this thread has not asked for the lean ops.
 pub fn fused_domain(tensors: &[&Tensor]) -> bool {
-    !composite_forced()
+    !lean_forced()
         && tensors
             .iter()
             .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
@@ -39,13 +39,13 @@ pub fn fused_domain(tensors: &[&Tensor]) -> bool {
 
 /// True when the model's fused ops take these tensors: all on the CPU, all stored in one of
 /// f32, bf16 and f16 (the ops compute in f32 whatever the storage), and this thread has not
-/// asked for the composite ops.
+/// asked for the lean ops.
 pub fn fused_model_domain(tensors: &[&Tensor]) -> bool {
     let Some(first) = tensors.first() else {
         return false;
     };
     let dtype = first.dtype();
-    !composite_forced()
+    !lean_forced()
         && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
         && tensors
             .iter()
@@ -57,12 +57,13 @@ fn fused_loss_domain(inputs: &[&Tensor], mask: &Tensor) -> bool {
     fused_model_domain(inputs) && fused_domain(&[mask])
 }
 
-/// The environment variable that sets the kernels: `composite` runs the composite ops (the
-/// code every CUDA step runs) on the CPU too, in f32, so the GPU path is testable without one.
+/// The environment variable that sets the kernels: `lean` runs the lean ops (the code every
+/// CUDA step runs) on the CPU too, in f32, so the GPU path is testable without one.
+/// `composite`, its earlier name, is still accepted.
 pub const KERNELS_ENV: &str = "GACCWB_KERNELS";
 
-/// Whether `GACCWB_KERNELS=composite` was set when the process first asked (read once).
-/// Any other value but `fused` or empty is reported by `kernels_from_env`.
+/// Whether `GACCWB_KERNELS=lean` (or its alias `composite`) was set when the process first
+/// asked (read once). Any other value but `fused` or empty is reported by `kernels_from_env`.
 pub fn composite_from_env() -> bool {
     static FROM_ENV: OnceLock<bool> = OnceLock::new();
     *FROM_ENV.get_or_init(|| matches!(kernels_from_env(), Ok(true)))
@@ -80,28 +81,30 @@ pub struct BadEnvValue {
     pub expected: &'static str,
 }
 
-/// `GACCWB_KERNELS` parsed: `Ok(true)` for `composite`, `Ok(false)` for `fused` or unset.
+/// `GACCWB_KERNELS` parsed: `Ok(true)` for `lean` (or its alias `composite`), `Ok(false)` for
+/// `fused` or unset.
 pub fn kernels_from_env() -> std::result::Result<bool, BadEnvValue> {
     match std::env::var(KERNELS_ENV) {
         Err(_) => Ok(false),
         Ok(v) => match v.trim() {
             "" | "fused" => Ok(false),
-            "composite" => Ok(true),
+            // `composite`: the value's earlier name, kept so existing scripts still run.
+            "lean" | "composite" => Ok(true),
             other => Err(BadEnvValue {
                 var: KERNELS_ENV,
                 value: other.to_string(),
-                expected: "\"fused\" (the default) or \"composite\"",
+                expected: "\"fused\" (the default) or \"lean\"",
             }),
         },
     }
 }
 
 thread_local! {
-    static COMPOSITE: Cell<bool> = Cell::new(composite_from_env());
+    static LEAN: Cell<bool> = Cell::new(composite_from_env());
 }
 
-fn composite_forced() -> bool {
-    COMPOSITE.with(Cell::get)
+fn lean_forced() -> bool {
+    LEAN.with(Cell::get)
 }
 
 thread_local! {
@@ -133,11 +136,11 @@ fn plain() -> bool {
     PLAIN.with(Cell::get)
 }
 
-/// Run the composite ops on this thread (`true`) or let CPU tensors take the fused ones,
-/// until the guard drops. Thread-local, so parallel tests do not see each other's choice.
-pub fn force_composite(on: bool) -> KernelsGuard {
+/// Run the lean ops on this thread (`true`) or let CPU tensors take the fused ones, until the
+/// guard drops. Thread-local, so parallel tests do not see each other's choice.
+pub fn force_lean(on: bool) -> KernelsGuard {
     KernelsGuard {
-        previous: COMPOSITE.with(|c| c.replace(on)),
+        previous: LEAN.with(|c| c.replace(on)),
     }
 }
 
@@ -149,7 +152,7 @@ pub struct KernelsGuard {
 
 impl Drop for KernelsGuard {
     fn drop(&mut self) {
-        COMPOSITE.with(|c| c.set(self.previous));
+        LEAN.with(|c| c.set(self.previous));
     }
 }
 
@@ -824,8 +827,8 @@ mod tests {
         let (targets, mask) = labels(b * t, 40, 3);
         let block = |t_: &[Tensor], dtype: DType, plain: bool| -> Result<Tensor> {
             let _plain = force_plain(plain);
-            // On the CPU half precision takes the fused ops unless the composite ones are forced.
-            let _composite = force_composite(dtype != DType::F32);
+            // On the CPU half precision takes the fused ops unless the lean ones are forced.
+            let _lean = force_lean(dtype != DType::F32);
             let c = |x: &Tensor| x.to_dtype(dtype);
             let x = layer_norm(&c(&t_[0])?, &c(&t_[1])?, &c(&t_[2])?, 1e-5)?;
             let qkv = linear(&x, &c(&t_[3])?, &c(&t_[4])?)?;
@@ -973,7 +976,7 @@ mod tests {
         );
         assert!(fused_model_domain(&[&x, &w, &b]));
         assert!(!fused_model_domain(&[&x, &w.to_dtype(DType::F32).unwrap()]));
-        let _composite = force_composite(true);
+        let _lean = force_lean(true);
         assert!(!fused_model_domain(&[&x, &w, &b]));
     }
 

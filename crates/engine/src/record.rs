@@ -80,13 +80,6 @@ impl Recorder {
         }
     }
 
-    /// Start a recording of a run already under way (e.g. a hotkey in the UI): `header` first.
-    pub fn create_with_header(path: &Path, header: &Header) -> anyhow::Result<Recorder> {
-        let mut r = Recorder::create(path)?;
-        r.write(&Event::Header(header.clone()))?;
-        Ok(r)
-    }
-
     /// The file being written.
     pub fn path(&self) -> &Path {
         &self.path

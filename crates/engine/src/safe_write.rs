@@ -138,11 +138,6 @@ impl Inputs {
             .find(|(f, _)| *f == id)
             .map(|(_, label)| label.as_str())
     }
-
-    /// The input `path` names (through links), if any.
-    pub fn holding(&self, path: &Path) -> Option<&str> {
-        std::fs::metadata(path).ok().and_then(|m| self.find(&m))
-    }
 }
 
 /// What a write may replace: nothing, or (`force`) a regular file that is none of `inputs`.

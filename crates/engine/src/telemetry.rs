@@ -232,7 +232,7 @@ pub struct StepEvent {
     pub step_ms: f64,
     /// Threads the window's fused CPU ops ran on: 1 while the pool governor keeps them on the
     /// trainer's thread alone (other processes want the cores). Absent where there is no choice:
-    /// CUDA, half precision, the composite kernels, a single CPU thread.
+    /// CUDA, half precision, the lean kernels, a single CPU thread.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_threads: Option<usize>,
     /// True when the optimizer step was skipped (non-finite gradients under loss scaling).

@@ -7,6 +7,7 @@
 //! Every file is parsed (`syn`), and every path it names is resolved to the engine's top-level
 //! module it starts in: `crate::x`, grouped `use crate::{x, y::z}`, and `super::`/`self::`
 //! paths that climb out of the file's own module; `crate::x` inside macro bodies is read as text.
+//! docs/ARCHITECTURE.md's diagram lists the same layers, read from its text.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -43,7 +44,7 @@ fn layer_of(module: &str) -> usize {
 
 /// Collects the top-level engine modules named by the paths of one file.
 struct Names<'a> {
-    /// The module the file's items are in, from the crate root (`["train", "guard"]`).
+    /// The module the file's items are in, from the crate root (`["train", "failures"]`).
     module: Vec<String>,
     /// The top-level modules named.
     found: &'a mut BTreeSet<String>,
@@ -253,4 +254,83 @@ fn engine_modules_have_no_import_cycle() {
             panic!("import cycle: {}", cycle.join(" -> "));
         }
     }
+}
+
+/// The layers docs/ARCHITECTURE.md lists for the engine, lowest first: each line of its
+/// diagram that starts with a layer's number opens that layer, and the module names are the
+/// comma-separated words outside parentheses (which describe them) up to the next layer.
+fn documented_layers(architecture: &str) -> Vec<BTreeSet<String>> {
+    let diagram = architecture
+        .split("crates/engine  (gaccwb-engine)")
+        .nth(1)
+        .and_then(|rest| rest.split("\nsrc/").next())
+        .expect("docs/ARCHITECTURE.md has no engine diagram");
+    let mut layers: Vec<String> = Vec::new();
+    for line in diagram.lines().skip(1) {
+        let trimmed = line.trim_start();
+        let number: String = trimmed.chars().take_while(char::is_ascii_digit).collect();
+        if !number.is_empty() && trimmed[number.len()..].starts_with("  ") {
+            assert_eq!(number.parse::<usize>().ok(), Some(layers.len()), "{line}");
+            layers.push(trimmed[number.len()..].to_string());
+        } else if let Some(layer) = layers.last_mut() {
+            layer.push(' ');
+            layer.push_str(trimmed);
+        }
+    }
+    layers
+        .iter()
+        .map(|text| {
+            let mut depth = 0usize;
+            let outside: String = text
+                .chars()
+                .filter(|c| match c {
+                    '(' => {
+                        depth += 1;
+                        false
+                    }
+                    ')' => {
+                        depth = depth.saturating_sub(1);
+                        false
+                    }
+                    _ => depth == 0,
+                })
+                .collect();
+            outside
+                .split(',')
+                .map(|name| name.trim().to_string())
+                .filter(|name| !name.is_empty())
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn the_architecture_document_lists_the_layers_this_test_holds() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/ARCHITECTURE.md");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let held: Vec<BTreeSet<String>> = LAYERS
+        .iter()
+        .map(|l| l.iter().map(|m| m.to_string()).collect())
+        .collect();
+    assert_eq!(
+        documented_layers(&text),
+        held,
+        "docs/ARCHITECTURE.md's layer list differs from LAYERS"
+    );
+}
+
+/// The reader of the diagram takes names across lines and leaves descriptions out, so a
+/// module missing from a layer line is seen.
+#[test]
+fn the_layer_list_reader_sees_a_missing_module() {
+    let text = "```\ncrates/engine  (gaccwb-engine)   the engine:\n  0  control (the knobs, Control),\n     limits\n  1  scenario (TOML; a, b)\nsrc/  faces\n```";
+    let set = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<BTreeSet<_>>();
+    assert_eq!(
+        documented_layers(text),
+        [set(&["control", "limits"]), set(&["scenario"])]
+    );
+    assert_ne!(
+        documented_layers(&text.replace(",\n     limits", "")),
+        [set(&["control", "limits"]), set(&["scenario"])]
+    );
 }

@@ -42,7 +42,7 @@ pub fn threads() -> usize {
 }
 
 /// Run this thread's fused ops without the pool (`true`) until the guard drops. Thread-local,
-/// as `force_composite` is.
+/// as `force_lean` is.
 pub fn serial(on: bool) -> SerialGuard {
     SerialGuard {
         previous: SERIAL.with(|c| c.replace(on)),

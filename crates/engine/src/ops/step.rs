@@ -205,7 +205,7 @@ mod tests {
     use super::*;
     use crate::ops::rope::Rope;
     use crate::ops::tests::{random, rel_err};
-    use crate::ops::{force_composite, fused, lean};
+    use crate::ops::{force_lean, fused, lean};
 
     /// The output, the input's gradient and every weight's gradient of `sum(out · r)`.
     type Results = (Tensor, Tensor, Vec<Tensor>);
@@ -408,7 +408,7 @@ mod tests {
                 let want = through_composite(&x, &step, &w, &r);
                 let fused = through_sink(fused::branch, &x, &step, &w, &r);
                 assert_close(&format!("fused {name}"), &fused, &want, 1e-5);
-                let _lean = force_composite(true);
+                let _lean = force_lean(true);
                 let lean = through_sink(lean::branch, &x, &step, &w, &r);
                 assert_close(&format!("lean {name}"), &lean, &want, 1e-5);
             }

@@ -4,7 +4,7 @@
 //! f16 storage) multiply on the caller and the CPU pool (`ops::pool`). Left to chance, the slab
 //! count depends on which products happened to be large enough to split, so `reserve` allocates
 //! the slabs on all those threads at once and `bytes` predicts exactly what is then held.
-//! (Under `GACCWB_KERNELS=composite` Candle's own matmul multiplies on rayon's pool instead,
+//! (Under `GACCWB_KERNELS=lean` Candle's own matmul multiplies on rayon's pool instead,
 //! which this does not predict.)
 
 use std::collections::HashSet;

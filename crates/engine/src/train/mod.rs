@@ -12,7 +12,7 @@
 
 pub mod adamw;
 pub mod adaptive;
-pub mod guard;
+pub mod failures;
 pub mod inplace;
 pub mod noise;
 pub mod offload;
@@ -189,9 +189,9 @@ pub struct Trainer {
     after_step: Vec<Box<dyn AfterStep>>,
     /// Controls given with `--control STEP:KIND=VALUE`: a timeline reported with origin `cli`.
     cli_controls: Vec<TimelineEntry>,
-    /// Run the composite ops (CUDA's code path) even where the fused CPU kernels apply; from
-    /// `GACCWB_KERNELS=composite` (see `ops::KERNELS_ENV`).
-    composite: bool,
+    /// Run the lean ops (CUDA's code path) even where the fused CPU kernels apply; from
+    /// `GACCWB_KERNELS=lean` (see `ops::KERNELS_ENV`).
+    lean: bool,
     /// The memory guard: budget, out-of-memory retries, changes queued for the boundary.
     guard: oom_guard::Guard,
     /// Smoothed gradient noise scale.
@@ -216,7 +216,6 @@ pub struct Trainer {
     /// Those whole moments (`m`, `v`), from the step's end until its after-step hook has run.
     gathered: Option<(Vec<Tensor>, Vec<Tensor>)>,
     base_batch: usize,
-    started: Instant,
     /// Said once the run starts, after its header ([`Trainer::announce`]).
     announcements: Vec<Event>,
 }
@@ -231,7 +230,7 @@ impl Trainer {
             Some((_, spec)) => spec.arch.clone(),
             None => crate::hf::Arch::engine(&scenario.model),
         };
-        guard::check_model_fits(&scenario, &arch, &device)?;
+        failures::check_model_fits(&scenario, &arch, &device)?;
         let corpus = Corpus::open_sizing(&mut scenario)?;
         let available = crate::memory::gpu::device_total(&device)
             .map(|total| (total, if device.is_cpu() { "host" } else { "GPU" }));
@@ -249,14 +248,14 @@ impl Trainer {
             &mut model,
         )?;
         let memory = Ledger::new(crate::memory::gpu::meter_for(&device));
-        let composite = crate::ops::kernels_from_env()?;
+        let lean = crate::ops::kernels_from_env()?;
         let pool_choice = pool_governor::choice_from_env()?;
         let budget = t
             .memory_budget
             .resolve(crate::memory::gpu::device_total(&device))?;
         let guard = oom_guard::Guard::new(budget, t.guard_retries);
         let mut trainer = Trainer {
-            composite,
+            lean,
             noise: noise::NoiseTracker::new(t.noise_ema),
             adaptive: adaptive::AdaptiveK::default(),
             pool: pool_governor::PoolGovernor::new(pool_choice),
@@ -282,7 +281,6 @@ impl Trainer {
             zero: None,
             gather_every: 0,
             gathered: None,
-            started: Instant::now(),
             announcements: Vec::new(),
         };
         let start = trainer.estimate_config(&trainer.knobs);
@@ -376,10 +374,10 @@ impl Trainer {
         self.memory = Ledger::new(meter);
     }
 
-    /// Run the composite ops (CUDA's code path) even where the fused CPU kernels apply, as
-    /// `GACCWB_KERNELS=composite` does from the start.
-    pub fn force_composite_ops(&mut self, on: bool) {
-        self.composite = on;
+    /// Run the lean ops (CUDA's code path) even where the fused CPU kernels apply, as
+    /// `GACCWB_KERNELS=lean` does from the start.
+    pub fn force_lean_ops(&mut self, on: bool) {
+        self.lean = on;
     }
 
     /// The `--control STEP:KIND=VALUE` timeline, reported with origin `cli`.
@@ -613,7 +611,7 @@ impl Trainer {
         let mut cfg =
             crate::memory::estimate::Config::for_arch(arch, &self.scenario.model, k, unified)
                 .with_lora(&self.scenario.train);
-        cfg.fused = unified && !self.composite;
+        cfg.fused = unified && !self.lean;
         cfg
     }
 
@@ -715,7 +713,7 @@ impl Trainer {
         &mut self,
         mut between: impl FnMut() -> bool,
     ) -> std::result::Result<StepEvent, Interrupt> {
-        let _kernels = crate::ops::force_composite(self.composite);
+        let _kernels = crate::ops::force_lean(self.lean);
         let started = Instant::now();
         if self.device.is_cpu() {
             crate::ops::workspace::reserve();
@@ -912,7 +910,7 @@ impl Trainer {
 
     /// Whether the next window takes the fused CPU ops with more than one thread to share them.
     pub fn runs_fused_cpu_in_parallel(&self) -> bool {
-        self.device.is_cpu() && !self.composite && crate::ops::pool::cpu_threads() > 1
+        self.device.is_cpu() && !self.lean && crate::ops::pool::cpu_threads() > 1
     }
 
     /// The boundary: unscale → non-finite check → norm → clip → step or skip → scaler update.
@@ -1040,7 +1038,7 @@ impl Trainer {
         self.check_under_zero(c)?;
         crate::scenario::validate_control(c).map_err(anyhow::Error::msg)?;
         crate::scenario::check_needs(c, self.knobs.noise).map_err(anyhow::Error::msg)?;
-        guard::check_knob_change(self, c)?;
+        failures::check_knob_change(self, c)?;
         match *c {
             Control::SetOffload { .. } | Control::SetDtype { .. } => {
                 let mut next = self.knobs.clone();
@@ -1091,7 +1089,7 @@ impl Trainer {
     /// Mean validation loss per counted token over a fixed set of validation samples
     /// (`eval_samples`), run in micro-batches of the B in force.
     pub fn evaluate(&self) -> Result<f64> {
-        let _kernels = crate::ops::force_composite(self.composite);
+        let _kernels = crate::ops::force_lean(self.lean);
         let indices: Vec<u64> = self.eval_samples().collect();
         let (mut sum, mut tokens) = (0f64, 0u64);
         for chunk in indices.chunks(self.knobs.micro_batch.max(1)) {
@@ -1117,11 +1115,6 @@ impl Trainer {
     pub fn eval_samples(&self) -> std::ops::Range<u64> {
         let t = &self.scenario.train;
         0..(t.eval_batches * t.micro_batch) as u64
-    }
-
-    /// Milliseconds since the trainer was built.
-    pub fn millis(&self) -> u64 {
-        self.started.elapsed().as_millis() as u64
     }
 }
 
@@ -1176,7 +1169,7 @@ pub fn spawn_trainer(trainer: Trainer) -> anyhow::Result<(TrainerHandle, EventSi
     let thread_sink = sink.clone();
     let thread = std::thread::Builder::new()
         .name("gaccwb-trainer".into())
-        .spawn(move || guard::run_catching_panics(trainer, crx, thread_sink))
+        .spawn(move || failures::run_catching_panics(trainer, crx, thread_sink))
         .context("starting the trainer thread")?;
     Ok((
         TrainerHandle {
@@ -1211,7 +1204,7 @@ pub fn run_returning(
         sink.send(Event::info(0, line));
     }
     send_estimate(&trainer, &sink);
-    let mut divergence = guard::Divergence::new(trainer.scenario.train.max_nonfinite_windows);
+    let mut divergence = failures::Divergence::new(trainer.scenario.train.max_nonfinite_windows);
     send_all(&sink, trainer.guard.take_announcements());
     send_all(&sink, std::mem::take(&mut trainer.announcements));
     let reason = loop {
@@ -1239,7 +1232,7 @@ pub fn run_returning(
     };
     let reason = finish(&mut trainer, reason, &divergence, &sink);
     if reason.is_failure() {
-        guard::send_error(&sink, trainer.step, &reason.to_string());
+        failures::send_error(&sink, trainer.step, &reason.to_string());
     }
     sink.send(Event::End(EndEvent {
         step: trainer.step,
@@ -1327,7 +1320,7 @@ fn window_step(
 fn after_window(
     trainer: &mut Trainer,
     flow: &mut Flow,
-    divergence: &mut guard::Divergence,
+    divergence: &mut failures::Divergence,
     serial: bool,
     step: StepEvent,
     sink: &EventSink,
@@ -1371,7 +1364,7 @@ fn after_window(
 fn finish(
     trainer: &mut Trainer,
     reason: EndReason,
-    divergence: &guard::Divergence,
+    divergence: &failures::Divergence,
     sink: &EventSink,
 ) -> EndReason {
     let reason = match reason {

@@ -192,7 +192,7 @@ pub fn whole_moments(
 /// One AdamW update of this rank's pieces from their gradients (`grads`: one piece per
 /// parameter, unscaled and clipped), then the all-gather. The scalars are `AdamW::step`'s, so
 /// each element is updated as the unsharded step would update it: on the CPU in f32 by the
-/// fused kernel, in place in the weights; elsewhere (a GPU, or the composite kernels) by the
+/// fused kernel, in place in the weights; elsewhere (a GPU, or the lean kernels) by the
 /// same Candle ops as the unsharded step, into new pieces that the all-gather assembles.
 pub fn step(
     opt: &mut AdamW,
