@@ -548,6 +548,34 @@ fn a_saved_model_loads_back_to_the_same_loss_and_never_into_its_source() {
 }
 
 #[test]
+fn a_shape_built_from_its_config_alone_saves_that_config_and_loads_back() {
+    use gaccwb::model::save::save;
+    use gaccwb::safe_write::Overwrite;
+    let shape = tempfile::tempdir().unwrap();
+    let config = shape.path().join("config.json");
+    std::fs::copy(fixtures().join("llama-tied/config.json"), &config).unwrap();
+    let mut s = gaccwb::scenario::Scenario::default();
+    s.model.path = Some(config.clone());
+    s.model.seq_len = 16;
+    gaccwb::model::hf::prepare(&mut s).unwrap();
+    let model = gaccwb::model::open(&s, &Device::Cpu, None, &mut |_, _| {}).unwrap();
+    let weights: Vec<Tensor> = model.vars().map(|v| v.as_tensor().clone()).collect();
+    let out = tempfile::tempdir().unwrap();
+    save(&model, &weights, out.path(), &Overwrite::ours()).unwrap();
+    let saved = std::fs::read(out.path().join("config.json")).unwrap();
+    assert_eq!(
+        saved,
+        std::fs::read(&config).unwrap(),
+        "the shape's own config"
+    );
+    let back = ModelDir::open(out.path())
+        .unwrap()
+        .load(16, &Device::Cpu, None, &mut |_, _| {})
+        .unwrap();
+    assert_eq!(back.param_count(), model.param_count());
+}
+
+#[test]
 fn this_engines_gpt_saves_as_gpt2_and_loads_back_as_one() {
     use gaccwb::model::save::save;
     use gaccwb::safe_write::Overwrite;

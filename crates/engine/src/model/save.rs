@@ -134,12 +134,14 @@ fn sources(model: &Gpt) -> Result<(Vec<u8>, Option<Vec<u8>>), SaveError> {
         })
     };
     match &model.cfg.path {
-        Some(dir) => {
+        Some(path) => {
+            // A model directory, or a shape's config.json alone (its tokenizer, if any, beside).
+            let (config, dir) = match path.is_file() {
+                true => (path.clone(), path.parent().unwrap_or(Path::new("."))),
+                false => (path.join("config.json"), path.as_path()),
+            };
             let tokenizer = Some(dir.join("tokenizer.json")).filter(|t| t.is_file());
-            Ok((
-                read(dir.join("config.json"))?,
-                tokenizer.map(read).transpose()?,
-            ))
+            Ok((read(config)?, tokenizer.map(read).transpose()?))
         }
         None => {
             let a = &model.spec.arch;

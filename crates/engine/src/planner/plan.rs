@@ -449,9 +449,9 @@ mod tests {
         let llama = named("llama3-8b").unwrap();
         assert_eq!(
             engine_model(&llama, None).unwrap_err(),
-            "has no estimate for llama yet (its MLP is not 4×GELU, RMSNorm, rotary positions, \
-             grouped-query attention; its estimator books GPT blocks); only the reference stack \
-             answers"
+            "has no estimate for llama (its MLP is not 4×GELU, RMSNorm, rotary positions, \
+             grouped-query attention; it trains and estimates its own GPT, gpt2, llama, mistral \
+             and qwen2 from their config.json); only the reference stack answers"
         );
     }
 }
