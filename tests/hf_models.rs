@@ -891,3 +891,66 @@ fn a_lora_fine_tune_resumes_bit_identically() {
     let expected: Vec<u64> = straight.iter().map(|l| l.to_bits()).collect();
     assert_eq!(joined, expected, "losses step for step");
 }
+
+#[test]
+fn a_trained_adapter_saves_as_peft_does_and_merges_to_the_same_model() {
+    let case = "llama-gqa-llama3";
+    let dir = fixtures().join(case);
+    let out = tempfile::tempdir().unwrap();
+    let train = |save: &Path, merge: bool| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_gaccwb"));
+        cmd.args([
+            "run",
+            "finetune",
+            "--headless",
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+        ])
+        .args(["--set", "model.seq_len=16", "--set", "train.lr=1e-2"])
+        .arg("--model")
+        .arg(&dir)
+        .arg("--adapter")
+        .arg(dir.join("lora"))
+        .arg("--save-model")
+        .arg(save);
+        if merge {
+            cmd.arg("--merge");
+        }
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let (adapter, merged) = (out.path().join("adapter"), out.path().join("merged"));
+    train(&adapter, false);
+    train(&merged, true);
+    for file in ["adapter_config.json", "adapter_model.safetensors"] {
+        assert!(adapter.join(file).is_file(), "{file}");
+    }
+    let names =
+        candle_core::safetensors::load(adapter.join("adapter_model.safetensors"), &Device::Cpu)
+            .unwrap();
+    assert!(names
+        .keys()
+        .all(|n| n.starts_with("base_model.model.") && n.contains(".lora_")));
+    let text = fixtures().join("eval.txt");
+    let common = ["--data", text.to_str().unwrap(), "--seq-len", "16"];
+    let with_adapter = eval_nll(
+        &[
+            &[
+                "--model",
+                dir.to_str().unwrap(),
+                "--adapter",
+                adapter.to_str().unwrap(),
+            ][..],
+            &common,
+        ]
+        .concat(),
+    );
+    let whole = eval_nll(&[&["--model", merged.to_str().unwrap()][..], &common].concat());
+    let base = eval_nll(&[&["--model", dir.to_str().unwrap()][..], &common].concat());
+    assert!(
+        rel(whole, with_adapter) <= 1e-6 && rel(with_adapter, base) > 1e-3,
+        "merged {whole}, adapter {with_adapter}, base {base}"
+    );
+}
