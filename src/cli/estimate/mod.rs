@@ -231,7 +231,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     let lora = opts::resolve_lora(&options, &arch)?;
     // A config of a family the engine trains is estimated as a run would load it (GPT-2's tied
     // head included), not as this engine's GPT of the same widths.
-    let engine = match trained_family(&args, scenario.model.seq_len) {
+    let engine = match trained_family(&args, usize::try_from(arch.seq_len).unwrap_or(usize::MAX)) {
         Some(model) => engine_lora(lora.as_ref()).map(|()| model),
         None => engine_model(&arch, lora.as_ref()),
     };
