@@ -25,7 +25,7 @@ use crate::telemetry::{Categories, Event};
 /// each knob's item, or each of its value names.
 pub fn short_items() -> Vec<(&'static str, &'static Knob)> {
     let mut items = Vec::new();
-    for knob in &KNOBS {
+    for knob in KNOBS {
         match (knob.grid, knob.values) {
             (Some(Grid::Item { item, .. }), _) => items.push((item, knob)),
             (Some(Grid::ValueNames), Values::Names(names)) => {

@@ -363,7 +363,7 @@ mod tests {
     /// Every knob with a `steps.csv` column in the knob table has that column.
     #[test]
     fn every_knob_column_is_written() {
-        for knob in &crate::control::KNOBS {
+        for knob in crate::control::KNOBS {
             if let Some(column) = knob.csv {
                 assert!(
                     STEP_COLUMNS.contains(&column),

@@ -785,7 +785,7 @@ fn check_noise(t: &TrainConfig) -> Result<(), Invalid> {
 /// Every knob's preset value within the knob's bounds (`knob::Values`).
 fn check_knobs(t: &TrainConfig) -> Result<(), Invalid> {
     let values = serde_json::to_value(t).map_err(|e| Invalid::new("train", e.to_string()))?;
-    for knob in &KNOBS {
+    for knob in KNOBS {
         let value = values.get(knob.key).filter(|v| !v.is_null());
         knob.check(value).map_err(|bound| {
             let key = format!("train.{}", knob.key);

@@ -204,8 +204,9 @@ pub struct PhaseMs {
     pub optimizer: f64,
 }
 
-/// One optimizer step (one window of K micro-batches).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// One optimizer step (one window of K micro-batches). `Default` is for tests that state only
+/// the fields they read.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepEvent {
     /// Optimizer steps completed, counting this one (1-based).
     pub step: u64,

@@ -97,7 +97,7 @@ pub struct KnobAction {
 }
 
 /// Every knob, in the order the help overlay, the footer and the Controls pane list them.
-pub static KNOBS: [Knob; 14] = [
+pub static KNOBS: &[Knob] = &[
     Knob {
         key: "accum_steps",
         label: "K",
@@ -564,7 +564,7 @@ mod tests {
     fn every_knob_control_has_one_row_and_every_row_its_parts() {
         let fields = serde_json::to_value(knobs()).unwrap();
         let kinds = <Control as strum::VariantNames>::VARIANTS;
-        for knob in &KNOBS {
+        for knob in KNOBS {
             assert!(
                 fields.get(knob.key).is_some(),
                 "{}: no Knobs field",
@@ -599,7 +599,7 @@ mod tests {
     #[test]
     fn the_format_doc_names_every_knob() {
         let format = include_str!("../../../../docs/FORMAT.md");
-        for knob in &KNOBS {
+        for knob in KNOBS {
             let kind = format!("`{}`", knob.kind);
             assert!(
                 format.contains(&kind),

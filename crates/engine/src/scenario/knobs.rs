@@ -30,6 +30,14 @@ impl Knobs {
     }
 }
 
+/// The knobs of the default configuration (`Scenario::default()`'s `[train]`): one source for
+/// every default, so a new knob needs no literal in a test.
+impl Default for Knobs {
+    fn default() -> Knobs {
+        Knobs::from_scenario(&Scenario::default())
+    }
+}
+
 /// A struct's fields by name, as serde writes them (`None` as null).
 fn as_object(value: &impl serde::Serialize) -> Map<String, Value> {
     match serde_json::to_value(value) {
@@ -66,7 +74,7 @@ mod tests {
         );
         let config = as_object(&t);
         let knobs = as_object(&k);
-        for knob in &KNOBS {
+        for knob in KNOBS {
             assert!(
                 config.contains_key(knob.key),
                 "{}: no [train] key",

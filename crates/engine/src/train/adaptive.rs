@@ -99,26 +99,11 @@ mod tests {
         StepEvent {
             step: 1,
             loss: 1.0,
-            grad_norm: 1.0,
-            grad_norm_clipped: 1.0,
-            lr: 1e-3,
             accum_steps: k,
             micro_batch: 4,
             tokens: 100,
-            tokens_per_s: 0.0,
-            step_ms: 1.0,
-            cpu_threads: None,
-            skipped: false,
-            loss_scale: 1.0,
-            overflow_count: 0,
-            dtype: Default::default(),
-            offload: false,
-            host_device_bytes: 0,
-            clip: None,
-            phase_ms: Default::default(),
-            grad_error: None,
             noise: Some(noise),
-            comm: None,
+            ..StepEvent::default()
         }
     }
 
