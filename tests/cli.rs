@@ -250,6 +250,17 @@ fn training_is_bitwise_identical_at_one_and_two_threads() {
         ),
         // A product too small to split.
         ("small", TINY, "train.micro_batch=2"),
+        // Wide products: vocabulary 256 over 32 rows (and the MLP's 128 columns), cut into
+        // column blocks.
+        (
+            "wide",
+            TestModel {
+                vocab: 256,
+                seq_len: 8,
+                ..TINY
+            },
+            "train.micro_batch=4",
+        ),
         // 8,256 rows: the fused head and loss go through them in two chunks (8,192 rows at
         // V = 256); one layer keeps them quick.
         (

@@ -21,11 +21,12 @@ use crate::ops::{vmath, WeightLayout};
 /// Logits one chunk holds: 2M floats (8 MiB), 256 rows at V = 8192. Measured on `text-bpe`
 /// at two threads (docs/TOKENIZER.md): 64, 256 and 1024 rows ran at the same speed within noise,
 /// 16 rows 35% slower (a product under 32 rows is one block, one thread); 1024 rows added 21 MiB
-/// to the peak. 256 rows make a product's full 4 blocks (`MATMUL_MAX_BLOCKS`).
+/// to the peak. A chunk's products are wider than tall, so they are cut into column blocks
+/// (`matmul_split`): 4 of them, each packing only its columns of W.
 const CHUNK_ELEMENTS: usize = 1 << 21;
 
-/// Rows per chunk at vocabulary `v`: at least 64, so a huge vocabulary's chunk is still two
-/// blocks of a product (two threads).
+/// Rows per chunk at vocabulary `v`: at least 64, since each chunk's products pack all of W
+/// again (a huge vocabulary's W is tens of MB).
 pub fn chunk_rows(v: usize) -> usize {
     (CHUNK_ELEMENTS / v.max(1)).max(64)
 }

@@ -23,6 +23,8 @@ mod linear;
 mod norm;
 mod optim;
 mod storage;
+#[cfg(test)]
+mod tests;
 
 pub use attention::causal_attention;
 pub use branch::branch;
@@ -142,6 +144,16 @@ impl Mat {
         Mat::new(v.as_ptr(), v.len() / cols, cols, cols)
     }
 
+    /// Columns `c` of this matrix.
+    fn columns(self, c: Range<usize>) -> Mat {
+        assert!(c.end <= self.cols);
+        Mat {
+            ptr: self.ptr.wrapping_offset(c.start as isize * self.col_stride),
+            cols: c.len(),
+            ..self
+        }
+    }
+
     fn t(self) -> Mat {
         Mat {
             rows: self.cols,
@@ -161,7 +173,7 @@ struct MatMut {
     row_stride: usize,
 }
 
-// SAFETY: row blocks of one MatMut are written by one thread each (see `matmul`).
+// SAFETY: blocks (rows or columns) of one MatMut are written by one thread each (see `matmul`).
 unsafe impl Sync for MatMut {}
 // SAFETY: `Mat` is a read-only view; the buffer outlives every product that reads it.
 unsafe impl Send for Mat {}
@@ -181,57 +193,127 @@ impl MatMut {
     fn rows(v: &mut [f32], cols: usize) -> MatMut {
         MatMut::new(v.as_mut_ptr(), v.len() / cols, cols, cols)
     }
+
+    /// Columns `c` of this matrix: the same rows, `c.start` values in.
+    fn columns(&self, c: Range<usize>) -> MatMut {
+        assert!(c.end <= self.cols);
+        MatMut::new(
+            self.ptr.wrapping_add(c.start),
+            self.rows,
+            c.len(),
+            self.row_stride,
+        )
+    }
 }
 
-/// `dst = a·b`, or `dst += a·b` when `accumulate`. With `parallel`, blocks of `dst` rows go to
-/// the CPU pool (`ops::pool`), each one single-threaded `gemm` call: the same pool as every other fused
-/// op (a second pool, rayon's, would compete with it for the cores).
+/// `dst = a·b`, or `dst += a·b` when `accumulate`. With `parallel`, blocks of `dst` (rows or
+/// columns, `matmul_split`) go to the CPU pool (`ops::pool`), each one single-threaded `gemm`
+/// call: the same pool as every other fused op (a second pool, rayon's, would compete with it
+/// for the cores).
 ///
 /// # Safety
 /// The views lie inside live buffers, and `dst` overlaps neither `a` nor `b` (shapes are checked).
 unsafe fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) {
     assert!(a.rows == dst.rows && b.cols == dst.cols && a.cols == b.rows);
     if !parallel {
-        // SAFETY: the caller's contract, for all of dst's rows.
+        // SAFETY: the caller's contract, for all of dst.
         return unsafe { gemm_block(&dst, a, b, accumulate, 0..dst.rows) };
     }
-    let rows = matmul_block_rows(dst.rows, a.cols, b.cols);
-    let blocks = dst.rows.div_ceil(rows);
+    let split = matmul_split(dst.rows, a.cols, b.cols);
     let dst = &dst;
     // One thread runs the same blocks in order, so the result is the same at any thread count.
-    for_each_unit(blocks, |range| {
+    for_each_unit(split.blocks, |range| {
         for block in range {
-            let r = block * rows..((block + 1) * rows).min(dst.rows);
-            // SAFETY: the caller's contract; each block's rows are written by this thread alone.
-            unsafe { gemm_block(dst, a, b, accumulate, r) };
+            let r = split.block(block);
+            // SAFETY: the caller's contract; each block's rows (or columns) of dst are written
+            // by this thread alone.
+            unsafe {
+                match split.by {
+                    Cut::Rows => gemm_block(dst, a, b, accumulate, r),
+                    Cut::Columns => gemm_block(
+                        &dst.columns(r.clone()),
+                        a,
+                        b.columns(r),
+                        accumulate,
+                        0..dst.rows,
+                    ),
+                }
+            }
         }
     });
 }
 
-/// Most row blocks one product is cut into. Every block packs the right-hand matrix again, and
-/// one thread runs all of them too, so fewer blocks are faster alone: 4 (two per thread at two
-/// threads) measured 5% below the unsplit product at one thread and level with it at two; 8
-/// measured 8% and 2–4% below (docs/PERFORMANCE.md). Beyond four threads a product uses four.
+/// Most blocks one product is cut into. Every block packs again the operand it shares with
+/// the others, and one thread runs all of them too, so fewer blocks are faster alone: 4 (two per
+/// thread at two threads) measured 5% below the unsplit product at one thread and level with it
+/// at two; 8 measured 8% and 2–4% below (docs/PERFORMANCE.md). Beyond four threads a product uses
+/// four.
 const MATMUL_MAX_BLOCKS: usize = 4;
 
-/// Rows per block of a parallel product, from its shape alone. `gemm` picks its blocking of
-/// the inner sum from the sizes it is given, so a row's bits depend on the block it falls in;
-/// blocks sized by the thread count made results differ between 1 and 2 threads. Blocks are
-/// ≥ 32 rows and ≥ ~64K multiply-adds (each block packs `b` again).
-fn matmul_block_rows(rows: usize, inner: usize, cols: usize) -> usize {
-    let work_per_row = (inner * cols).max(1);
-    rows.div_ceil(MATMUL_MAX_BLOCKS)
+/// Which side of `dst` a parallel product is cut along.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Cut {
+    /// Row blocks: each block reads all of `b` (and packs it again).
+    Rows,
+    /// Column blocks: each block reads only its columns of `b`, and all of `a`.
+    Columns,
+}
+
+/// How a parallel product is cut: along which side, into how many blocks of `size`.
+#[derive(Clone, Copy, Debug)]
+struct Split {
+    by: Cut,
+    size: usize,
+    blocks: usize,
+    len: usize,
+}
+
+impl Split {
+    /// Block `i`'s rows or columns.
+    fn block(&self, i: usize) -> Range<usize> {
+        i * self.size..((i + 1) * self.size).min(self.len)
+    }
+}
+
+/// The blocks of a parallel product `[rows, inner]·[inner, cols]`, from its shape alone. `gemm`
+/// picks its blocking of the inner sum from the sizes it is given, so an entry's bits depend on
+/// the block it falls in; blocks sized by the thread count made results differ between 1 and 2
+/// threads. The product is cut along the longer side of `dst`, so the operand every block packs
+/// again is the smaller one: a wide product (the LM head's `[N, D]·[D, V]` with V ≫ N) cut into
+/// row blocks packed all of `[D, V]` once per block, and ran 2–4× slower than in column blocks
+/// (docs/PERFORMANCE.md). Blocks are ≥ 32 rows or columns and ≥ ~64K multiply-adds.
+fn matmul_split(rows: usize, inner: usize, cols: usize) -> Split {
+    let (by, len, other) = if cols > rows {
+        (Cut::Columns, cols, rows)
+    } else {
+        (Cut::Rows, rows, cols)
+    };
+    let work_per_line = (inner * other).max(1);
+    let size = len
+        .div_ceil(MATMUL_MAX_BLOCKS)
         .max(32)
-        .max((1 << 16) / work_per_row)
+        .max((1 << 16) / work_per_line)
+        .max(1);
+    Split {
+        by,
+        size,
+        blocks: len.div_ceil(size),
+        len,
+    }
 }
 
 /// What `gemm` allocates while a parallel product `[rows, inner]·[inner, cols]` runs: each block
-/// packs its own copy of the right-hand matrix (`inner·cols` floats, while that fits `gemm`'s
-/// cache blocking), so up to one copy per block is live at once. Returns the bytes of one copy
-/// and the number of blocks.
+/// packs its own copy of its part of the right-hand matrix (all of it for row blocks, its
+/// columns for column blocks; `inner·cols` floats at most, while that fits `gemm`'s cache
+/// blocking), so up to one copy per block is live at once. Returns the bytes of one copy and the
+/// number of blocks.
 pub fn rhs_packing(rows: usize, inner: usize, cols: usize) -> (u64, usize) {
-    let block = matmul_block_rows(rows, inner, cols);
-    ((inner * cols * 4) as u64, rows.div_ceil(block))
+    let split = matmul_split(rows, inner, cols);
+    let packed_cols = match split.by {
+        Cut::Rows => cols,
+        Cut::Columns => split.size.min(cols),
+    };
+    ((inner * packed_cols * 4) as u64, split.blocks)
 }
 
 /// Rows `r` of `dst = a·b` (or `+=`), on the calling thread.

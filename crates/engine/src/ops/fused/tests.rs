@@ -1,0 +1,83 @@
+//! The parallel product's cuts: blocks chosen by shape, and the same product whichever side is
+//! cut.
+
+use super::*;
+
+/// `a·b` by the textbook loop, in f64.
+fn reference(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut c = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let sum: f64 = (0..k)
+                .map(|p| a[i * k + p] as f64 * b[p * n + j] as f64)
+                .sum();
+            c[i * n + j] = sum as f32;
+        }
+    }
+    c
+}
+
+fn values(len: usize, seed: u32) -> Vec<f32> {
+    (0..len as u32)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+        .collect()
+}
+
+#[test]
+fn a_wide_product_is_cut_into_column_blocks_and_a_tall_one_into_row_blocks() {
+    let wide = matmul_split(64, 576, 49_152);
+    assert_eq!((wide.by, wide.blocks, wide.size), (Cut::Columns, 4, 12_288));
+    let tall = matmul_split(768, 768, 512);
+    assert_eq!((tall.by, tall.blocks, tall.size), (Cut::Rows, 4, 192));
+    // Too little work to split: one block.
+    assert_eq!(matmul_split(8, 8, 40).blocks, 1);
+    // The blocks cover the cut side exactly, in order.
+    let covered: Vec<usize> = (0..wide.blocks).flat_map(|i| wide.block(i)).collect();
+    assert_eq!(covered, (0..49_152).collect::<Vec<_>>());
+    // Each column block packs only its columns of the right-hand matrix.
+    assert_eq!(rhs_packing(64, 576, 49_152), (576 * 12_288 * 4, 4));
+    assert_eq!(rhs_packing(768, 768, 512), (768 * 512 * 4, 4));
+}
+
+/// Column blocks compute the product (into a strided destination, added to what it holds, and
+/// from a transposed right-hand view, as the tied LM head reads its embedding).
+#[test]
+fn a_product_cut_into_column_blocks_equals_the_textbook_product() {
+    let (m, k, n) = (40, 24, 300);
+    assert_eq!(matmul_split(m, k, n).by, Cut::Columns);
+    let a = values(m * k, 1);
+    let b = values(k * n, 2);
+    // The same matrix stored [n, k]: the embedding's layout.
+    let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+    let expected = reference(&a, &b, m, k, n);
+    for transposed in [false, true] {
+        // A destination with a spare column on each row, holding 1.0 before the product adds.
+        let width = n + 1;
+        let mut dst = vec![1f32; m * width];
+        let right = match transposed {
+            false => Mat::rows(&b, n),
+            true => Mat::rows(&bt, k).t(),
+        };
+        // SAFETY: the views lie inside `a`, `b`/`bt` and `dst`, which do not overlap.
+        unsafe {
+            matmul(
+                MatMut::new(dst.as_mut_ptr(), m, n, width),
+                Mat::rows(&a, k),
+                right,
+                true,
+                true,
+            )
+        };
+        for i in 0..m {
+            for j in 0..n {
+                let (got, want) = (dst[i * width + j], expected[i * n + j] + 1.0);
+                assert!((got - want).abs() < 1e-4, "({i}, {j}) {got} vs {want}");
+            }
+            assert_eq!(
+                dst[i * width + n],
+                1.0,
+                "row {i}: the spare column is untouched"
+            );
+        }
+    }
+}
