@@ -16,6 +16,7 @@
 pub mod adamw;
 pub mod adaptive;
 mod boundary;
+mod error;
 pub mod failures;
 pub mod inplace;
 pub mod noise;
@@ -44,6 +45,7 @@ use crate::telemetry::{BuildInfo, EndReason, Event, Header, FORMAT_VERSION};
 pub use crate::telemetry::{EventSink, Knobs};
 use adamw::{AdamW, Hyper};
 pub use boundary::{global_norm, relative_error};
+pub use error::{TrainError, ZeroRefused};
 pub use run_loop::{run, run_returning};
 use scaler::LossScaler;
 pub use thread::{spawn, spawn_trainer, TrainerHandle};
@@ -155,10 +157,10 @@ pub struct Trainer {
 
 impl Trainer {
     /// Build the model, optimizer and data stream for `scenario` on `device`, after checking that the scenario is valid and fits; with a budget, the guard plans the first split.
-    pub fn new(mut scenario: Scenario, device: Device) -> anyhow::Result<Trainer> {
+    pub fn new(mut scenario: Scenario, device: Device) -> std::result::Result<Trainer, TrainError> {
         let cpu_load = crate::ops::cpu_load::OthersLoad::start();
         let prepared = crate::model::hf::prepare(&mut scenario)?;
-        scenario.validate().map_err(anyhow::Error::msg)?;
+        scenario.validate()?;
         let arch = match &prepared {
             Some((_, spec)) => spec.arch.clone(),
             None => crate::hf::Arch::engine(&scenario.model),

@@ -114,11 +114,25 @@ fn split_controls(micro_batch: usize, effective: usize) -> [Control; 2] {
     ]
 }
 
+/// The memory budget cannot hold the run at any micro-batch, by the estimate.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the memory budget ({}) cannot hold this run at any micro-batch: {verdict} \
+     (`gaccwb estimate` shows every lever)",
+    human_bytes(*budget)
+)]
+pub struct OverBudget {
+    /// The budget, in bytes.
+    pub budget: u64,
+    /// The estimate's verdict on the smallest split.
+    pub verdict: String,
+}
+
 impl Guard {
     /// Before the run: fit the configured micro-batch of `cfg` (the estimate's configuration
     /// of the model and its first knobs) to the budget by the estimate (the split is queued for
     /// the first boundary), or refuse the run.
-    pub fn plan_start(&mut self, cfg: &Config, step: u64) -> anyhow::Result<()> {
+    pub fn plan_start(&mut self, cfg: &Config, step: u64) -> Result<(), OverBudget> {
         let Some(budget) = self.budget else {
             return Ok(());
         };
@@ -128,12 +142,10 @@ impl Guard {
             return Ok(());
         }
         let Some(row) = largest_micro_batch(cfg, effective, budget) else {
-            anyhow::bail!(
-                "the memory budget ({}) cannot hold this run at any micro-batch: {} \
-                 (`gaccwb estimate` shows every lever)",
-                human_bytes(budget),
-                Verdict::new(cfg, effective, budget).summary()
-            );
+            return Err(OverBudget {
+                budget,
+                verdict: Verdict::new(cfg, effective, budget).summary(),
+            });
         };
         self.queued
             .extend(split_controls(row.micro_batch, effective));

@@ -7,13 +7,13 @@ use std::time::Instant;
 use candle_core::{Result, Tensor};
 
 use super::window::WindowGrads;
-use super::{global_norm, noise, zero, Trainer};
+use super::{global_norm, noise, zero, TrainError, Trainer, ZeroRefused};
 use crate::telemetry::Control;
 
 impl Trainer {
     /// Train as one rank of `group` (data parallel): every rank must join a trainer built from
     /// the same scenario, before the first step.
-    pub fn join(&mut self, group: crate::dist::Group) -> anyhow::Result<()> {
+    pub fn join(&mut self, group: crate::dist::Group) -> std::result::Result<(), TrainError> {
         self.base_batch = self.scenario.base_batch(group.ranks());
         self.group = group;
         if self.knobs.zero > 0 {
@@ -30,28 +30,31 @@ impl Trainer {
         &mut self,
         stage: u8,
         accumulate: crate::dist::Zero2Accumulate,
-    ) -> anyhow::Result<()> {
-        let refuse = |why: &str| anyhow::anyhow!("train.zero = {stage}: {why}");
+    ) -> std::result::Result<(), TrainError> {
+        let refuse = |why: &'static str| ZeroRefused::Stage { stage, why };
         if stage > 2 {
-            return Err(refuse("stages are 0, 1 and 2"));
+            return Err(refuse("stages are 0, 1 and 2").into());
         }
         if stage > 0 && self.knobs.offload {
             return Err(refuse(
                 "ZeRO shards the optimizer state instead of offloading it; set train.offload = false",
-            ));
+            )
+            .into());
         }
         if stage == 2 && self.pitfall_on() {
             return Err(refuse(
                 "stage 2 shards the gradient, but a pitfall's error needs the whole reference \
                  gradient; measure pitfalls at train.zero = 0 or 1",
-            ));
+            )
+            .into());
         }
         let scatters = accumulate == crate::dist::Zero2Accumulate::ReduceScatter;
         if stage == 2 && scatters && self.knobs.noise {
             return Err(refuse(
                 "with zero2_accumulate = \"reduce-scatter\" no rank holds its whole window \
                  gradient, which the noise scale measures; set train.noise = false",
-            ));
+            )
+            .into());
         }
         match (self.zero.take(), stage) {
             (None, 0) => {}
@@ -70,7 +73,7 @@ impl Trainer {
 
     /// Under ZeRO: offload is refused (the moments are sharded instead), and under stage 2 a
     /// pitfall (its reference gradient is whole).
-    pub(super) fn check_under_zero(&self, c: &Control) -> anyhow::Result<()> {
+    pub(super) fn check_under_zero(&self, c: &Control) -> std::result::Result<(), ZeroRefused> {
         let stage = self.zero_stage();
         let refused = match c {
             Control::SetOffload { value: true } => stage > 0,
@@ -83,7 +86,10 @@ impl Trainer {
             _ => false,
         };
         if refused {
-            anyhow::bail!("not under train.zero = {stage}: {}", c.describe());
+            return Err(ZeroRefused::Change {
+                stage,
+                change: c.describe(),
+            });
         }
         Ok(())
     }

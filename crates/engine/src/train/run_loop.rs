@@ -6,7 +6,7 @@ use std::ops::ControlFlow;
 use candle_core::Result;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::{adaptive, failures, oom_guard, EventSink, Interrupt, Trainer};
+use super::{adaptive, failures, oom_guard, EventSink, Interrupt, TrainError, Trainer};
 use crate::data::{Batch, Sample, Split};
 use crate::telemetry::{
     Control, ControlEvent, ControlMsg, EndEvent, EndReason, EvalEvent, Event, Origin, StepEvent,
@@ -90,14 +90,14 @@ fn boundary(
 ) -> ControlFlow<EndReason, Next> {
     flow.drain(controls);
     if let Err(e) = share_pending(trainer, flow, sink) {
-        return ControlFlow::Break(EndReason::Error(e.to_string()));
+        return ControlFlow::Break(EndReason::error(&e));
     }
     apply_due(trainer, flow, sink);
     if trainer.group.is_parallel() {
         let fingerprint = trainer.knobs_fingerprint();
         match trainer.group.agree(trainer.step, flow.stop, fingerprint) {
             Ok(stop) => flow.stop = stop,
-            Err(e) => return ControlFlow::Break(EndReason::Error(e.to_string())),
+            Err(e) => return ControlFlow::Break(EndReason::error(&e)),
         }
     }
     let total = trainer.scenario.train.steps;
@@ -142,7 +142,7 @@ fn window_step(
     match step {
         Ok(step) => ControlFlow::Continue(step),
         Err(Interrupt::Stop) => ControlFlow::Break(EndReason::Stopped),
-        Err(Interrupt::Failed(e)) => ControlFlow::Break(EndReason::Error(e.to_string())),
+        Err(Interrupt::Failed(e)) => ControlFlow::Break(EndReason::error(&e)),
     }
 }
 
@@ -389,10 +389,10 @@ fn maybe_evaluate(trainer: &Trainer, step: u64, sink: &EventSink) {
 
 impl Trainer {
     /// Apply a knob change now (the caller makes sure "now" is a window boundary).
-    pub fn apply_control(&mut self, c: &Control) -> anyhow::Result<()> {
+    pub fn apply_control(&mut self, c: &Control) -> std::result::Result<(), TrainError> {
         self.check_under_zero(c)?;
-        crate::scenario::validate_control(c).map_err(anyhow::Error::msg)?;
-        crate::scenario::check_needs(c, self.knobs.noise).map_err(anyhow::Error::msg)?;
+        crate::scenario::validate_control(c)?;
+        crate::scenario::check_needs(c, self.knobs.noise)?;
         failures::check_knob_change(self, c)?;
         match *c {
             Control::SetOffload { .. } | Control::SetDtype { .. } => {

@@ -1,10 +1,9 @@
 //! The trainer on its own OS thread, and the handle the faces hold: controls in, events out.
 
-use anyhow::Context;
 use candle_core::Device;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::{failures, EventSink, Trainer};
+use super::{failures, EventSink, TrainError, Trainer};
 use crate::scenario::Scenario;
 use crate::telemetry::{Control, ControlMsg, Event, Origin};
 
@@ -41,18 +40,15 @@ impl Drop for TrainerHandle {
 /// Build the trainer here (so bad input fails before any thread starts), then run it on its
 /// own thread. Returns its handle and a sender into the same event stream for other producers
 /// (the device sampler).
-pub fn spawn(scenario: Scenario, device: Device) -> anyhow::Result<(TrainerHandle, EventSink)> {
+pub fn spawn(scenario: Scenario, device: Device) -> Result<(TrainerHandle, EventSink), TrainError> {
     spawn_trainer(Trainer::new(scenario, device)?)
 }
 
 /// `spawn` for a trainer built (or resumed from a checkpoint) by the caller.
-pub fn spawn_trainer(trainer: Trainer) -> anyhow::Result<(TrainerHandle, EventSink)> {
+pub fn spawn_trainer(trainer: Trainer) -> Result<(TrainerHandle, EventSink), TrainError> {
     // The model and optimizer state were created on this thread; the trainer's thread must
     // find them complete (on CUDA, work queued here may still be in flight).
-    trainer
-        .device
-        .synchronize()
-        .context("synchronizing the device before the trainer thread starts")?;
+    trainer.device.synchronize().map_err(TrainError::Sync)?;
     let (ctx, crx) = unbounded_channel();
     let (etx, erx) = unbounded_channel();
     let sink = EventSink::new(etx);
@@ -60,7 +56,7 @@ pub fn spawn_trainer(trainer: Trainer) -> anyhow::Result<(TrainerHandle, EventSi
     let thread = std::thread::Builder::new()
         .name("gaccwb-trainer".into())
         .spawn(move || failures::run_catching_panics(trainer, crx, thread_sink))
-        .context("starting the trainer thread")?;
+        .map_err(TrainError::Thread)?;
     Ok((
         TrainerHandle {
             controls: ctx,
