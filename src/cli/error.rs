@@ -52,7 +52,13 @@ impl ExitClass {
         if let Some(refused) = cause.downcast_ref::<super::rank_check::PeerRefused>() {
             return Some(ExitClass::from_code(i32::from(refused.code)));
         }
-        if cause.is::<UsageError>() || cause.is::<gaccwb::headless::NeedsScreen>() {
+        // What the user wrote: an argument, a preset, a `--set`, a `--control`.
+        if cause.is::<UsageError>()
+            || cause.is::<gaccwb::headless::NeedsScreen>()
+            || cause.is::<gaccwb::scenario::ScenarioError>()
+            || cause.is::<gaccwb::scenario::Invalid>()
+            || cause.is::<gaccwb::scenario::ControlArgError>()
+        {
             return Some(ExitClass::Usage);
         }
         if let Some(e) = cause.downcast_ref() {

@@ -406,13 +406,13 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     s.validate()
         .map_err(|e| usage(format!("{e} (from --steps/--seed)")))?;
     for assignment in &args.sets {
-        s.set(assignment).map_err(usage)?;
+        s.set(assignment)?;
     }
     if let Some(budget) = &args.budget {
         s.train.memory_budget = gaccwb::budget::MemoryBudget::parse(budget).context("--budget")?;
     }
     gaccwb::model::hf::prepare(&mut s)?;
-    s.validate().map_err(usage)?;
+    s.validate()?;
     Ok(s)
 }
 
@@ -459,7 +459,7 @@ fn build_trainer(
     let controls = args
         .controls
         .iter()
-        .map(|c| gaccwb::scenario::parse_control_arg(c).map_err(usage))
+        .map(|c| gaccwb::scenario::parse_control_arg(c))
         .collect::<Result<_, _>>()?;
     trainer.set_cli_controls(controls);
     check_cli_controls(&trainer).map_err(UsageError)?;

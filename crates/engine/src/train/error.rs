@@ -25,7 +25,7 @@ pub enum TrainError {
     Budget(#[from] crate::budget::BudgetError),
     /// The memory budget cannot hold the run at any micro-batch.
     #[error(transparent)]
-    OverBudget(#[from] super::oom_guard::OverBudget),
+    OverBudget(#[from] OverBudget),
     /// An environment variable gaccwb reads has a value it does not know.
     #[error(transparent)]
     Env(#[from] crate::ops::BadEnvValue),
@@ -47,6 +47,20 @@ pub enum TrainError {
     /// The operating system refused the trainer's thread.
     #[error("starting the trainer thread")]
     Thread(#[source] std::io::Error),
+}
+
+/// The memory budget cannot hold the run at any micro-batch, by the estimate.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the memory budget ({}) cannot hold this run at any micro-batch: {verdict} \
+     (`gaccwb estimate` shows every lever)",
+    crate::memory::verdict::human_bytes(*budget)
+)]
+pub struct OverBudget {
+    /// The budget, in bytes.
+    pub budget: u64,
+    /// The estimate's verdict on the smallest split.
+    pub verdict: String,
 }
 
 /// A ZeRO stage, or a knob change under ZeRO, refused, with the fix.

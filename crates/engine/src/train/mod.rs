@@ -45,7 +45,7 @@ use crate::telemetry::{BuildInfo, EndReason, Event, Header, FORMAT_VERSION};
 pub use crate::telemetry::{EventSink, Knobs};
 use adamw::{AdamW, Hyper};
 pub use boundary::{global_norm, relative_error};
-pub use error::{TrainError, ZeroRefused};
+pub use error::{OverBudget, TrainError, ZeroRefused};
 pub use run_loop::{run, run_returning};
 use scaler::LossScaler;
 pub use thread::{spawn, spawn_trainer, TrainerHandle};
@@ -101,7 +101,8 @@ pub struct Saved {
 
 /// The training state of one run: model, optimizer, loss scaler, data stream, knobs in force,
 /// counters and the observers of its windows. Its fields are private: the run loop, the guard,
-/// checkpoints and tests act through the methods below.
+/// checkpoints and tests act through its methods (below, and in `step.rs`, `boundary.rs`,
+/// `parallel.rs`, `run_loop.rs`).
 pub struct Trainer {
     scenario: Scenario,
     device: Device,

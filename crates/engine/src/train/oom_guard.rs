@@ -14,7 +14,7 @@
 //!
 //! Every change is a `Control` with origin `guard`, logged with the figure that caused it.
 
-use super::{Interrupt, Knobs};
+use super::{Interrupt, Knobs, OverBudget};
 use crate::memory::estimate::{estimate, largest_micro_batch, Config};
 use crate::memory::verdict::{human_bytes, Verdict};
 use crate::telemetry::{Control, ControlEvent, Event, MemoryEvent, Origin, Phase};
@@ -112,20 +112,6 @@ fn split_controls(micro_batch: usize, effective: usize) -> [Control; 2] {
             value: effective / micro_batch,
         },
     ]
-}
-
-/// The memory budget cannot hold the run at any micro-batch, by the estimate.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "the memory budget ({}) cannot hold this run at any micro-batch: {verdict} \
-     (`gaccwb estimate` shows every lever)",
-    human_bytes(*budget)
-)]
-pub struct OverBudget {
-    /// The budget, in bytes.
-    pub budget: u64,
-    /// The estimate's verdict on the smallest split.
-    pub verdict: String,
 }
 
 impl Guard {
