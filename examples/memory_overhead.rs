@@ -12,6 +12,7 @@
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
+use gaccwb::data::Split;
 use gaccwb::memory::gpu::{AllocatorSource, GpuSource, SAMPLE_INTERVAL};
 use gaccwb::memory::Ledger;
 use gaccwb::train::window::{BackwardEnd, ForwardEnd};
@@ -65,8 +66,13 @@ fn main() -> anyhow::Result<()> {
 
     let (mut with, mut without, mut hook_share) = (Vec::new(), Vec::new(), Vec::new());
     let mut hook_us = Vec::new();
-    for _ in 0..steps {
-        let samples = t.next_window();
+    // The windows after the trainer's own step, drawn from its data stream as it would.
+    let window = t.knobs().effective_batch() as u64;
+    for i in 0..steps as u64 {
+        let start = t.cursor() + i * window;
+        let samples: Vec<_> = (start..start + window)
+            .map(|n| t.corpus().sample(Split::Train, n))
+            .collect();
         // Without the ledger.
         let t0 = Instant::now();
         let w = window_gradients(t.model(), &samples, t.knobs(), 1.0, t.device(), || true);

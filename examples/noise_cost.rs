@@ -12,6 +12,7 @@
 use std::time::Instant;
 
 use candle_core::Device;
+use gaccwb::data::Split;
 use gaccwb::train::{window_gradients, Trainer};
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -36,8 +37,13 @@ fn main() -> anyhow::Result<()> {
 
     let (mut with, mut without, mut share, mut cost) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..steps {
-        let samples = t.next_window();
+    // The windows after the trainer's own step, drawn from its data stream as it would.
+    let window = t.knobs().effective_batch() as u64;
+    for i in 0..steps as u64 {
+        let start = t.cursor() + i * window;
+        let samples: Vec<_> = (start..start + window)
+            .map(|n| t.corpus().sample(Split::Train, n))
+            .collect();
         let t0 = Instant::now();
         let plain = window_gradients(t.model(), &samples, &off, 1.0, t.device(), || true);
         without.push(t0.elapsed().as_secs_f64() * 1e3);

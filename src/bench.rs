@@ -139,7 +139,7 @@ pub fn measure_interleaved(
     let mut trainers = scenarios
         .into_iter()
         .map(|s| Trainer::new(s, device.clone()))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+        .collect::<Result<Vec<_>, _>>()?;
     let mut step_s = vec![Vec::with_capacity(steps); trainers.len()];
     let mut phase_ms = vec![Vec::with_capacity(steps); trainers.len()];
     let mut tokens_per_step = vec![0; trainers.len()];

@@ -84,9 +84,24 @@ pub enum SignalHandling {
     Ignore,
 }
 
+/// A scripted control only a screen can answer (`pause`, `single_step`), in a headless run.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{from} has `{control}` at step {step}: a headless run has no screen to resume it from; \
+     remove it, or run without --headless"
+)]
+pub struct NeedsScreen {
+    /// Where it was given: the preset's timeline or `--control`.
+    pub from: &'static str,
+    /// The control, in words.
+    pub control: String,
+    /// The step it is due at.
+    pub step: u64,
+}
+
 /// Without a screen nobody can resume a paused run: a scripted `pause` or `single_step` would
 /// hang it, so it is refused before the run starts.
-pub fn refuse_screen_controls(trainer: &train::Trainer) -> anyhow::Result<()> {
+pub fn refuse_screen_controls(trainer: &train::Trainer) -> Result<(), NeedsScreen> {
     let scripted = trainer
         .scenario()
         .timeline
@@ -95,12 +110,11 @@ pub fn refuse_screen_controls(trainer: &train::Trainer) -> anyhow::Result<()> {
     let cli = trainer.cli_controls().iter().map(|e| (e, "--control"));
     for (entry, from) in scripted.chain(cli) {
         if matches!(entry.control, Control::Pause | Control::SingleStep) {
-            anyhow::bail!(
-                "{from} has `{}` at step {}: a headless run has no screen to resume it from; \
-                 remove it, or run without --headless",
-                entry.control.describe(),
-                entry.step
-            );
+            return Err(NeedsScreen {
+                from,
+                control: entry.control.describe(),
+                step: entry.step,
+            });
         }
     }
     Ok(())

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use crate::memory::gpu::SamplerHandle;
-use crate::record::Recorder;
+use crate::record::{RecordError, Recorder};
 use crate::safe_write::Overwrite;
 use crate::train::{Trainer, TrainerHandle};
 
@@ -45,7 +45,7 @@ impl Session {
 }
 
 /// A new recording, or (`rules.force`) one that replaces the file when it is complete.
-pub fn open_recorder(path: &Path, rules: &Overwrite) -> anyhow::Result<Recorder> {
+pub fn open_recorder(path: &Path, rules: &Overwrite) -> Result<Recorder, RecordError> {
     if rules.force {
         Recorder::create_replacing(path, rules)
     } else {

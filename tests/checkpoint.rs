@@ -159,7 +159,7 @@ fn resumed_run_continues_bit_identically() {
 
 /// A trainer under ZeRO stage `zero`, alone (its shard is every element, the moments still
 /// cut into 1-D pieces), gathering its state whole at every save.
-fn zero_trainer(trainer: anyhow::Result<Trainer>, every: u64) -> Trainer {
+fn zero_trainer<E: std::fmt::Debug>(trainer: Result<Trainer, E>, every: u64) -> Trainer {
     let mut t = trainer.unwrap();
     t.join(gaccwb::dist::Group::solo()).unwrap();
     t.gather_state_every(every);

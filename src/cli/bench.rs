@@ -8,7 +8,7 @@ use gaccwb::presets;
 use gaccwb::telemetry::Dtype;
 use strum::VariantArray;
 
-use super::{usage, UsageError};
+use super::UsageError;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -119,7 +119,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         let threads = args.threads.unwrap_or_else(bench::threads);
         return super::bench_ranks::bench_ranks(ranks as usize, threads, warmup, steps);
     }
-    let preset = presets::resolve(presets::DEFAULT).map_err(usage)?;
+    let preset = presets::resolve(presets::DEFAULT)?;
     let device = candle_core::Device::Cpu;
     let whole_suite = args.cases.is_empty();
     let cases = if whole_suite {

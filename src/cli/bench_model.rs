@@ -11,7 +11,6 @@ use gaccwb::presets;
 use gaccwb::scenario::{DataSource, Scenario};
 
 use super::bench::{case_json, print_ratios, BenchArgs};
-use super::usage;
 
 /// The case `--model` runs when none is given: a fine-tuning micro-batch.
 const MODEL_CASE: Case = Case {
@@ -80,7 +79,7 @@ pub(super) fn bench_model(args: &BenchArgs) -> anyhow::Result<()> {
 
 /// The default preset's training settings on the model at `--model`, and its FLOPs per token.
 fn model_scenario(args: &BenchArgs) -> anyhow::Result<(Scenario, f64)> {
-    let mut s = presets::resolve(presets::DEFAULT).map_err(usage)?;
+    let mut s = presets::resolve(presets::DEFAULT)?;
     s.model.path = args.model.as_ref().map(PathBuf::from);
     if let Some(t) = args.seq_len {
         s.model.seq_len = t;
@@ -91,7 +90,7 @@ fn model_scenario(args: &BenchArgs) -> anyhow::Result<(Scenario, f64)> {
     let Some((_, spec)) = gaccwb::model::hf::prepare(&mut s)? else {
         anyhow::bail!("--model needs a path");
     };
-    s.validate().map_err(usage)?;
+    s.validate()?;
     let mut arch = spec.arch;
     arch.seq_len = s.model.seq_len as u64;
     Ok((s, flops_per_token(&arch, Recompute::None, None)))

@@ -32,7 +32,7 @@ pub fn bench_ranks(
         return Err(usage("--ranks needs a gaccwb built with `--features mpi`").into());
     }
     let scratch = gaccwb::children::Scratch::create("bench")?;
-    let preset = gaccwb::presets::resolve(gaccwb::presets::DEFAULT).map_err(usage)?;
+    let preset = gaccwb::presets::resolve(gaccwb::presets::DEFAULT)?;
     gaccwb::out::println(&format!(
         "gaccwb bench --ranks {ranks}: default preset `{}` (B={} K={} per rank), CPU, {threads} \
          core(s) shared by the ranks, {steps} timed steps after {warmup} warm-up",
@@ -129,8 +129,7 @@ fn measure(
 }
 
 fn preset_seq_len() -> anyhow::Result<usize> {
-    Ok(gaccwb::presets::resolve(gaccwb::presets::DEFAULT)
-        .map_err(usage)?
+    Ok(gaccwb::presets::resolve(gaccwb::presets::DEFAULT)?
         .model
         .seq_len)
 }

@@ -72,7 +72,7 @@ impl CompareArgs {
 
 pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
     let rules = &gaccwb::safe_write::Overwrite::new(args.force, args.inputs());
-    let base = presets::resolve(&args.preset).map_err(usage)?;
+    let base = presets::resolve(&args.preset)?;
     let spec = base.compare.clone().unwrap_or_default();
     let grid = match args.grid.or(Some(spec.grid).filter(|g| !g.is_empty())) {
         Some(g) => g,

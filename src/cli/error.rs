@@ -52,8 +52,26 @@ impl ExitClass {
         if let Some(refused) = cause.downcast_ref::<super::rank_check::PeerRefused>() {
             return Some(ExitClass::from_code(i32::from(refused.code)));
         }
-        if cause.downcast_ref::<UsageError>().is_some() {
+        // What the user wrote: an argument, a preset, a `--set`, a `--control`.
+        if cause.is::<UsageError>()
+            || cause.is::<gaccwb::headless::NeedsScreen>()
+            || cause.is::<gaccwb::scenario::ScenarioError>()
+            || cause.is::<gaccwb::scenario::Invalid>()
+            || cause.is::<gaccwb::scenario::ControlArgError>()
+        {
             return Some(ExitClass::Usage);
+        }
+        if let Some(e) = cause.downcast_ref() {
+            return Some(Self::of_train(e));
+        }
+        if let Some(e) = cause.downcast_ref() {
+            return Some(Self::of_checkpoint(e));
+        }
+        if let Some(e) = cause.downcast_ref() {
+            return Some(Self::of_dist(e));
+        }
+        if let Some(gaccwb::record::RecordError::File(e)) = cause.downcast_ref() {
+            return Self::of_cause(e);
         }
         // A `--config` that cannot be read is a file that cannot be read (1), as the table
         // says; one that reads but is wrong is a usage error like any bad value.
@@ -86,6 +104,55 @@ impl ExitClass {
                 Some(ExitClass::Usage)
             }
             _ => None,
+        }
+    }
+
+    /// A trainer that could not be built, joined or started: what the user asked for (a
+    /// scenario, a model directory, a ZeRO stage, a control) is usage; the machine failing is
+    /// a failure. Wrapped errors are classed by their own type.
+    fn of_train(e: &gaccwb::train::TrainError) -> ExitClass {
+        use gaccwb::train::TrainError as E;
+        let inner = |cause: &(dyn std::error::Error + 'static)| {
+            Self::of_cause(cause).unwrap_or(ExitClass::Failure)
+        };
+        match e {
+            E::Model(_) | E::Scenario(_) | E::Control(_) | E::Zero(_) => ExitClass::Usage,
+            E::Open(e) => inner(e.as_ref()),
+            E::Budget(e) => inner(e),
+            E::Dist(e) => Self::of_dist(e),
+            E::Data(_)
+            | E::Refused(_)
+            | E::OverBudget(_)
+            | E::Env(_)
+            | E::Tensor(_)
+            | E::Sync(_)
+            | E::Thread(_) => ExitClass::Failure,
+        }
+    }
+
+    /// A checkpoint directory another run holds, or a checkpoint of another number of ranks,
+    /// is a wrong argument; one that cannot be read or written is a failure.
+    fn of_checkpoint(e: &gaccwb::checkpoint::CheckpointError) -> ExitClass {
+        use gaccwb::checkpoint::CheckpointError as E;
+        match e {
+            E::Ranks { .. } | E::Locked { .. } | E::Dir(_) | E::Occupied { .. } => ExitClass::Usage,
+            E::File(e) => Self::of_cause(e).unwrap_or(ExitClass::Failure),
+            E::Train(e) => Self::of_train(e.as_ref()),
+            _ => ExitClass::Failure,
+        }
+    }
+
+    /// Started as a rank wrongly (a build without MPI, a garbled launcher variable) is usage;
+    /// a collective or MPI itself failing is a failure.
+    fn of_dist(e: &gaccwb::dist::DistError) -> ExitClass {
+        use gaccwb::dist::DistError as E;
+        match e {
+            E::NotBuiltWithMpi { .. } | E::Launch(_) => ExitClass::Usage,
+            E::AlreadyInitialised
+            | E::Disagree { .. }
+            | E::Controls(_)
+            | E::Tensor(_)
+            | E::Nccl { .. } => ExitClass::Failure,
         }
     }
 
@@ -132,5 +199,35 @@ mod tests {
         assert_eq!(ExitClass::of(&seq_len.into()), ExitClass::Usage);
         let shape = gaccwb::memory::verdict::named_shape("gpt4").unwrap_err();
         assert_eq!(ExitClass::of(&shape.into()), ExitClass::Usage);
+    }
+
+    /// A trainer's error is classed by what failed, not by the call that met it: joining the
+    /// ranks with a ZeRO stage the knobs refuse is usage, a tensor failing while resharding
+    /// is a failure; a checkpoint of another number of ranks is usage.
+    #[test]
+    fn a_trainers_errors_are_classed_by_their_type() {
+        use gaccwb::train::{TrainError, ZeroRefused};
+        let why = "ZeRO shards the optimizer state instead of offloading it";
+        let refused = TrainError::from(ZeroRefused::Stage { stage: 1, why });
+        let refused = anyhow::Error::new(refused).context("joining the ranks");
+        assert_eq!(ExitClass::of(&refused), ExitClass::Usage);
+        let failed = TrainError::from(candle_core::Error::Msg("all-gather failed".into()));
+        assert_eq!(ExitClass::of(&failed.into()), ExitClass::Failure);
+        let lost = gaccwb::dist::DistError::Nccl {
+            rank: 1,
+            what: "timed out".into(),
+        };
+        assert_eq!(
+            ExitClass::of(&TrainError::from(lost).into()),
+            ExitClass::Failure
+        );
+        let ranks = gaccwb::checkpoint::CheckpointError::Ranks {
+            path: "ck/checkpoint.json".into(),
+            saved: 2,
+            ranks: 1,
+            taken: 4,
+            expected: 8,
+        };
+        assert_eq!(ExitClass::of(&ranks.into()), ExitClass::Usage);
     }
 }

@@ -219,7 +219,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             .open_for_rank(gaccwb::dist::launch::local_rank(|n| std::env::var(n).ok())),
         false => args.device.open(),
     };
-    let device = together(&mut group, device)?;
+    let device = together(&mut group, device.map_err(anyhow::Error::from))?;
     let group = group.adopt_device(&device)?;
     if lead && group.gradients_cross_the_host(&device) {
         eprintln!(
@@ -236,9 +236,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         };
         return tui::run_live(trainer, options);
     }
-    headless::refuse_screen_controls(&trainer).map_err(|e| usage(format!("{e:#}")))?;
-    let session = gaccwb::session::Session::start(trainer, record.as_deref(), &overwrite)
-        .map_err(|e| usage(format!("{e:#}")))?;
+    headless::refuse_screen_controls(&trainer)?;
+    let session = gaccwb::session::Session::start(trainer, record.as_deref(), &overwrite)?;
     if let Some(controls) = prepared.controls {
         controls.follow(session.handle.controls.clone())?;
     }
@@ -329,10 +328,11 @@ fn prepare(args: &RunArgs, scenario: &Scenario) -> anyhow::Result<Prepared> {
         None => None,
     };
     let lock = match args.checkpoint_every {
-        Some(_) => Some(
-            checkpoint::claim_dir(&args.checkpoint_dir(), args.resume.as_deref(), args.force)
-                .map_err(|e| usage(format!("{e:#}")))?,
-        ),
+        Some(_) => Some(checkpoint::claim_dir(
+            &args.checkpoint_dir(),
+            args.resume.as_deref(),
+            args.force,
+        )?),
         None => None,
     };
     Ok(Prepared { lock, controls })
@@ -406,13 +406,13 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
     s.validate()
         .map_err(|e| usage(format!("{e} (from --steps/--seed)")))?;
     for assignment in &args.sets {
-        s.set(assignment).map_err(usage)?;
+        s.set(assignment)?;
     }
     if let Some(budget) = &args.budget {
         s.train.memory_budget = gaccwb::budget::MemoryBudget::parse(budget).context("--budget")?;
     }
     gaccwb::model::hf::prepare(&mut s)?;
-    s.validate().map_err(usage)?;
+    s.validate()?;
     Ok(s)
 }
 
@@ -420,7 +420,7 @@ fn scenario_from(args: &RunArgs) -> anyhow::Result<Scenario> {
 /// (`mpirun -n N gaccwb run --headless`). Ranks have no screen.
 fn join_ranks(args: &RunArgs, scenario: &Scenario) -> anyhow::Result<gaccwb::dist::Group> {
     let timeout = std::time::Duration::from_secs_f64(scenario.train.comm_timeout);
-    let group = gaccwb::dist::from_env(timeout).map_err(|e| usage(e.to_string()))?;
+    let group = gaccwb::dist::from_env(timeout)?;
     if group.is_parallel() && !args.headless {
         return Err(usage(format!(
             "rank {} of {}: ranks started by an MPI launcher run without a screen; add --headless",
@@ -447,11 +447,11 @@ fn build_trainer(
         .map_err(anyhow::Error::from)
         .and_then(|()| match &args.resume {
             Some(dir) => resume(args, dir, device, group.ranks()),
-            None => Trainer::new(scenario, device),
+            None => Ok(Trainer::new(scenario, device)?),
         });
     // A rank that failed to build ends every rank now, not at their first collective.
     let mut trainer = together(&mut group, built)?;
-    trainer.join(group).map_err(|e| usage(format!("{e:#}")))?;
+    trainer.join(group)?;
     // Every rank takes part in gathering what rank 0 saves (ZeRO's sharded moments).
     if let Some(every) = args.checkpoint_every {
         trainer.gather_state_every(every);
@@ -459,7 +459,7 @@ fn build_trainer(
     let controls = args
         .controls
         .iter()
-        .map(|c| gaccwb::scenario::parse_control_arg(c).map_err(usage))
+        .map(|c| gaccwb::scenario::parse_control_arg(c))
         .collect::<Result<_, _>>()?;
     trainer.set_cli_controls(controls);
     check_cli_controls(&trainer).map_err(UsageError)?;
@@ -497,7 +497,7 @@ fn resume(
     ranks: usize,
 ) -> anyhow::Result<Trainer> {
     let state = checkpoint::read_state(dir)?;
-    checkpoint::check_ranks(dir, &state, ranks).map_err(|e| usage(format!("{e:#}")))?;
+    checkpoint::check_ranks(dir, &state, ranks)?;
     let steps = args.steps.unwrap_or(state.scenario.train.steps);
     if steps > 0 && state.step >= steps {
         return Err(usage(format!(
@@ -509,11 +509,12 @@ fn resume(
         ))
         .into());
     }
-    checkpoint::resume(dir, device, |s| {
+    let trainer = checkpoint::resume(dir, device, |s| {
         if let Some(n) = args.steps {
             s.train.steps = n;
         }
-    })
+    })?;
+    Ok(trainer)
 }
 
 /// `--control` values checked against the run's model before the trainer starts, with the

@@ -13,7 +13,6 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -28,7 +27,9 @@ use crate::train::{AfterStep, EventSink, Knobs, Progress, Saved, Trainer};
 pub const CHECKPOINT_VERSION: u32 = 2;
 const STATE_FILE: &str = "checkpoint.json";
 
+mod error;
 mod integrity;
+pub use error::CheckpointError;
 pub use integrity::check_ranks;
 use integrity::{is_abandoned_save, sha256_hex};
 
@@ -109,7 +110,7 @@ pub struct ModelSave {
 
 impl ModelSave {
     /// Save `trainer`'s model; the event's text says what was written.
-    fn save(&self, trainer: &Trainer) -> anyhow::Result<String> {
+    fn save(&self, trainer: &Trainer) -> Result<String, CheckpointError> {
         let model = trainer.model();
         let weights = trainer.master_weights();
         let family = model.spec.naming_family().to_string();
@@ -168,7 +169,7 @@ impl AfterStep for ModelSave {
                 sink.send(Event::info(trainer.step(), line));
                 reason
             }
-            Err(e) => EndReason::Error(format!("saving the model: {e:#}")),
+            Err(e) => EndReason::Error(format!("saving the model: {}", crate::end::chain(&e))),
         }
     }
 }
@@ -202,7 +203,7 @@ impl AfterStep for Saver {
                 sink.send(Event::info(trainer.step(), message));
                 return None;
             }
-            Err(e) => format!("{e:#}"),
+            Err(e) => crate::end::chain(&e),
         };
         let first = self
             .first_error
@@ -244,18 +245,25 @@ impl Saver {
 }
 
 /// Write the trainer's state into `dir` (created if missing); returns the state file's path.
-pub fn save(trainer: &Trainer, dir: &Path) -> anyhow::Result<PathBuf> {
+pub fn save(trainer: &Trainer, dir: &Path) -> Result<PathBuf, CheckpointError> {
     save_into(trainer, dir, &Inputs::default())
 }
 
 /// `save`, never replacing one of `inputs`.
-fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<PathBuf> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> Result<PathBuf, CheckpointError> {
+    std::fs::create_dir_all(dir).map_err(|err| CheckpointError::CreateDir {
+        dir: dir.to_path_buf(),
+        err,
+    })?;
     let rules = Overwrite::new(true, inputs.clone());
     let tensors_name = format!("step-{:08}.safetensors", trainer.step());
     let tensor_path = dir.join(&tensors_name);
-    let tensors = safetensors::serialize(tensor_map(trainer)?, None)
-        .with_context(|| format!("serialising the tensors for {}", tensor_path.display()))?;
+    let tensors = safetensors::serialize(tensor_map(trainer)?, None).map_err(|err| {
+        CheckpointError::Serialise {
+            path: tensor_path.clone(),
+            err,
+        }
+    })?;
     safe_write::write_file(&tensor_path, &tensors, "checkpoint", &rules)?;
     let tensors_sha256 = sha256_hex(&tensors);
     drop(tensors);
@@ -284,19 +292,17 @@ fn save_into(trainer: &Trainer, dir: &Path, inputs: &Inputs) -> anyhow::Result<P
     Ok(state_path)
 }
 
-fn tensor_map(trainer: &Trainer) -> anyhow::Result<HashMap<String, Tensor>> {
+fn tensor_map(trainer: &Trainer) -> Result<HashMap<String, Tensor>, CheckpointError> {
     let mut map = HashMap::new();
     let master = trainer.master_weights();
     // Under ZeRO each rank holds a piece of the moments; the ranks gathered them whole at the
     // end of a step the policy saves at, so the file is the one a ZeRO-0 run writes.
-    let (m, v) = trainer.whole_moments().with_context(|| {
-        format!(
-            "step {}: under train.zero = {} the optimizer state was not gathered whole at \
-             this step",
-            trainer.step(),
-            trainer.knobs().zero
-        )
-    })?;
+    let (m, v) = trainer
+        .whole_moments()
+        .ok_or_else(|| CheckpointError::NotGathered {
+            step: trainer.step(),
+            stage: trainer.knobs().zero,
+        })?;
     for (i, p) in trainer.params().iter().enumerate() {
         map.insert(format!("param/{}", p.name), master[i].clone());
         map.insert(format!("adam_m/{}", p.name), m[i].clone());
@@ -331,26 +337,29 @@ pub fn add_inputs(dir: &Path, inputs: &mut Inputs) {
 }
 
 /// The state file of the checkpoint in `dir`.
-pub fn read_state(dir: &Path) -> anyhow::Result<State> {
+pub fn read_state(dir: &Path) -> Result<State, CheckpointError> {
     let path = dir.join(STATE_FILE);
     let limit = crate::limits::MAX_CHECKPOINT_STATE_BYTES;
-    let text = crate::limits::read_bounded_text(&path, limit, "checkpoint state").map_err(|e| {
-        anyhow::anyhow!(
-            "no checkpoint in {}: {}: {e}",
-            dir.display(),
-            path.display()
-        )
-    })?;
-    let state: State = serde_json::from_str(&text)
-        .with_context(|| format!("{}: not a gaccwb checkpoint", path.display()))?;
+    let text =
+        crate::limits::read_bounded_text(&path, limit, "checkpoint state").map_err(|err| {
+            CheckpointError::Missing {
+                dir: dir.to_path_buf(),
+                path: path.clone(),
+                err: Box::new(err),
+            }
+        })?;
+    let state: State =
+        serde_json::from_str(&text).map_err(|err| CheckpointError::NotACheckpoint {
+            path: path.clone(),
+            err,
+        })?;
     if state.version > CHECKPOINT_VERSION {
-        bail!(
-            "{}: checkpoint version {} is newer than this gaccwb reads ({CHECKPOINT_VERSION})",
-            path.display(),
-            state.version
-        );
+        return Err(CheckpointError::Newer {
+            path,
+            version: state.version,
+        });
     }
-    check_state(&state).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    check_state(&state).map_err(|err| CheckpointError::State { path, err })?;
     Ok(state)
 }
 
@@ -450,15 +459,17 @@ fn check_state(state: &State) -> Result<(), StateError> {
 /// another run holds it (its pid named); and refuse a directory holding another run's
 /// checkpoints (saving would replace them and delete their tensor files) unless it is the one
 /// being resumed or the user said `--force`.
-pub fn claim_dir(dir: &Path, resumed_from: Option<&Path>, force: bool) -> anyhow::Result<DirLock> {
+pub fn claim_dir(
+    dir: &Path,
+    resumed_from: Option<&Path>,
+    force: bool,
+) -> Result<DirLock, CheckpointError> {
     let lock = safe_write::lock_dir(dir).map_err(|e| match e {
-        safe_write::WriteError::Locked { holder, .. } => anyhow::anyhow!(
-            "--checkpoint-dir {}: another gaccwb run (pid {holder}) saves its checkpoints there, \
-             and two runs in one directory delete each other's; wait for it to end or choose \
-             another --checkpoint-dir",
-            dir.display()
-        ),
-        e => anyhow::anyhow!("--checkpoint-dir: {e}"),
+        safe_write::WriteError::Locked { holder, .. } => CheckpointError::Locked {
+            dir: dir.to_path_buf(),
+            holder,
+        },
+        e => CheckpointError::Dir(e),
     })?;
     // A save replaces the state file; say now, not at every save, when it is not a file.
     safe_write::check(&dir.join(STATE_FILE), "checkpoint", &Overwrite::ours())?;
@@ -473,13 +484,10 @@ pub fn claim_dir(dir: &Path, resumed_from: Option<&Path>, force: bool) -> anyhow
         return Ok(lock);
     }
     let step = read_state(dir).map(|s| s.step.to_string());
-    bail!(
-        "{} already holds another run's checkpoint (step {}); saving there would replace it. \
-         Choose another --checkpoint-dir, resume it with --resume {}, or add --force to replace it",
-        dir.display(),
-        step.unwrap_or_else(|_| "?".into()),
-        dir.display()
-    )
+    Err(CheckpointError::Occupied {
+        dir: dir.to_path_buf(),
+        step: step.unwrap_or_else(|_| "?".into()),
+    })
 }
 
 /// `dir` has a state file or a tensor file this module wrote.
@@ -499,12 +507,12 @@ pub fn resume(
     dir: &Path,
     device: Device,
     adjust: impl FnOnce(&mut Scenario),
-) -> anyhow::Result<Trainer> {
+) -> Result<Trainer, CheckpointError> {
     let state = read_state(dir)?;
     let mut scenario = state.scenario.clone();
     adjust(&mut scenario);
     if scenario.model != state.scenario.model {
-        bail!("a resumed run keeps the checkpoint's model shape; remove the model.* overrides");
+        return Err(CheckpointError::ModelChanged);
     }
     let schedule = keep_schedule(&state.scenario, &mut scenario, state.step);
     let mut trainer = Trainer::new(scenario, device)?;
@@ -548,29 +556,34 @@ fn keep_schedule(saved: &Scenario, resumed: &mut Scenario, step: u64) -> Option<
 }
 
 /// Load weights, optimizer state, scaler, knobs and counters into a freshly built trainer.
-pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> anyhow::Result<()> {
+pub fn restore(trainer: &mut Trainer, dir: &Path, state: &State) -> Result<(), CheckpointError> {
     let path = dir.join(&state.tensors);
     // Candle maps the file: a FIFO or a device there would block or never end (refused by
     // the hash's read, which opens it as an input).
     integrity::verify_tensors(dir, state)?;
-    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)
-        .with_context(|| format!("reading {}", path.display()))?;
-    let mut take = |key: String, like: &Tensor| -> anyhow::Result<Tensor> {
-        let t = tensors
-            .remove(&key)
-            .with_context(|| format!("{}: missing tensor {key}", path.display()))?;
+    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|err| {
+        CheckpointError::LoadTensors {
+            path: path.clone(),
+            err,
+        }
+    })?;
+    let mut take = |key: String, like: &Tensor| -> Result<Tensor, CheckpointError> {
+        let Some(t) = tensors.remove(&key) else {
+            let path = path.clone();
+            return Err(CheckpointError::MissingTensor { path, key });
+        };
         if t.shape() != like.shape() {
-            bail!(
-                "{}: {key} has shape {:?}, the model needs {:?}",
-                path.display(),
-                t.shape(),
-                like.shape()
-            );
+            return Err(CheckpointError::Shape {
+                path: path.clone(),
+                key,
+                found: t.shape().clone(),
+                needed: like.shape().clone(),
+            });
         }
         Ok(t)
     };
     let params = trainer.params();
-    let mut each = |prefix: &str| -> anyhow::Result<Vec<Tensor>> {
+    let mut each = |prefix: &str| -> Result<Vec<Tensor>, CheckpointError> {
         params
             .iter()
             .map(|p| take(format!("{prefix}/{}", p.name), p.var.as_tensor()))

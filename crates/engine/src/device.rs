@@ -37,22 +37,22 @@ impl FromStr for DeviceChoice {
 impl DeviceChoice {
     /// Open the device. `auto` falls back to the CPU silently; an explicit `cuda` that cannot be
     /// opened is an error that says why.
-    pub fn open(self) -> anyhow::Result<Device> {
+    pub fn open(self) -> Result<Device, DeviceError> {
         self.open_with(open_cuda)
     }
 
     /// Open the device as the rank with `local_rank` on its host: one GPU per rank, so the
     /// CUDA ordinal moves up by the local rank (`cuda:N` opens N + local rank; `auto` the
     /// local rank's GPU, else the CPU). The CPU is shared.
-    pub fn open_for_rank(self, local_rank: usize) -> anyhow::Result<Device> {
+    pub fn open_for_rank(self, local_rank: usize) -> Result<Device, DeviceError> {
         self.open_with(|n| open_cuda(n + local_rank))
     }
 
     /// The selection rules, with the CUDA opener passed in so they are tested without a GPU.
     pub fn open_with(
         self,
-        open_cuda: impl FnOnce(usize) -> anyhow::Result<Device>,
-    ) -> anyhow::Result<Device> {
+        open_cuda: impl FnOnce(usize) -> Result<Device, DeviceError>,
+    ) -> Result<Device, DeviceError> {
         match self {
             DeviceChoice::Cpu => Ok(Device::Cpu),
             DeviceChoice::Cuda(n) => open_cuda(n),
@@ -61,14 +61,36 @@ impl DeviceChoice {
     }
 }
 
+/// Why a device could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// CUDA did not open this GPU (no driver, no such ordinal).
+    #[error("cannot open cuda:{ordinal}: {err}")]
+    Cuda {
+        /// The GPU asked for.
+        ordinal: usize,
+        /// CUDA's answer.
+        err: candle_core::Error,
+    },
+    /// This binary has no CUDA.
+    #[error(
+        "cannot open cuda:{ordinal}: this gaccwb was built without CUDA; rebuild with \
+         `cargo build --release --features cuda`"
+    )]
+    NotBuilt {
+        /// The GPU asked for.
+        ordinal: usize,
+    },
+}
+
 #[cfg(feature = "cuda")]
-fn open_cuda(ordinal: usize) -> anyhow::Result<Device> {
-    Device::new_cuda(ordinal).map_err(|e| anyhow::anyhow!("cannot open cuda:{ordinal}: {e}"))
+fn open_cuda(ordinal: usize) -> Result<Device, DeviceError> {
+    Device::new_cuda(ordinal).map_err(|err| DeviceError::Cuda { ordinal, err })
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(ordinal: usize) -> anyhow::Result<Device> {
-    anyhow::bail!("cannot open cuda:{ordinal}: this gaccwb was built without CUDA; rebuild with `cargo build --release --features cuda`")
+fn open_cuda(ordinal: usize) -> Result<Device, DeviceError> {
+    Err(DeviceError::NotBuilt { ordinal })
 }
 
 /// "cpu" or "cuda:N", as written in the run header.
@@ -106,7 +128,10 @@ mod tests {
     #[test]
     fn explicit_cuda_reports_why_it_cannot_open() {
         let err = DeviceChoice::Cuda(3)
-            .open_with(|n| anyhow::bail!("cannot open cuda:{n}: no driver"))
+            .open_with(|ordinal| {
+                let err = candle_core::Error::Msg("no driver".into());
+                Err(DeviceError::Cuda { ordinal, err })
+            })
             .unwrap_err();
         assert_eq!(err.to_string(), "cannot open cuda:3: no driver");
     }
@@ -117,7 +142,7 @@ mod tests {
         let device = DeviceChoice::Auto
             .open_with(|n| {
                 asked.set(Some(n));
-                anyhow::bail!("no GPU")
+                Err(DeviceError::NotBuilt { ordinal: n })
             })
             .unwrap();
         assert_eq!(asked.get(), Some(0));

@@ -53,6 +53,12 @@ impl EndReason {
         self.exit_code() == 1
     }
 
+    /// The run failed with `error`: its message, then each cause's not already in it (the
+    /// event is text, so the chain is rendered here, once).
+    pub fn error(error: &(dyn std::error::Error + 'static)) -> EndReason {
+        EndReason::Error(chain(error))
+    }
+
     /// Read an `end` event's text back; never fails (an unknown text is an `Error`).
     pub fn parse(text: &str) -> EndReason {
         if let Some(detail) = text.strip_prefix("diverged: ") {
@@ -81,6 +87,22 @@ impl EndReason {
             other => EndReason::Error(other.to_string()),
         }
     }
+}
+
+/// An error's message and its causes', `: `-separated; a cause whose text the message already
+/// holds (an error that prints its source) is not repeated.
+pub fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        let more = c.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = c.source();
+    }
+    text
 }
 
 /// `SIGINT`, `SIGTERM`, `SIGHUP`, or `signal N`.
@@ -205,5 +227,23 @@ mod tests {
             let exempt = matches!(reason, EndReason::LossScaleExhausted(_));
             assert_eq!(old_rule || exempt, reason.is_failure(), "{text}");
         }
+    }
+
+    /// An error that ends a run keeps its causes, each said once: one that prints its source
+    /// is not followed by it again.
+    #[test]
+    fn an_errors_chain_is_rendered_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("disk full")]
+        struct Io;
+        #[derive(Debug, thiserror::Error)]
+        #[error("writing run.jsonl")]
+        struct Plain(#[source] Io);
+        #[derive(Debug, thiserror::Error)]
+        #[error("writing run.jsonl: {0}")]
+        struct Prints(#[source] Io);
+        let expected = EndReason::Error("writing run.jsonl: disk full".into());
+        assert_eq!(EndReason::error(&Plain(Io)), expected);
+        assert_eq!(EndReason::error(&Prints(Io)), expected);
     }
 }

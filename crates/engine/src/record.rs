@@ -16,8 +16,6 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
-
 use crate::telemetry::{Event, EventKind, Header, FORMAT_VERSION};
 
 mod tail;
@@ -49,7 +47,7 @@ pub struct Recorder {
 
 impl Recorder {
     /// Create `path`; an existing file is never truncated (an error says so).
-    pub fn create(path: &Path) -> anyhow::Result<Recorder> {
+    pub fn create(path: &Path) -> Result<Recorder, RecordError> {
         let file = crate::safe_write::create_new(path, "recording")?;
         Ok(Recorder::writing(path, file, None))
     }
@@ -59,9 +57,15 @@ impl Recorder {
     pub fn create_replacing(
         path: &Path,
         rules: &crate::safe_write::Overwrite,
-    ) -> anyhow::Result<Recorder> {
+    ) -> Result<Recorder, RecordError> {
         let mut pending = crate::safe_write::Pending::begin(path, "recording", rules)?;
-        let file = pending.file().try_clone()?;
+        let file = pending
+            .file()
+            .try_clone()
+            .map_err(|err| RecordError::Write {
+                path: path.to_path_buf(),
+                err,
+            })?;
         Ok(Recorder::writing(path, file, Some(Box::new(pending))))
     }
 
@@ -87,7 +91,7 @@ impl Recorder {
 
     /// Append one event. Steps, controls and the run's start and end reach the OS at once;
     /// high-rate samples (memory, device) are batched for at most a second.
-    pub fn write(&mut self, event: &Event) -> anyhow::Result<()> {
+    pub fn write(&mut self, event: &Event) -> Result<(), RecordError> {
         if let Some(waiting) = &mut self.before_header {
             if !matches!(event, Event::Header(_)) {
                 waiting.push(event.clone());
@@ -108,7 +112,7 @@ impl Recorder {
         Ok(())
     }
 
-    fn write_line(&mut self, event: &Event) -> anyhow::Result<()> {
+    fn write_line(&mut self, event: &Event) -> Result<(), RecordError> {
         let written = match event {
             // The header names the process writing it: a follower checks it is still there.
             Event::Header(h) if h.writer.is_none() => {
@@ -119,17 +123,23 @@ impl Recorder {
             _ => serde_json::to_writer(&mut self.out, event),
         };
         let written = written
-            .map_err(anyhow::Error::from)
-            .and_then(|()| Ok(self.out.write_all(b"\n")?));
+            .map_err(std::io::Error::from)
+            .and_then(|()| self.out.write_all(b"\n"));
         self.failed |= written.is_err();
-        written.with_context(|| format!("writing {}", self.path.display()))
+        written.map_err(|err| RecordError::Write {
+            path: self.path.clone(),
+            err,
+        })
     }
 
     /// Push buffered lines to the OS (they survive a crash of this process from here on).
-    pub fn flush(&mut self) -> anyhow::Result<()> {
+    pub fn flush(&mut self) -> Result<(), RecordError> {
         let flushed = self.out.flush();
         self.failed |= flushed.is_err();
-        flushed.with_context(|| format!("writing {}", self.path.display()))?;
+        flushed.map_err(|err| RecordError::Write {
+            path: self.path.clone(),
+            err,
+        })?;
         self.last_flush = Instant::now();
         Ok(())
     }
@@ -137,13 +147,12 @@ impl Recorder {
     /// The recording is complete: flushed, and (with `create_replacing`) renamed over its target,
     /// which is checked again first. A recording that could not be written whole (a full disk)
     /// never replaces the old file: its temporary file is removed, the old file stays.
-    pub fn finish(mut self) -> anyhow::Result<PathBuf> {
+    pub fn finish(mut self) -> Result<PathBuf, RecordError> {
         self.flush()?;
         if self.failed {
-            anyhow::bail!(
-                "{}: the recording could not be written whole; the file is left as it was",
-                self.path.display()
-            );
+            return Err(RecordError::Incomplete {
+                path: self.path.clone(),
+            });
         }
         if let Some(pending) = self.replacing.take() {
             pending.commit()?;
@@ -171,9 +180,28 @@ pub struct Recording {
     pub warnings: Vec<String>,
 }
 
-/// Why a recording cannot be read.
+/// Why a recording cannot be written or read.
 #[derive(Debug, thiserror::Error)]
 pub enum RecordError {
+    /// The recording's file could not be created or take its name (it exists, it is not a
+    /// regular file, it is an input of the run, the OS refused).
+    #[error(transparent)]
+    File(#[from] crate::safe_write::WriteError),
+    /// Writing an event failed (a full disk).
+    #[error("writing {}", path.display())]
+    Write {
+        /// The recording's path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        err: std::io::Error,
+    },
+    /// A write failed earlier, so the recording is not whole; it replaced no file.
+    #[error("{}: the recording could not be written whole; the file is left as it was", path.display())]
+    Incomplete {
+        /// The recording's path.
+        path: PathBuf,
+    },
     /// The file itself could not be read.
     #[error("{path}: {err}")]
     Io {

@@ -209,7 +209,7 @@ impl EstimateArgs {
 
 pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     let mut options = args.options();
-    let mut scenario = presets::resolve(&args.preset).map_err(usage)?;
+    let mut scenario = presets::resolve(&args.preset)?;
     // A GPT shape is this engine's model too; the others exist for the reference stack only.
     if let Some(m) = args
         .shape
@@ -220,7 +220,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         scenario.name = args.shape.clone().unwrap_or_default();
     }
     for assignment in &args.sets {
-        scenario.set_unvalidated(assignment).map_err(usage)?;
+        scenario.set_unvalidated(assignment)?;
     }
     options.seq_len = seq_len(&args, &scenario)?;
     if let Some(s) = options.seq_len {

@@ -3,10 +3,9 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Context};
 use sha2::Digest;
 
-use super::{State, STATE_FILE};
+use super::{CheckpointError, State, STATE_FILE};
 
 /// `.step-N.safetensors.PID.tmp` or `.checkpoint.json.PID.tmp` of a process no longer running.
 pub(super) fn is_abandoned_save(name: &str) -> bool {
@@ -37,16 +36,23 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// SHA-256 of the file at `path`, read in chunks (a regular file only).
-fn file_sha256(path: &Path) -> anyhow::Result<String> {
+fn file_sha256(path: &Path) -> Result<String, CheckpointError> {
     use std::io::Read;
-    let mut file = crate::limits::open_input(path, "checkpoint tensor file")
-        .with_context(|| path.display().to_string())?;
+    let mut file = crate::limits::open_input(path, "checkpoint tensor file").map_err(|err| {
+        CheckpointError::TensorFile {
+            path: path.to_path_buf(),
+            err: Box::new(err),
+        }
+    })?;
     let mut hasher = sha2::Sha256::new();
     let mut chunk = vec![0u8; 1 << 20];
     loop {
         let n = file
             .read(&mut chunk)
-            .with_context(|| format!("reading {}", path.display()))?;
+            .map_err(|err| CheckpointError::ReadTensors {
+                path: path.to_path_buf(),
+                err,
+            })?;
         if n == 0 {
             return Ok(hex(&hasher.finalize()));
         }
@@ -56,32 +62,32 @@ fn file_sha256(path: &Path) -> anyhow::Result<String> {
 
 /// A checkpoint saved by a run of another number of ranks: a window would take another W·K·B
 /// samples and the data order would change, so the run would not continue but fork.
-pub fn check_ranks(dir: &Path, state: &State, ranks: usize) -> anyhow::Result<()> {
+pub fn check_ranks(dir: &Path, state: &State, ranks: usize) -> Result<(), CheckpointError> {
+    let window = state.knobs.micro_batch * state.knobs.accum_steps;
     match state.ranks {
-        Some(saved) if saved != ranks => bail!(
-            "{}: saved by a run of {saved} rank(s), resumed on {ranks}: each window would take \
-             {} samples instead of {}; resume with --ranks {saved} (mpirun -n {saved})",
-            dir.join(STATE_FILE).display(),
-            ranks * state.knobs.micro_batch * state.knobs.accum_steps,
-            saved * state.knobs.micro_batch * state.knobs.accum_steps
-        ),
+        Some(saved) if saved != ranks => Err(CheckpointError::Ranks {
+            path: dir.join(STATE_FILE),
+            saved,
+            ranks,
+            taken: ranks * window,
+            expected: saved * window,
+        }),
         _ => Ok(()),
     }
 }
 
 /// The tensor file `state` names in `dir` is the one it was saved with (version 1 states
 /// carry no hash: nothing to compare).
-pub(super) fn verify_tensors(dir: &Path, state: &State) -> anyhow::Result<()> {
+pub(super) fn verify_tensors(dir: &Path, state: &State) -> Result<(), CheckpointError> {
     let path = dir.join(&state.tensors);
-    let sha256 = file_sha256(&path)?;
-    if let Some(saved) = state.tensors_sha256.as_deref().filter(|s| *s != sha256) {
-        bail!(
-            "{}: its contents are not the tensors {} was saved with (SHA-256 {sha256}, expected \
-             {saved}): the file was changed or belongs to another save; restore the pair of \
-             files one save wrote",
-            path.display(),
-            dir.join(STATE_FILE).display()
-        );
+    let found = file_sha256(&path)?;
+    if let Some(saved) = state.tensors_sha256.as_deref().filter(|s| *s != found) {
+        return Err(CheckpointError::Tampered {
+            path,
+            state: dir.join(STATE_FILE),
+            found,
+            saved: saved.to_string(),
+        });
     }
     Ok(())
 }

@@ -14,7 +14,7 @@
 //!
 //! Every change is a `Control` with origin `guard`, logged with the figure that caused it.
 
-use super::{Interrupt, Knobs};
+use super::{Interrupt, Knobs, OverBudget};
 use crate::memory::estimate::{estimate, largest_micro_batch, Config};
 use crate::memory::verdict::{human_bytes, Verdict};
 use crate::telemetry::{Control, ControlEvent, Event, MemoryEvent, Origin, Phase};
@@ -118,7 +118,7 @@ impl Guard {
     /// Before the run: fit the configured micro-batch of `cfg` (the estimate's configuration
     /// of the model and its first knobs) to the budget by the estimate (the split is queued for
     /// the first boundary), or refuse the run.
-    pub fn plan_start(&mut self, cfg: &Config, step: u64) -> anyhow::Result<()> {
+    pub fn plan_start(&mut self, cfg: &Config, step: u64) -> Result<(), OverBudget> {
         let Some(budget) = self.budget else {
             return Ok(());
         };
@@ -128,12 +128,10 @@ impl Guard {
             return Ok(());
         }
         let Some(row) = largest_micro_batch(cfg, effective, budget) else {
-            anyhow::bail!(
-                "the memory budget ({}) cannot hold this run at any micro-batch: {} \
-                 (`gaccwb estimate` shows every lever)",
-                human_bytes(budget),
-                Verdict::new(cfg, effective, budget).summary()
-            );
+            return Err(OverBudget {
+                budget,
+                verdict: Verdict::new(cfg, effective, budget).summary(),
+            });
         };
         self.queued
             .extend(split_controls(row.micro_batch, effective));
