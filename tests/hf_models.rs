@@ -870,15 +870,25 @@ fn a_lora_fine_tune_books_its_frozen_base_and_trains_with_every_knob() {
 
 #[test]
 fn a_lora_fine_tune_resumes_bit_identically() {
-    use gaccwb::checkpoint;
     let lora = [
         "train.lora_rank=4",
         "train.lora_targets=[\"q_proj\",\"v_proj\"]",
     ];
-    let name = "qwen2-bias";
+    resumes_bit_identically("qwen2-bias", &lora);
+}
+
+#[test]
+fn a_lora_fine_tune_with_dropout_resumes_bit_identically() {
+    let lora = ["train.lora_rank=4", "train.lora_dropout=0.25"];
+    resumes_bit_identically("llama-gqa-llama3", &lora);
+}
+
+/// Two steps, a checkpoint, two more from it: the losses of four straight steps, bit for bit.
+fn resumes_bit_identically(name: &str, lora: &[&str]) {
+    use gaccwb::checkpoint;
     let straight =
-        losses(&mut gaccwb::train::Trainer::new(finetune(name, 4, &lora), Device::Cpu).unwrap());
-    let mut first = gaccwb::train::Trainer::new(finetune(name, 2, &lora), Device::Cpu).unwrap();
+        losses(&mut gaccwb::train::Trainer::new(finetune(name, 4, lora), Device::Cpu).unwrap());
+    let mut first = gaccwb::train::Trainer::new(finetune(name, 2, lora), Device::Cpu).unwrap();
     let head = losses(&mut first);
     let dir = tempfile::tempdir().unwrap();
     checkpoint::save(&first, dir.path()).unwrap();
@@ -889,7 +899,111 @@ fn a_lora_fine_tune_resumes_bit_identically() {
         .collect();
     let joined: Vec<u64> = head.iter().chain(&tail).map(|l| l.to_bits()).collect();
     let expected: Vec<u64> = straight.iter().map(|l| l.to_bits()).collect();
-    assert_eq!(joined, expected, "losses step for step");
+    assert_eq!(joined, expected, "{name} {lora:?}: losses step for step");
+}
+
+/// The PEFT fixture's adapter (B not zero) on `case` under `train.lora_dropout = p`.
+fn adapted_with_dropout(case: &str, p: f64) -> Gpt {
+    let mut s = gaccwb::scenario::Scenario::default();
+    s.model.path = Some(fixtures().join(case));
+    s.model.adapter = Some(fixtures().join(case).join("lora"));
+    s.model.seq_len = 16;
+    s.train.lora_dropout = p;
+    gaccwb::model::hf::prepare(&mut s).unwrap();
+    assert_eq!(
+        s.train.lora_dropout, p,
+        "the run's dropout over the adapter's 0"
+    );
+    gaccwb::model::open(&s, &Device::Cpu, None, &mut |_, _| {}).unwrap()
+}
+
+/// The training loss of `case`'s batch with the masks of samples `samples`, and the logits'
+/// bits of an evaluation forward.
+fn train_and_eval(model: &Gpt, case: &Case, samples: &[u64]) -> (f64, Vec<u32>) {
+    let (inputs, targets, mask) = case.batch();
+    let checkpointing = gaccwb::telemetry::Checkpointing::None;
+    let f = model
+        .forward_training(&inputs, DType::F32, checkpointing, samples)
+        .unwrap();
+    let loss = f
+        .nll_sum(&targets, &mask)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let eval = model.forward(&inputs, DType::F32, false).unwrap();
+    let logits = eval.logits().unwrap().flatten_all().unwrap();
+    let bits = logits
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    (f64::from(loss), bits)
+}
+
+#[test]
+fn lora_dropout_changes_training_only_and_draws_the_same_masks_again() {
+    let name = "llama-gqa-llama3";
+    let case = Case::open(name);
+    let samples = [7, 8];
+    let (plain, dropped) = (
+        adapted_with_dropout(name, 0.0),
+        adapted_with_dropout(name, 0.3),
+    );
+    let (loss0, eval0) = train_and_eval(&plain, &case, &samples);
+    let (loss, eval) = train_and_eval(&dropped, &case, &samples);
+    assert_eq!(eval, eval0, "evaluation draws no mask");
+    assert!(
+        rel(loss, loss0) > 1e-3,
+        "training applies it: {loss} vs {loss0}"
+    );
+    let again = train_and_eval(&dropped, &case, &samples).0;
+    assert_eq!(
+        again.to_bits(),
+        loss.to_bits(),
+        "the same samples, the same masks"
+    );
+    let other = train_and_eval(&dropped, &case, &[9, 10]).0;
+    assert!(rel(other, loss) > 1e-4, "other samples, other masks");
+    // The masks' mean is one: over many draws the loss centres near the undropped one.
+    let draws: Vec<f64> = (0..40u64)
+        .map(|i| train_and_eval(&dropped, &case, &[2 * i, 2 * i + 1]).0)
+        .collect();
+    let mean = draws.iter().sum::<f64>() / draws.len() as f64;
+    let spread = draws.iter().map(|l| (l - mean).powi(2)).sum::<f64>() / draws.len() as f64;
+    assert!(
+        spread > 0.0 && rel(mean, loss0) < 0.05,
+        "mean {mean} vs {loss0}"
+    );
+}
+
+#[test]
+fn lora_dropout_follows_the_sample_through_splits_and_recomputes() {
+    let lora = ["train.lora_rank=4", "train.lora_dropout=0.3"];
+    let name = "llama-gqa-llama3";
+    let run = |sets: &[&str]| {
+        let all: Vec<&str> = lora.iter().chain(sets).copied().collect();
+        losses(&mut gaccwb::train::Trainer::new(finetune(name, 3, &all), Device::Cpu).unwrap())
+    };
+    let plain = run(&[]);
+    let without = losses(
+        &mut gaccwb::train::Trainer::new(finetune(name, 3, &lora[..1]), Device::Cpu).unwrap(),
+    );
+    // Step 1 starts with B = 0 (the adapters add nothing); from step 2 on the masks show.
+    assert!(rel(plain[2], without[2]) > 1e-4, "{plain:?} vs {without:?}");
+    let bits = |l: &[f64]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&run(&[])), bits(&plain), "a rerun, the same bits");
+    let recomputed = run(&["train.checkpointing=blocks"]);
+    assert_eq!(
+        bits(&recomputed),
+        bits(&plain),
+        "a recompute draws the same masks"
+    );
+    // The same window as one micro-batch of 4: the same masks per sample, other sums.
+    let one = run(&["train.micro_batch=4", "train.accum_steps=1"]);
+    for (a, b) in one.iter().zip(&plain) {
+        assert!(rel(*a, *b) < 1e-5, "{one:?} vs {plain:?}");
+    }
 }
 
 #[test]
@@ -913,6 +1027,7 @@ fn a_trained_adapter_saves_as_peft_does_and_merges_to_the_same_model() {
         .arg(&dir)
         .arg("--adapter")
         .arg(dir.join("lora"))
+        .args(["--set", "train.lora_dropout=0.1"])
         .arg("--save-model")
         .arg(save);
         if merge {
@@ -927,6 +1042,11 @@ fn a_trained_adapter_saves_as_peft_does_and_merges_to_the_same_model() {
     for file in ["adapter_config.json", "adapter_model.safetensors"] {
         assert!(adapter.join(file).is_file(), "{file}");
     }
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["lora_dropout"], 0.1, "the run's dropout, saved");
     let names =
         candle_core::safetensors::load(adapter.join("adapter_model.safetensors"), &Device::Cpu)
             .unwrap();
