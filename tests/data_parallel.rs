@@ -934,7 +934,10 @@ fn lora_over_ranks_reduces_only_the_adapters_and_trains_what_one_process_trains(
             "{name}: {per_step:?}"
         );
     }
-    assert!(params("full") > 10 * adapters);
+    assert!(
+        params("full") > 4 * adapters,
+        "r = 4 adapts a seventh of this tiny model"
+    );
     let (one, two) = (
         steps(&dir.path().join("one.jsonl")),
         steps(&dir.path().join("lora.jsonl")),
