@@ -1066,6 +1066,17 @@ mod tests {
     }
 
     #[test]
+    fn lora_dropout_is_a_probability_below_one() {
+        let mut s = Scenario::default();
+        s.set("train.lora_dropout=0.1").unwrap();
+        assert_eq!(s.train.lora_dropout, 0.1);
+        for bad in ["1", "-0.1", "1.5"] {
+            let err = s.set(&format!("train.lora_dropout={bad}")).unwrap_err();
+            assert!(err.to_string().contains("below 1"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
     fn command_line_controls_parse_like_timeline_entries() {
         let e = parse_control_arg("100:set_accum_steps=8").unwrap();
         assert_eq!(
