@@ -870,15 +870,25 @@ fn a_lora_fine_tune_books_its_frozen_base_and_trains_with_every_knob() {
 
 #[test]
 fn a_lora_fine_tune_resumes_bit_identically() {
-    use gaccwb::checkpoint;
     let lora = [
         "train.lora_rank=4",
         "train.lora_targets=[\"q_proj\",\"v_proj\"]",
     ];
-    let name = "qwen2-bias";
+    resumes_bit_identically("qwen2-bias", &lora);
+}
+
+#[test]
+fn a_lora_fine_tune_with_dropout_resumes_bit_identically() {
+    let lora = ["train.lora_rank=4", "train.lora_dropout=0.25"];
+    resumes_bit_identically("llama-gqa-llama3", &lora);
+}
+
+/// Two steps, a checkpoint, two more from it: the losses of four straight steps, bit for bit.
+fn resumes_bit_identically(name: &str, lora: &[&str]) {
+    use gaccwb::checkpoint;
     let straight =
-        losses(&mut gaccwb::train::Trainer::new(finetune(name, 4, &lora), Device::Cpu).unwrap());
-    let mut first = gaccwb::train::Trainer::new(finetune(name, 2, &lora), Device::Cpu).unwrap();
+        losses(&mut gaccwb::train::Trainer::new(finetune(name, 4, lora), Device::Cpu).unwrap());
+    let mut first = gaccwb::train::Trainer::new(finetune(name, 2, lora), Device::Cpu).unwrap();
     let head = losses(&mut first);
     let dir = tempfile::tempdir().unwrap();
     checkpoint::save(&first, dir.path()).unwrap();
@@ -889,7 +899,131 @@ fn a_lora_fine_tune_resumes_bit_identically() {
         .collect();
     let joined: Vec<u64> = head.iter().chain(&tail).map(|l| l.to_bits()).collect();
     let expected: Vec<u64> = straight.iter().map(|l| l.to_bits()).collect();
-    assert_eq!(joined, expected, "losses step for step");
+    assert_eq!(joined, expected, "{name} {lora:?}: losses step for step");
+}
+
+/// The PEFT fixture's adapter (B not zero) on `case` under `train.lora_dropout = p`.
+fn adapted_with_dropout(case: &str, p: f64) -> Gpt {
+    let mut s = gaccwb::scenario::Scenario::default();
+    s.model.path = Some(fixtures().join(case));
+    s.model.adapter = Some(fixtures().join(case).join("lora"));
+    s.model.seq_len = 16;
+    s.train.lora_dropout = p;
+    gaccwb::model::hf::prepare(&mut s).unwrap();
+    assert_eq!(
+        s.train.lora_dropout, p,
+        "the run's dropout over the adapter's 0"
+    );
+    gaccwb::model::open(&s, &Device::Cpu, None, &mut |_, _| {}).unwrap()
+}
+
+/// The training loss of `case`'s batch with the masks of samples `samples`, and the logits'
+/// bits of an evaluation forward.
+fn train_and_eval(model: &Gpt, case: &Case, samples: &[u64]) -> (f64, Vec<u32>) {
+    let (inputs, targets, mask) = case.batch();
+    let checkpointing = gaccwb::telemetry::Checkpointing::None;
+    let f = model
+        .forward_training(&inputs, DType::F32, checkpointing, samples)
+        .unwrap();
+    let loss = f
+        .nll_sum(&targets, &mask)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let eval = model.forward(&inputs, DType::F32, false).unwrap();
+    let logits = eval.logits().unwrap().flatten_all().unwrap();
+    let bits = logits
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    (f64::from(loss), bits)
+}
+
+#[test]
+fn lora_dropout_changes_training_only_and_draws_the_same_masks_again() {
+    let name = "llama-gqa-llama3";
+    let case = Case::open(name);
+    let samples = [7, 8];
+    let (plain, dropped) = (
+        adapted_with_dropout(name, 0.0),
+        adapted_with_dropout(name, 0.3),
+    );
+    let (loss0, eval0) = train_and_eval(&plain, &case, &samples);
+    let (loss, eval) = train_and_eval(&dropped, &case, &samples);
+    assert_eq!(eval, eval0, "evaluation draws no mask");
+    // The fixture's adapter moves this loss by 0.1%; its dropout by a good share of that.
+    assert!(
+        rel(loss, loss0) > 1e-4,
+        "training applies it: {loss} vs {loss0}"
+    );
+    let again = train_and_eval(&dropped, &case, &samples).0;
+    assert_eq!(
+        again.to_bits(),
+        loss.to_bits(),
+        "the same samples, the same masks"
+    );
+    let other = train_and_eval(&dropped, &case, &[9, 10]).0;
+    assert!(rel(other, loss) > 1e-5, "other samples, other masks");
+}
+
+#[test]
+fn lora_dropout_moves_training_and_a_recompute_draws_the_same_masks() {
+    let lora = ["train.lora_rank=4", "train.lora_dropout=0.3"];
+    let name = "llama-gqa-llama3";
+    let run = |sets: &[&str]| {
+        let all: Vec<&str> = lora.iter().chain(sets).copied().collect();
+        losses(&mut gaccwb::train::Trainer::new(finetune(name, 3, &all), Device::Cpu).unwrap())
+    };
+    let plain = run(&[]);
+    let without = losses(
+        &mut gaccwb::train::Trainer::new(finetune(name, 3, &lora[..1]), Device::Cpu).unwrap(),
+    );
+    // Step 1 starts with B = 0 (the adapters add nothing); from step 2 on the masks show
+    // (by 1e-5 of the loss at this learning rate: reruns agree to the bit).
+    assert_eq!(plain[0].to_bits(), without[0].to_bits());
+    for step in 1..3 {
+        let e = rel(plain[step], without[step]);
+        assert!(e > 1e-6, "step {}: {plain:?} vs {without:?}", step + 1);
+    }
+    let bits = |l: &[f64]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&run(&[])), bits(&plain), "a rerun, the same bits");
+    let recomputed = run(&["train.checkpointing=blocks"]);
+    assert_eq!(
+        bits(&recomputed),
+        bits(&plain),
+        "a recompute draws the same masks"
+    );
+}
+
+#[test]
+fn lora_dropout_draws_a_samples_mask_however_the_window_is_cut() {
+    use gaccwb::train::{relative_error, window_gradients, Knobs};
+    let name = "llama-gqa-llama3";
+    let errors: Vec<f64> = ["0", "0.3"]
+        .iter()
+        .map(|p| {
+            let dropout = format!("train.lora_dropout={p}");
+            let sets = ["train.lora_rank=4", &dropout];
+            let mut t = gaccwb::train::Trainer::new(finetune(name, 2, &sets), Device::Cpu).unwrap();
+            // One step first, so that B is not zero and A gets gradients.
+            t.train_step(|| true).ok().unwrap();
+            let samples = t.next_window();
+            let grads = |micro_batch, accum_steps| {
+                let knobs = Knobs {
+                    micro_batch,
+                    accum_steps,
+                    ..t.knobs().clone()
+                };
+                let w = window_gradients(t.model(), &samples, &knobs, 1.0, &Device::Cpu, || true);
+                w.ok().unwrap().grads
+            };
+            relative_error(&grads(2, 2), &grads(4, 1)).unwrap()
+        })
+        .collect();
+    eprintln!("B2 K2 against B4 K1, relative error, p = 0 and 0.3: {errors:?}");
+    assert!(errors[1] < 1e-5, "{errors:?}");
 }
 
 #[test]
@@ -913,6 +1047,7 @@ fn a_trained_adapter_saves_as_peft_does_and_merges_to_the_same_model() {
         .arg(&dir)
         .arg("--adapter")
         .arg(dir.join("lora"))
+        .args(["--set", "train.lora_dropout=0.1"])
         .arg("--save-model")
         .arg(save);
         if merge {
@@ -927,6 +1062,11 @@ fn a_trained_adapter_saves_as_peft_does_and_merges_to_the_same_model() {
     for file in ["adapter_config.json", "adapter_model.safetensors"] {
         assert!(adapter.join(file).is_file(), "{file}");
     }
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["lora_dropout"], 0.1, "the run's dropout, saved");
     let names =
         candle_core::safetensors::load(adapter.join("adapter_model.safetensors"), &Device::Cpu)
             .unwrap();

@@ -25,7 +25,7 @@ use gaccwb::telemetry::{Categories, Phase};
 
 mod common;
 
-use common::ledger::{family_grid, family_sweep, on_measuring_thread};
+use common::ledger::{family_grid, family_sweep, lora_dropout_grid, on_measuring_thread};
 use common::{TestModel, TINY};
 
 /// Held by each test for its whole run (see the module's comment).
@@ -209,6 +209,26 @@ fn every_family_is_predicted_within_five_percent_in_every_phase_on_the_lean_ops(
     let before = std::env::var_os("RAYON_NUM_THREADS");
     std::env::set_var("RAYON_NUM_THREADS", "1");
     let failures = on_measuring_thread(|| family_sweep(&family_grid(true)));
+    match before {
+        Some(v) => std::env::set_var("RAYON_NUM_THREADS", v),
+        None => std::env::remove_var("RAYON_NUM_THREADS"),
+    }
+    assert!(failures.is_empty(), "{} gaps", failures.len());
+}
+
+/// LoRA's dropout draws its masks again in each pass and keeps none: the estimate books the
+/// masked copies it makes for a moment, on the fused and the lean ops (`RAYON_NUM_THREADS` = 1
+/// as above).
+#[test]
+fn lora_dropout_is_predicted_within_five_percent_in_every_phase() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let before = std::env::var_os("RAYON_NUM_THREADS");
+    std::env::set_var("RAYON_NUM_THREADS", "1");
+    let failures = on_measuring_thread(|| {
+        let mut points = lora_dropout_grid(false);
+        points.extend(lora_dropout_grid(true));
+        family_sweep(&points)
+    });
     match before {
         Some(v) => std::env::set_var("RAYON_NUM_THREADS", v),
         None => std::env::remove_var("RAYON_NUM_THREADS"),

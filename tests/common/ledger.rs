@@ -104,6 +104,8 @@ pub struct FamilyPoint {
     /// LoRA of rank 4 on these targets (`train.lora_targets`; empty: every linear layer of
     /// the blocks), or every weight trained.
     pub lora: Option<&'static [&'static str]>,
+    /// LoRA's dropout (`train.lora_dropout`).
+    pub dropout: f64,
 }
 
 impl FamilyPoint {
@@ -129,7 +131,10 @@ impl FamilyPoint {
                 Some([]) => " lora-r4 all-linear".to_string(),
                 Some(targets) => format!(" lora-r4 {}", targets.join(",")),
             },
-        )
+        ) + &match self.dropout {
+            0.0 => String::new(),
+            p => format!(" dropout {p}"),
+        }
     }
 
     /// The scenario: a fixture loaded from its directory as a run loads it (`model.path`), or
@@ -155,6 +160,7 @@ impl FamilyPoint {
         if let Some(targets) = self.lora {
             s.train.lora_rank = 4;
             s.train.lora_targets = targets.iter().map(|t| t.to_string()).collect();
+            s.train.lora_dropout = self.dropout;
         }
         s
     }
@@ -195,6 +201,36 @@ pub fn lora_grid(lean: bool) -> Vec<FamilyPoint> {
                         micro_batch,
                         accum_steps,
                         lora: Some(lora),
+                        dropout: 0.0,
+                    });
+                }
+            }
+        }
+    }
+    points
+}
+
+/// LoRA of rank 4 on every linear layer with dropout 0.1 (its masks drawn in each pass, none
+/// kept), B = 4, K = 1 and B = 2, K = 3, × f32 and bf16 × checkpointing off and `blocks`, on a
+/// Llama with grouped-query attention (lean ops only, as `lora_grid`) and a tied GPT-2.
+pub fn lora_dropout_grid(lean: bool) -> Vec<FamilyPoint> {
+    let mut points = Vec::new();
+    for family in ["llama-gqa-llama3", "gpt2-tied"] {
+        if family == "llama-gqa-llama3" && !lean {
+            continue;
+        }
+        for (micro_batch, accum_steps) in [(4, 1), (2, 3)] {
+            for dtype in ["f32", "bf16"] {
+                for checkpointing in ["none", "blocks"] {
+                    points.push(FamilyPoint {
+                        family: Some(family),
+                        dtype,
+                        checkpointing,
+                        lean,
+                        micro_batch,
+                        accum_steps,
+                        lora: Some(&[]),
+                        dropout: 0.1,
                     });
                 }
             }
@@ -219,6 +255,7 @@ fn full_grid(lean: bool) -> Vec<FamilyPoint> {
                         micro_batch,
                         accum_steps,
                         lora: None,
+                        dropout: 0.0,
                     });
                 }
             }

@@ -134,12 +134,7 @@ impl ModelSave {
                 if self.merge { ", adapters merged" } else { "" }
             ));
         }
-        let lora = crate::model::lora::Lora {
-            rank: t.lora_rank,
-            alpha: t.lora_alpha,
-            targets: t.lora_targets.clone(),
-            rslora: t.lora_rslora,
-        };
+        let lora = crate::model::lora::Lora::of(t);
         let n = crate::model::lora::save_adapter(model, &lora, &weights, &self.dir, &self.rules)?;
         Ok(format!(
             "LoRA adapter saved to {} ({n} tensors, PEFT's layout; load it with --adapter)",

@@ -40,6 +40,9 @@ pub struct Sample {
     pub tokens: Vec<u32>,
     /// Counted targets: positions `0..len` predict `tokens[1..=len]`; the rest is padding.
     pub len: usize,
+    /// Its index in its split's stream (`Corpus::sample`): LoRA's dropout masks are drawn from
+    /// it, so a sample gets the same mask however windows are cut.
+    pub index: u64,
 }
 
 /// Where the samples come from: the synthetic chain, a file's bytes, or a file cut by a BPE.
@@ -269,7 +272,7 @@ impl Markov {
         tokens.push(DELIM);
         tokens.extend(symbols.iter().map(|s| s + 1));
         tokens.resize(self.seq_len + 1, DELIM);
-        Sample { tokens, len }
+        Sample { tokens, len, index }
     }
 
     /// Per-context entropy of the chain (nats).
@@ -482,6 +485,7 @@ impl ByteCorpus {
         Sample {
             tokens: self.tokens[offset..offset + self.seq_len + 1].to_vec(),
             len: self.seq_len,
+            index,
         }
     }
 }

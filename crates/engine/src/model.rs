@@ -159,9 +159,9 @@ impl Weights {
     fn step(
         &mut self,
         norm: &Norm,
-        first: &[Dense],
-        second: &Dense,
+        (first, second): (&[Dense], &Dense),
         frozen: bool,
+        dims: &Dims,
     ) -> Result<(StepWeights, Option<GradSink>)> {
         let base = |w: &mut Weights, var: &Var| match frozen {
             true => w.fixed(var),
@@ -173,6 +173,7 @@ impl Weights {
                     a: self.get(&a.a)?,
                     b: self.get(&a.b)?,
                     scale: a.scale,
+                    dropout: a.dropout(dims),
                 }),
                 None => None,
             };
@@ -264,6 +265,9 @@ pub struct Dims {
     pub tokens: usize,
     /// The rotary table for those positions (rotary families).
     pub rope: Option<Arc<RopeTable>>,
+    /// Each sample's index in the data stream, from which LoRA's dropout masks are drawn: set
+    /// by a training forward, `None` in evaluation (no dropout).
+    pub samples: Option<Arc<[u64]>>,
 }
 
 impl Block {
@@ -281,10 +285,12 @@ impl Block {
             shape,
             rope: dims.rope.clone(),
         });
-        let (weights, sink) = w.step(&self.norm1, &self.attn_in, &self.attn_out, self.frozen)?;
+        let layers = (&self.attn_in[..], &self.attn_out);
+        let (weights, sink) = w.step(&self.norm1, layers, self.frozen, dims)?;
         let x = ops::residual_step(x, &attention, weights, sink)?;
         let mlp = self.step(Middle::Mlp(self.spec.activation()));
-        let (weights, sink) = w.step(&self.norm2, &self.mlp_in, &self.mlp_out, self.frozen)?;
+        let layers = (&self.mlp_in[..], &self.mlp_out);
+        let (weights, sink) = w.step(&self.norm2, layers, self.frozen, dims)?;
         ops::residual_step(&x, &mlp, weights, sink)
     }
 
@@ -353,9 +359,7 @@ pub fn open(
         rank => {
             let lora = lora::Lora {
                 rank,
-                alpha: t.lora_alpha,
-                targets: t.lora_targets.clone(),
-                rslora: t.lora_rslora,
+                ..lora::Lora::of(t)
             };
             let mut model = model.adapt(&lora, t.seed, t.dtype.candle())?;
             if let Some(dir) = &m.adapter {
@@ -420,6 +424,8 @@ impl Gpt {
                 a: f(&a.a),
                 b: f(&a.b),
                 scale: a.scale,
+                dropout: a.dropout,
+                key: a.key,
             }),
         };
         let param = |p: &Param| Param {
@@ -515,7 +521,8 @@ impl Gpt {
     }
 
     /// `forward`, keeping only each segment's input instead of its blocks' graphs when
-    /// `checkpointing` says so (training only: `track` must be true for it to matter).
+    /// `checkpointing` says so (training only: `track` must be true for it to matter). Draws
+    /// no dropout mask (`forward_training` does).
     pub fn forward_checkpointed(
         &self,
         ids: &Tensor,
@@ -523,11 +530,42 @@ impl Gpt {
         track: bool,
         checkpointing: Checkpointing,
     ) -> Result<Forward> {
+        self.forward_drawn(ids, dtype, track, checkpointing, None)
+    }
+
+    /// The training forward: `forward_checkpointed` with the graph, and under LoRA's dropout
+    /// each adapter's mask drawn for the samples whose stream indices are `samples` (one per
+    /// row of `ids`).
+    pub fn forward_training(
+        &self,
+        ids: &Tensor,
+        dtype: DType,
+        checkpointing: Checkpointing,
+        samples: &[u64],
+    ) -> Result<Forward> {
+        self.forward_drawn(ids, dtype, true, checkpointing, Some(samples.into()))
+    }
+
+    fn forward_drawn(
+        &self,
+        ids: &Tensor,
+        dtype: DType,
+        track: bool,
+        checkpointing: Checkpointing,
+        samples: Option<Arc<[u64]>>,
+    ) -> Result<Forward> {
         let (b, t) = ids.dims2()?;
+        if let Some(s) = samples.as_ref().filter(|s| s.len() != b) {
+            return Err(candle_core::Error::Msg(format!(
+                "{} sample indices for a batch of {b} samples",
+                s.len()
+            )));
+        }
         let dims = Dims {
             batch: b,
             tokens: t,
             rope: self.spec.rope.as_ref().map(|r| self.rope.table(r, t)),
+            samples,
         };
         let recomputed = ParamGrads::default();
         let mut w = Weights::new(dtype, track.then_some(&recomputed));
@@ -824,6 +862,7 @@ mod tests {
             batch: 2,
             tokens: 8,
             rope: None,
+            samples: None,
         };
         let block = &gpt.blocks[0];
         for (lean, plain, dtype) in [

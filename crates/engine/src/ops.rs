@@ -19,6 +19,7 @@ use rope::RopeTable;
 
 pub mod composite;
 pub mod cpu_load;
+pub mod dropout;
 pub mod fused;
 pub mod half;
 pub mod lean;

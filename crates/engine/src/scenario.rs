@@ -284,9 +284,11 @@ pub struct TrainConfig {
     pub lora_targets: Vec<String>,
     /// rsLoRA: scale the update by alpha / √r instead of alpha / r.
     pub lora_rslora: bool,
-    /// Dropout on the adapters' input (PEFT's `lora_dropout`). Only 0 trains here: the fused
-    /// and lean steps draw no masks; a non-zero value is refused, never silently ignored. An
-    /// adapter read with `--adapter` keeps this run's value, not the one it was trained with.
+    /// Dropout on each adapter's input in training (PEFT's `lora_dropout`), in `[0, 1)`:
+    /// `base(x) + B(A(dropout(x)))·scale`, kept elements scaled by `1/(1 − p)`, none dropped in
+    /// evaluation. Masks are drawn from the seed, the layer and the sample's place in the data
+    /// stream (`ops::dropout`). An adapter read with `--adapter` brings its own value when
+    /// this one is 0.
     pub lora_dropout: f64,
 }
 
@@ -860,7 +862,7 @@ pub fn nearest<'a>(given: &str, candidates: &[&'a str]) -> Option<&'a str> {
         .map(|(_, _, c)| c)
 }
 
-/// LoRA's settings: the adapters' scale must be finite, and dropout is not computed here.
+/// LoRA's settings: the adapters' scale must be finite, and dropout a probability below 1.
 fn check_lora(t: &TrainConfig) -> Result<(), Invalid> {
     if t.lora_rank > 0 && !t.lora_alpha.is_finite() {
         return Err(Invalid::new(
@@ -871,11 +873,11 @@ fn check_lora(t: &TrainConfig) -> Result<(), Invalid> {
             ),
         ));
     }
-    if t.lora_dropout != 0.0 {
+    if !(0.0..1.0).contains(&t.lora_dropout) {
         return Err(Invalid::new(
             "train.lora_dropout",
             format!(
-                "train.lora_dropout ({}): the engine's LoRA computes no dropout; set train.lora_dropout = 0",
+                "train.lora_dropout ({}) must be at least 0 and below 1 (0.05 or 0.1 are usual)",
                 t.lora_dropout
             ),
         ));
@@ -1061,6 +1063,17 @@ mod tests {
         assert!(err.contains("at least 1"), "{err}");
         let err = s.set("train.dtype=f8").unwrap_err().to_string();
         assert!(err.contains("f8"), "{err}");
+    }
+
+    #[test]
+    fn lora_dropout_is_a_probability_below_one() {
+        let mut s = Scenario::default();
+        s.set("train.lora_dropout=0.1").unwrap();
+        assert_eq!(s.train.lora_dropout, 0.1);
+        for bad in ["1", "-0.1", "1.5"] {
+            let err = s.set(&format!("train.lora_dropout={bad}")).unwrap_err();
+            assert!(err.to_string().contains("below 1"), "{bad}: {err}");
+        }
     }
 
     #[test]

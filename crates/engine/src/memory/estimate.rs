@@ -602,6 +602,7 @@ mod tests {
                     alpha: 8.0,
                     targets: targets.clone(),
                     rslora: false,
+                    dropout: 0.0,
                 };
                 let adapted = gpt.adapt(&lora, 0, candle_core::DType::BF16).unwrap();
                 let train = crate::scenario::TrainConfig {

@@ -515,6 +515,10 @@ pub fn prepare(scenario: &mut Scenario) -> Result<Option<(ModelDir, Spec)>, HfEr
         let t = &mut scenario.train;
         (t.lora_rank, t.lora_alpha, t.lora_targets, t.lora_rslora) =
             (lora.rank, lora.alpha, lora.targets, lora.rslora);
+        // The adapter's dropout, unless this run sets one.
+        if t.lora_dropout == 0.0 {
+            t.lora_dropout = lora.dropout;
+        }
     }
     scenario.model = cfg;
     let data = &mut scenario.data;

@@ -20,6 +20,24 @@ pub struct Adapter {
     pub b: Var,
     /// `alpha / r` (`alpha / √r` with rsLoRA).
     pub scale: f64,
+    /// The probability dropout zeroes an element of the adapter's input in training.
+    pub dropout: f64,
+    /// The layer's dropout key (`ops::dropout::site_key` of the run's seed and its name).
+    pub key: u64,
+}
+
+impl Adapter {
+    /// The dropout mask of this adapter in a forward over `dims`: none in evaluation (no
+    /// sample indices) or at p = 0.
+    pub fn dropout(&self, dims: &super::Dims) -> Option<crate::ops::dropout::Dropout> {
+        let samples = dims.samples.as_ref().filter(|_| self.dropout > 0.0)?;
+        Some(crate::ops::dropout::Dropout::new(
+            self.dropout as f32,
+            self.key,
+            samples.clone(),
+            dims.tokens,
+        ))
+    }
 }
 
 /// LoRA's settings.
@@ -34,6 +52,8 @@ pub struct Lora {
     pub targets: Vec<String>,
     /// rsLoRA's scale, `alpha / √r`.
     pub rslora: bool,
+    /// The dropout on each adapter's input in training (PEFT's `lora_dropout`), in `[0, 1)`.
+    pub dropout: f64,
 }
 
 /// A LoRA target that adapts no layer of the model.
@@ -49,6 +69,17 @@ pub struct UnknownTarget {
 }
 
 impl Lora {
+    /// The settings `train.lora_*` give.
+    pub fn of(train: &crate::scenario::TrainConfig) -> Lora {
+        Lora {
+            rank: train.lora_rank,
+            alpha: train.lora_alpha,
+            targets: train.lora_targets.clone(),
+            rslora: train.lora_rslora,
+            dropout: train.lora_dropout,
+        }
+    }
+
     /// The factor the adapter's output is multiplied by.
     pub fn scale(&self) -> f64 {
         match self.rslora {
@@ -114,7 +145,8 @@ impl Gpt {
                 if !lora.adapts(&dense.module) {
                     continue;
                 }
-                let adapter = new_adapter(dense, lora, &mut rng, &device)?;
+                let mut adapter = new_adapter(dense, lora, &mut rng, &device)?;
+                adapter.key = crate::ops::dropout::site_key(seed, &dense.module);
                 for (part, var) in [("lora_A", &adapter.a), ("lora_B", &adapter.b)] {
                     params.push(Param {
                         name: param_name(&dense.module, part),
@@ -220,6 +252,8 @@ fn new_adapter(
         a: Var::from_tensor(&Tensor::from_vec(a, (i, r), device)?)?,
         b: Var::from_tensor(&Tensor::zeros((r, o), DType::F32, device)?)?,
         scale: lora.scale(),
+        dropout: lora.dropout,
+        key: 0,
     })
 }
 
@@ -289,11 +323,19 @@ pub fn read_adapter_config(dir: &std::path::Path) -> std::result::Result<Lora, A
             )))
         }
     };
+    let dropout = match &v["lora_dropout"] {
+        serde_json::Value::Null => 0.0,
+        p => p
+            .as_f64()
+            .filter(|p| (0.0..1.0).contains(p))
+            .ok_or_else(|| bad(format!("`lora_dropout` {p}: expected a number in [0, 1)")))?,
+    };
     Ok(Lora {
         rank: rank as usize,
         alpha,
         targets,
         rslora: v["use_rslora"].as_bool().unwrap_or(false),
+        dropout,
     })
 }
 
@@ -381,7 +423,7 @@ pub fn save_adapter(
         "task_type": "CAUSAL_LM",
         "r": lora.rank,
         "lora_alpha": lora.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": lora.dropout,
         "target_modules": targets,
         "use_rslora": lora.rslora,
         "bias": "none",

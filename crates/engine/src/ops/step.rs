@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use candle_core::{Result, Tensor};
 
+use super::dropout::Dropout;
 use super::rope::RopeTable;
 use super::{composite, Activation, AttentionShape, NormKind};
 
@@ -61,6 +62,8 @@ pub struct Adapter {
     pub b: Tensor,
     /// `alpha / r` (`alpha / √r` with rsLoRA).
     pub scale: f64,
+    /// LoRA's dropout on the adapter's input (training only): `scale · (dropout(x)·A)·B`.
+    pub dropout: Option<Dropout>,
 }
 
 /// A layer's weight `[in, out]`, its bias `[out]` when it has one, and its adapter when LoRA
@@ -183,7 +186,7 @@ impl Step {
     }
 }
 
-/// `x·w (+ b) (+ scale·(x·A)·B)`.
+/// `x·w (+ b) (+ scale·(dropout(x)·A)·B)`.
 fn dense(x: &Tensor, d: &Dense) -> Result<Tensor> {
     let y = x.matmul(&d.w)?;
     let y = match &d.b {
@@ -191,8 +194,28 @@ fn dense(x: &Tensor, d: &Dense) -> Result<Tensor> {
         None => y,
     };
     match &d.adapter {
-        Some(a) => y + (x.matmul(&a.a)?.matmul(&a.b)? * a.scale)?,
+        Some(a) => y + (a.dropped(x)?.matmul(&a.a)?.matmul(&a.b)? * a.scale)?,
         None => Ok(y),
+    }
+}
+
+impl Adapter {
+    /// The adapter's input: `x` times its dropout mask (made on `x`'s device), or `x`.
+    pub fn dropped(&self, x: &Tensor) -> Result<Tensor> {
+        match self.mask_for(x)? {
+            Some(m) => x * m,
+            None => Ok(x.clone()),
+        }
+    }
+
+    /// The dropout mask for input `x` (`[rows, cols]`, in `x`'s dtype and on its device), when
+    /// the adapter has dropout.
+    pub fn mask_for(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let Some(d) = &self.dropout else {
+            return Ok(None);
+        };
+        let (rows, cols) = x.dims2()?;
+        d.mask(rows, cols, x.dtype(), x.device()).map(Some)
     }
 }
 
@@ -203,6 +226,7 @@ mod tests {
     use candle_core::{DType, Var};
 
     use super::*;
+    use crate::ops::dropout::Dropout;
     use crate::ops::rope::Rope;
     use crate::ops::tests::{random, rel_err};
     use crate::ops::{force_lean, fused, lean};
@@ -255,6 +279,7 @@ mod tests {
                 a: next(&[i, 3], 0.3),
                 b: next(&[3, o], 0.3),
                 scale: 8.0 / 3.0,
+                dropout: None,
             }),
         };
         let norm_weights = |next: &mut dyn FnMut(&[usize], f32) -> Tensor| {
@@ -346,6 +371,7 @@ mod tests {
                 a: var(&a.a),
                 b: var(&a.b),
                 scale: a.scale,
+                dropout: a.dropout.clone(),
             }),
         };
         let vars = StepWeights {
@@ -411,6 +437,95 @@ mod tests {
                 let _lean = force_lean(true);
                 let lean = through_sink(lean::branch, &x, &step, &w, &r);
                 assert_close(&format!("lean {name}"), &lean, &want, 1e-5);
+            }
+        }
+    }
+
+    /// `w` with dropout `p` on every adapter (each its own key), over `batch` samples of `t`.
+    fn with_dropout(w: &StepWeights, p: f32, batch: usize, t: usize) -> StepWeights {
+        let samples: Arc<[u64]> = (0..batch as u64).map(|i| 40 + 3 * i).collect();
+        let mut key = 0;
+        let mut dense = |d: &Dense| {
+            key += 1;
+            Dense {
+                adapter: d.adapter.as_ref().map(|a| Adapter {
+                    dropout: Some(Dropout::new(p, key, samples.clone(), t)),
+                    ..a.clone()
+                }),
+                ..d.clone()
+            }
+        };
+        StepWeights {
+            first: w.first.iter().map(&mut dense).collect(),
+            second: dense(&w.second),
+            ..w.clone()
+        }
+    }
+
+    /// Every result's bits.
+    fn bits(r: &Results) -> Vec<Vec<u32>> {
+        let all = [&r.0, &r.1].into_iter().chain(&r.2);
+        all.map(|t| {
+            let v = t.flatten_all().unwrap().to_dtype(DType::F32).unwrap();
+            v.to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        })
+        .collect()
+    }
+
+    #[test]
+    fn lora_dropout_steps_match_the_composite_reference_under_the_same_mask() {
+        let (batch, t) = (3, 20);
+        let x = random(&[batch * t, 16], 2.0, 1);
+        let r = random(&[batch * t, 16], 1.0, 9);
+        for family in ["gpt", "llama"] {
+            for (name, step, w) in steps(family, batch, t, true) {
+                let plain = through_composite(&x, &step, &w, &r);
+                let w = with_dropout(&w, 0.3, batch, t);
+                let want = through_composite(&x, &step, &w, &r);
+                let fused = through_sink(fused::branch, &x, &step, &w, &r);
+                assert_close(&format!("fused {name} dropout"), &fused, &want, 1e-5);
+                let lean = {
+                    let _lean = force_lean(true);
+                    through_sink(lean::branch, &x, &step, &w, &r)
+                };
+                assert_close(&format!("lean {name} dropout"), &lean, &want, 1e-5);
+                // Applied: the output and every adapter's gradient move off the p = 0 ones.
+                for (i, (g, p)) in fused.2.iter().zip(&plain.2).enumerate() {
+                    let e = rel_err(g, p);
+                    assert!(e > 1e-2, "{name}: adapter gradient {i} moved by {e:e} only");
+                }
+                assert!(rel_err(&fused.0, &plain.0) > 1e-3, "{name}: output");
+            }
+        }
+    }
+
+    #[test]
+    fn a_dropout_mask_of_all_ones_gives_the_bits_of_no_dropout() {
+        let (batch, t) = (2, 24);
+        let x = random(&[batch * t, 16], 2.0, 1);
+        let r = random(&[batch * t, 16], 1.0, 9);
+        for (name, step, w) in steps("llama", batch, t, true)
+            .into_iter()
+            .chain(steps("gpt", batch, t, true))
+        {
+            let dropped = with_dropout(&w, 0.5, batch, t);
+            for lean in [false, true] {
+                let _lean = force_lean(lean);
+                let run = |w: &StepWeights| match lean {
+                    true => through_sink(lean::branch, &x, &step, w, &r),
+                    false => through_sink(fused::branch, &x, &step, w, &r),
+                };
+                let want = run(&w);
+                let all_ones = {
+                    let _keep = crate::ops::dropout::force_keep_all(true);
+                    run(&with_dropout(&w, 0.5, batch, t))
+                };
+                assert_eq!(bits(&all_ones), bits(&want), "{name}, lean {lean}");
+                assert_ne!(bits(&run(&dropped)), bits(&want), "{name}, lean {lean}");
             }
         }
     }

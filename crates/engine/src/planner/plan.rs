@@ -36,11 +36,6 @@ pub fn engine_lora(lora: Option<&Lora>) -> Result<(), String> {
              the reference stack answers",
             l.base
         )),
-        Some(l) if l.dropout > 0.0 => Err(
-            "has no estimate with LoRA dropout (it trains LoRA without dropout only); only the \
-             reference stack answers"
-                .into(),
-        ),
         _ => Ok(()),
     }
 }

@@ -268,11 +268,12 @@ pub fn rank_window_gradients(
         watch.each(|o| o.forward_start())?;
         let batch = Batch::new(chunk, device)?;
         let weights = LossWeights::new(&batch, share, micro.len(), knobs.loss_norm);
-        let fwd = model.forward_checkpointed(
+        let indices: Vec<u64> = chunk.iter().map(|s| s.index).collect();
+        let fwd = model.forward_training(
             &batch.inputs,
             knobs.dtype.candle(),
-            true,
             knobs.checkpointing,
+            &indices,
         )?;
         let nll = fwd.nll_sum(&batch.targets, &batch.mask)?;
         let loss = nll.affine(weights.applied * scale, 0.0)?;

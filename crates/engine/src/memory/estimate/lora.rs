@@ -21,6 +21,9 @@ pub struct Adapters {
     pub attention: Vec<bool>,
     /// The MLP's layers, the first layer's parts then the second layer: adapted or not.
     pub mlp: Vec<bool>,
+    /// Dropout on the adapters' input (`train.lora_dropout` > 0): its masks are drawn again
+    /// in each pass (`ops::dropout`), so they cost moments, never kept bytes.
+    pub dropout: bool,
 }
 
 impl Adapters {
@@ -31,12 +34,7 @@ impl Adapters {
         if train.lora_rank == 0 {
             return None;
         }
-        let lora = Lora {
-            rank: train.lora_rank,
-            alpha: train.lora_alpha,
-            targets: train.lora_targets.clone(),
-            rslora: train.lora_rslora,
-        };
+        let lora = Lora::of(train);
         let names = crate::model::spec::naming_of(&arch.family);
         let prefix = names.block.replace("{l}", "0");
         let adapted = |layers: &[&str]| -> Vec<bool> {
@@ -51,6 +49,7 @@ impl Adapters {
             rank: train.lora_rank as u64,
             attention: adapted(&attention),
             mlp: adapted(&mlp),
+            dropout: train.lora_dropout > 0.0,
         })
     }
 
@@ -120,13 +119,23 @@ pub fn largest_adapter(cfg: &Config, a: &Adapters) -> u64 {
 
 /// One adapted layer's backward beside what is live (`parts_backward_rows`, and Candle's ops
 /// on the lean path): `t = s·dy·Bᵀ` (`[N, r]`, held to the layer's end), dA, `s·x·A` for a
-/// moment, dB. Leaves dA and dB. `e` bytes an element.
-fn adapter_grads(n: u64, r: u64, (i, o): (u64, u64), e: u64, t: &mut Tape) {
+/// moment, dB. Leaves dA and dB. `e` bytes an element. Under dropout (`drop`: the bytes an
+/// element of the mask tensor takes, 0 where the kernel makes its factors row by row) `t·Aᵀ`
+/// is made apart and masked before it joins dx, and dA and dB read the masked input, made
+/// again: `[N, in]` each.
+fn adapter_grads(n: u64, r: u64, (i, o): (u64, u64), e: u64, drop: Option<u64>, t: &mut Tape) {
     t.add(n * r * e);
+    let (mask, masked) = match drop {
+        None => (0, 0),
+        Some(m) => (n * i * m, n * i * e),
+    };
+    t.add(mask);
+    t.touch(masked);
+    t.add(masked);
     t.add(i * r * e);
     t.touch(n * r * e);
     t.add(r * o * e);
-    t.free(n * r * e);
+    t.free(n * r * e + mask + masked);
 }
 
 /// A frozen residual step's backward on the fused path (`ops::fused::branch` with a frozen
@@ -157,8 +166,9 @@ pub(super) fn fused_step(cfg: &Config, a: &Adapters, s: &Shape, step: &Step, t: 
     let d_act = n * step.product * F32;
     t.add(d_act);
     let mut grads = 0;
+    let drop = a.dropout.then_some(0);
     if let Some(dims) = second_adapted {
-        adapter_grads(n, r, dims, F32, t);
+        adapter_grads(n, r, dims, F32, drop, t);
         grads += r * (dims.0 + dims.1) * F32;
     }
     // SwiGLU's gradient of [gate | up] is a new buffer; the GELU's is made in place.
@@ -178,7 +188,7 @@ pub(super) fn fused_step(cfg: &Config, a: &Adapters, s: &Shape, step: &Step, t: 
     let normed = if s.cast { n * d * F32 } else { 0 };
     t.add(normed + n * d * F32 + width * F32);
     for &dims in layers.iter().flatten() {
-        adapter_grads(n, r, dims, F32, t);
+        adapter_grads(n, r, dims, F32, drop, t);
         grads += r * (dims.0 + dims.1) * F32;
     }
     t.free(normed + width * F32);
@@ -216,8 +226,9 @@ pub(super) fn lean_step(cfg: &Config, a: &Adapters, s: &Shape, step: &Step, t: &
         n * step.product * c
     };
     t.add(remade + n * step.product * c);
+    let drop = a.dropout.then_some(c);
     if let Some(dims) = second_adapted {
-        adapter_grads(n, r, dims, c, t);
+        adapter_grads(n, r, dims, c, drop, t);
         t.touch(2 * n * step.product * c);
     }
     let middle = if step.attention {
@@ -238,7 +249,7 @@ pub(super) fn lean_step(cfg: &Config, a: &Adapters, s: &Shape, step: &Step, t: &
         let columns = if step.first.len() > 1 { n * o * c } else { 0 };
         t.add(columns + n * d * c);
         if let Some(dims) = *adapted {
-            adapter_grads(n, r, dims, c, t);
+            adapter_grads(n, r, dims, c, drop, t);
             t.touch(2 * n * d * c);
         }
         if i > 0 {

@@ -115,6 +115,7 @@ impl Values<'_> {
                         b: &self.all[at + 1],
                         r: a.a.dim(1)?,
                         scale: a.scale as f32,
+                        dropout: a.dropout.as_ref(),
                     };
                     at += 2;
                     Some(lr)

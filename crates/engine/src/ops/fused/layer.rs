@@ -13,6 +13,7 @@ use super::linear::{
     activated, gelu_with_slope, linear_backward_rows, linear_rows, swiglu_backward,
 };
 use super::{column_sums, filled, for_ranges, matmul, Mat, MatMut};
+use crate::ops::dropout::Dropout;
 use crate::ops::Activation;
 
 /// An adapter's factors as the kernels read them.
@@ -25,6 +26,8 @@ pub(super) struct LowRank<'a> {
     pub r: usize,
     /// `alpha / r`.
     pub scale: f32,
+    /// The dropout on its input (training only).
+    pub dropout: Option<&'a Dropout>,
 }
 
 /// One weight of a layer: `w` `[i, o]`, its bias `[o]` and its adapter, when it has them.
@@ -44,8 +47,17 @@ fn scale(values: &mut [f32], s: f32) {
     values.iter_mut().for_each(|v| *v *= s);
 }
 
-/// `s·(x·A)`, `[n, r]`: the adapter's input side, scaled (both passes use it).
+/// `s·(dropout(x)·A)`, `[n, r]`: the adapter's input side, scaled, its dropout mask drawn
+/// (both passes use it).
 fn low_rank_input(x: &[f32], i: usize, lr: &LowRank) -> Vec<f32> {
+    match lr.dropout {
+        Some(d) => low_rank_product(&d.dropped(x, i), i, lr),
+        None => low_rank_product(x, i, lr),
+    }
+}
+
+/// `s·(x·A)`, `[n, r]`, for an input already dropped.
+fn low_rank_product(x: &[f32], i: usize, lr: &LowRank) -> Vec<f32> {
     let n = x.len() / i;
     // SAFETY: the n×r buffer is written whole by the product; x and A are other buffers.
     let mut xa = filled(n * lr.r, |out| unsafe {
@@ -147,14 +159,18 @@ pub(super) fn parts_backward_rows(
             unsafe {
                 let dst = || MatMut::new(out.offset(0), n, i, i);
                 matmul(dst(), *dyp, Mat::rows(p.w, p.o).t(), k > 0, true);
-                if let (Some(lr), Some(t)) = (&p.adapter, t) {
-                    matmul(
+                match (&p.adapter, t) {
+                    (Some(lr), Some(t)) if lr.dropout.is_some() => {
+                        add_masked_back(out.rows(&(0..n), i), t, lr, i);
+                    }
+                    (Some(lr), Some(t)) => matmul(
                         dst(),
                         Mat::rows(t, lr.r),
                         Mat::rows(lr.a, lr.r).t(),
                         true,
                         true,
-                    );
+                    ),
+                    _ => {}
                 }
             }
         }
@@ -189,8 +205,11 @@ pub(super) fn parts_backward_rows(
                 }
             }
             if let (Some(lr), Some(t)) = (&p.adapter, t) {
+                // The input the adapter saw: its mask drawn again under dropout.
+                let dropped = lr.dropout.map(|d| d.dropped(x, i));
+                let x = dropped.as_deref().unwrap_or(x);
                 g.push(product(i, lr.r, Mat::rows(x, i).t(), Mat::rows(t, lr.r)));
-                let xa = low_rank_input(x, i, lr);
+                let xa = low_rank_product(x, i, lr);
                 g.push(product(lr.r, p.o, Mat::rows(&xa, lr.r).t(), *dyp));
             }
             at += p.o;
@@ -198,6 +217,26 @@ pub(super) fn parts_backward_rows(
         })
         .collect();
     (dx, grads)
+}
+
+/// `dx += (t·Aᵀ) ⊙ mask`: the adapter's share of its input's gradient (rows of `i`) under
+/// dropout, through the mask its forward drew (`[n, i]`, made again here).
+fn add_masked_back(dx: &mut [f32], t: &[f32], lr: &LowRank, i: usize) {
+    let n = dx.len() / i;
+    // SAFETY: the n×i buffer is written whole by the product; t and A are other buffers.
+    let mut back = filled(n * i, |out| unsafe {
+        matmul(
+            MatMut::new(out.offset(0), n, i, i),
+            Mat::rows(t, lr.r),
+            Mat::rows(lr.a, lr.r).t(),
+            false,
+            true,
+        )
+    });
+    if let Some(d) = lr.dropout {
+        d.apply_rows(&mut back, i);
+    }
+    dx.iter_mut().zip(&back).for_each(|(d, b)| *d += b);
 }
 
 /// The second layer: `act(h)·w (+ b)` plus its adapter's term and `residual`, for `h` rows of

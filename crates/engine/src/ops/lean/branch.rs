@@ -96,6 +96,7 @@ fn detached(w: &StepWeights) -> StepWeights {
             a: a.a.detach(),
             b: a.b.detach(),
             scale: a.scale,
+            dropout: a.dropout.clone(),
         }),
     };
     StepWeights {
@@ -107,7 +108,7 @@ fn detached(w: &StepWeights) -> StepWeights {
     }
 }
 
-/// `x·w (+ b) (+ scale·(x·A)·B)`.
+/// `x·w (+ b) (+ scale·(dropout(x)·A)·B)`.
 fn dense(x: &Tensor, d: &Dense) -> Result<Tensor> {
     let y = x.matmul(&d.w)?;
     let y = match &d.b {
@@ -115,7 +116,7 @@ fn dense(x: &Tensor, d: &Dense) -> Result<Tensor> {
         None => y,
     };
     match &d.adapter {
-        Some(a) => y + (x.matmul(&a.a)?.matmul(&a.b)? * a.scale)?,
+        Some(a) => y + (a.dropped(x)?.matmul(&a.a)?.matmul(&a.b)? * a.scale)?,
         None => Ok(y),
     }
 }
@@ -195,7 +196,7 @@ impl Saved {
 
 /// The input's gradient and the layer's trainable gradients for `g`: with `base`, `dw` and `db`
 /// (the bias summed in f32); with an adapter, `dA = xᵀ·t` and `dB = (s·x·A)ᵀ·g`, where
-/// `t = s·g·Bᵀ` also adds `t·Aᵀ` to the input's gradient.
+/// `t = s·g·Bᵀ` also adds `t·Aᵀ` to the input's gradient (x and `t·Aᵀ` masked under dropout).
 fn layer_grads(x: &Tensor, d: &Dense, g: &Tensor, base: bool) -> Result<(Tensor, Vec<Tensor>)> {
     let mut grads = Vec::new();
     let mut dx = match (&d.b, base) {
@@ -211,8 +212,24 @@ fn layer_grads(x: &Tensor, d: &Dense, g: &Tensor, base: bool) -> Result<(Tensor,
         (_, false) => g.matmul(&d.w.t()?)?,
     };
     if let Some(a) = &d.adapter {
+        // Under dropout the adapter saw `m ⊙ x`, its mask drawn again: `t·Aᵀ` reaches x
+        // through the same mask.
+        let mask = a.mask_for(x)?;
+        let dropped;
+        let x = match &mask {
+            Some(m) => {
+                dropped = (x * m)?;
+                &dropped
+            }
+            None => x,
+        };
         let t = (g.matmul(&a.b.t()?)? * a.scale)?;
-        dx = (dx + t.matmul(&a.a.t()?)?)?;
+        let back = t.matmul(&a.a.t()?)?;
+        let back = match &mask {
+            Some(m) => (back * m)?,
+            None => back,
+        };
+        dx = (dx + back)?;
         grads.push(x.t()?.matmul(&t)?);
         let xa = (x.matmul(&a.a)? * a.scale)?;
         grads.push(xa.t()?.matmul(g)?);
