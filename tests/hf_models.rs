@@ -1009,7 +1009,11 @@ fn lora_dropout_draws_a_samples_mask_however_the_window_is_cut() {
             let mut t = gaccwb::train::Trainer::new(finetune(name, 2, &sets), Device::Cpu).unwrap();
             // One step first, so that B is not zero and A gets gradients.
             t.train_step(|| true).ok().unwrap();
-            let samples = t.next_window();
+            // The next window, drawn from the trainer's data stream as its step would.
+            let (start, n) = (t.cursor(), t.knobs().effective_batch() as u64);
+            let samples: Vec<_> = (start..start + n)
+                .map(|i| t.corpus().sample(gaccwb::data::Split::Train, i))
+                .collect();
             let grads = |micro_batch, accum_steps| {
                 let knobs = Knobs {
                     micro_batch,
