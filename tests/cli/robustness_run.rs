@@ -537,7 +537,12 @@ fn the_guard_split_does_not_move_the_policys_effective_batch() {
     use gaccwb::memory::estimate::{estimate, Config};
     let dir = tempfile::tempdir().unwrap();
     let preset = gaccwb::presets::resolve("adaptive-k").unwrap();
-    let cfg = Config::from_scenario(&preset, true).unwrap();
+    // The workspace of a fresh `gaccwb run` (its trainer's slab and the pool's), not this
+    // process's: other tests of this binary train in process and hold slabs of their own.
+    let cfg = Config {
+        workspace: gaccwb::ops::workspace::slab_bytes() * gaccwb::ops::pool::cpu_threads() as u64,
+        ..Config::from_scenario(&preset, true).unwrap()
+    };
     let peak = |micro_batch, accum_steps| {
         estimate(&Config {
             micro_batch,
