@@ -12,7 +12,7 @@ no longer reach them the way the planner counts (one adapter per expert's projec
 `transformers` 4 layout).
 
 The planner's own counts are held against these figures in the engine's tests
-(`crates/engine/src/hf/` and tests/planner_cli.rs); rerun this after adding a fixture.
+(`crates/engine/src/hf/` and tests/cli/planner_cli.rs); rerun this after adding a fixture.
 
 Usage: PYTHONPATH=DIR_WITH_TORCH_TRANSFORMERS_PEFT python3 benches/hf_param_counts.py [--lora]
 """

@@ -8,12 +8,11 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{TestModel, TINY};
+use common::{accumulating, TestModel, TINY};
 use gaccwb::data::Split;
 use gaccwb::memory::gpu::sources_for;
 use gaccwb::model::Gpt;
 use gaccwb::ops;
-use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Dtype, Knobs, MemorySource};
 use gaccwb::train::adamw::{AdamW, Hyper};
 use gaccwb::train::{relative_error, window_gradients, Trainer};
@@ -21,14 +20,6 @@ use gaccwb::train::{relative_error, window_gradients, Trainer};
 /// `cuda:0`; a test asked to run without one fails, naming why.
 fn gpu(test: &str) -> Device {
     Device::new_cuda(0).unwrap_or_else(|e| panic!("{test}: no CUDA device answers: {e}"))
-}
-
-fn tiny() -> Scenario {
-    let mut s = TINY.scenario();
-    s.train.micro_batch = 4;
-    s.train.accum_steps = 2;
-    s.train.warmup = 2;
-    s
 }
 
 /// Relative L2 error of one tensor against a reference on another device.
@@ -42,7 +33,7 @@ fn rel(a: &Tensor, reference: &Tensor) -> f64 {
 #[ignore = "needs a CUDA GPU: cargo test --features cuda --test gpu -- --include-ignored"]
 fn one_window_of_f32_gradients_matches_the_cpu() {
     let cuda = gpu("one_window_of_f32_gradients_matches_the_cpu");
-    let s = tiny();
+    let s = accumulating();
     let cpu = Trainer::new(s.clone(), Device::Cpu).unwrap();
     let samples: Vec<_> = (0..8)
         .map(|i| cpu.corpus().sample(Split::Train, i))
@@ -78,7 +69,7 @@ fn one_window_of_f32_gradients_matches_the_cpu() {
 #[ignore = "needs a CUDA GPU: cargo test --features cuda --test gpu -- --include-ignored"]
 fn lean_ops_match_the_plain_composite_ops_on_the_gpu() {
     let cuda = gpu("lean_ops_match_the_plain_composite_ops_on_the_gpu");
-    let s = tiny();
+    let s = accumulating();
     let cpu = Trainer::new(s.clone(), Device::Cpu).unwrap();
     let samples: Vec<_> = (0..4)
         .map(|i| cpu.corpus().sample(Split::Train, i))
@@ -108,7 +99,7 @@ fn lean_ops_match_the_plain_composite_ops_on_the_gpu() {
 #[ignore = "needs a CUDA GPU: cargo test --features cuda --test gpu -- --include-ignored"]
 fn one_adamw_step_matches_the_cpu() {
     let cuda = gpu("one_adamw_step_matches_the_cpu");
-    let s = tiny();
+    let s = accumulating();
     let hyper = Hyper {
         beta1: 0.9,
         beta2: 0.95,
@@ -149,7 +140,7 @@ fn one_adamw_step_matches_the_cpu() {
 fn zero_1_takes_zero_0s_steps_on_the_gpu() {
     let cuda = gpu("zero_1_takes_zero_0s_steps_on_the_gpu");
     let run = |zero: u8| {
-        let mut s = tiny();
+        let mut s = accumulating();
         (s.train.steps, s.train.zero) = (3, zero);
         let mut t = Trainer::new(s, cuda.clone()).unwrap();
         t.join(gaccwb::dist::Group::solo()).unwrap();
@@ -263,7 +254,7 @@ fn offload_preset_keeps_host_state_and_trains_on_the_gpu() {
 fn half_precision_offload_keeps_only_bf16_weights_on_the_gpu() {
     let cuda = gpu("half_precision_offload_keeps_only_bf16_weights_on_the_gpu");
     for grads in ["device", "host"] {
-        let mut s = tiny();
+        let mut s = accumulating();
         s.set("train.dtype=bf16").unwrap();
         s.set("train.offload=true").unwrap();
         s.set(&format!("train.offload_grads={grads}")).unwrap();

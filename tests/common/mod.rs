@@ -8,6 +8,8 @@ pub mod ledger;
 pub mod tmux;
 
 use gaccwb::scenario::{ModelConfig, Scenario};
+use gaccwb::telemetry::{Event, StepEvent};
+use gaccwb::train::Trainer;
 
 /// A model shape for tests. A test that needs another shape derives it from [`TINY`]
 /// (`TestModel { layers: 4, ..TINY }`) and says why.
@@ -78,6 +80,37 @@ impl TestModel {
             .flat_map(|set| ["--set".to_string(), set])
             .collect()
     }
+}
+
+/// [`TINY`] accumulating: B=4 over K=2 micro-batches, with a two-step warm-up so the learning
+/// rate moves within the few steps a test compares.
+pub fn accumulating() -> Scenario {
+    let mut s = TINY.scenario();
+    s.train.micro_batch = 4;
+    s.train.accum_steps = 2;
+    s.train.warmup = 2;
+    s
+}
+
+/// One optimizer step of `t`, which must succeed.
+pub fn step(t: &mut Trainer) -> StepEvent {
+    match t.train_step(|| true) {
+        Ok(s) => s,
+        Err(_) => panic!("step failed"),
+    }
+}
+
+/// The step events among `events`, in order.
+pub fn steps(events: &[Event]) -> impl Iterator<Item = &StepEvent> {
+    events.iter().filter_map(|e| match e {
+        Event::Step(s) => Some(s),
+        _ => None,
+    })
+}
+
+/// `gaccwb ARGS` run in `dir`, ended after two minutes (a hung run fails the test).
+pub fn gaccwb(args: &[&str], dir: &std::path::Path) -> (i32, String, String) {
+    gaccwb_in(dir, args, 120)
 }
 
 /// `gaccwb ARGS` run in `dir`, ended after `timeout_s` seconds: (exit code, stdout, stderr).

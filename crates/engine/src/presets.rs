@@ -81,7 +81,7 @@ pub fn resolve(name_or_path: &str) -> Result<Scenario, ScenarioError> {
 }
 
 /// Every built-in preset, parsed.
-#[allow(clippy::expect_used)] // the built-in presets parse (tests/presets.rs runs each)
+#[allow(clippy::expect_used)] // the built-in presets parse (tests/engine/presets.rs runs each)
 pub fn all() -> Vec<Scenario> {
     BUILTIN
         .iter()

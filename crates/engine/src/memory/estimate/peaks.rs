@@ -389,7 +389,7 @@ pub fn grad_store_bytes(cfg: &Config) -> u64 {
 /// adds the table's half gradient (V·D·c, still held) into the f32 weight's store, its f32
 /// copy, the zero tensor and the sum all live at once (3·V·D·4), the weight's own f32 gradient
 /// not yet in the store. Large once V·D is (a subword vocabulary). The half-precision moment
-/// is counted where it was measured, on the fused CPU path (`tests/memory_ledger.rs`, V = 8192);
+/// is counted where it was measured, on the fused CPU path (`tests/memory/memory_ledger.rs`, V = 8192);
 /// the lean path's estimate leaves it out.
 pub fn embedding_peak_bytes(cfg: &Config) -> u64 {
     if cfg.lora.is_some() {
@@ -462,7 +462,7 @@ fn recompute_casts(cfg: &Config) -> u64 {
 /// backward's gradient of the segment's output, held while the recompute runs, the gradient
 /// Candle's `Mul` backward computes and keeps in the recompute's store for the detached `grad_y`
 /// side of `y · grad_y` (never a node, so never removed), and three more N·D·c measured and not
-/// yet attributed (`tests/checkpointing_memory.rs`). 0 without checkpointing.
+/// yet attributed (`tests/memory/checkpointing_memory.rs`). 0 without checkpointing.
 fn recompute_in_flight_bytes(cfg: &Config) -> u64 {
     if checkpointed(cfg).is_none() {
         return 0;
