@@ -50,8 +50,10 @@ fn at(events: &[MemoryEvent], p: Phase) -> Categories {
 #[test]
 fn checkpointing_memory() {
     let _serial = crate::serial();
-    checkpointing_cuts_the_activations_and_the_estimator_follows();
-    every_category_is_predicted_within_five_percent_with_checkpointing();
+    common::ledger::on_measuring_thread(|| {
+        checkpointing_cuts_the_activations_and_the_estimator_follows();
+        every_category_is_predicted_within_five_percent_with_checkpointing();
+    });
 }
 
 fn checkpointing_cuts_the_activations_and_the_estimator_follows() {

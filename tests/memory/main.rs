@@ -5,7 +5,10 @@
 //! The allocator (`memory::alloc`) counts every thread of the process, so a test measuring
 //! while another test runs would book that test's bytes as its own; holding one lock for the
 //! whole of each test runs them one after another. `every_test_holds_the_serial_lock` fails when
-//! a test here does not.
+//! a test here does not. And every test measures on the one measuring thread
+//! (`common::ledger::on_measuring_thread`), never on its own: a thread that multiplied holds a
+//! `gemm` slab that is freed when the thread ends, after it let go of the lock, in the middle of
+//! the next test's figures.
 
 use std::sync::{Mutex, MutexGuard};
 

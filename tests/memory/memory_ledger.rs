@@ -21,14 +21,16 @@ use common::{TestModel, TINY};
 #[test]
 fn memory_ledger_physics_and_accounting() {
     let _serial = crate::serial();
-    activations_scale_linearly_with_the_micro_batch();
-    gradients_and_optimizer_state_do_not_depend_on_k_or_b();
-    smaller_micro_batch_at_the_same_effective_batch_lowers_the_peak();
-    parameters_are_the_parameter_count_times_four_bytes();
-    other_is_the_matmul_workspace_within_five_percent_at_the_default_presets_backward_peak();
-    the_estimator_is_within_ten_percent_of_measured_for_every_category();
-    offload_moves_the_moments_out_of_optimizer_state();
-    a_device_meter_keeps_offloaded_bytes_out_of_the_device_total();
+    common::ledger::on_measuring_thread(|| {
+        activations_scale_linearly_with_the_micro_batch();
+        gradients_and_optimizer_state_do_not_depend_on_k_or_b();
+        smaller_micro_batch_at_the_same_effective_batch_lowers_the_peak();
+        parameters_are_the_parameter_count_times_four_bytes();
+        other_is_the_matmul_workspace_within_five_percent_at_the_default_presets_backward_peak();
+        the_estimator_is_within_ten_percent_of_measured_for_every_category();
+        offload_moves_the_moments_out_of_optimizer_state();
+        a_device_meter_keeps_offloaded_bytes_out_of_the_device_total();
+    });
 }
 
 /// [`TINY`] at the byte vocabulary docs/MEMORY.md's figures were measured at.
