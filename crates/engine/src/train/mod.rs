@@ -81,7 +81,7 @@ pub struct Progress {
     pub overflow_count: u64,
 }
 
-/// A saved run's state, for [`Trainer::resume`].
+/// A saved run's state, as a checkpoint restores it (`Trainer::resume`).
 pub struct Saved {
     /// One tensor per parameter, in parameter order.
     pub weights: Vec<Tensor>,
