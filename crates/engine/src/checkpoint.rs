@@ -29,7 +29,7 @@ const STATE_FILE: &str = "checkpoint.json";
 
 mod error;
 mod integrity;
-pub use error::CheckpointError;
+pub use error::{CheckpointError, StateError};
 pub use integrity::check_ranks;
 use integrity::{is_abandoned_save, sha256_hex};
 
@@ -358,47 +358,10 @@ pub fn read_state(dir: &Path) -> Result<State, CheckpointError> {
     Ok(state)
 }
 
-/// A value in `checkpoint.json` that a run cannot have written, named by its key.
-#[derive(Debug, thiserror::Error)]
-pub enum StateError {
-    /// The saved scenario does not pass a preset's checks.
-    #[error("scenario: {0}")]
-    Scenario(String),
-    /// A knob outside what a control may set.
-    #[error("knobs: {0}")]
-    Knob(String),
-    /// The knobs make a window whose sizes overflow.
-    #[error("knobs: {0}")]
-    Window(crate::limits::BoundError),
-    /// A counter too large to keep counting.
-    #[error(transparent)]
-    Counter(#[from] crate::limits::BoundError),
-    /// A counter ahead of the optimizer steps taken.
-    #[error(
-        "{key} ({value}) is more than step ({step}): a run cannot have taken more AdamW \
-         updates, scheduled steps or overflows than optimizer steps; restore the file the run \
-         wrote"
-    )]
-    AheadOfStep {
-        /// The counter's key.
-        key: &'static str,
-        /// Its value.
-        value: u64,
-        /// The optimizer steps saved.
-        step: u64,
-    },
-    /// A tensor file name that leaves the checkpoint's directory.
-    #[error("tensors ({0}) must name a file in the checkpoint's own directory")]
-    TensorsOutside(String),
-}
-
 /// The values of an edited or damaged state file, checked with the rules presets follow.
 fn check_state(state: &State) -> Result<(), StateError> {
     use crate::limits::{at_most, check_window, MAX_INTEGER};
-    state
-        .scenario
-        .validate()
-        .map_err(|e| StateError::Scenario(e.to_string()))?;
+    state.scenario.validate().map_err(StateError::Scenario)?;
     let k = &state.knobs;
     for c in [
         Control::SetAccumSteps {
@@ -413,7 +376,7 @@ fn check_state(state: &State) -> Result<(), StateError> {
             value: state.loss_scale,
         },
     ] {
-        crate::scenario::validate_control(&c).map_err(|e| StateError::Knob(e.to_string()))?;
+        crate::scenario::validate_control(&c).map_err(StateError::Knob)?;
     }
     check_window(k.micro_batch, k.accum_steps, state.scenario.model.seq_len)
         .map_err(StateError::Window)?;

@@ -44,7 +44,7 @@ pub enum CheckpointError {
         /// The state file.
         path: PathBuf,
         /// The value and why.
-        err: super::StateError,
+        err: StateError,
     },
     /// Saved by a run of another number of ranks.
     #[error(
@@ -207,6 +207,40 @@ pub enum CheckpointError {
     /// A tensor operation failed (moving the state, merging adapters).
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),
+}
+
+/// A value in `checkpoint.json` that a run cannot have written, named by its key.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// The saved scenario does not pass a preset's checks.
+    #[error("scenario: {0}")]
+    Scenario(crate::scenario::Invalid),
+    /// A knob outside what a control may set.
+    #[error("knobs: {0}")]
+    Knob(crate::scenario::ControlError),
+    /// The knobs make a window whose sizes overflow.
+    #[error("knobs: {0}")]
+    Window(crate::limits::BoundError),
+    /// A counter too large to keep counting.
+    #[error(transparent)]
+    Counter(#[from] crate::limits::BoundError),
+    /// A counter ahead of the optimizer steps taken.
+    #[error(
+        "{key} ({value}) is more than step ({step}): a run cannot have taken more AdamW \
+         updates, scheduled steps or overflows than optimizer steps; restore the file the run \
+         wrote"
+    )]
+    AheadOfStep {
+        /// The counter's key.
+        key: &'static str,
+        /// Its value.
+        value: u64,
+        /// The optimizer steps saved.
+        step: u64,
+    },
+    /// A tensor file name that leaves the checkpoint's directory.
+    #[error("tensors ({0}) must name a file in the checkpoint's own directory")]
+    TensorsOutside(String),
 }
 
 // Boxed, as these errors are large and every checkpoint function returns this enum.
