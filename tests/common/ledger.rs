@@ -186,20 +186,39 @@ pub fn lora_grid(lean: bool) -> Vec<FamilyPoint> {
     let mut points = Vec::new();
     for (family, some) in targets {
         for (lora, (micro_batch, accum_steps)) in [(&[][..], (4, 1)), (some, (2, 3))] {
-            for dtype in ["f32", "bf16"] {
-                for checkpointing in ["none", "blocks"] {
-                    points.push(FamilyPoint {
-                        family: Some(family),
-                        dtype,
-                        checkpointing,
-                        lean,
-                        micro_batch,
-                        accum_steps,
-                        lora: Some(lora),
-                        dropout: 0.0,
-                    });
-                }
-            }
+            points.extend(lora_points(
+                family,
+                lora,
+                (micro_batch, accum_steps),
+                lean,
+                0.0,
+            ));
+        }
+    }
+    points
+}
+
+/// One LoRA run of `family` × f32 and bf16 × checkpointing off and `blocks`.
+fn lora_points(
+    family: &'static str,
+    lora: &'static [&'static str],
+    (micro_batch, accum_steps): (usize, usize),
+    lean: bool,
+    dropout: f64,
+) -> Vec<FamilyPoint> {
+    let mut points = Vec::new();
+    for dtype in ["f32", "bf16"] {
+        for checkpointing in ["none", "blocks"] {
+            points.push(FamilyPoint {
+                family: Some(family),
+                dtype,
+                checkpointing,
+                lean,
+                micro_batch,
+                accum_steps,
+                lora: Some(lora),
+                dropout,
+            });
         }
     }
     points
@@ -214,21 +233,8 @@ pub fn lora_dropout_grid(lean: bool) -> Vec<FamilyPoint> {
         if family == "llama-gqa-llama3" && !lean {
             continue;
         }
-        for (micro_batch, accum_steps) in [(4, 1), (2, 3)] {
-            for dtype in ["f32", "bf16"] {
-                for checkpointing in ["none", "blocks"] {
-                    points.push(FamilyPoint {
-                        family: Some(family),
-                        dtype,
-                        checkpointing,
-                        lean,
-                        micro_batch,
-                        accum_steps,
-                        lora: Some(&[]),
-                        dropout: 0.1,
-                    });
-                }
-            }
+        for case in [(4, 1), (2, 3)] {
+            points.extend(lora_points(family, &[], case, lean, 0.1));
         }
     }
     points

@@ -192,11 +192,7 @@ pub(super) fn fused_step(cfg: &Config, a: &Adapters, s: &Shape, step: &Step, t: 
         grads += r * (dims.0 + dims.1) * F32;
     }
     t.free(normed + width * F32);
-    // The norm: its input's f32 copy and [dx; dgain (; dbias)].
-    let x = if s.cast { n * d * F32 } else { 0 };
-    let norm = (n + 1 + u64::from(s.norm_bias)) * d * F32;
-    t.add(x + norm);
-    t.free(x);
+    let norm = super::peaks::norm_backward(s, t);
     // The adapters' gradients in the storage dtype, and dx.
     if s.cast {
         t.add(adapters * c);

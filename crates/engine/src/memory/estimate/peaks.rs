@@ -102,6 +102,17 @@ impl Step {
     }
 }
 
+/// A fused residual step's norm in the backward: its input's f32 copy (half storage) for the
+/// op's run, and its packed result `[dx; dgain (; dbias)]`, which stays: its bytes.
+pub(super) fn norm_backward(s: &Shape, t: &mut Tape) -> u64 {
+    let (n, d) = (s.n, s.d);
+    let x = if s.cast { n * d * F32 } else { 0 };
+    let norm = (n + 1 + u64::from(s.norm_bias)) * d * F32;
+    t.add(x + norm);
+    t.free(x);
+    norm
+}
+
 /// `gemm`'s packed copy of the right-hand matrix of a `rows × inner · inner × cols` product on
 /// each thread that takes part (`ops::fused::rhs_packing`).
 fn packing(rows: u64, inner: u64, cols: u64) -> u64 {
@@ -160,11 +171,7 @@ fn fused_step(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
         }
     }
     t.free(normed + width * F32);
-    // The norm: its input's f32 copy and [dx; dgain (; dbias)].
-    let x = if s.cast { n * d * F32 } else { 0 };
-    let norm = (n + 1 + u64::from(s.norm_bias)) * d * F32;
-    t.add(x + norm);
-    t.free(x);
+    let norm = norm_backward(s, t);
     // Each weight's gradient taken out of the f32 buffers in the storage dtype.
     if s.cast {
         t.touch(params * F32);
