@@ -15,8 +15,9 @@ use candle_core::Device;
 use gaccwb::data::Split;
 use gaccwb::memory::gpu::{AllocatorSource, GpuSource, SAMPLE_INTERVAL};
 use gaccwb::memory::Ledger;
-use gaccwb::train::window::{BackwardEnd, ForwardEnd};
-use gaccwb::train::{window_gradients, window_gradients_observed, Trainer, WindowObserver};
+use gaccwb::train::{
+    window_gradients, window_gradients_observed, BackwardEnd, ForwardEnd, Trainer, WindowObserver,
+};
 
 /// Times every measurement point of the ledger it wraps.
 struct Timed<'a> {
@@ -54,7 +55,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
-    gaccwb::ops::pool::configure_process();
+    gaccwb::ops::configure_process();
     let args: Vec<String> = std::env::args().collect();
     let preset = args.get(1).map_or("baseline", String::as_str);
     let steps: usize = args.get(2).map_or(Ok(10), |s| s.parse())?;

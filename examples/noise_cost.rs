@@ -21,7 +21,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
-    gaccwb::ops::pool::configure_process();
+    gaccwb::ops::configure_process();
     let args: Vec<String> = std::env::args().collect();
     let preset = args.get(1).map_or("baseline", String::as_str);
     let steps: usize = args.get(2).map_or(Ok(10), |s| s.parse())?;

@@ -10,8 +10,9 @@ use std::time::Instant;
 use candle_core::Device;
 use serde::Serialize;
 
+use crate::control::Dtype;
 use crate::scenario::{DataSource, Scenario};
-use crate::telemetry::{Dtype, PhaseMs};
+use crate::telemetry::PhaseMs;
 use crate::train::Trainer;
 
 /// One shape to measure.
@@ -113,7 +114,7 @@ pub fn case_scenario(base: &Scenario, case: Case) -> Scenario {
 
 /// Threads of the CPU path in this process (`ops::pool::cpu_threads`).
 pub fn threads() -> usize {
-    crate::ops::pool::cpu_threads()
+    crate::ops::cpu_threads()
 }
 
 /// Run `warmup` untimed then `steps` timed optimizer steps of `scenario` as given.
@@ -263,7 +264,7 @@ pub fn measure_host_rates(params: usize, n: usize, steps: usize) -> anyhow::Resu
                 step,
             })
             .collect();
-        adamw_update_all(&jobs)
+        adamw_update_all(&jobs, None).map(drop)
     })?;
     let a = Tensor::ones((n, n), DType::F32, &device)?;
     let matmul_s = timed(steps, || project(&a, &a).map(drop))?;

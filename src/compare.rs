@@ -522,10 +522,10 @@ mod tests {
         assert_eq!(c[1].label, "B=4,K=8,offload,bf16");
         let t = &c[1].scenario.train;
         assert_eq!((t.micro_batch, t.accum_steps, t.offload), (4, 8, true));
-        assert_eq!(t.dtype, crate::telemetry::Dtype::Bf16);
+        assert_eq!(t.dtype, crate::control::Dtype::Bf16);
         assert_eq!(
             c[2].scenario.train.checkpointing,
-            crate::telemetry::Checkpointing::Blocks
+            crate::control::Checkpointing::Blocks
         );
     }
 

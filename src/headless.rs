@@ -6,12 +6,12 @@ use std::path::PathBuf;
 use candle_core::Device;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::control::{Control, ControlMsg, Origin};
+use crate::end::EndReason;
 use crate::memory::StepFigure;
 use crate::scenario::Scenario;
 use crate::session::Session;
-use crate::telemetry::{
-    Control, ControlMsg, EndReason, Event, Header, Level, MemorySource, Origin, StepEvent,
-};
+use crate::telemetry::{Event, Header, Level, MemorySource, StepEvent};
 use crate::train;
 
 /// A run that failed or that a signal stopped: the program exits with the reason's code
@@ -205,7 +205,7 @@ const STUCK_AFTER_SIGNAL: std::time::Duration = std::time::Duration::from_millis
 /// After a stopping signal: if the trainer sits in one collective (the other ranks do not
 /// answer) for [`STUCK_AFTER_SIGNAL`], the run ends here, with its `end`, without it. Alone, a
 /// run enters no collective and this never fires.
-fn end_if_stuck(sink: &crate::train::EventSink, signo: i32) {
+fn end_if_stuck(sink: &crate::telemetry::EventSink, signo: i32) {
     let signalled = std::time::Instant::now();
     loop {
         std::thread::sleep(std::time::Duration::from_millis(20));
@@ -221,7 +221,7 @@ fn end_if_stuck(sink: &crate::train::EventSink, signo: i32) {
 }
 
 /// An `end` sent from outside the trainer (which is stuck in a collective).
-fn send_end(sink: &crate::train::EventSink, reason: EndReason) {
+fn send_end(sink: &crate::telemetry::EventSink, reason: EndReason) {
     sink.send(Event::End(crate::telemetry::EndEvent {
         step: sink.last_step(),
         reason,

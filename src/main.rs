@@ -18,7 +18,7 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     tune_allocator();
-    gaccwb::ops::pool::configure_process();
+    gaccwb::ops::configure_process();
     cli::main()
 }
 

@@ -17,7 +17,7 @@ pub struct Session {
     /// The run's `train.steps` (0: until stopped).
     pub steps: u64,
     /// The trainer's event stream, for other producers (a timed-out collective's `end`).
-    pub sink: crate::train::EventSink,
+    pub sink: crate::telemetry::EventSink,
 }
 
 impl Session {

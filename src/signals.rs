@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
 use std::time::Duration;
 
-use crate::telemetry::EndReason;
+use crate::end::EndReason;
 
 /// The first stopping signal this process caught (0: none).
 static CAUGHT: AtomicI32 = AtomicI32::new(0);

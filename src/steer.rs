@@ -10,10 +10,9 @@ use std::time::Duration;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::limits::growing::GrowingFile;
-use crate::limits::ReadError;
+use crate::limits::{GrowingFile, ReadError};
 
-use crate::telemetry::{Control, ControlMsg, Origin};
+use crate::control::{Control, ControlMsg, Origin};
 
 /// How often the file is read for new lines.
 const POLL: Duration = Duration::from_millis(100);

@@ -9,13 +9,13 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{accumulating, TestModel, TINY};
+use gaccwb::control::{Dtype, Knobs};
 use gaccwb::data::Split;
 use gaccwb::memory::gpu::sources_for;
 use gaccwb::model::Gpt;
 use gaccwb::ops;
-use gaccwb::telemetry::{Dtype, Knobs, MemorySource};
-use gaccwb::train::adamw::{AdamW, Hyper};
-use gaccwb::train::{relative_error, window_gradients, Trainer};
+use gaccwb::telemetry::MemorySource;
+use gaccwb::train::{relative_error, window_gradients, AdamW, Hyper, Trainer};
 
 /// `cuda:0`; a test asked to run without one fails, naming why.
 fn gpu(test: &str) -> Device {
@@ -223,7 +223,7 @@ fn fp16_overflow_preset_skips_and_recovers_on_the_gpu() {
 fn offload_preset_keeps_host_state_and_trains_on_the_gpu() {
     let cuda = gpu("offload_preset_keeps_host_state_and_trains_on_the_gpu");
     let mut t = preset_run("offload", &cuda, 6);
-    t.apply_control(&gaccwb::telemetry::Control::SetOffload { value: true })
+    t.apply_control(&gaccwb::control::Control::SetOffload { value: true })
         .unwrap();
     let Ok(step) = t.train_step(|| true) else {
         panic!("offloaded step failed");

@@ -10,9 +10,9 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::TINY;
+use gaccwb::control::{Knobs, SyncEvery};
 use gaccwb::data::Split;
-use gaccwb::dist::{Collectives, Group, SyncEvery};
-use gaccwb::telemetry::Knobs;
+use gaccwb::dist::{Collectives, Group};
 use gaccwb::train::{window_gradients, Trainer};
 
 /// `cuda:0` and a world of one on NCCL there; a test asked to run without them fails, naming why.

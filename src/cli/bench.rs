@@ -4,8 +4,8 @@
 use clap::Args;
 
 use gaccwb::bench::{self, Case, DEFAULT_CASES};
+use gaccwb::control::Dtype;
 use gaccwb::presets;
-use gaccwb::telemetry::Dtype;
 use strum::VariantArray;
 
 use super::UsageError;
@@ -244,7 +244,7 @@ fn check_case(
         let mut s = bench::case_scenario(preset, case);
         s.train.dtype = dtype;
         let cfg = gaccwb::memory::estimate::Config::from_scenario(&s, true)?;
-        gaccwb::memory::fit::check_fits(&cfg, None).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+        gaccwb::memory::check_fits(&cfg, None).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
     }
     Ok(())
 }

@@ -5,8 +5,7 @@
 use std::path::PathBuf;
 
 use gaccwb::bench::{self, Case, Measurement, ProductRate};
-use gaccwb::planner::activations::Recompute;
-use gaccwb::planner::step_time::flops_per_token;
+use gaccwb::planner::{flops_per_token, Recompute};
 use gaccwb::presets;
 use gaccwb::scenario::{DataSource, Scenario};
 
@@ -47,7 +46,7 @@ pub(super) fn bench_model(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let mut results = Vec::new();
     for case in &cases {
-        let f32_only = [gaccwb::telemetry::Dtype::F32];
+        let f32_only = [gaccwb::control::Dtype::F32];
         let dtypes = args.dtypes.as_ref().map_or(&f32_only[..], |d| &d.0[..]);
         let scenarios: Vec<Scenario> = dtypes
             .iter()

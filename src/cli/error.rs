@@ -2,9 +2,9 @@
 
 use std::process::ExitCode;
 
+use gaccwb::end::EndReason;
 use gaccwb::headless::RunEnded;
 use gaccwb::signals::Signalled;
-use gaccwb::telemetry::EndReason;
 
 /// A problem with what the user asked for (a bad argument, file or value): exit code 2.
 #[derive(Debug, thiserror::Error)]
@@ -75,8 +75,8 @@ impl ExitClass {
         }
         // A `--config` that cannot be read is a file that cannot be read (1), as the table
         // says; one that reads but is wrong is a usage error like any bad value.
-        use gaccwb::hf::config::HfConfigError;
-        use gaccwb::planner::options::OptionsError;
+        use gaccwb::hf::HfConfigError;
+        use gaccwb::planner::OptionsError;
         if let Some(OptionsError::Config(HfConfigError::Read { .. })) = cause.downcast_ref() {
             return Some(ExitClass::Failure);
         }
@@ -84,16 +84,16 @@ impl ExitClass {
         use gaccwb::budget::BudgetError;
         if matches!(cause.downcast_ref(), Some(BudgetError::Unreadable { .. }))
             || cause.is::<gaccwb::limits::BoundError>()
-            || cause.is::<gaccwb::memory::verdict::ShapeError>()
-            || cause.is::<gaccwb::planner::options::OptionsError>()
+            || cause.is::<gaccwb::memory::ShapeError>()
+            || cause.is::<gaccwb::planner::OptionsError>()
             || cause.is::<gaccwb::model::hf::HfError>()
-            || cause.is::<gaccwb::model::spec::SpecError>()
+            || cause.is::<gaccwb::model::SpecError>()
             || matches!(
                 cause.downcast_ref(),
                 Some(gaccwb::model::OpenError::Hf(_) | gaccwb::model::OpenError::Adapter(_))
             )
-            || cause.is::<gaccwb::model::lora::AdaptError>()
-            || cause.is::<gaccwb::model::lora::AdapterError>()
+            || cause.is::<gaccwb::model::AdaptError>()
+            || cause.is::<gaccwb::model::AdapterError>()
         {
             return Some(ExitClass::Usage);
         }
@@ -195,9 +195,9 @@ mod tests {
         );
         let steps = gaccwb::limits::at_most("--steps", 2, 1).unwrap_err();
         assert_eq!(ExitClass::of(&steps.into()), ExitClass::Usage);
-        let seq_len = gaccwb::planner::options::OptionsError::SeqLen;
+        let seq_len = gaccwb::planner::OptionsError::SeqLen;
         assert_eq!(ExitClass::of(&seq_len.into()), ExitClass::Usage);
-        let shape = gaccwb::memory::verdict::named_shape("gpt4").unwrap_err();
+        let shape = gaccwb::memory::named_shape("gpt4").unwrap_err();
         assert_eq!(ExitClass::of(&shape.into()), ExitClass::Usage);
     }
 

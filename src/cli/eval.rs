@@ -5,10 +5,10 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+use gaccwb::control::Dtype;
 use gaccwb::device::DeviceChoice;
 use gaccwb::model::hf::{self, ModelDir};
-use gaccwb::model::perplexity::perplexity;
-use gaccwb::telemetry::Dtype;
+use gaccwb::model::perplexity;
 
 use super::usage;
 
@@ -84,7 +84,7 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let device = args.device.open()?;
     let mut model = dir.load(seq_len as usize, &device, None, &mut |_, _| {})?;
     if let Some(adapter) = &args.adapter {
-        let lora = gaccwb::model::lora::read_adapter_config(adapter)?;
+        let lora = gaccwb::model::read_adapter_config(adapter)?;
         model = model.adapt(&lora, 0, candle_core::DType::F32)?;
         model.load_adapter(adapter)?;
     }

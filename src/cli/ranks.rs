@@ -21,8 +21,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use gaccwb::children::{self, Scratch};
+use gaccwb::control::Control;
 use gaccwb::signals::{Signalled, Stoppers};
-use gaccwb::telemetry::Control;
 use gaccwb::tui::{self, keymap::KeyMap};
 
 use super::{usage, UsageError};
@@ -58,7 +58,7 @@ pub fn launch(l: Launch, precheck: impl FnOnce() -> anyhow::Result<()>) -> anyho
         ))
         .into());
     }
-    if gaccwb::dist::launch::read(|n| std::env::var(n).ok())?.is_some() {
+    if gaccwb::dist::launched(|n| std::env::var(n).ok())?.is_some() {
         return Err(usage(
             "--ranks starts its own ranks; under mpirun, leave it out (mpirun -n N gaccwb run \
              --headless …)",

@@ -176,7 +176,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // Building the model (or training a tokenizer) can take a while; a signal meanwhile ends
     // the process with a line saying so. The run takes over once it starts.
     gaccwb::signals::until_started()?;
-    let launched = gaccwb::dist::launch::read(|n| std::env::var(n).ok())?.is_some();
+    let launched = gaccwb::dist::launched(|n| std::env::var(n).ok())?.is_some();
     // A rank dies with the launcher that started it, however that ends.
     if launched && !gaccwb::children::die_with_parent() {
         return Err(Signalled(libc::SIGTERM).into());
@@ -216,7 +216,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let device = match group.is_parallel() {
         true => args
             .device
-            .open_for_rank(gaccwb::dist::launch::local_rank(|n| std::env::var(n).ok())),
+            .open_for_rank(gaccwb::dist::local_rank(|n| std::env::var(n).ok())),
         false => args.device.open(),
     };
     let device = together(&mut group, device.map_err(anyhow::Error::from))?;
@@ -318,7 +318,7 @@ fn prepare(args: &RunArgs, scenario: &Scenario) -> anyhow::Result<Prepared> {
     }
     if let Some(dir) = &args.save_model {
         // Checked again once built (a resumed run's model is the checkpoint's).
-        gaccwb::model::save::check_target(scenario.model.path.as_deref(), dir).map_err(usage)?;
+        gaccwb::model::check_target(scenario.model.path.as_deref(), dir).map_err(usage)?;
     }
     let controls = match &args.controls_from {
         Some(path) => Some(
@@ -469,7 +469,7 @@ fn build_trainer(
     let inputs = args.inputs_but_resumed(Some(trainer.scenario()));
     if let Some(dir) = args.save_model.clone().filter(|_| lead) {
         let source = trainer.scenario().model.path.as_deref();
-        gaccwb::model::save::check_target(source, &dir).map_err(usage)?;
+        gaccwb::model::check_target(source, &dir).map_err(usage)?;
         let rules = Overwrite::new(args.force, inputs.clone());
         trainer.add_after_step(Box::new(checkpoint::ModelSave {
             dir,

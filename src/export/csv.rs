@@ -18,12 +18,13 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use serde::Serialize;
 
+use crate::control::{Dtype, Origin};
 use crate::record::Recording;
 use crate::telemetry::{
-    Categories, Dtype, EstimateEvent, Event, MemoryEvent, MemorySource, Origin, Phase, StepEvent,
+    Categories, EstimateEvent, Event, MemoryEvent, MemorySource, Phase, StepEvent,
 };
 
-pub const STEP_COLUMNS: [&str; 30] = [
+pub const STEP_COLUMNS: &[&str] = &[
     "step",
     "loss",
     "grad_norm",
@@ -261,7 +262,7 @@ pub fn steps_csv(events: &[Event]) -> anyhow::Result<String> {
         Event::Step(s) => Some(StepRow::from(s)),
         _ => None,
     });
-    table(&STEP_COLUMNS, rows.map(|r| (r, None)))
+    table(STEP_COLUMNS, rows.map(|r| (r, None)))
 }
 
 pub fn memory_csv(events: &[Event]) -> anyhow::Result<String> {

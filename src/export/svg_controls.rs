@@ -8,8 +8,9 @@ use plotters::prelude::*;
 
 use super::chart::{text_width, Area, DrawResult, FONT};
 use super::svg::{MARKER, PLOT_LEFT, PLOT_RIGHT, WIDTH};
+use crate::control::Knobs;
 use crate::record::Recording;
-use crate::telemetry::{Event, Knobs};
+use crate::telemetry::Event;
 
 /// One row of control labels; labels that would overlap go to the next row.
 pub const CONTROL_ROW: u32 = 22;
@@ -159,7 +160,8 @@ fn boxed_label(area: &Area, text: &str, (left, top): (i32, i32), color: RGBColor
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::telemetry::{Control, ControlEvent, Origin};
+    use crate::control::{Control, Origin};
+    use crate::telemetry::ControlEvent;
     use crate::tui::testing::{header, sample_run};
 
     fn recording(events: Vec<Event>) -> Recording {

@@ -44,7 +44,7 @@ impl Feed {
             Feed::Live(live) if action == Action::RecordToggle => live.toggle_recording(app),
             Feed::Live(live) => {
                 for control in app.apply(action) {
-                    live.handle.send(control, crate::telemetry::Origin::Key);
+                    live.handle.send(control, crate::control::Origin::Key);
                 }
             }
             Feed::Replay(replay) => {
@@ -519,7 +519,8 @@ mod tests {
 
     #[test]
     fn a_recording_started_during_a_pitfall_carries_it_in_its_header() {
-        use crate::telemetry::{Control, ControlEvent, LossNorm, Origin, ZeroGrad};
+        use crate::control::{Control, LossNorm, Origin, ZeroGrad};
+        use crate::telemetry::ControlEvent;
         let mut app = App::new(100);
         app.update(&Event::Header(crate::tui::testing::header()));
         for control in [

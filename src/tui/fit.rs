@@ -5,9 +5,9 @@
 //! micro-batch dividing the effective batch whose predicted peak fits, and sends it with the K
 //! that keeps B·K.
 
+use crate::control::Control;
 use crate::memory::estimate::{largest_micro_batch, Config};
-use crate::memory::verdict::human_bytes;
-use crate::telemetry::Control;
+use crate::memory::human_bytes;
 
 use super::app::App;
 
@@ -74,8 +74,9 @@ pub fn budget_line(app: &App) -> Option<String> {
 mod tests {
     use super::*;
     use crate::budget::MemoryBudget;
+    use crate::control::Knobs;
     use crate::memory::estimate::estimate;
-    use crate::telemetry::{Event, Knobs};
+    use crate::telemetry::Event;
     use crate::tui::keymap::Action;
 
     #[test]
@@ -122,12 +123,12 @@ mod tests {
         // Pressed again once B=4 is in force: nothing to change, and it says so.
         app.update(&Event::Control(crate::telemetry::ControlEvent {
             step: 0,
-            origin: crate::telemetry::Origin::Key,
+            origin: crate::control::Origin::Key,
             control: Control::SetMicroBatch { value: 4 },
         }));
         app.update(&Event::Control(crate::telemetry::ControlEvent {
             step: 0,
-            origin: crate::telemetry::Origin::Key,
+            origin: crate::control::Origin::Key,
             control: Control::SetAccumSteps { value: 4 },
         }));
         assert!(app.apply(Action::FitNow).is_empty());

@@ -1,9 +1,10 @@
 //! Small event builders for tests and benchmarks (not part of the workbench's behaviour).
 
+use crate::control::{Control, Dtype, Origin};
 use crate::scenario::Scenario;
 use crate::telemetry::{
-    BuildInfo, Categories, Control, ControlEvent, Dtype, EndEvent, EstimateEvent, EvalEvent, Event,
-    Header, MemoryEvent, MemorySource, Origin, Phase, PhaseMs, StepEvent, FORMAT_VERSION,
+    BuildInfo, Categories, ControlEvent, EndEvent, EstimateEvent, EvalEvent, Event, Header,
+    MemoryEvent, MemorySource, Phase, PhaseMs, StepEvent, FORMAT_VERSION,
 };
 
 pub fn header() -> Header {
@@ -139,7 +140,7 @@ pub fn sample_run_ended(steps: u64) -> Vec<Event> {
     let mut out = sample_run(steps);
     out.push(Event::End(EndEvent {
         step: steps,
-        reason: crate::telemetry::EndReason::Completed,
+        reason: crate::end::EndReason::Completed,
     }));
     out
 }

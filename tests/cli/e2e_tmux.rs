@@ -115,8 +115,8 @@ fn assert_recorded_k2(path: &Path) {
     let rec = gaccwb::record::read_recording(path).unwrap();
     let applied = rec.events.iter().any(|e| {
         matches!(e, gaccwb::telemetry::Event::Control(c)
-            if c.origin == gaccwb::telemetry::Origin::Key
-            && c.control == gaccwb::telemetry::Control::SetAccumSteps { value: 2 })
+            if c.origin == gaccwb::control::Origin::Key
+            && c.control == gaccwb::control::Control::SetAccumSteps { value: 2 })
     });
     assert!(
         applied,
@@ -127,6 +127,6 @@ fn assert_recorded_k2(path: &Path) {
     assert!(text.contains(r#""kind":"set_accum_steps","value":2"#));
     assert!(matches!(
         rec.events.last(),
-        Some(gaccwb::telemetry::Event::End(e)) if e.reason == gaccwb::telemetry::EndReason::Stopped
+        Some(gaccwb::telemetry::Event::End(e)) if e.reason == gaccwb::end::EndReason::Stopped
     ));
 }

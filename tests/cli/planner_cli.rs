@@ -5,8 +5,8 @@
 use std::path::Path;
 
 use assert_cmd::Command;
-use gaccwb::hf::config as hf_config;
-use gaccwb::planner::lora::{BaseDtype, Lora};
+use gaccwb::hf::read_config;
+use gaccwb::planner::{BaseDtype, Lora};
 
 fn fixture(name: &str) -> String {
     format!("{}/tests/fixtures/hf/{name}", env!("CARGO_MANIFEST_DIR"))
@@ -78,7 +78,7 @@ const COUNTS: [(&str, &str, u64, u64); 12] = [
 #[test]
 fn each_family_config_counts_the_parameters_transformers_builds() {
     for (file, family, count, active) in COUNTS {
-        let arch = hf_config::load(Path::new(&fixture(file))).unwrap();
+        let arch = read_config(Path::new(&fixture(file))).unwrap();
         assert_eq!(
             (
                 arch.family.as_str(),
@@ -89,10 +89,10 @@ fn each_family_config_counts_the_parameters_transformers_builds() {
             "{file}"
         );
     }
-    let qwen = hf_config::load(Path::new(&fixture("qwen2-0.5b.json"))).unwrap();
+    let qwen = read_config(Path::new(&fixture("qwen2-0.5b.json"))).unwrap();
     assert!(qwen.tied && qwen.qkv_bias && !qwen.out_bias);
     assert_eq!((qwen.heads, qwen.kv_heads), (14, 2));
-    let gemma2 = hf_config::load(Path::new(&fixture("gemma2-2b.json"))).unwrap();
+    let gemma2 = read_config(Path::new(&fixture("gemma2-2b.json"))).unwrap();
     assert!(gemma2.attention_softcap && gemma2.logit_softcap && gemma2.post_norms);
     assert_eq!(
         gemma2.sliding.map(|w| (w.window, w.layers)),
@@ -116,7 +116,7 @@ fn lora_adapters_count_what_peft_counts() {
         ("phi3.5-mini.json", 25_165_824),
     ];
     for (file, count) in peft {
-        let arch = hf_config::load(Path::new(&fixture(file))).unwrap();
+        let arch = read_config(Path::new(&fixture(file))).unwrap();
         let lora = Lora::new(&arch, 16, None, 0.0, BaseDtype::Bf16).unwrap();
         assert_eq!(lora.adapter_params(&arch), count, "{file}");
     }

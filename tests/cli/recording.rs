@@ -24,7 +24,7 @@ fn tiny(steps: u64) -> Scenario {
     s.train.eval_every = 2;
     s.train.steps = steps;
     s.timeline[0].step = 2;
-    s.timeline[0].control = gaccwb::telemetry::Control::SetMicroBatch { value: 2 };
+    s.timeline[0].control = gaccwb::control::Control::SetMicroBatch { value: 2 };
     s.timeline[1].step = 2;
     s
 }

@@ -80,7 +80,7 @@ fn a_panicking_trainer_sends_end_with_the_reason() {
         }
     };
     assert!(reason.starts_with("error: the trainer crashed"), "{reason}");
-    assert!(gaccwb::telemetry::EndReason::parse(&reason).is_failure());
+    assert!(gaccwb::end::EndReason::parse(&reason).is_failure());
     assert_eq!(errors, vec![reason]);
 }
 
@@ -557,7 +557,7 @@ async fn the_record_key_never_truncates_an_existing_file() {
 // and the knobs stay as they were.
 #[test]
 fn a_knob_change_that_overflows_is_refused_at_the_boundary() {
-    use gaccwb::telemetry::Control;
+    use gaccwb::control::Control;
     // B·K_max·seq_len = 2^12·2^16·2^5 tokens, over the window's 2^32.
     let mut s = TINY.scenario();
     s.train.micro_batch = 1 << 12;

@@ -5,9 +5,9 @@
 
 use std::path::Path;
 
+use gaccwb::control::{Control, Origin};
 use gaccwb::export::svg::{render_svg, MARKER, SKIPPED};
 use gaccwb::record::{read_recording, Recording};
-use gaccwb::telemetry::{Control, Origin};
 use gaccwb::telemetry::{ControlEvent, Event};
 use gaccwb::tui::app::YScale;
 use gaccwb::tui::testing::{header, sample_run};
@@ -194,7 +194,7 @@ fn skipped_steps_are_crossed_in_every_line_panel_and_counted() {
     let mut events = sample_run(60);
     for e in &mut events {
         if let Event::Step(s) = e {
-            s.dtype = gaccwb::telemetry::Dtype::F16;
+            s.dtype = gaccwb::control::Dtype::F16;
             s.loss_scale = 65536.0;
             s.skipped = [30, 31, 45].contains(&s.step);
         }

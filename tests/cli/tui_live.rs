@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use crossterm::event::{Event as T, KeyCode, KeyEvent, KeyModifiers};
 use futures_util::stream;
+use gaccwb::control::{Control, Origin};
 use gaccwb::record::read_recording;
-use gaccwb::telemetry::{Control, Event, Origin};
+use gaccwb::telemetry::Event;
 use gaccwb::tui::app::App;
 use gaccwb::tui::event_loop;
 use gaccwb::tui::feed::{Feed, Live};
@@ -61,7 +62,7 @@ async fn keys_drive_the_trainer_and_recording_starts_mid_run() {
 
     assert_eq!(app.run.knobs.accum_steps, 2, "K=2 came back applied");
     assert!(app.run.pending.is_empty());
-    assert_eq!(app.run.ended, Some(gaccwb::telemetry::EndReason::Stopped));
+    assert_eq!(app.run.ended, Some(gaccwb::end::EndReason::Stopped));
     assert!(app.run.log.iter().any(|l| l.text == "K=2 applied (key)"));
 
     let rec = read_recording(&base).unwrap();

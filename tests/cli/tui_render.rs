@@ -1,7 +1,8 @@
 //! The whole screen rendered into a `TestBackend` at the sizes that matter, from a fixed event
 //! list, and checked for what a user must be able to read.
 
-use gaccwb::telemetry::{Control, ControlEvent, DeviceEvent, Dtype, Event, MemorySource, Origin};
+use gaccwb::control::{Control, Dtype, Origin};
+use gaccwb::telemetry::{ControlEvent, DeviceEvent, Event, MemorySource};
 use gaccwb::tui::app::{App, PaneId};
 use gaccwb::tui::keymap::{Action, KeyMap};
 use gaccwb::tui::testing::{header, sample_run, step};
@@ -292,7 +293,7 @@ fn the_noise_view_at_80x24_shows_the_critical_batch_beside_b_k_and_a_verdict() {
     assert_eq!(
         controls,
         vec![Control::SetAccumPolicy {
-            value: gaccwb::telemetry::AccumPolicy::NoiseScale
+            value: gaccwb::control::AccumPolicy::NoiseScale
         }]
     );
     assert!(screen(&app, 80, 24).contains("K policy fixed→noise"));
@@ -443,7 +444,7 @@ fn applied_checkpointing_stays_in_the_controls_pane() {
         step: 40,
         origin: Origin::Key,
         control: Control::SetCheckpointing {
-            value: gaccwb::telemetry::Checkpointing::Blocks,
+            value: gaccwb::control::Checkpointing::Blocks,
         },
     }));
     for (w, h) in [(80, 24), (120, 36)] {

@@ -7,11 +7,10 @@ use futures_util::stream;
 use gaccwb::export::cast::{write_cast, CastOptions};
 use gaccwb::telemetry::Event;
 use gaccwb::tui::app::App;
-use gaccwb::tui::event_loop;
 use gaccwb::tui::feed::{Feed, Replay};
 use gaccwb::tui::keymap::KeyMap;
 use gaccwb::tui::testing::sample_run_ended;
-use gaccwb::tui::ui;
+use gaccwb::tui::{event_loop, ui};
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
 
@@ -112,7 +111,7 @@ async fn the_event_loop_plays_a_recording_to_the_end_and_quits() {
     .await
     .unwrap();
     assert!(app.view.quit);
-    assert_eq!(app.run.ended, Some(gaccwb::telemetry::EndReason::Completed));
+    assert_eq!(app.run.ended, Some(gaccwb::end::EndReason::Completed));
     let s = text(&t);
     assert!(s.contains("step 40/100"), "{s}");
     // Played to its end: said so, with how the run ended, not "playing".

@@ -7,7 +7,8 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{events, mpirun_command, run_args, signal, spawn, steps, wait};
+use super::faults::{signal, start_long_run};
+use super::{events, mpirun_command, run_args, spawn, steps, wait};
 
 /// Processes whose command line holds `marker` (a test's own temporary path).
 fn processes_with(marker: &str) -> Vec<(u32, String)> {
@@ -212,7 +213,7 @@ fn a_stopped_rank_leaves_rank_0s_recording_with_its_end() {
     let dir = tempfile::tempdir().unwrap();
     let record = "stopped.jsonl";
     let extra = ["--set", "train.comm_timeout=2"];
-    let (child, pid) = super::start_long_run(dir.path(), record, &extra);
+    let (child, pid) = start_long_run(dir.path(), record, &extra);
     signal(pid, "-STOP");
     let (code, text, _) = wait(child, Duration::from_secs(60));
     signal(pid, "-KILL");

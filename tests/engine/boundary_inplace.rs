@@ -2,7 +2,7 @@
 //! gradient-sized copy (`train::inplace`).
 
 use candle_core::{Device, Tensor};
-use gaccwb::train::inplace::{relative_error, scale_in_place};
+use gaccwb::train::{relative_error, scale_in_place};
 
 use crate::common;
 

@@ -6,8 +6,9 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use gaccwb::checkpoint::{self, Policy};
+use gaccwb::control::{Control, Dtype};
 use gaccwb::scenario::{Scenario, TimelineEntry};
-use gaccwb::telemetry::{Control, Dtype, Event, Level, StepEvent};
+use gaccwb::telemetry::{Event, Level, StepEvent};
 use gaccwb::train::{self, Trainer};
 
 use crate::common;
@@ -56,7 +57,7 @@ fn run(mut trainer: Trainer, dir: &Path, save_every: u64) -> Vec<StepEvent> {
             // Saves log at info; the CPU pool's start line may too, on a loaded machine.
             Event::Log(l) => assert_eq!(l.level, Level::Info, "{l:?}"),
             Event::End(e) => {
-                assert_eq!(e.reason, gaccwb::telemetry::EndReason::Completed);
+                assert_eq!(e.reason, gaccwb::end::EndReason::Completed);
                 break;
             }
             _ => {}

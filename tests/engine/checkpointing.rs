@@ -4,10 +4,10 @@ use crate::common;
 
 use candle_core::{Device, Tensor};
 use common::{TestModel, TINY};
+use gaccwb::control::{Checkpointing, Dtype, Knobs};
 use gaccwb::data::{Sample, Split};
 use gaccwb::ops;
-use gaccwb::telemetry::{Checkpointing, Dtype};
-use gaccwb::train::{relative_error, window_gradients, Knobs, Trainer};
+use gaccwb::train::{relative_error, window_gradients, Trainer};
 
 fn trainer() -> Trainer {
     // Four blocks: `every-2` makes two segments and `every-3` a full one and a short one.

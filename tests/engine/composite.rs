@@ -8,8 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use common::accumulating;
 use gaccwb::model::Gpt;
 use gaccwb::ops;
-use gaccwb::train::adamw::{AdamW, Hyper};
-use gaccwb::train::Trainer;
+use gaccwb::train::{AdamW, Hyper, Trainer};
 use gaccwb_engine::tensors::{activation_bytes, StorageSet};
 
 fn rel_diff(a: &[f32], b: &[f32]) -> f64 {

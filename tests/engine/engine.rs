@@ -5,10 +5,11 @@ use crate::common;
 
 use candle_core::{Device, Tensor};
 use common::{TestModel, TINY};
+use gaccwb::control::{Control, Knobs, LossNorm, Origin, ZeroGrad};
 use gaccwb::data::{Sample, Split};
 use gaccwb::scenario::Scenario;
-use gaccwb::telemetry::{Control, Event, LossNorm, Origin, ZeroGrad};
-use gaccwb::train::{self, global_norm, relative_error, window_gradients, Knobs, Trainer};
+use gaccwb::telemetry::Event;
+use gaccwb::train::{self, global_norm, relative_error, window_gradients, Trainer};
 
 fn tiny() -> Scenario {
     let mut s = TINY.scenario();

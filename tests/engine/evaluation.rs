@@ -4,7 +4,7 @@ use crate::common;
 
 use candle_core::Device;
 use common::TINY;
-use gaccwb::telemetry::Control;
+use gaccwb::control::Control;
 use gaccwb::train::Trainer;
 
 #[test]

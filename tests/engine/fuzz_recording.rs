@@ -1,11 +1,11 @@
 //! Property tests: the recording reader returns an error or a recording, never panics, on any
 //! bytes; and on a valid recording cut anywhere it still reads, with at most one warning.
 
+use gaccwb::control::{Control, Dtype, Origin};
 use gaccwb::record::parse_recording;
 use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{
-    BuildInfo, Control, ControlEvent, Dtype, EndEvent, Event, Header, Origin, PhaseMs, StepEvent,
-    FORMAT_VERSION,
+    BuildInfo, ControlEvent, EndEvent, Event, Header, PhaseMs, StepEvent, FORMAT_VERSION,
 };
 use proptest::prelude::*;
 
@@ -62,7 +62,7 @@ fn valid_recording() -> Vec<u8> {
             }),
             comm: (step % 3 == 0).then(|| gaccwb::dist::CommEvent {
                 ranks: 2,
-                sync: gaccwb::dist::SyncEvery::MicroBatch,
+                sync: gaccwb::control::SyncEvery::MicroBatch,
                 per_rank: vec![
                     gaccwb::dist::RankComm {
                         sent_bytes: 1000,
@@ -83,7 +83,7 @@ fn valid_recording() -> Vec<u8> {
     }
     events.push(Event::End(EndEvent {
         step: 5,
-        reason: gaccwb::telemetry::EndReason::Completed,
+        reason: gaccwb::end::EndReason::Completed,
     }));
     let mut out = Vec::new();
     for e in &events {

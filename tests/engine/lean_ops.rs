@@ -7,12 +7,12 @@ use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{TestModel, TINY};
+use gaccwb::control::{Checkpointing, Dtype, Knobs};
 use gaccwb::data::Split;
 use gaccwb::memory::estimate::{activation_bytes, Config};
 use gaccwb::ops;
 use gaccwb::scenario::Scenario;
-use gaccwb::telemetry::{Checkpointing, Dtype};
-use gaccwb::train::{relative_error, window_gradients, Knobs, Trainer};
+use gaccwb::train::{relative_error, window_gradients, Trainer};
 use gaccwb_engine::tensors::{activation_bytes as graph_bytes, StorageSet};
 
 /// TINY with sequences shorter than the model is wide, so no weight or `[B, T, d]` tensor has

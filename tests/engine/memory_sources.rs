@@ -8,8 +8,7 @@ use candle_core::Device;
 use gaccwb::memory::gpu::{
     start_sampler, start_sampler_with, FakeSource, GpuSource, NvmlSource, SampleError,
 };
-use gaccwb::telemetry::{DeviceEvent, Event, MemorySource, Phase};
-use gaccwb::train::EventSink;
+use gaccwb::telemetry::{DeviceEvent, Event, EventSink, MemorySource, Phase};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::common;
@@ -162,7 +161,7 @@ fn a_headless_run_records_measured_and_estimated_memory_and_device_samples() {
     s.train.micro_batch = 4;
     s.timeline.push(gaccwb::scenario::TimelineEntry {
         step: 1,
-        control: gaccwb::telemetry::Control::SetMicroBatch { value: 8 },
+        control: gaccwb::control::Control::SetMicroBatch { value: 8 },
     });
     let summary = gaccwb::headless::run(
         s,
@@ -173,10 +172,7 @@ fn a_headless_run_records_measured_and_estimated_memory_and_device_samples() {
         },
     )
     .unwrap();
-    assert_eq!(
-        summary.end_reason,
-        Some(gaccwb::telemetry::EndReason::Completed)
-    );
+    assert_eq!(summary.end_reason, Some(gaccwb::end::EndReason::Completed));
     let text = std::fs::read_to_string(&path).unwrap();
     let events: Vec<Event> = text
         .lines()

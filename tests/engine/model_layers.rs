@@ -5,8 +5,8 @@ use crate::common;
 
 use candle_core::Device;
 use common::TINY;
+use gaccwb::control::Dtype;
 use gaccwb::model::Gpt;
-use gaccwb::telemetry::Dtype;
 use gaccwb::train::Trainer;
 
 /// (train loss, grad norm) of the first steps of the tiny model on the CPU.

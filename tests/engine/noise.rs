@@ -5,10 +5,10 @@ use crate::common;
 
 use candle_core::{Device, Tensor};
 use common::TINY;
+use gaccwb::control::Knobs;
 use gaccwb::data::{Sample, Split};
 use gaccwb::scenario::Scenario;
-use gaccwb::train::noise::NoiseTracker;
-use gaccwb::train::{window_gradients, Knobs, Trainer};
+use gaccwb::train::{window_gradients, NoiseTracker, Trainer};
 
 /// Every sample counts all `seq_len` targets, so a micro-batch's token-mean gradient is the plain
 /// mean of its samples' gradients and sequences and tokens give the same estimate.
@@ -165,7 +165,7 @@ fn measuring_the_noise_scale_does_not_change_training() {
 
 #[test]
 fn pitfalls_are_measured_from_the_correct_gradients() {
-    use gaccwb::telemetry::{LossNorm, ZeroGrad};
+    use gaccwb::control::{LossNorm, ZeroGrad};
     let s = TINY.scenario();
     let t = Trainer::new(s.clone(), Device::Cpu).unwrap();
     let window: Vec<Sample> = (0..8).map(|i| t.corpus().sample(Split::Train, i)).collect();
@@ -204,8 +204,9 @@ fn pitfalls_are_measured_from_the_correct_gradients() {
 /// most one per patience window, while the measured critical batch rises as the loss falls.
 #[test]
 fn the_adaptive_k_preset_lets_the_noise_scale_choose_k() {
+    use gaccwb::control::{Control, Origin};
     use gaccwb::headless::{self, HeadlessOptions};
-    use gaccwb::telemetry::{Control, Event, Origin};
+    use gaccwb::telemetry::Event;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("run.jsonl");
     let mut s = gaccwb::presets::resolve("adaptive-k").unwrap();
@@ -221,10 +222,7 @@ fn the_adaptive_k_preset_lets_the_noise_scale_choose_k() {
         },
     )
     .unwrap();
-    assert_eq!(
-        summary.end_reason,
-        Some(gaccwb::telemetry::EndReason::Completed)
-    );
+    assert_eq!(summary.end_reason, Some(gaccwb::end::EndReason::Completed));
     let recording = gaccwb::record::read_recording(&path).unwrap();
     let changes: Vec<(u64, usize)> = recording
         .events

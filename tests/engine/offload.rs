@@ -7,8 +7,9 @@ use crate::common;
 
 use candle_core::{DType, Device};
 use common::{step, TINY};
+use gaccwb::control::Control;
 use gaccwb::scenario::Scenario;
-use gaccwb::telemetry::{Categories, Control, Phase, StepEvent};
+use gaccwb::telemetry::{Categories, Phase, StepEvent};
 use gaccwb::train::Trainer;
 
 const K: usize = 3;
@@ -94,7 +95,7 @@ fn toggling_offload_in_bf16_moves_the_weights_and_changes_no_arithmetic() {
     // Switching the dtype while offloaded recasts the device's weights from the master.
     toggled
         .apply_control(&Control::SetDtype {
-            value: gaccwb::telemetry::Dtype::F16,
+            value: gaccwb::control::Dtype::F16,
         })
         .unwrap();
     assert_eq!(toggled.model().params[0].var.dtype(), DType::F16);

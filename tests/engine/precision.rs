@@ -4,7 +4,7 @@ use crate::common;
 
 use candle_core::Device;
 use common::{accumulating, step, TestModel, TINY};
-use gaccwb::telemetry::{Control, Dtype};
+use gaccwb::control::{Control, Dtype};
 use gaccwb::train::Trainer;
 
 fn weights(t: &Trainer) -> Vec<Vec<f32>> {
@@ -137,8 +137,9 @@ fn half_precision_tracks_f32_early_on() {
 /// Every parameter's gradient of one micro-batch of `tokens_per_micro` tokens in `dtype` against
 /// f32, as relative L2 error per tensor.
 fn gradient_errors(dtype: Dtype, tokens_per_micro: usize) -> Vec<(String, f64)> {
+    use gaccwb::control::Knobs;
     use gaccwb::data::Split;
-    use gaccwb::train::{relative_error, window_gradients, Knobs};
+    use gaccwb::train::{relative_error, window_gradients};
     // The shape whose errors docs/GPU.md reports.
     let mut s = TestModel {
         vocab: 64,
@@ -237,7 +238,7 @@ fn f16_gradients_that_overflow_at_the_scale_floor_end_the_run() {
         end.step, end.reason
     );
     assert!(
-        matches!(&end.reason, gaccwb::telemetry::EndReason::LossScaleExhausted(m) if m.contains("loss-scale floor")),
+        matches!(&end.reason, gaccwb::end::EndReason::LossScaleExhausted(m) if m.contains("loss-scale floor")),
         "{}",
         end.reason
     );

@@ -4,12 +4,13 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
+use gaccwb::control::{Control, Knobs, LossNorm, Origin, ZeroGrad};
 use gaccwb::data::{Corpus, Sample, Split};
 use gaccwb::model::Gpt;
 use gaccwb::presets;
 use gaccwb::scenario::Scenario;
-use gaccwb::telemetry::{Control, Event, LossNorm, Origin, ZeroGrad};
-use gaccwb::train::{self, relative_error, window_gradients, Knobs};
+use gaccwb::telemetry::Event;
+use gaccwb::train::{self, relative_error, window_gradients};
 
 use crate::common;
 
@@ -103,7 +104,7 @@ fn every_preset_runs_three_steps_and_applies_its_timeline() {
         let name = f.display();
         assert_eq!(steps(&events).count() as u64, RUN_STEPS, "{name}");
         assert!(
-            matches!(events.last(), Some(Event::End(e)) if e.reason == gaccwb::telemetry::EndReason::Completed),
+            matches!(events.last(), Some(Event::End(e)) if e.reason == gaccwb::end::EndReason::Completed),
             "{name}: {:?}",
             events.last()
         );

@@ -8,7 +8,8 @@ use candle_core::Device;
 use gaccwb::memory::estimate::{estimate, grad_store_bytes, head_bytes, Config};
 use gaccwb::memory::TotalMeter;
 use gaccwb::scenario::Scenario;
-use gaccwb::telemetry::{Categories, Control, MemoryEvent, MemorySource, Phase};
+use gaccwb::telemetry::{Categories, MemoryEvent, MemorySource, Phase};
+use gaccwb::control::Control;
 use gaccwb::train::Trainer;
 
 use crate::common;

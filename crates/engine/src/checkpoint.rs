@@ -16,11 +16,13 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::control::{Control, Knobs};
+use crate::end::EndReason;
 use crate::safe_write::{self, DirLock, Inputs, Overwrite};
 use crate::scenario::Scenario;
-use crate::telemetry::{Control, EndReason, Event, Level};
+use crate::telemetry::{Event, EventSink, Level};
 use crate::train::scaler::LossScaler;
-use crate::train::{AfterStep, EventSink, Knobs, Progress, Saved, Trainer};
+use crate::train::{AfterStep, Progress, Saved, Trainer};
 
 /// Version of the checkpoint layout; a newer one is refused. Version 2 added the tensor file's
 /// hash and the ranks; version 1 files are still read (without those checks).

@@ -12,6 +12,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 // Every public item says what it is for; CI's `-D warnings` makes a missing one an error.
 #![warn(missing_docs)]
+#![warn(unreachable_pub)]
 
 pub mod budget;
 pub mod checkpoint;

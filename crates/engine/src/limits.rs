@@ -6,7 +6,8 @@
 use std::io::Read;
 use std::path::Path;
 
-pub mod growing;
+pub(crate) mod growing;
+pub use growing::GrowingFile;
 
 /// Largest preset or keymap file read (they are a few hundred bytes in practice).
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;

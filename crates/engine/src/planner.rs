@@ -12,9 +12,19 @@
 //! Everything here is arithmetic on the shape: nothing is measured or allocated. The text people
 //! read is the command line's (`src/cli/estimate/`); the JSON is these types serialised.
 
-pub mod activations;
-pub mod lora;
-pub mod model_states;
-pub mod options;
-pub mod plan;
-pub mod step_time;
+pub(crate) mod activations;
+pub(crate) mod lora;
+pub(crate) mod model_states;
+pub(crate) mod options;
+pub(crate) mod plan;
+pub(crate) mod step_time;
+
+pub use activations::Recompute;
+pub use lora::{BaseDtype, Lora};
+pub use model_states::Offload;
+pub use options::{
+    check_size, resolve_arch, resolve_lora, resolve_rates, resolve_setup, HostFigures, Options,
+    OptionsError,
+};
+pub use plan::{engine_lora, engine_model, LeverRow, Outcome, ReferencePlan, Setup, LEVER_RANK};
+pub use step_time::{flops_per_token, HostSource, Rates, StepTime};

@@ -408,7 +408,7 @@ fn drop_unknown_timeline_entries(header: &mut serde_json::Value, unknown: &mut u
     let before = timeline.len();
     timeline.retain(|entry| {
         let control = entry.get("control").cloned().unwrap_or_default();
-        match serde_json::from_value::<crate::telemetry::Control>(control) {
+        match serde_json::from_value::<crate::control::Control>(control) {
             Err(e) => !e.to_string().starts_with("unknown variant"),
             Ok(_) => true,
         }

@@ -7,15 +7,25 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::control::{
-    AccumPolicy, Checkpointing, Control, Dtype, Knob, LossNorm, LrRule, OffloadGrads, OutOfBounds,
-    ZeroGrad, KNOBS,
+    AccumPolicy, Checkpointing, Control, Dtype, Knob, LossNorm, LrRule, OffloadGrads, ZeroGrad,
+    KNOBS,
 };
 
+mod args;
 mod bounds;
+mod checks;
+mod error;
 mod fields;
 mod knobs;
+mod text;
 
+pub use args::{keys_of, parse_control_arg, Assignment, SECTIONS};
 pub use bounds::{check_needs, check_schedule, ScheduleError};
+pub use checks::validate_control;
+use checks::*;
+pub use error::{BadValue, ControlArgError, ControlError, Invalid, ScenarioError};
+use text::{explain_serde_message, span_of_key};
+pub use text::{line_col, nearest};
 
 /// A run's whole configuration as a preset writes it: the model, the data, the training knobs
 /// and a timeline of controls.
@@ -263,9 +273,9 @@ pub struct TrainConfig {
     /// itself started by a launcher (1: one process).
     pub ranks: usize,
     /// Data parallel: when the ranks sum their gradients, "window" or "micro-batch".
-    pub sync: crate::dist::SyncEvery,
+    pub sync: crate::control::SyncEvery,
     /// Data parallel: "tokens" (per token of the whole window) or "mean-of-means" (a pitfall).
-    pub rank_loss_norm: crate::dist::RankLossNorm,
+    pub rank_loss_norm: crate::control::RankLossNorm,
     /// Data parallel: seconds a rank waits in a collective before it ends the run.
     pub comm_timeout: f64,
     /// Data parallel: ZeRO stage. 1 shards the AdamW moments over the ranks, 2 also the summed
@@ -273,7 +283,7 @@ pub struct TrainConfig {
     pub zero: u8,
     /// ZeRO-2: "buffer" (a whole local buffer, one reduce-scatter per window) or
     /// "reduce-scatter" (one per micro-batch, 1/W of the buffer).
-    pub zero2_accumulate: crate::dist::Zero2Accumulate,
+    pub zero2_accumulate: crate::control::Zero2Accumulate,
     /// LoRA's rank r: 0 trains every weight; r ≥ 1 freezes them and trains a rank-r adapter on
     /// each targeted layer (`model::lora`).
     pub lora_rank: usize,
@@ -330,11 +340,11 @@ impl Default for TrainConfig {
             accum_max: 64,
             accum_patience: 10,
             ranks: 1,
-            sync: crate::dist::SyncEvery::Window,
-            rank_loss_norm: crate::dist::RankLossNorm::Tokens,
+            sync: crate::control::SyncEvery::Window,
+            rank_loss_norm: crate::control::RankLossNorm::Tokens,
             comm_timeout: 60.0,
             zero: 0,
-            zero2_accumulate: crate::dist::Zero2Accumulate::Buffer,
+            zero2_accumulate: crate::control::Zero2Accumulate::Buffer,
             lora_rank: 0,
             lora_alpha: 8.0,
             lora_targets: Vec::new(),
@@ -352,148 +362,6 @@ pub struct TimelineEntry {
     pub step: u64,
     /// The change it makes.
     pub control: Control,
-}
-
-/// A problem with a scenario, written for the user.
-#[derive(Debug, thiserror::Error)]
-pub enum ScenarioError {
-    /// A preset file that cannot be read.
-    #[error("{path}: {message}")]
-    Io {
-        /// The file.
-        path: String,
-        /// Why it cannot be read.
-        message: String,
-    },
-    /// A preset that is not valid TOML or fails a check.
-    #[error("{location}: {message}")]
-    Parse {
-        /// `file:line:col` of the offending value (the file alone when it is not found).
-        location: String,
-        /// What is wrong and the fix.
-        message: String,
-    },
-    /// A preset name that is neither built in nor a file; the message lists the built-in ones.
-    #[error("{0}")]
-    Invalid(String),
-    /// A `--set` override that cannot be applied.
-    #[error("--set {key}: {message}")]
-    Set {
-        /// The `section.key` given.
-        key: String,
-        /// What is wrong and the fix.
-        message: String,
-    },
-}
-
-/// A check serde cannot express, failed: the key it concerns (`train.clip`,
-/// `timeline[2].control`, so a file error can point at its line) and the message, which names
-/// the key and the fix.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-#[error("{message}")]
-pub struct Invalid {
-    /// The dotted key concerned, so a file error can point at its line.
-    pub key: String,
-    /// What is wrong, naming the key and the fix.
-    pub message: String,
-}
-
-impl Invalid {
-    fn new(key: &str, message: String) -> Invalid {
-        Invalid {
-            key: key.to_string(),
-            message,
-        }
-    }
-}
-
-/// A control that may not be applied: a knob value out of its bounds, a loss scale that is not
-/// positive, a window too large, or a policy that needs a measurement the run has off.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub enum ControlError {
-    /// A knob value outside its bounds.
-    #[error("{what} {bound}")]
-    Bounds {
-        /// The knob, in words (`accumulation steps`).
-        what: &'static str,
-        /// The bound it breaks.
-        bound: OutOfBounds,
-    },
-    /// A loss scale that is 0, negative or not finite.
-    #[error("loss scale must be positive")]
-    LossScale,
-    /// A window (B, K, B × K × seq_len) beyond `crate::limits`; the message says which.
-    #[error("{0}")]
-    Window(String),
-    /// The noise-scale K policy while `train.noise` is off.
-    #[error(
-        "set_accum_policy=noise-scale needs train.noise = true (the policy reads the gradient \
-         noise scale); drop it or --set train.noise=true"
-    )]
-    NeedsNoise,
-}
-
-/// A `--control STEP:KIND[=VALUE]` argument that cannot be used, and why.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-#[error("--control {arg}: {message}")]
-pub struct ControlArgError {
-    /// The argument as given.
-    pub arg: String,
-    /// What is wrong with it and the fix.
-    pub message: String,
-}
-
-/// A `--set` or `--control` value TOML cannot hold.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub enum BadValue {
-    /// A number too large for an f64.
-    #[error("bad value `{0}`: beyond the largest number (about 1.8e308)")]
-    BeyondFloat(String),
-    /// An integer beyond `limits::MAX_INTEGER`.
-    #[error("bad value `{0}`: beyond the largest integer ({max})", max = crate::limits::MAX_INTEGER)]
-    BeyondInteger(String),
-}
-
-/// One `section.key = value` override, parsed: what `--set` and a compare grid item make. Its
-/// `Display` is the `--set` argument that makes it again.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Assignment {
-    /// `section.key`, e.g. `train.accum_steps`.
-    pub key: String,
-    /// The value, as TOML reads it.
-    pub value: toml::Value,
-}
-
-impl Assignment {
-    /// `section.key=value`, the value in TOML syntax (bare strings accepted).
-    pub fn parse(text: &str) -> Result<Assignment, ScenarioError> {
-        let (key, raw) = text.split_once('=').ok_or_else(|| ScenarioError::Set {
-            key: text.to_string(),
-            message: "expected section.key=value, e.g. train.accum_steps=4".into(),
-        })?;
-        Assignment::new(key.trim(), raw)
-    }
-
-    /// `key` set to `raw`, read as TOML (bare strings accepted).
-    pub fn new(key: &str, raw: &str) -> Result<Assignment, ScenarioError> {
-        let value = parse_value(raw.trim()).map_err(|e| ScenarioError::Set {
-            key: key.to_string(),
-            message: e.to_string(),
-        })?;
-        let key = key.to_string();
-        Ok(Assignment { key, value })
-    }
-
-    /// A knob's `train.KEY = raw`.
-    pub fn knob(knob: &Knob, raw: &str) -> Result<Assignment, ScenarioError> {
-        Assignment::new(&format!("train.{}", knob.key), raw)
-    }
-}
-
-impl std::fmt::Display for Assignment {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}={}", self.key, self.value)
-    }
 }
 
 impl Scenario {
@@ -706,444 +574,5 @@ impl Scenario {
     }
 }
 
-/// Data parallel's timeout (a collective must be given some time) and ZeRO stage.
-fn check_comm_timeout(t: &TrainConfig) -> Result<(), Invalid> {
-    if t.ranks == 0 || t.ranks > crate::limits::MAX_RANKS {
-        return Err(Invalid::new(
-            "train.ranks",
-            format!(
-                "train.ranks ({}) must be from 1 to {}",
-                t.ranks,
-                crate::limits::MAX_RANKS
-            ),
-        ));
-    }
-    if t.zero > 2 {
-        return Err(Invalid::new(
-            "train.zero",
-            format!(
-                "train.zero ({}) must be 0, 1 or 2 (stage 3 is in `gaccwb estimate --zero 3`, \
-                 not in training)",
-                t.zero
-            ),
-        ));
-    }
-    if t.comm_timeout.is_finite() && t.comm_timeout > 0.0 {
-        return Ok(());
-    }
-    Err(Invalid::new(
-        "train.comm_timeout",
-        format!(
-            "train.comm_timeout ({}) must be a positive number of seconds, e.g. 60",
-            t.comm_timeout
-        ),
-    ))
-}
-
-/// The noise scale's and the adaptive policy's keys.
-fn check_noise(t: &TrainConfig) -> Result<(), Invalid> {
-    if !(0.0..1.0).contains(&t.noise_ema) {
-        return Err(Invalid::new(
-            "train.noise_ema",
-            format!(
-                "train.noise_ema ({}) must be in [0, 1), e.g. 0.95",
-                t.noise_ema
-            ),
-        ));
-    }
-    if t.accum_min < 2 {
-        return Err(Invalid::new(
-            "train.accum_min",
-            format!(
-                "train.accum_min ({}) must be at least 2: the noise scale needs K ≥ 2",
-                t.accum_min
-            ),
-        ));
-    }
-    if t.accum_max < t.accum_min {
-        return Err(Invalid::new(
-            "train.accum_max",
-            format!(
-                "train.accum_max ({}) must be at least train.accum_min ({})",
-                t.accum_max, t.accum_min
-            ),
-        ));
-    }
-    if t.accum_patience == 0 {
-        return Err(Invalid::new(
-            "train.accum_patience",
-            "train.accum_patience must be at least 1 window".into(),
-        ));
-    }
-    if t.accum_policy == AccumPolicy::NoiseScale && !t.noise {
-        return Err(Invalid::new(
-            "train.accum_policy",
-            "train.accum_policy = \"noise-scale\" needs train.noise = true".into(),
-        ));
-    }
-    Ok(())
-}
-
-/// Every knob's preset value within the knob's bounds (`knob::Values`).
-fn check_knobs(t: &TrainConfig) -> Result<(), Invalid> {
-    let values = serde_json::to_value(t).map_err(|e| Invalid::new("train", e.to_string()))?;
-    for knob in KNOBS {
-        let value = values.get(knob.key).filter(|v| !v.is_null());
-        knob.check(value).map_err(|bound| {
-            let key = format!("train.{}", knob.key);
-            Invalid::new(&key, format!("{key} {bound}"))
-        })?;
-    }
-    Ok(())
-}
-
-/// Byte offset of a dotted key (`train.clip`, `timeline[2].control`) in TOML text, so a value
-/// error points at the value the user wrote. `None` when the key is not written (a default).
-fn span_of_key(text: &str, key: &str) -> Option<usize> {
-    use toml::de::{DeTable, DeValue};
-    let root = DeTable::parse(text).ok()?;
-    let mut table = root.get_ref();
-    let mut found = None;
-    for part in key.split('.') {
-        let (name, index) = match part.split_once('[') {
-            Some((n, rest)) => (n, rest.trim_end_matches(']').parse::<usize>().ok()),
-            None => (part, None),
-        };
-        let value = table.iter().find(|(k, _)| k.get_ref() == name)?.1;
-        let value = match (value.get_ref(), index) {
-            (DeValue::Array(items), Some(i)) => items.get(i)?,
-            _ => value,
-        };
-        found = Some(value.span().start);
-        match value.get_ref() {
-            DeValue::Table(t) => table = t,
-            _ => break,
-        }
-    }
-    found
-}
-
-/// serde's "unknown field `acum_steps`, expected one of `steps`, ..." becomes
-/// "unknown field `acum_steps`, did you mean `accum_steps`? (expected one of ...)"; the same for
-/// unknown variants (`dtype = "f61"`, `kind = "set_acum_steps"`).
-fn explain_serde_message(message: &str) -> String {
-    let Some((what, expected)) = message.split_once(", expected one of ") else {
-        return message.to_string();
-    };
-    let Some(given) = what.split('`').nth(1) else {
-        return message.to_string();
-    };
-    let candidates: Vec<&str> = expected
-        .split(", ")
-        .map(|c| c.trim().trim_matches('`'))
-        .collect();
-    match nearest(given, &candidates) {
-        Some(best) => format!("{what}, did you mean `{best}`? (expected one of {expected})"),
-        None => message.to_string(),
-    }
-}
-
-/// The candidate closest to `given`, if it is close enough to be a likely misspelling.
-pub fn nearest<'a>(given: &str, candidates: &[&'a str]) -> Option<&'a str> {
-    // Edits (a swap counts as one) first; similarity of prefixes breaks ties and catches
-    // longer slips such as `micro_batch_size`.
-    let max_edits = (given.chars().count() / 3).max(1);
-    candidates
-        .iter()
-        .map(|c| {
-            (
-                strsim::osa_distance(given, c),
-                strsim::jaro_winkler(given, c),
-                *c,
-            )
-        })
-        .filter(|(edits, similarity, _)| *edits <= max_edits || *similarity >= 0.9)
-        .min_by(|a, b| a.0.cmp(&b.0).then(b.1.total_cmp(&a.1)))
-        .map(|(_, _, c)| c)
-}
-
-/// LoRA's settings: the adapters' scale must be finite, and dropout a probability below 1.
-fn check_lora(t: &TrainConfig) -> Result<(), Invalid> {
-    if t.lora_rank > 0 && !t.lora_alpha.is_finite() {
-        return Err(Invalid::new(
-            "train.lora_alpha",
-            format!(
-                "train.lora_alpha ({}) must be a finite number",
-                t.lora_alpha
-            ),
-        ));
-    }
-    if !(0.0..1.0).contains(&t.lora_dropout) {
-        return Err(Invalid::new(
-            "train.lora_dropout",
-            format!(
-                "train.lora_dropout ({}) must be at least 0 and below 1 (0.05 or 0.1 are usual)",
-                t.lora_dropout
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// Value checks shared by presets, the command line and hotkeys: a knob's value within the
-/// bounds its row in the knob table gives, and a positive loss scale.
-pub fn validate_control(c: &Control) -> Result<(), ControlError> {
-    if let Some(knob) = c.knob() {
-        return knob
-            .check(c.value().as_ref())
-            .map_err(|bound| ControlError::Bounds {
-                what: knob.what,
-                bound,
-            });
-    }
-    match c {
-        Control::SetLossScale { value } if !positive(*value) => Err(ControlError::LossScale),
-        _ => Ok(()),
-    }
-}
-
-/// The sections a `--set` key may name (`section.key`).
-pub const SECTIONS: [&str; 3] = ["model", "data", "train"];
-
-/// The keys a section accepts, in declaration order: read from the section's `Deserialize`
-/// impl, so they cannot drift from the struct.
-pub fn keys_of(section: &str) -> Vec<&'static str> {
-    match section {
-        "model" => fields::of::<ModelConfig>(),
-        "data" => fields::of::<DataConfig>(),
-        "train" => fields::of::<TrainConfig>(),
-        _ => &[],
-    }
-    .to_vec()
-}
-
-/// A control from the command line: `STEP:KIND[=VALUE]`, e.g. `100:set_accum_steps=8`,
-/// `0:set_clip` (clipping off), `50:set_dtype=f16`.
-pub fn parse_control_arg(arg: &str) -> Result<TimelineEntry, ControlArgError> {
-    let fail = |message: String| ControlArgError {
-        arg: arg.to_string(),
-        message,
-    };
-    let usage = "expected STEP:KIND[=VALUE], e.g. 100:set_accum_steps=8";
-    let (step, rest) = arg.split_once(':').ok_or_else(|| fail(usage.into()))?;
-    let step: u64 = step
-        .trim()
-        .parse()
-        .map_err(|_| fail(format!("`{step}` is not a step number; {usage}")))?;
-    let mut table = toml::Table::new();
-    let (kind, value) = match rest.split_once('=') {
-        Some((k, v)) => (
-            k.trim(),
-            Some(parse_value(v.trim()).map_err(|e| fail(e.to_string()))?),
-        ),
-        None => (rest.trim(), None),
-    };
-    table.insert("kind".into(), toml::Value::String(kind.to_string()));
-    let given = value.is_some();
-    if let Some(v) = value {
-        table.insert("value".into(), v);
-    }
-    let control: Control = toml::Value::Table(table)
-        .try_into()
-        .map_err(|e: toml::de::Error| fail(e.message().trim().to_string()))?;
-    // Serde ignores a value the kind does not take (`stop=1`): refuse it instead.
-    let takes_value = toml::Value::try_from(&control)
-        .ok()
-        .and_then(|t| t.get("value").cloned())
-        .is_some();
-    if given && !takes_value {
-        return Err(fail(format!(
-            "`{kind}` takes no value; write {step}:{kind}"
-        )));
-    }
-    validate_control(&control).map_err(|m| fail(m.to_string()))?;
-    Ok(TimelineEntry { step, control })
-}
-
-/// A `--set` or `--control` value as TOML reads it: `4` → integer, `1e-3` → float, `true` →
-/// bool; text TOML does not read is a string, unless it is a number TOML cannot hold (`1e309`),
-/// which is refused as such.
-fn parse_value(raw: &str) -> Result<toml::Value, BadValue> {
-    let wrapped = format!("v = {raw}");
-    match toml::from_str::<toml::Table>(&wrapped) {
-        Ok(mut t) => Ok(t
-            .remove("v")
-            .unwrap_or_else(|| toml::Value::String(raw.into()))),
-        Err(_) => match raw.parse::<f64>() {
-            Ok(x) if x.is_infinite() => Err(BadValue::BeyondFloat(raw.into())),
-            Ok(_)
-                if raw
-                    .bytes()
-                    .all(|b| b.is_ascii_digit() || b == b'-' || b == b'+') =>
-            {
-                Err(BadValue::BeyondInteger(raw.into()))
-            }
-            _ => Ok(toml::Value::String(raw.trim_matches('"').to_string())),
-        },
-    }
-}
-
-/// 1-based line and column of a byte offset.
-pub fn line_col(text: &str, offset: usize) -> (usize, usize) {
-    let before = &text[..offset.min(text.len())];
-    let line = before.matches('\n').count() + 1;
-    let col = before
-        .rsplit('\n')
-        .next()
-        .map(|l| l.chars().count())
-        .unwrap_or(0)
-        + 1;
-    (line, col)
-}
-
-fn positive(x: f64) -> bool {
-    x.is_finite() && x > 0.0
-}
-
-/// Largest BPE vocabulary accepted: Llama 3's is 128,256.
-const MAX_BPE_VOCAB: usize = 1 << 18;
-
-/// A BPE needs text, and a trained one more tokens than the 256 bytes it starts from.
-fn check_bpe(d: &DataConfig) -> Result<(), Invalid> {
-    if d.source == DataSource::Synthetic {
-        return Err(Invalid::new(
-            "data.tokenizer",
-            "data.tokenizer = \"bpe\" needs text: set data.source = \"file\" (--data FILE) or \"docs\""
-                .into(),
-        ));
-    }
-    if d.tokenizer_file.is_none() && !(257..=MAX_BPE_VOCAB).contains(&d.vocab) {
-        return Err(Invalid::new(
-            "data.vocab",
-            format!(
-                "data.vocab ({}) must be between 257 and {MAX_BPE_VOCAB}: a byte-level BPE starts from the 256 bytes",
-                d.vocab
-            ),
-        ));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The LR rules see W·K·B: with the LR tuned at 4 samples (B = 2), two ranks at K = 2 get
-    /// the factor one process gets at K = 4, twice that of K = 2; unset, the base is the
-    /// starting W·K·B, so a run starts at its LR however many ranks it has.
-    #[test]
-    fn the_lr_rules_count_every_ranks_samples() {
-        let linear = |ranks: usize, k: usize, base: usize| {
-            let mut s = Scenario::default();
-            (s.train.micro_batch, s.train.accum_steps) = (2, k);
-            s.train.base_batch = base;
-            LrRule::Linear.factor(ranks * k * 2, s.base_batch(ranks))
-        };
-        assert_eq!(linear(2, 2, 4), 2.0);
-        assert_eq!(linear(1, 4, 4), 2.0);
-        assert_eq!(linear(1, 2, 4), 1.0);
-        assert_eq!(linear(2, 2, 0), 1.0);
-    }
-
-    #[test]
-    fn set_overrides_and_rejects_unknown_keys() {
-        let mut s = Scenario::default();
-        s.set("train.accum_steps=4").unwrap();
-        s.set("train.lr=0").unwrap();
-        s.set("train.dtype=bf16").unwrap();
-        assert_eq!(s.train.accum_steps, 4);
-        assert_eq!(s.train.lr, 0.0);
-        assert_eq!(s.train.dtype, Dtype::Bf16);
-        let err = s.set("train.acum_steps=4").unwrap_err().to_string();
-        assert!(
-            err.contains("unknown key `acum_steps`, did you mean `accum_steps`?"),
-            "{err}"
-        );
-        let err = s.set("train.accum_steps=0").unwrap_err().to_string();
-        assert!(err.contains("at least 1"), "{err}");
-        let err = s.set("train.dtype=f8").unwrap_err().to_string();
-        assert!(err.contains("f8"), "{err}");
-    }
-
-    #[test]
-    fn lora_dropout_is_a_probability_below_one() {
-        let mut s = Scenario::default();
-        s.set("train.lora_dropout=0.1").unwrap();
-        assert_eq!(s.train.lora_dropout, 0.1);
-        for bad in ["1", "-0.1", "1.5"] {
-            let err = s.set(&format!("train.lora_dropout={bad}")).unwrap_err();
-            assert!(err.to_string().contains("below 1"), "{bad}: {err}");
-        }
-    }
-
-    #[test]
-    fn command_line_controls_parse_like_timeline_entries() {
-        let e = parse_control_arg("100:set_accum_steps=8").unwrap();
-        assert_eq!(
-            (e.step, e.control),
-            (100, Control::SetAccumSteps { value: 8 })
-        );
-        let e = parse_control_arg("0:set_clip").unwrap();
-        assert_eq!(e.control, Control::SetClip { value: None });
-        let e = parse_control_arg("5:set_dtype=f16").unwrap();
-        assert_eq!(e.control, Control::SetDtype { value: Dtype::F16 });
-        let err = |arg: &str| parse_control_arg(arg).unwrap_err().to_string();
-        assert!(err("x:set_clip").contains("step number"));
-        assert!(err("3:set_accum_steps=0").contains("at least 1"));
-        assert!(err("3:set_acum_steps=2").contains("set_acum_steps"));
-        assert_eq!(parse_control_arg("5:stop").unwrap().control, Control::Stop);
-        let e = err("5:stop=1");
-        assert!(e.contains("`stop` takes no value"), "{e}");
-        let e = err("5:set_lr=1e309");
-        assert!(e.contains("beyond the largest number"), "{e}");
-    }
-
-    #[test]
-    fn numbers_toml_cannot_hold_are_named_as_such() {
-        let mut s = Scenario::default();
-        let err = s.set("train.lr=1e309").unwrap_err().to_string();
-        assert!(err.contains("`1e309`: beyond the largest number"), "{err}");
-        let err = s
-            .set("train.steps=99999999999999999999")
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("beyond the largest integer"), "{err}");
-        s.set("train.lr=1e-3").unwrap();
-    }
-
-    #[test]
-    fn keys_of_matches_the_structs() {
-        // Options serialise only when set: each is set here.
-        let root = toml::Value::try_from(Scenario {
-            model: ModelConfig {
-                path: Some("m".into()),
-                adapter: Some("a".into()),
-                ..Default::default()
-            },
-            data: DataConfig {
-                path: Some("x".into()),
-                tokenizer_file: Some("t.json".into()),
-                ..Default::default()
-            },
-            ..Default::default()
-        })
-        .unwrap();
-        for section in SECTIONS {
-            let mut actual: Vec<String> =
-                root[section].as_table().unwrap().keys().cloned().collect();
-            let mut listed: Vec<String> = keys_of(section).iter().map(|s| s.to_string()).collect();
-            // `clip` is an Option that serialises only when set; it is on by default.
-            actual.sort();
-            listed.sort();
-            assert_eq!(actual, listed, "section {section}");
-        }
-    }
-
-    #[test]
-    fn parse_errors_name_file_line_and_column() {
-        let err = Scenario::from_toml("[train]\nmicro_batch = \"eight\"\n", "p.toml")
-            .unwrap_err()
-            .to_string();
-        assert!(err.starts_with("p.toml:2:"), "{err}");
-    }
-}
+mod tests;

@@ -5,17 +5,10 @@
 //! JSON Lines and the replayer reads them back into the same `App::update`, so there is exactly
 //! one path from "something happened" to "a pane shows it".
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc::UnboundedSender;
 
-pub use crate::control::{
-    AccumPolicy, Checkpointing, Control, ControlMsg, Dtype, Knobs, LossNorm, LrRule, OffloadGrads,
-    Origin, ZeroGrad,
-};
-pub use crate::end::EndReason;
+use crate::control::{Control, Dtype, Origin};
+use crate::end::EndReason;
 use crate::scenario::Scenario;
 
 /// Major version of the event format. Readers reject a newer major version.
@@ -548,140 +541,10 @@ pub struct EndEvent {
     pub reason: EndReason,
 }
 
+mod json_float;
+mod sink;
+
+pub use sink::EventSink;
+
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn control_event_has_the_documented_shape() {
-        let e = Event::Control(ControlEvent {
-            step: 5,
-            origin: Origin::Key,
-            control: Control::SetAccumSteps { value: 8 },
-        });
-        let json = serde_json::to_value(&e).unwrap();
-        assert_eq!(
-            json,
-            serde_json::json!({"type":"control","step":5,"origin":"key","control":{"kind":"set_accum_steps","value":8}})
-        );
-        let back: Event = serde_json::from_value(json).unwrap();
-        assert_eq!(back, e);
-    }
-
-    #[test]
-    fn lr_rules_scale_as_named() {
-        assert_eq!(LrRule::None.factor(64, 16), 1.0);
-        assert_eq!(LrRule::Linear.factor(64, 16), 4.0);
-        assert_eq!(LrRule::Sqrt.factor(64, 16), 2.0);
-    }
-}
-
-/// JSON has no NaN or infinity (serde_json writes `null`), but an overflowing fp16 step has an
-/// infinite gradient norm and its loss may be NaN. Non-finite values are written as the strings
-/// `"NaN"`, `"inf"`, `"-inf"`; reading also accepts `null` (as NaN) from older files.
-pub mod json_float {
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    /// Write `x`, non-finite values as strings.
-    pub fn serialize<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
-        if x.is_finite() {
-            s.serialize_f64(*x)
-        } else if x.is_nan() {
-            s.serialize_str("NaN")
-        } else if *x > 0.0 {
-            s.serialize_str("inf")
-        } else {
-            s.serialize_str("-inf")
-        }
-    }
-
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Repr {
-        Number(f64),
-        Text(String),
-        Null(()),
-    }
-
-    /// Read a number, or `"NaN"`, `"inf"`, `"-inf"` or `null`.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-        match Repr::deserialize(d)? {
-            Repr::Number(x) => Ok(x),
-            Repr::Null(()) => Ok(f64::NAN),
-            Repr::Text(t) => match t.as_str() {
-                "NaN" => Ok(f64::NAN),
-                "inf" => Ok(f64::INFINITY),
-                "-inf" => Ok(f64::NEG_INFINITY),
-                other => Err(serde::de::Error::custom(format!(
-                    "expected a number, \"NaN\", \"inf\" or \"-inf\", got \"{other}\""
-                ))),
-            },
-        }
-    }
-}
-
-/// Where events go. Sending never blocks; a gone receiver is noticed and ends the run. Clones
-/// share the last optimizer step sent (what a crashed trainer's `end` reports).
-#[derive(Clone)]
-pub struct EventSink {
-    tx: UnboundedSender<Event>,
-    last_step: Arc<AtomicU64>,
-}
-
-impl EventSink {
-    /// A sink sending into `tx`.
-    pub fn new(tx: UnboundedSender<Event>) -> Self {
-        EventSink {
-            tx,
-            last_step: Arc::default(),
-        }
-    }
-
-    /// False once nobody is listening.
-    pub fn send(&self, e: Event) -> bool {
-        trace_event(&e);
-        if let Event::Step(s) = &e {
-            self.last_step.store(s.step, Ordering::Relaxed);
-        }
-        self.tx.send(e).is_ok()
-    }
-
-    /// The last optimizer step sent.
-    pub fn last_step(&self) -> u64 {
-        self.last_step.load(Ordering::Relaxed)
-    }
-}
-
-/// Diagnostics (`--log FILE`) see what the screen sees: every event the engine sends, at a
-/// level that matches it. Without a subscriber this costs a relaxed load.
-fn trace_event(e: &Event) {
-    match e {
-        Event::Header(h) => tracing::info!(
-            preset = %h.config.name,
-            device = %h.device,
-            params = h.params,
-            "run started"
-        ),
-        Event::Step(s) => tracing::debug!(
-            step = s.step,
-            loss = s.loss,
-            grad_norm = s.grad_norm,
-            step_ms = s.step_ms,
-            skipped = s.skipped,
-            "step"
-        ),
-        Event::Control(c) => tracing::info!(
-            step = c.step,
-            origin = ?c.origin,
-            "applied {}",
-            c.control.describe()
-        ),
-        Event::Log(l) => match l.level {
-            Level::Info => tracing::info!(step = l.step, "{}", l.message),
-            Level::Warn => tracing::warn!(step = l.step, "{}", l.message),
-            Level::Error => tracing::error!(step = l.step, "{}", l.message),
-        },
-        Event::End(end) => tracing::info!(step = end.step, reason = %end.reason, "run ended"),
-        other => tracing::trace!(kind = ?EventKind::from(other), "event"),
-    }
-}
+mod tests;

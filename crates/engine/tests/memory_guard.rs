@@ -4,10 +4,11 @@
 
 use candle_core::{Device, Tensor};
 use gaccwb_engine::budget::MemoryBudget;
+use gaccwb_engine::control::{Control, Knobs, Origin};
 use gaccwb_engine::memory::estimate::{estimate, Config};
 use gaccwb_engine::scenario::{DataConfig, ModelConfig, Scenario, TimelineEntry, TrainConfig};
-use gaccwb_engine::telemetry::{Control, Event, MemorySource, Origin, Phase, StepEvent};
-use gaccwb_engine::train::{relative_error, run_returning, EventSink, Knobs, Trainer};
+use gaccwb_engine::telemetry::{Event, EventSink, MemorySource, Phase, StepEvent};
+use gaccwb_engine::train::{relative_error, run_returning, Trainer};
 
 const STEPS: u64 = 4;
 

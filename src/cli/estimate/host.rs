@@ -7,8 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use gaccwb::planner::options::HostFigures;
-use gaccwb::planner::step_time::HostSource;
+use gaccwb::planner::{HostFigures, HostSource};
 use serde::{Deserialize, Serialize};
 
 /// Parameters the timing updates (16 bytes each of optimizer state: 64 MiB).

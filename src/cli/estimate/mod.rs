@@ -9,8 +9,7 @@ use clap::Args;
 
 use gaccwb::hf::Arch;
 use gaccwb::memory::estimate::{self as est, Config};
-use gaccwb::planner::options::{self as opts, Options};
-use gaccwb::planner::plan::{engine_lora, engine_model, ReferencePlan};
+use gaccwb::planner::{self, engine_lora, engine_model, Options, ReferencePlan};
 use gaccwb::presets;
 use gaccwb::scenario::Scenario;
 use serde::Serialize;
@@ -214,7 +213,7 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if let Some(m) = args
         .shape
         .as_deref()
-        .and_then(|n| gaccwb::memory::verdict::named_shape(n).ok())
+        .and_then(|n| gaccwb::memory::named_shape(n).ok())
     {
         scenario.model = m;
         scenario.name = args.shape.clone().unwrap_or_default();
@@ -226,9 +225,9 @@ pub fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if let Some(s) = options.seq_len {
         scenario.model.seq_len = usize::try_from(s).unwrap_or(usize::MAX);
     }
-    let arch = opts::resolve_arch(&options, Arch::engine(&scenario.model))?;
+    let arch = planner::resolve_arch(&options, Arch::engine(&scenario.model))?;
     share_lora(&mut options, &mut scenario, &arch);
-    let lora = opts::resolve_lora(&options, &arch)?;
+    let lora = planner::resolve_lora(&options, &arch)?;
     // A config of a family the engine trains is estimated as a run would load it (GPT-2's tied
     // head included), not as this engine's GPT of the same widths.
     let engine = match trained_family(&args, usize::try_from(arch.seq_len).unwrap_or(usize::MAX)) {
@@ -284,7 +283,7 @@ fn share_lora(options: &mut Options, scenario: &mut Scenario, arch: &Arch) {
         }
         None if t.lora_rank > 0 => {
             options.lora_rank = Some(t.lora_rank as u64);
-            let known = gaccwb::planner::lora::Lora::new(
+            let known = gaccwb::planner::Lora::new(
                 arch,
                 t.lora_rank as u64,
                 Some(t.lora_targets.clone()),
@@ -332,7 +331,7 @@ fn budget(args: &EstimateArgs, options: &Options) -> anyhow::Result<Budget> {
             source: "--budget-gib".into(),
         });
     }
-    let rates = opts::resolve_rates(options)?;
+    let rates = planner::resolve_rates(options)?;
     if !rates.gpu.host {
         return Ok(Budget {
             bytes: rates.gpu.memory_bytes,
@@ -422,7 +421,7 @@ fn engine_report(
         Some(_) => None,
         None => scenario.validate().err().map(|e| e.message),
     };
-    gaccwb::memory::verdict::check_shape(scenario)?;
+    gaccwb::memory::check_shape(scenario)?;
     if not_trainable_here.is_none()
         && scenario.data.tokenizer == gaccwb::scenario::TokenizerKind::Bpe
     {
@@ -466,7 +465,7 @@ fn engine_report(
         micro_batch: effective.max(cfg.micro_batch),
         ..cfg.clone()
     };
-    gaccwb::memory::fit::check_fits(&widest, None).map_err(usage)?;
+    gaccwb::memory::check_fits(&widest, None).map_err(usage)?;
     let mut report = est::Report::new(&scenario.name, &cfg, effective, budget);
     report.not_trainable_here = not_trainable_here;
     Ok(report)
@@ -488,9 +487,9 @@ fn reference_plan(
             "train.micro_batch and train.accum_steps must be at least 1".into()
         ));
     }
-    let setup = opts::resolve_setup(options, arch, b, k)?;
-    opts::check_size(arch, b.saturating_mul(k))?;
-    opts::resolve_rates(options)?;
+    let setup = planner::resolve_setup(options, arch, b, k)?;
+    planner::check_size(arch, b.saturating_mul(k))?;
+    planner::resolve_rates(options)?;
     // Timed only once everything else is known to be good, and only when no flag gives it.
     let cpu_peak_needed =
         options.gpu_model.as_deref() == Some("cpu") && options.peak_tflops.is_none();
@@ -499,7 +498,7 @@ fn reference_plan(
     } else {
         Default::default()
     };
-    let rates = opts::resolve_rates(&Options {
+    let rates = planner::resolve_rates(&Options {
         host,
         ..options.clone()
     })?;

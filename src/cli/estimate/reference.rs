@@ -2,11 +2,10 @@
 //! model states and activations live, the time of a step and its bound, the verdict and the
 //! levers (and LoRA's, where it lowers the device bytes).
 
-use gaccwb::memory::verdict::human_bytes;
-use gaccwb::planner::lora::Lora;
-use gaccwb::planner::model_states::Offload;
-use gaccwb::planner::plan::{LeverRow, Outcome, ReferencePlan, Setup, LEVER_RANK};
-use gaccwb::planner::step_time::{HostSource, Rates, StepTime};
+use gaccwb::memory::human_bytes;
+use gaccwb::planner::{
+    HostSource, LeverRow, Lora, Offload, Outcome, Rates, ReferencePlan, Setup, StepTime, LEVER_RANK,
+};
 
 use super::render::{aligned, count, seconds};
 

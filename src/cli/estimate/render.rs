@@ -2,10 +2,11 @@
 //! phase, its micro-batch table and verdict, and the reference stack's (`reference.rs`), in
 //! aligned columns of human units. The JSON (`--json`) is the same answer serialised.
 
+use gaccwb::control::OffloadGrads;
 use gaccwb::hf::{Arch, Mlp, Norm, Positions};
 use gaccwb::memory::estimate::{model_states, Report};
-use gaccwb::memory::verdict::{human_bytes, Verdict};
-use gaccwb::telemetry::{Categories, OffloadGrads};
+use gaccwb::memory::{human_bytes, Verdict};
+use gaccwb::telemetry::Categories;
 
 use super::Answer;
 

@@ -11,7 +11,7 @@ use ratatui::Frame;
 use super::{
     block, draw_chart, fmt_num, placeholder, steps_in_view, ChartSpec, Series, Theme, Units,
 };
-use crate::telemetry::AccumPolicy;
+use crate::control::AccumPolicy;
 use crate::tui::app::{App, PaneId};
 
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {

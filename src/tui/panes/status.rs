@@ -6,8 +6,7 @@ use ratatui::widgets::{Paragraph, Wrap};
 use ratatui::Frame;
 
 use super::{block, Theme};
-use crate::control::KNOBS;
-use crate::telemetry::Control;
+use crate::control::{Control, KNOBS};
 use crate::tui::app::{App, PaneId};
 
 pub fn render(frame: &mut Frame, area: Rect, app: &App, theme: Theme) {

@@ -40,7 +40,7 @@ pub fn local_rank(var: impl Fn(&str) -> Option<String>) -> usize {
 }
 
 /// The launch `var` describes (`std::env::var` in a run; a map in tests). `None`: started alone.
-pub fn read(var: impl Fn(&str) -> Option<String>) -> Result<Option<Launch>, DistError> {
+pub fn launched(var: impl Fn(&str) -> Option<String>) -> Result<Option<Launch>, DistError> {
     let first = |names: &[&'static str]| names.iter().find_map(|&n| var(n).map(|v| (n, v)));
     let Some((size_name, size)) = first(&SIZE_VARS) else {
         return Ok(None);
@@ -63,7 +63,7 @@ pub fn read(var: impl Fn(&str) -> Option<String>) -> Result<Option<Launch>, Dist
 /// The group this process belongs to: alone unless an MPI launcher started it as one of
 /// several ranks. `timeout` bounds every collective (the watchdog).
 pub fn from_env(timeout: Duration) -> Result<Group, DistError> {
-    let Some(launch) = read(|n| std::env::var(n).ok())? else {
+    let Some(launch) = launched(|n| std::env::var(n).ok())? else {
         return Ok(Group::solo());
     };
     join(launch, timeout)
@@ -109,16 +109,22 @@ mod tests {
 
     #[test]
     fn alone_without_launcher_variables_or_with_one_rank() {
-        assert_eq!(read(env(&[])).unwrap(), None);
-        assert_eq!(read(env(&[("OMPI_COMM_WORLD_SIZE", "1")])).unwrap(), None);
+        assert_eq!(launched(env(&[])).unwrap(), None);
+        assert_eq!(
+            launched(env(&[("OMPI_COMM_WORLD_SIZE", "1")])).unwrap(),
+            None
+        );
     }
 
     #[test]
     fn open_mpi_and_pmi_variables_give_the_rank() {
         let open_mpi = env(&[("OMPI_COMM_WORLD_SIZE", "4"), ("OMPI_COMM_WORLD_RANK", "3")]);
-        assert_eq!(read(open_mpi).unwrap(), Some(Launch { rank: 3, ranks: 4 }));
+        assert_eq!(
+            launched(open_mpi).unwrap(),
+            Some(Launch { rank: 3, ranks: 4 })
+        );
         let pmi = env(&[("PMI_SIZE", "2"), ("PMI_RANK", "1")]);
-        assert_eq!(read(pmi).unwrap(), Some(Launch { rank: 1, ranks: 2 }));
+        assert_eq!(launched(pmi).unwrap(), Some(Launch { rank: 1, ranks: 2 }));
     }
 
     #[test]
@@ -130,7 +136,9 @@ mod tests {
 
     #[test]
     fn a_garbled_variable_is_named() {
-        let e = read(env(&[("PMI_SIZE", "two")])).unwrap_err().to_string();
+        let e = launched(env(&[("PMI_SIZE", "two")]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("PMI_SIZE=\"two\""), "{e}");
     }
 

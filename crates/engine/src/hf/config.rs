@@ -14,7 +14,7 @@ use super::Arch;
 mod families;
 
 /// The `model_type`s read.
-pub const SUPPORTED: [&str; 12] = [
+pub(crate) const SUPPORTED: [&str; 12] = [
     "gpt2",
     "gpt_neox",
     "llama",
@@ -31,7 +31,7 @@ pub const SUPPORTED: [&str; 12] = [
 
 /// The largest `config.json` read. Published ones are a few KiB (Phi-3.5's, with its two lists
 /// of RoPE factors, about 5 KiB).
-pub const MAX_BYTES: u64 = 1 << 20;
+pub(crate) const MAX_BYTES: u64 = 1 << 20;
 
 /// The largest size any field may give (sizes are multiplied together in 64 bits).
 const MAX_SIZE: u64 = 1 << 31;
@@ -109,9 +109,9 @@ pub enum HfConfigError {
     },
 }
 
-/// Reads and interprets `path`: a regular file of at most [`MAX_BYTES`], UTF-8 (a byte-order mark
-/// is accepted).
-pub fn load(path: &Path) -> Result<Arch, HfConfigError> {
+/// Reads and interprets `path`: a regular file of at most `MAX_BYTES` (1 MiB), UTF-8 (a
+/// byte-order mark is accepted).
+pub fn read_config(path: &Path) -> Result<Arch, HfConfigError> {
     let read = |source| HfConfigError::Read {
         path: path.to_path_buf(),
         source,
@@ -149,7 +149,7 @@ pub fn load(path: &Path) -> Result<Arch, HfConfigError> {
 }
 
 /// Interprets the text of a `config.json`; `path` names it in errors.
-pub fn parse(path: &Path, text: &str) -> Result<Arch, HfConfigError> {
+pub(crate) fn parse(path: &Path, text: &str) -> Result<Arch, HfConfigError> {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let value: Value = serde_json::from_str(text).map_err(|source| HfConfigError::Json {
         path: path.to_path_buf(),

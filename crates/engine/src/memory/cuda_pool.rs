@@ -18,7 +18,7 @@ use sys::CUmemPool_attribute::{
 };
 
 /// The default memory pool of one CUDA device, read for its used, reserved and peak bytes.
-pub struct CudaPool {
+pub(crate) struct CudaPool {
     ctx: Arc<CudaContext>,
     pool: sys::CUmemoryPool,
 }
@@ -30,7 +30,7 @@ unsafe impl Send for CudaPool {}
 impl CudaPool {
     /// The pool of `device`; an error when it is not a CUDA device or does not allocate from
     /// a pool.
-    pub fn for_device(device: &Device) -> Result<CudaPool, SampleError> {
+    pub(crate) fn for_device(device: &Device) -> Result<CudaPool, SampleError> {
         let ctx = device
             .as_cuda_device()
             .map_err(|e| SampleError::CudaPool(e.to_string()))?

@@ -13,7 +13,7 @@ use crate::scenario::ModelConfig;
 const ABSURD_BYTES: f64 = (1u64 << 60) as f64;
 
 /// Bytes the kernel says can be allocated now (`/proc/meminfo` MemAvailable), if known.
-pub fn available_bytes() -> Option<u64> {
+pub(crate) fn available_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     parse_mem_available(&text)
 }
@@ -110,7 +110,7 @@ pub fn check_fits(cfg: &Config, budget: Option<u64>) -> Result<(), FitError> {
 
 /// `check_fits` for a change from `current` (already allocated) to `next`: only the growth
 /// must fit in `budget`.
-pub fn check_growth(
+pub(crate) fn check_growth(
     current: Option<&Config>,
     next: &Config,
     budget: Option<u64>,

@@ -28,7 +28,7 @@ pub trait TotalMeter: Send {
 }
 
 /// The counting global allocator: every byte the process holds on the CPU.
-pub struct AllocatorMeter;
+pub(crate) struct AllocatorMeter;
 
 impl TotalMeter for AllocatorMeter {
     fn source(&self) -> MemorySource {

@@ -14,13 +14,15 @@
 
 pub mod alloc;
 #[cfg(feature = "cuda")]
-pub mod cuda_pool;
+pub(crate) mod cuda_pool;
 pub mod estimate;
-pub mod figure;
-pub mod fit;
+pub(crate) mod figure;
+pub(crate) mod fit;
 pub mod gpu;
-pub mod ledger;
-pub mod verdict;
+pub(crate) mod ledger;
+pub(crate) mod verdict;
 
 pub use figure::{highest_figure, step_figures, StepFigure};
+pub use fit::check_fits;
 pub use ledger::{Ledger, Persistent, TotalMeter};
+pub use verdict::{check_shape, human_bytes, named_shape, ShapeError, Verdict};

@@ -10,11 +10,12 @@
 use serde::Serialize;
 
 use super::estimate::{estimate, largest_micro_batch, Config, Row};
+use crate::control::Dtype;
 use crate::scenario::ModelConfig;
-use crate::telemetry::{Categories, Dtype};
+use crate::telemetry::Categories;
 
 /// The named shapes this engine's blocks can build (the GPT ones).
-pub fn shape_names() -> Vec<&'static str> {
+pub(crate) fn shape_names() -> Vec<&'static str> {
     crate::hf::shape_names()
         .into_iter()
         .filter(|n| crate::hf::named(n).is_some_and(|a| a.engine_model().is_some()))
@@ -376,9 +377,9 @@ mod tests {
             unified: false,
             fused: false,
             scales_gradients: false,
-            offload_grads: crate::telemetry::OffloadGrads::Device,
+            offload_grads: crate::control::OffloadGrads::Device,
             workspace: 0,
-            checkpointing: crate::telemetry::Checkpointing::None,
+            checkpointing: crate::control::Checkpointing::None,
             lora: None,
         };
         let v = Verdict::new(&cfg, 4, 40 << 30);
@@ -388,7 +389,7 @@ mod tests {
         assert!(b.alone_exceeds);
         assert_eq!(b.bytes, param_count(&cfg.model) * 4);
         let host = Config {
-            offload_grads: crate::telemetry::OffloadGrads::Host,
+            offload_grads: crate::control::OffloadGrads::Host,
             ..cfg
         };
         let b = Verdict::new(&host, 4, 40 << 30).blocker.unwrap();
@@ -422,9 +423,9 @@ mod tests {
             unified: false,
             fused: false,
             scales_gradients: false,
-            offload_grads: crate::telemetry::OffloadGrads::Device,
+            offload_grads: crate::control::OffloadGrads::Device,
             workspace: 0,
-            checkpointing: crate::telemetry::Checkpointing::None,
+            checkpointing: crate::control::Checkpointing::None,
             lora: None,
         };
         let v = Verdict::new(&cfg, 16, u64::MAX);
@@ -463,7 +464,7 @@ mod tests {
             fused: true,
             scales_gradients: false,
             workspace: 0,
-            checkpointing: crate::telemetry::Checkpointing::None,
+            checkpointing: crate::control::Checkpointing::None,
             lora: None,
         };
         let v = Verdict::new(&cfg, 8, u64::MAX);
@@ -481,7 +482,7 @@ mod tests {
     #[test]
     fn a_lever_that_raises_the_peak_is_not_offered() {
         let model = named_shape("gpt3-175b").unwrap();
-        let knobs = crate::telemetry::Knobs::from_scenario(&crate::scenario::Scenario::default());
+        let knobs = crate::control::Knobs::from_scenario(&crate::scenario::Scenario::default());
         let mut cfg = Config::from_knobs(&model, &knobs, true).unwrap();
         cfg.micro_batch = 1;
         let (with, alone) = (

@@ -100,7 +100,7 @@ impl Lora {
 }
 
 /// The adapted name of parameter `part` (`lora_A` or `lora_B`) of `module`.
-pub fn param_name(module: &str, part: &str) -> String {
+pub(crate) fn param_name(module: &str, part: &str) -> String {
     format!("{module}.{part}.weight")
 }
 
@@ -393,7 +393,7 @@ impl Gpt {
 /// Write the adapters of `model` (whose trained values are `weights`, one per parameter) as
 /// PEFT does: `adapter_config.json` and `adapter_model.safetensors` (f32, PEFT's names, A
 /// `[r, in]`, B `[out, r]`), each through `safe_write`.
-pub fn save_adapter(
+pub(crate) fn save_adapter(
     model: &Gpt,
     lora: &Lora,
     weights: &[Tensor],

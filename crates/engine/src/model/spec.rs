@@ -14,7 +14,7 @@ use crate::ops::{Activation, NormKind, WeightLayout};
 use crate::scenario::ModelConfig;
 
 /// The families the engine builds and trains.
-pub const TRAINED: [&str; 4] = ["gpt2", "llama", "mistral", "qwen2"];
+pub(crate) const TRAINED: [&str; 4] = ["gpt2", "llama", "mistral", "qwen2"];
 
 /// How a family names its tensors and stores its matrices.
 #[derive(Debug, PartialEq, Eq)]
@@ -56,7 +56,7 @@ pub struct Naming {
 }
 
 /// This engine's own GPT.
-pub const GACCWB: Naming = Naming {
+pub(crate) const GACCWB: Naming = Naming {
     embed: "wte",
     positions: "wpe",
     block: "h{l}.",
@@ -77,7 +77,7 @@ pub const GACCWB: Naming = Naming {
 };
 
 /// GPT-2 (`GPT2LMHeadModel`): `Conv1D` weights are stored `[in, out]`.
-pub const GPT2: Naming = Naming {
+pub(crate) const GPT2: Naming = Naming {
     embed: "transformer.wte.weight",
     positions: "transformer.wpe.weight",
     block: "transformer.h.{l}.",
@@ -98,7 +98,7 @@ pub const GPT2: Naming = Naming {
 };
 
 /// Llama, Mistral and Qwen2 (`nn.Linear` weights stored `[out, in]`).
-pub const LLAMA: Naming = Naming {
+pub(crate) const LLAMA: Naming = Naming {
     embed: "model.embed_tokens.weight",
     positions: "",
     block: "model.layers.{l}.",
@@ -155,7 +155,7 @@ pub enum SpecError {
 }
 
 /// How the family `family` names and stores its tensors.
-pub fn naming_of(family: &str) -> &'static Naming {
+pub(crate) fn naming_of(family: &str) -> &'static Naming {
     match family {
         "gpt2" => &GPT2,
         "llama" | "mistral" | "qwen2" => &LLAMA,

@@ -27,7 +27,7 @@ struct Ticks {
 
 /// One reading, in CPUs' worth of time over its span.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Reading {
+pub(crate) struct Reading {
     /// Other processes, on the allowed CPUs.
     pub others: f64,
     /// This process, all its threads.
@@ -36,7 +36,7 @@ pub struct Reading {
 
 /// Successive readings of other processes' load on the allowed CPUs.
 #[derive(Debug)]
-pub struct OthersLoad {
+pub(crate) struct OthersLoad {
     cpus: Vec<usize>,
     last: Option<Ticks>,
     /// No reading has been given yet.
@@ -47,7 +47,7 @@ pub struct OthersLoad {
 
 impl OthersLoad {
     /// Starts counting now. Without `/proc` (or when it cannot be parsed) every reading is `None`.
-    pub fn start() -> OthersLoad {
+    pub(crate) fn start() -> OthersLoad {
         let cpus = std::fs::read_to_string("/proc/self/status")
             .ok()
             .and_then(|s| allowed_cpus(&s))
@@ -63,13 +63,13 @@ impl OthersLoad {
     }
 
     /// The allowed CPUs, as counted (0 without `/proc`).
-    pub fn cpus(&self) -> usize {
+    pub(crate) fn cpus(&self) -> usize {
         self.cpus.len()
     }
 
     /// The load since the last reading: `None` until enough ticks have passed (the count goes
     /// on), or without `/proc`.
-    pub fn take(&mut self) -> Option<Reading> {
+    pub(crate) fn take(&mut self) -> Option<Reading> {
         let now = self.ticks()?;
         let last = self.last?;
         let total = now.total.saturating_sub(last.total);
@@ -221,13 +221,14 @@ mod tests {
         };
         // What other processes did meanwhile is not known here, only that the total fits (within
         // a tick on each side: the first reading spans 4 ticks per CPU, and this process's time
-        // is counted more finely than the CPUs') and that this thread had a good share of a CPU
-        // (it never slept).
+        // is counted more finely than the CPUs'), and that the spinning thread was counted. How
+        // large a share it got depends on the machine's load (a loaded 2-core machine gave it
+        // 0.22 of a CPU) and other tests' threads count too, so no share is asserted.
         let tick = 1.0 / FIRST_TICKS_PER_CPU as f64;
         assert!(
             reading.others >= 0.0 && reading.others + reading.own <= cpus + 2.0 * tick,
             "{reading:?}"
         );
-        assert!(reading.own >= 0.25, "{reading:?}");
+        assert!(reading.own > 0.0, "{reading:?}");
     }
 }

@@ -34,18 +34,21 @@ thread_local! {
 
 /// Masks made on this thread while the guard lives keep every element unscaled: the dropout
 /// path's arithmetic with an all-ones mask, which tests hold to `p = 0`.
-pub fn force_keep_all(on: bool) -> KeepAllGuard {
+#[cfg(test)]
+pub(crate) fn force_keep_all(on: bool) -> KeepAllGuard {
     KeepAllGuard {
         previous: KEEP_ALL.with(|c| c.replace(on)),
     }
 }
 
 /// Restores the thread's previous choice when dropped.
+#[cfg(test)]
 #[must_use = "the choice lasts only while the guard lives"]
-pub struct KeepAllGuard {
+pub(crate) struct KeepAllGuard {
     previous: bool,
 }
 
+#[cfg(test)]
 impl Drop for KeepAllGuard {
     fn drop(&mut self) {
         KEEP_ALL.with(|c| c.set(self.previous));
@@ -62,7 +65,7 @@ fn mix(mut z: u64) -> u64 {
 const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// The key of the layer named `module` in a run seeded `seed` (FNV-1a of the name, mixed).
-pub fn site_key(seed: u64, module: &str) -> u64 {
+pub(crate) fn site_key(seed: u64, module: &str) -> u64 {
     let name = module.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     });

@@ -13,13 +13,13 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 /// `x + b`, where `b`'s shape is the trailing dimensions of `x` (a bias, or the position
 /// embedding under a batch). The gradient of `b` is summed in f32.
-pub fn broadcast_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub(crate) fn broadcast_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
     x.apply_op2(b, BroadcastAdd)
 }
 
 /// Rows `ids` (`[N]`, u32) of `table` (`[V, D]`) as `[N, D]`. The gradient of `table` is
 /// accumulated in f32.
-pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+pub(crate) fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     table.apply_op2(ids, Embedding)
 }
 

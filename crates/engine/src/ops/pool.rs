@@ -33,7 +33,7 @@ pub fn cpu_threads() -> usize {
 }
 
 /// Threads the fused ops on this thread may use: 1 while `serial` is on, else `cpu_threads`.
-pub fn threads() -> usize {
+pub(crate) fn threads() -> usize {
     if SERIAL.with(Cell::get) {
         1
     } else {
@@ -43,7 +43,7 @@ pub fn threads() -> usize {
 
 /// Run this thread's fused ops without the pool (`true`) until the guard drops. Thread-local,
 /// as `force_lean` is.
-pub fn serial(on: bool) -> SerialGuard {
+pub(crate) fn serial(on: bool) -> SerialGuard {
     SerialGuard {
         previous: SERIAL.with(|c| c.replace(on)),
     }
@@ -51,7 +51,7 @@ pub fn serial(on: bool) -> SerialGuard {
 
 /// Restores the thread's previous choice when dropped.
 #[must_use = "the choice lasts only while the guard lives"]
-pub struct SerialGuard {
+pub(crate) struct SerialGuard {
     previous: bool,
 }
 
@@ -76,7 +76,7 @@ pub fn configure_process() {
 /// `f` over disjoint ranges covering `0..units`: on the pool when this thread may use more than
 /// one thread, else here. Ranges are about an eighth of a thread's share, so a slow thread's
 /// work is taken by the others.
-pub fn for_chunks(units: usize, f: impl Fn(Range<usize>) + Sync) {
+pub(crate) fn for_chunks(units: usize, f: impl Fn(Range<usize>) + Sync) {
     let threads = threads();
     if units <= 1 || threads <= 1 {
         f(0..units);
@@ -88,7 +88,7 @@ pub fn for_chunks(units: usize, f: impl Fn(Range<usize>) + Sync) {
 
 /// Start the pool's workers (each allocates `gemm`'s thread-local workspace as it starts) and
 /// wait until they have; nothing when this thread runs alone.
-pub fn start_workers() {
+pub(crate) fn start_workers() {
     if cpu_threads() > 1 {
         pool();
     }

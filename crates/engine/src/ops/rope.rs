@@ -99,13 +99,13 @@ impl Llama3Scaling {
 /// The tables a model made so far, by length: built once per length, shared by every layer and
 /// micro-batch.
 #[derive(Default, Debug)]
-pub struct RopeCache {
+pub(crate) struct RopeCache {
     tables: Mutex<Vec<Arc<RopeTable>>>,
 }
 
 impl RopeCache {
     /// `rope`'s table for `t` positions.
-    pub fn table(&self, rope: &Rope, t: usize) -> Arc<RopeTable> {
+    pub(crate) fn table(&self, rope: &Rope, t: usize) -> Arc<RopeTable> {
         let mut tables = self.tables.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(found) = tables.iter().find(|table| table.t == t) {
             return found.clone();

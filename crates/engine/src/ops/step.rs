@@ -25,7 +25,7 @@ use super::{composite, Activation, AttentionShape, NormKind};
 /// summed in f32 and rounded once to the storage dtype, as a single op's is: the value the
 /// weight's cast received from Candle's graph, so an f32 master weight and a half-precision one
 /// under offload get the same gradient.
-pub type GradSink = Box<dyn Fn(Vec<Tensor>) -> Result<()> + Send + Sync>;
+pub(crate) type GradSink = Box<dyn Fn(Vec<Tensor>) -> Result<()> + Send + Sync>;
 
 /// What sits between a step's two layers.
 #[derive(Clone, Debug)]

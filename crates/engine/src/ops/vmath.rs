@@ -9,7 +9,7 @@ const LN_2_LO: f32 = -2.121_944_4e-4;
 
 /// `e^x` for `x` in [-87, 88] (clamped outside: 1.6e-38 below, 1.7e38 above).
 #[inline(always)]
-pub fn exp(x: f32) -> f32 {
+pub(crate) fn exp(x: f32) -> f32 {
     // Round x·log2(e) to the nearest integer n by adding 1.5·2²³: n then sits in the low
     // mantissa bits, which become 2ⁿ's exponent field with integer ops that vectorise (a float
     // to int cast does not, on every target).
@@ -36,7 +36,7 @@ pub fn exp(x: f32) -> f32 {
 /// Runs `kernel` compiled for AVX-512 or AVX2 when the CPU has them, else as built.
 /// Closures passed here should be `#[inline(always)]` so their loops are compiled inside.
 #[inline(always)]
-pub fn widest<R>(kernel: impl FnOnce() -> R) -> R {
+pub(crate) fn widest<R>(kernel: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
@@ -65,7 +65,7 @@ unsafe fn avx2<R>(kernel: impl FnOnce() -> R) -> R {
 
 /// Σ a·b with 16 independent partial sums (vectorises; a fixed order, so deterministic).
 #[inline(always)]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
     let tail: f32 = ac
@@ -84,7 +84,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// Σ a, as `dot`.
 #[inline(always)]
-pub fn sum(a: &[f32]) -> f32 {
+pub(crate) fn sum(a: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let chunks = a.chunks_exact(16);
     let tail: f32 = chunks.remainder().iter().sum();
@@ -98,7 +98,7 @@ pub fn sum(a: &[f32]) -> f32 {
 
 /// max over a (−∞ when empty).
 #[inline(always)]
-pub fn max(a: &[f32]) -> f32 {
+pub(crate) fn max(a: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 16];
     let chunks = a.chunks_exact(16);
     let tail = chunks

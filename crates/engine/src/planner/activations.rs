@@ -201,7 +201,7 @@ fn outside_bytes(t: &Trained, n: u64) -> u64 {
 }
 
 /// Every term for micro-batch `b`, with LoRA when `lora` is given.
-pub fn activations(
+pub(crate) fn activations(
     arch: &Arch,
     b: u64,
     attention: Attention,

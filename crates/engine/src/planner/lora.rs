@@ -71,7 +71,7 @@ pub enum LoraError {
 }
 
 /// The names of every linear layer of `arch`, each once, in block order.
-pub fn layer_names(arch: &Arch) -> Vec<&'static str> {
+pub(crate) fn layer_names(arch: &Arch) -> Vec<&'static str> {
     let mut names: Vec<&'static str> = Vec::new();
     for (l, _) in arch.linear_copies() {
         if !names.contains(&l.name) {
@@ -83,7 +83,7 @@ pub fn layer_names(arch: &Arch) -> Vec<&'static str> {
 
 /// PEFT's `all-linear` without the head, and without the routers: every projection of the
 /// attention and of the MLP (each expert's and the shared expert's).
-pub fn default_targets(arch: &Arch) -> Vec<String> {
+pub(crate) fn default_targets(arch: &Arch) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     for (l, _) in arch.linear_copies() {
         if l.place != Place::Router && !names.iter().any(|n| n == l.name) {

@@ -36,10 +36,10 @@ pub struct Offload {
 }
 
 /// The most data-parallel ranks planned (one host's bytes for all of them stay in 64 bits).
-pub const MAX_RANKS: u64 = 1 << 16;
+pub(crate) const MAX_RANKS: u64 = 1 << 16;
 
 /// The offload targets `--offload` accepts.
-pub const TARGETS: [&str; 4] = ["optimizer", "gradients", "parameters", "none"];
+pub(crate) const TARGETS: [&str; 4] = ["optimizer", "gradients", "parameters", "none"];
 
 /// Bad ZeRO settings.
 #[derive(Debug, PartialEq, thiserror::Error)]
@@ -200,7 +200,7 @@ impl ModelStates {
 
 /// What the model states are made of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct Weights {
+pub(crate) struct Weights {
     /// Parameters AdamW trains: all of them in a full fine-tune, the adapters under LoRA.
     pub trained: u64,
     /// Bytes of the frozen weights (the base under LoRA, at its dtype); 0 in a full fine-tune.
@@ -213,7 +213,7 @@ pub struct Weights {
 impl Weights {
     /// A full fine-tune of `params` parameters whose largest module has `largest`: its 16-bit
     /// weights and gradients are gathered (4 bytes per parameter).
-    pub fn full(params: u64, largest: u64) -> Weights {
+    pub(crate) fn full(params: u64, largest: u64) -> Weights {
         Weights {
             trained: params,
             frozen_bytes: 0,
@@ -223,7 +223,7 @@ impl Weights {
 }
 
 /// Model states of `weights` under `z`.
-pub fn model_states(weights: &Weights, z: &Placement) -> ModelStates {
+pub(crate) fn model_states(weights: &Weights, z: &Placement) -> ModelStates {
     let w = z.ranks;
     let stage3 = z.stage == 3;
     let params = weights.trained;

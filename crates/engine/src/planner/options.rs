@@ -15,21 +15,21 @@ use crate::hf::config::{self, HfConfigError};
 use crate::hf::{self, Arch, Positions};
 
 /// The default MFU: Llama 3's reported 38–43% bf16 MFU on 16k H100s, rounded down.
-pub const DEFAULT_MFU: f64 = 0.4;
+pub(crate) const DEFAULT_MFU: f64 = 0.4;
 
 /// The host AdamW rate assumed when it is neither given (`--cpu-adam-gbps`) nor measured: the
 /// median of three runs of `gaccwb bench --adamw` (optimized build, 2 threads) on the shared
 /// 2-core development machine (docs/PLANNER.md). A server runs it faster.
-pub const ASSUMED_CPU_ADAM_GBPS: f64 = 1.071;
+pub(crate) const ASSUMED_CPU_ADAM_GBPS: f64 = 1.071;
 
 /// The `cpu` device's f32 product rate assumed likewise (10.3 GFLOP/s).
-pub const ASSUMED_CPU_TFLOPS: f64 = 0.0103;
+pub(crate) const ASSUMED_CPU_TFLOPS: f64 = 0.0103;
 
 /// The sequence length planned when neither `--seq-len` nor `--set model.seq_len` gives one: a
 /// fine-tune's, not the model's longest context (Llama 3.1's 131,072 tokens would plan for
 /// samples nobody trains on). Activations grow with it linearly (FlashAttention), so the figures
 /// at another length are a flag away. The model's own context is used when shorter.
-pub const DEFAULT_SEQ_LEN: u64 = 4096;
+pub(crate) const DEFAULT_SEQ_LEN: u64 = 4096;
 
 /// The host's rates: AdamW's bytes of optimizer state per second and the f32 product rate.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -138,12 +138,13 @@ pub enum OptionsError {
 
 /// The architecture: `--config`, else `--shape`, else `fallback` (the preset's model); then
 /// `--tied`; then the sequence length: `seq_len` (`--seq-len` or `--set model.seq_len`), else
-/// for a published model the shorter of its context and [`DEFAULT_SEQ_LEN`], else the preset's.
+/// for a published model the shorter of its context and `DEFAULT_SEQ_LEN` (4,096), else the
+/// preset's.
 /// A learned position table keeps its rows (the model's, whatever length is trained).
 pub fn resolve_arch(o: &Options, fallback: Arch) -> Result<Arch, OptionsError> {
     let mut a = match (&o.config, &o.shape) {
         (Some(_), Some(_)) => return Err(OptionsError::ShapeAndConfig),
-        (Some(path), None) => config::load(path)?,
+        (Some(path), None) => config::read_config(path)?,
         (None, Some(name)) => hf::named(name).ok_or_else(|| OptionsError::Shape(name.clone()))?,
         (None, None) => fallback.clone(),
     };

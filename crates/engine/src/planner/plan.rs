@@ -107,7 +107,7 @@ pub struct Outcome {
 /// The model states of `setup` on `arch`: every parameter trained, or under LoRA the adapters
 /// trained and the base frozen at its dtype (ZeRO-3 gathers its largest module's 16-bit
 /// weights, an upper bound for a quantised base, and no gradient).
-pub fn weights(arch: &Arch, setup: &Setup) -> Weights {
+pub(crate) fn weights(arch: &Arch, setup: &Setup) -> Weights {
     match &setup.lora {
         None => Weights::full(arch.param_count(), arch.largest_module_params()),
         Some(lora) => Weights {
@@ -119,7 +119,7 @@ pub fn weights(arch: &Arch, setup: &Setup) -> Weights {
 }
 
 /// What a configuration needs, for `arch` against a device `budget`.
-pub fn outcome(arch: &Arch, setup: &Setup, rates: &Rates, budget: u64) -> Outcome {
+pub(crate) fn outcome(arch: &Arch, setup: &Setup, rates: &Rates, budget: u64) -> Outcome {
     let w = weights(arch, setup);
     let model_states = model_states(&w, &setup.placement);
     let activations = activations(

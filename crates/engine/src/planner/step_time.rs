@@ -40,7 +40,7 @@ const GPUS: [(&str, f64, u64, f64, f64); 4] = [
 ];
 
 /// Names `--gpu-model` accepts.
-pub fn gpu_names() -> Vec<&'static str> {
+pub(crate) fn gpu_names() -> Vec<&'static str> {
     GPUS.iter().map(|g| g.0).collect()
 }
 
@@ -66,7 +66,7 @@ pub enum TimeError {
 
 /// A number as a person wrote it: plain when short, else in scientific notation (`1e-300`, not
 /// 300 digits).
-pub fn shown(x: &f64) -> String {
+pub(crate) fn shown(x: &f64) -> String {
     let plain = x.to_string();
     if plain.len() <= 12 {
         plain
@@ -76,11 +76,11 @@ pub fn shown(x: &f64) -> String {
 }
 
 /// The smallest rate a flag takes (TFLOP/s or GB/s).
-pub const MIN_RATE: f64 = 1e-6;
+pub(crate) const MIN_RATE: f64 = 1e-6;
 /// The largest rate a flag takes (a million TFLOP/s or GB/s: beyond any machine).
-pub const MAX_RATE: f64 = 1e6;
+pub(crate) const MAX_RATE: f64 = 1e6;
 /// The smallest MFU taken (0.1%): below it no step time means anything.
-pub const MIN_MFU: f64 = 1e-3;
+pub(crate) const MIN_MFU: f64 = 1e-3;
 
 /// Where the host's rates (AdamW, and the `cpu` device's product rate) come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -95,7 +95,7 @@ pub enum HostSource {
 }
 
 /// A named GPU's published figures.
-pub fn gpu(name: &str) -> Result<Gpu, TimeError> {
+pub(crate) fn gpu(name: &str) -> Result<Gpu, TimeError> {
     let &(name, peak_tflops, gb, pcie_gbps, link_gbps) = GPUS
         .iter()
         .find(|g| g.0 == name)
@@ -111,7 +111,7 @@ pub fn gpu(name: &str) -> Result<Gpu, TimeError> {
 }
 
 /// A rate from [`MIN_RATE`] to [`MAX_RATE`], or an error naming its flag.
-pub fn check_rate(flag: &'static str, value: f64) -> Result<f64, TimeError> {
+pub(crate) fn check_rate(flag: &'static str, value: f64) -> Result<f64, TimeError> {
     if (MIN_RATE..=MAX_RATE).contains(&value) {
         Ok(value)
     } else {
@@ -120,7 +120,7 @@ pub fn check_rate(flag: &'static str, value: f64) -> Result<f64, TimeError> {
 }
 
 /// An MFU from [`MIN_MFU`] to 1.
-pub fn check_mfu(value: f64) -> Result<f64, TimeError> {
+pub(crate) fn check_mfu(value: f64) -> Result<f64, TimeError> {
     if (MIN_MFU..=1.0).contains(&value) {
         Ok(value)
     } else {
@@ -212,7 +212,12 @@ fn weight_passes(recompute: Recompute) -> u64 {
 /// 16-bit weights come back once, unless the weights live on the host, where stage 3 fetches
 /// them (the frozen base too) every pass (its partition; the rest arrives over the inter-rank
 /// link).
-pub fn pcie_bytes(w: &Weights, z: &Placement, accum: u64, recompute: Recompute) -> (u64, u64) {
+pub(crate) fn pcie_bytes(
+    w: &Weights,
+    z: &Placement,
+    accum: u64,
+    recompute: Recompute,
+) -> (u64, u64) {
     let part = |bytes: u64, stage: u8| {
         if z.stage >= stage {
             bytes.div_ceil(z.ranks)
@@ -245,7 +250,7 @@ pub fn pcie_bytes(w: &Weights, z: &Placement, accum: u64, recompute: Recompute) 
 /// once and all-gathers the updated weights, stage 2 reduce-scatters every micro-batch, stage 3
 /// also all-gathers the weights (the frozen base too) every pass. With gradients offloaded there
 /// is no buffer to accumulate into, so the reduction happens every micro-batch at every stage.
-pub fn network_bytes(w: &Weights, z: &Placement, accum: u64, recompute: Recompute) -> u64 {
+pub(crate) fn network_bytes(w: &Weights, z: &Placement, accum: u64, recompute: Recompute) -> u64 {
     if z.ranks == 1 {
         return 0;
     }
@@ -270,7 +275,7 @@ pub fn network_bytes(w: &Weights, z: &Placement, accum: u64, recompute: Recomput
 
 /// Time of one optimizer step of `setup` (micro-batch B, K micro-batches per rank) whose model
 /// states are `w`.
-pub fn step_time(arch: &Arch, setup: &Setup, w: &Weights, rates: &Rates) -> StepTime {
+pub(crate) fn step_time(arch: &Arch, setup: &Setup, w: &Weights, rates: &Rates) -> StepTime {
     let (accum, recompute, z) = (setup.accum_steps, setup.recompute, &setup.placement);
     let rank_tokens = setup.micro_batch * accum * arch.seq_len;
     let flops = flops_per_token(arch, recompute, setup.lora.as_ref()) * rank_tokens as f64;

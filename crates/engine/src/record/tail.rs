@@ -19,7 +19,7 @@ use crate::telemetry::{Event, Writer};
 const MAX_LINE: usize = 64 << 20;
 
 /// How long a writer that cannot be checked may write nothing before the follow ends.
-pub const SILENCE: Duration = Duration::from_secs(60);
+pub(super) const SILENCE: Duration = Duration::from_secs(60);
 
 /// Whether the process writing a followed recording is still there.
 #[derive(Clone, Debug, PartialEq, Eq)]

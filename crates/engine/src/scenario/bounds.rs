@@ -7,7 +7,7 @@ use crate::control::{AccumPolicy, Control};
 use crate::limits::*;
 
 /// A scenario's sizes: every integer TOML can hold, the model and the window within bounds.
-pub fn check_scenario(s: &Scenario) -> Result<(), Invalid> {
+pub(super) fn check_scenario(s: &Scenario) -> Result<(), Invalid> {
     let (m, t, d) = (&s.model, &s.train, &s.data);
     let bounded: [(&'static str, u64, u64); 14] = [
         ("model.d_model", m.d_model as u64, MAX_D_MODEL as u64),

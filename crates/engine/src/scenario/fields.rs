@@ -5,7 +5,7 @@
 use serde::de::{self, DeserializeOwned, Visitor};
 
 /// The fields `T` deserializes, in declaration order; empty when `T` is not a struct.
-pub fn of<T: DeserializeOwned>() -> &'static [&'static str] {
+pub(super) fn of<T: DeserializeOwned>() -> &'static [&'static str] {
     let mut fields: &'static [&'static str] = &[];
     // The probe always fails: it has recorded the list by then.
     let _ = T::deserialize(Probe(&mut fields));

@@ -226,13 +226,56 @@ impl AdamW {
     /// master weights the device's weights are then overwritten by their casts. Returns the bytes
     /// that crossed between host and device while offloaded (`train::offload`).
     pub fn step(&mut self, params: &[Param], grads: &[Tensor], lr: f64) -> Result<u64> {
+        self.update(params, grads, lr, None).map(|(bytes, _)| bytes)
+    }
+
+    /// Whether `step_clipped` can take these gradients: every parameter's update runs in the
+    /// fused CPU kernel on the weights where they lie (no offload, no host master copies).
+    pub fn folds_clip(&self, params: &[Param], grads: &[Tensor]) -> bool {
+        let fused = |(i, (p, g)): (usize, (&Param, &Tensor))| {
+            ops::fused_domain(&[p.var.as_tensor(), &self.m[i], &self.v[i], g])
+        };
+        !self.offloaded
+            && self.master.is_none()
+            && params.len() == grads.len()
+            && params.iter().zip(grads).enumerate().all(fused)
+    }
+
+    /// `step` with the gradients multiplied by `clip` (gradient clipping's factor) inside the
+    /// fused update, so they are neither scaled in a pass of their own nor read again for their
+    /// norm: returns Σ ‖clip·g‖² over the parameters in order, the same bits as the square of
+    /// `global_norm` of the scaled gradients. Needs `folds_clip`.
+    pub fn step_clipped(
+        &mut self,
+        params: &[Param],
+        grads: &[Tensor],
+        lr: f64,
+        clip: f32,
+    ) -> Result<f64> {
+        if !self.folds_clip(params, grads) {
+            candle_core::bail!("adamw: clipping inside the update needs every parameter fused");
+        }
+        let (_, squares) = self.update(params, grads, lr, Some(clip))?;
+        // In parameter order from zero, as `global_norm` adds them.
+        Ok(squares.iter().fold(0f64, |sum, s| sum + s))
+    }
+
+    /// The update, with `clip` only when `folds_clip` holds; the bytes moved and, with `clip`,
+    /// each parameter's Σ (clip·g)².
+    fn update(
+        &mut self,
+        params: &[Param],
+        grads: &[Tensor],
+        lr: f64,
+        clip: Option<f32>,
+    ) -> Result<(u64, Vec<f64>)> {
         let step = self.begin_step(lr);
         let state_device = self.state_device(params);
         let mut traffic = Traffic::default();
         let mut fused = Vec::new();
         for (i, p) in params.iter().enumerate() {
             let g = if self.offloaded && !self.grads_on_host {
-                traffic.to_device(&grads[i], &state_device)?
+                traffic.move_to(&grads[i], &state_device)?
             } else {
                 grads[i].to_device(&state_device)?
             };
@@ -262,10 +305,10 @@ impl AdamW {
                 step,
             })
             .collect();
-        ops::fused::adamw_update_all(&jobs)?;
+        let squares = ops::fused::adamw_update_all(&jobs, clip)?;
         drop(jobs);
         self.copy_back(params, &mut traffic)?;
-        Ok(traffic.bytes)
+        Ok((traffic.bytes, squares))
     }
 
     /// Counts one more step and returns its scalars: the one rule for the unsharded step and
@@ -293,7 +336,7 @@ impl AdamW {
             match &self.master {
                 Some(master) => {
                     let cast = master[i].to_dtype(p.var.dtype())?;
-                    p.var.set(&traffic.to_device(&cast, p.var.device())?)?;
+                    p.var.set(&traffic.move_to(&cast, p.var.device())?)?;
                 }
                 None => traffic.bytes += super::offload::tensor_bytes(p.var.as_tensor()),
             }

@@ -11,7 +11,7 @@ use crate::telemetry::StepEvent;
 
 /// The policy's limits (`train.accum_min`, `accum_max`, `accum_patience`).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// The smallest K the policy chooses.
     pub min: usize,
     /// The largest K the policy chooses.
@@ -22,7 +22,7 @@ pub struct Limits {
 
 /// What the policy remembers between windows.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct AdaptiveK {
+pub(crate) struct AdaptiveK {
     /// K seen at the last window; a change (by anyone) restarts the count.
     last_k: usize,
     /// Windows since K last changed.
@@ -38,7 +38,7 @@ impl AdaptiveK {
     /// `reference_b`, the micro-batch before the guard split it (else the one in force): a guard
     /// split, B halved and K doubled, is no change of K here and moves no limit. With `ranks`
     /// W, the effective batch is W·B·K, so the K that meets the critical batch is W× smaller.
-    pub fn decide(
+    pub(crate) fn decide(
         &mut self,
         policy: AccumPolicy,
         limits: Limits,
@@ -184,7 +184,7 @@ mod tests {
         let e = crate::scenario::parse_control_arg("10:set_accum_policy=noise-scale").unwrap();
         assert_eq!(
             e.control,
-            crate::telemetry::Control::SetAccumPolicy {
+            crate::control::Control::SetAccumPolicy {
                 value: AccumPolicy::NoiseScale
             }
         );

@@ -5,7 +5,7 @@ use candle_core::{Result, Tensor};
 
 use super::window::WindowGrads;
 use super::{inplace, schedule, zero, Trainer};
-use crate::telemetry::EndReason;
+use crate::end::EndReason;
 
 /// Global L2 norm over a set of tensors, in f64 on the host.
 pub fn global_norm(tensors: &[Tensor]) -> Result<f64> {
@@ -26,11 +26,6 @@ pub fn global_norm(tensors: &[Tensor]) -> Result<f64> {
     Ok(sum.sqrt())
 }
 
-/// Relative L2 error of `a` against `reference`.
-pub fn relative_error(a: &[Tensor], reference: &[Tensor]) -> Result<f64> {
-    inplace::relative_error(a, reference)
-}
-
 /// What the boundary did.
 pub(super) struct Update {
     pub(super) grad_norm: f64,
@@ -49,7 +44,7 @@ impl Trainer {
         // The pitfall's error is a ratio, the same before unscaling (one factor on both
         // buffers), so the reference is never unscaled and is freed before the step.
         let grad_error = match w.reference {
-            Some(r) => Some(relative_error(&grads, &r)?),
+            Some(r) => Some(inplace::relative_error(&grads, &r)?),
             None => None,
         };
         if scale != 1.0 {
@@ -61,14 +56,27 @@ impl Trainer {
         let mut grad_norm_clipped = grad_norm;
         let mut transferred = 0;
         if finite {
-            match self.knobs.clip {
-                Some(max) if grad_norm > max => {
-                    inplace::scale_in_place(&mut grads, max / grad_norm)?;
-                    grad_norm_clipped = self.grad_norm(&grads)?;
+            let clip = match self.knobs.clip {
+                Some(max) if grad_norm > max => Some(max / grad_norm),
+                _ => None,
+            };
+            match clip {
+                // The factor goes into the fused update: no pass to scale the gradients, none
+                // to measure them again (the same bits as the two passes).
+                Some(factor)
+                    if self.zero.is_none() && self.opt.folds_clip(&self.model.params, &grads) =>
+                {
+                    let params = &self.model.params;
+                    let squares = self.opt.step_clipped(params, &grads, lr, factor as f32)?;
+                    grad_norm_clipped = squares.sqrt();
                 }
-                _ => {}
+                Some(factor) => {
+                    inplace::scale_in_place(&mut grads, factor)?;
+                    grad_norm_clipped = self.grad_norm(&grads)?;
+                    transferred = self.optimizer_step(&grads, lr)?;
+                }
+                None => transferred = self.optimizer_step(&grads, lr)?,
             }
-            transferred = self.optimizer_step(&grads, lr)?;
             self.lr_step += 1;
         } else {
             self.overflow_count += 1;

@@ -8,16 +8,18 @@ use candle_core::Device;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::{EventSink, Trainer};
+use crate::control::{Control, ControlMsg};
+use crate::end::EndReason;
 use crate::hf::Arch;
 use crate::limits::BoundError;
 use crate::memory::estimate::{changes_memory, Config};
 use crate::memory::fit;
 use crate::scenario::Scenario;
-use crate::telemetry::{Control, ControlMsg, EndEvent, EndReason, Event, StepEvent};
+use crate::telemetry::{EndEvent, Event, StepEvent};
 
 /// `super::run`, turning a panic into an error log and an `end` event: without it the thread
 /// dies silently while the sampler keeps the event channel open, and the UI waits forever.
-pub fn run_catching_panics(
+pub(crate) fn run_catching_panics(
     trainer: Trainer,
     controls: UnboundedReceiver<ControlMsg>,
     sink: EventSink,
@@ -40,13 +42,13 @@ pub fn run_catching_panics(
 }
 
 /// An error the user must see: the UI's event log, the recording, headless stderr.
-pub fn send_error(sink: &EventSink, step: u64, message: &str) {
+pub(crate) fn send_error(sink: &EventSink, step: u64, message: &str) {
     sink.send(Event::error(step, message));
 }
 
 /// Counts consecutive windows whose loss or gradient norm was not finite, and remembers the
 /// last loss: a run too short to reach the limit still must not end "completed" on NaN.
-pub struct Divergence {
+pub(crate) struct Divergence {
     limit: u64,
     run: u64,
     last_loss: Option<(u64, f64)>,
@@ -54,7 +56,7 @@ pub struct Divergence {
 
 impl Divergence {
     /// `limit` 0: never end the run early.
-    pub fn new(limit: u64) -> Divergence {
+    pub(crate) fn new(limit: u64) -> Divergence {
         Divergence {
             limit,
             run: 0,
@@ -63,14 +65,14 @@ impl Divergence {
     }
 
     /// The end reason once `limit` windows in a row were non-finite.
-    pub fn observe(&mut self, step: &StepEvent) -> Option<EndReason> {
+    pub(crate) fn observe(&mut self, step: &StepEvent) -> Option<EndReason> {
         self.last_loss = Some((step.step, step.loss));
         let finite = step.loss.is_finite() && step.grad_norm.is_finite() && !step.skipped;
         self.observe_window(step.step, finite)
     }
 
     /// `observe` for the window that made optimizer step `step`.
-    pub fn observe_window(&mut self, step: u64, finite: bool) -> Option<EndReason> {
+    pub(crate) fn observe_window(&mut self, step: u64, finite: bool) -> Option<EndReason> {
         self.run = if finite { 0 } else { self.run + 1 };
         (self.limit > 0 && self.run >= self.limit).then(|| {
             EndReason::Diverged(format!(
@@ -86,7 +88,7 @@ impl Divergence {
 
     /// For a run ending otherwise fine: diverged when its last loss was not finite, whatever
     /// the limit (an f16 overflow skip keeps a finite loss and does not count here).
-    pub fn at_end(&self) -> Option<EndReason> {
+    pub(crate) fn at_end(&self) -> Option<EndReason> {
         let (step, loss) = self.last_loss?;
         (!loss.is_finite()).then(|| {
             EndReason::Diverged(format!(
@@ -123,15 +125,19 @@ pub enum Refused {
 
 /// Refuse a model of architecture `arch` (the scenario's: a model directory's, or this
 /// engine's GPT) this machine cannot hold, before any weight is allocated.
-pub fn check_model_fits(scenario: &Scenario, arch: &Arch, device: &Device) -> Result<(), Refused> {
-    let knobs = crate::telemetry::Knobs::from_scenario(scenario);
+pub(crate) fn check_model_fits(
+    scenario: &Scenario,
+    arch: &Arch,
+    device: &Device,
+) -> Result<(), Refused> {
+    let knobs = crate::control::Knobs::from_scenario(scenario);
     let cfg =
         Config::for_arch(arch, &scenario.model, &knobs, device.is_cpu()).with_lora(&scenario.train);
     fit::check_fits(&cfg, budget(device)).map_err(Refused::Model)
 }
 
 /// Refuse, at the boundary, a knob change whose window overflows or that would not fit.
-pub fn check_knob_change(trainer: &Trainer, c: &Control) -> Result<(), Refused> {
+pub(crate) fn check_knob_change(trainer: &Trainer, c: &Control) -> Result<(), Refused> {
     let mut next = trainer.knobs().clone();
     next.apply(c);
     let model = &trainer.scenario().model;

@@ -3,7 +3,7 @@
 //! One optimizer step, top to bottom (`Trainer::train_step`, in `step.rs`):
 //! 1. take the window's B·K samples (the data stream does not depend on how it is split);
 //! 2. for each micro-batch: forward, token-sum loss × weight × loss scale, backward, fold into
-//!    the accumulation buffer ([`window`]; memory, timing and the noise scale are its observers);
+//!    the accumulation buffer (`window.rs`; memory, timing and the noise scale are its observers);
 //! 3. at the boundary (`boundary.rs`): unscale once → non-finite check → global L2 norm → clip →
 //!    AdamW step (or skip on overflow) → loss-scaler update → clear the buffer;
 //! 4. apply controls that arrived, so they take effect for the next window only (`run_loop.rs`).
@@ -13,45 +13,49 @@
 //! state and what reads it. The trainer knows nothing of terminals: it reads `ControlMsg`s and
 //! writes `Event`s.
 
-pub mod adamw;
-pub mod adaptive;
+pub(crate) mod adamw;
+pub(crate) mod adaptive;
 mod boundary;
 mod error;
-pub mod failures;
-pub mod inplace;
-pub mod noise;
-pub mod offload;
-pub mod oom_guard;
+pub(crate) mod failures;
+pub(crate) mod inplace;
+pub(crate) mod noise;
+pub(crate) mod offload;
+pub(crate) mod oom_guard;
 mod parallel;
-pub mod pool_governor;
+pub(crate) mod pool_governor;
 mod run_loop;
-pub mod scaler;
-pub mod schedule;
+pub(crate) mod scaler;
+pub(crate) mod schedule;
 mod step;
 mod thread;
-pub mod window;
-pub mod zero;
+pub(crate) mod window;
+pub(crate) mod zero;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use candle_core::{Device, Result, Tensor};
 
+use crate::control::Knobs;
 use crate::data::Corpus;
 use crate::device::device_name;
+use crate::end::EndReason;
 use crate::memory::{Ledger, Persistent};
 use crate::model::{Gpt, Param};
 use crate::scenario::{Scenario, TimelineEntry};
-use crate::telemetry::{BuildInfo, EndReason, Event, Header, FORMAT_VERSION};
-pub use crate::telemetry::{EventSink, Knobs};
-use adamw::{AdamW, Hyper};
-pub use boundary::{global_norm, relative_error};
+use crate::telemetry::EventSink;
+use crate::telemetry::{BuildInfo, Event, Header, FORMAT_VERSION};
+pub use adamw::{AdamW, Hyper};
+pub use boundary::global_norm;
 pub use error::{OverBudget, TrainError, ZeroRefused};
+pub use inplace::{relative_error, scale_in_place};
+pub use noise::NoiseTracker;
 pub use run_loop::{run, run_returning};
 use scaler::LossScaler;
 pub use thread::{spawn, spawn_trainer, TrainerHandle};
 pub use window::{
-    rank_window_gradients, window_gradients, window_gradients_observed, Interrupt, Share,
-    WindowGrads, WindowObserver,
+    rank_window_gradients, window_gradients, window_gradients_observed, BackwardEnd, ForwardEnd,
+    Interrupt, Share, WindowGrads, WindowObserver,
 };
 
 /// Work a caller adds after each optimizer step (saving a checkpoint). The trainer does not
@@ -348,7 +352,7 @@ impl Trainer {
         // then place as the saved knobs say: host copies are taken from the loaded weights.
         let plain = Knobs {
             offload: false,
-            dtype: crate::telemetry::Dtype::F32,
+            dtype: crate::control::Dtype::F32,
             ..saved.knobs.clone()
         };
         self.place_state(&plain)?;

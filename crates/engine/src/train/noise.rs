@@ -51,7 +51,7 @@ pub struct Raw {
 }
 
 /// The two-batch-size estimator. `None` when the two sizes coincide (K = 1).
-pub fn estimate(small_sq: f64, b_small: f64, big_sq: f64, b_big: f64) -> Option<Raw> {
+pub(crate) fn estimate(small_sq: f64, b_small: f64, big_sq: f64, b_big: f64) -> Option<Raw> {
     if !(b_big > b_small && b_small > 0.0) {
         return None;
     }
@@ -116,7 +116,7 @@ impl WindowNorms {
 
 /// Exponential moving average with bias correction (the first values are not pulled to 0).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Ema {
+pub(crate) struct Ema {
     beta: f64,
     sum: f64,
     weight: f64,
@@ -124,7 +124,7 @@ pub struct Ema {
 
 impl Ema {
     /// An empty average that forgets at rate `beta` per update.
-    pub fn new(beta: f64) -> Ema {
+    pub(crate) fn new(beta: f64) -> Ema {
         Ema {
             beta,
             sum: 0.0,
@@ -133,13 +133,13 @@ impl Ema {
     }
 
     /// Fold in one value.
-    pub fn update(&mut self, x: f64) {
+    pub(crate) fn update(&mut self, x: f64) {
         self.sum = self.beta * self.sum + (1.0 - self.beta) * x;
         self.weight = self.beta * self.weight + (1.0 - self.beta);
     }
 
     /// The bias-corrected mean; `None` before the first value.
-    pub fn value(&self) -> Option<f64> {
+    pub(crate) fn value(&self) -> Option<f64> {
         (self.weight > 0.0).then(|| self.sum / self.weight)
     }
 }

@@ -13,7 +13,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::telemetry::{Knobs, OffloadGrads};
+use crate::control::{Knobs, OffloadGrads};
 
 /// Where the weights, the optimizer state and the gradients live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,26 +53,26 @@ impl Placement {
 }
 
 /// Bytes of a tensor's elements.
-pub fn tensor_bytes(t: &Tensor) -> u64 {
+pub(crate) fn tensor_bytes(t: &Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 
 /// Bytes that crossed between host and device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Traffic {
+pub(crate) struct Traffic {
     /// Model-state bytes moved so far in this step.
     pub bytes: u64,
 }
 
 impl Traffic {
     /// `t` in host memory, its bytes counted.
-    pub fn to_host(&mut self, t: &Tensor) -> Result<Tensor> {
+    pub(crate) fn move_to_host(&mut self, t: &Tensor) -> Result<Tensor> {
         self.bytes += tensor_bytes(t);
         t.to_device(&Device::Cpu)
     }
 
     /// `t` on `device`, its bytes counted.
-    pub fn to_device(&mut self, t: &Tensor, device: &Device) -> Result<Tensor> {
+    pub(crate) fn move_to(&mut self, t: &Tensor, device: &Device) -> Result<Tensor> {
         self.bytes += tensor_bytes(t);
         t.to_device(device)
     }
@@ -82,7 +82,7 @@ impl Traffic {
 /// offload (the f32 weights' gradients, on the device), cast on the device when the buffer is
 /// there, copied in the weights' dtype and cast on the host when it is there. A half-precision
 /// gradient cast to f32 is exact, so every placement accumulates the same values.
-pub fn land(
+pub(crate) fn land(
     grads: Vec<Tensor>,
     placement: &Placement,
     traffic: &mut Traffic,
@@ -94,7 +94,7 @@ pub fn land(
         .into_iter()
         .map(|g| {
             let g = if placement.grads_on_host {
-                traffic.to_host(&g)?
+                traffic.move_to_host(&g)?
             } else {
                 g
             };

@@ -8,7 +8,7 @@ use candle_core::{Result, Tensor};
 
 use super::window::WindowGrads;
 use super::{global_norm, noise, zero, TrainError, Trainer, ZeroRefused};
-use crate::telemetry::Control;
+use crate::control::Control;
 
 impl Trainer {
     /// Train as one rank of `group` (data parallel): every rank must join a trainer built from
@@ -29,7 +29,7 @@ impl Trainer {
     pub(super) fn set_zero(
         &mut self,
         stage: u8,
-        accumulate: crate::dist::Zero2Accumulate,
+        accumulate: crate::control::Zero2Accumulate,
     ) -> std::result::Result<(), TrainError> {
         let refuse = |why: &'static str| ZeroRefused::Stage { stage, why };
         if stage > 2 {
@@ -48,7 +48,7 @@ impl Trainer {
             )
             .into());
         }
-        let scatters = accumulate == crate::dist::Zero2Accumulate::ReduceScatter;
+        let scatters = accumulate == crate::control::Zero2Accumulate::ReduceScatter;
         if stage == 2 && scatters && self.knobs.noise {
             return Err(refuse(
                 "with zero2_accumulate = \"reduce-scatter\" no rank holds its whole window \
@@ -78,10 +78,10 @@ impl Trainer {
         let refused = match c {
             Control::SetOffload { value: true } => stage > 0,
             Control::SetLossNorm { value } => {
-                stage == 2 && *value != crate::telemetry::LossNorm::Tokens
+                stage == 2 && *value != crate::control::LossNorm::Tokens
             }
             Control::SetZeroGrad { value } => {
-                stage == 2 && *value != crate::telemetry::ZeroGrad::PerWindow
+                stage == 2 && *value != crate::control::ZeroGrad::PerWindow
             }
             _ => false,
         };
@@ -96,9 +96,9 @@ impl Trainer {
 
     /// Whether a pitfall (loss normalisation, zero-grad, cross-rank mean) is switched on.
     fn pitfall_on(&self) -> bool {
-        self.knobs.loss_norm != crate::telemetry::LossNorm::Tokens
-            || self.knobs.zero_grad != crate::telemetry::ZeroGrad::PerWindow
-            || self.scenario.train.rank_loss_norm != crate::dist::RankLossNorm::Tokens
+        self.knobs.loss_norm != crate::control::LossNorm::Tokens
+            || self.knobs.zero_grad != crate::control::ZeroGrad::PerWindow
+            || self.scenario.train.rank_loss_norm != crate::control::RankLossNorm::Tokens
     }
 
     /// The ZeRO stage in force (0 without sharding).
@@ -113,7 +113,7 @@ impl Trainer {
     /// Whether ZeRO-2 reduce-scatters every micro-batch's gradients.
     pub(super) fn scatters_micro_batches(&self) -> bool {
         self.zero_stage() == 2
-            && self.knobs.zero2_accumulate == crate::dist::Zero2Accumulate::ReduceScatter
+            && self.knobs.zero2_accumulate == crate::control::Zero2Accumulate::ReduceScatter
     }
 
     /// Under ZeRO, gather the moments whole on every rank after each `every`-th step (a
@@ -172,7 +172,7 @@ impl Trainer {
             return Ok(());
         }
         let dist = |e: crate::dist::DistError| candle_core::Error::Msg(e.to_string());
-        if self.zero_stage() < 2 && self.knobs.sync == crate::dist::SyncEvery::Window {
+        if self.zero_stage() < 2 && self.knobs.sync == crate::control::SyncEvery::Window {
             self.group
                 .sum_tensors(&mut window.grads, true)
                 .map_err(dist)?;

@@ -22,7 +22,7 @@
 //! (no `/proc`) the schedule above is all there is.
 
 /// `GACCWB_CPU_POOL`: `auto` (the default), `pool` (always the pool) or `serial` (never).
-pub const POOL_ENV: &str = "GACCWB_CPU_POOL";
+pub(crate) const POOL_ENV: &str = "GACCWB_CPU_POOL";
 
 /// Ends every line the governor logs: how to take the choice out of its hands.
 fn fix_hint() -> String {
@@ -31,7 +31,7 @@ fn fix_hint() -> String {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 /// What `GACCWB_CPU_POOL` asks for.
-pub enum PoolChoice {
+pub(crate) enum PoolChoice {
     /// Time both and keep the faster (the default).
     Auto,
     /// Always the thread pool.
@@ -41,7 +41,7 @@ pub enum PoolChoice {
 }
 
 /// `GACCWB_CPU_POOL` parsed; unset or empty is `auto`.
-pub fn choice_from_env() -> Result<PoolChoice, crate::ops::BadEnvValue> {
+pub(crate) fn choice_from_env() -> Result<PoolChoice, crate::ops::BadEnvValue> {
     match std::env::var(POOL_ENV).as_deref().map(str::trim) {
         Err(_) | Ok("" | "auto") => Ok(PoolChoice::Auto),
         Ok("pool") => Ok(PoolChoice::Pool),
@@ -78,7 +78,7 @@ const FREE_ABOVE: f64 = 1.75;
 
 #[derive(Clone, Debug)]
 /// Chooses, window by window, whether the fused CPU ops use the thread pool, from their measured cost and other processes' load.
-pub struct PoolGovernor {
+pub(crate) struct PoolGovernor {
     choice: PoolChoice,
     serial: bool,
     /// Smoothed ms per position, indexed by `serial as usize`.
@@ -98,7 +98,7 @@ pub struct PoolGovernor {
 
 impl PoolGovernor {
     /// A governor following `choice`, starting on the pool.
-    pub fn new(choice: PoolChoice) -> PoolGovernor {
+    pub(crate) fn new(choice: PoolChoice) -> PoolGovernor {
         PoolGovernor {
             choice,
             serial: choice == PoolChoice::Serial,
@@ -116,7 +116,7 @@ impl PoolGovernor {
     /// Takes a reading of other processes' load: `others` CPUs' worth busy of the `cpus` this
     /// process may run on. Returns a line for the log when it sets the starting choice to the
     /// trainer's thread alone.
-    pub fn load(&mut self, others: f64, cpus: usize) -> Option<String> {
+    pub(crate) fn load(&mut self, others: f64, cpus: usize) -> Option<String> {
         if self.choice != PoolChoice::Auto || !others.is_finite() {
             return None;
         }
@@ -148,7 +148,7 @@ impl PoolGovernor {
 
     /// Whether the next window runs without the pool. `applies`: the window takes the fused
     /// CPU ops with more than one thread (elsewhere there is nothing to choose).
-    pub fn next_serial(&mut self, applies: bool) -> bool {
+    pub(crate) fn next_serial(&mut self, applies: bool) -> bool {
         match self.choice {
             PoolChoice::Pool => false,
             PoolChoice::Serial => true,
@@ -161,14 +161,14 @@ impl PoolGovernor {
     }
 
     /// The current choice, for work outside the windows (evaluation).
-    pub fn serial(&self) -> bool {
+    pub(crate) fn serial(&self) -> bool {
         self.serial
     }
 
     /// Records what a window run with `serial` cost: its time over the positions it computed
     /// (micro-batch × sequence length × K, padding included: the work, whatever the documents'
     /// lengths); returns a line for the log when the choice changes.
-    pub fn observe(&mut self, serial: bool, ms: f64, positions: u64) -> Option<String> {
+    pub(crate) fn observe(&mut self, serial: bool, ms: f64, positions: u64) -> Option<String> {
         if self.choice != PoolChoice::Auto || serial != (self.serial ^ self.probing) {
             return None;
         }

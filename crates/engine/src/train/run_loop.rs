@@ -7,10 +7,10 @@ use candle_core::Result;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::{adaptive, failures, oom_guard, EventSink, Interrupt, TrainError, Trainer};
+use crate::control::{Control, ControlMsg, Origin};
 use crate::data::{Batch, Sample, Split};
-use crate::telemetry::{
-    Control, ControlEvent, ControlMsg, EndEvent, EndReason, EvalEvent, Event, Origin, StepEvent,
-};
+use crate::end::EndReason;
+use crate::telemetry::{ControlEvent, EndEvent, EvalEvent, Event, StepEvent};
 
 /// The trainer thread: header, then steps until done, stopped or failed, then `end`.
 pub fn run(trainer: Trainer, controls: UnboundedReceiver<ControlMsg>, sink: EventSink) {
@@ -45,7 +45,7 @@ pub fn run_returning(
             ControlFlow::Continue(Next::Step) => flow.single_step = false,
         }
         let serial = choose_pool(&mut trainer, &sink);
-        let step = match window_step(&mut trainer, &mut flow, &mut controls, serial, &sink) {
+        let step = match step_or_end(&mut trainer, &mut flow, &mut controls, serial, &sink) {
             ControlFlow::Continue(step) => step,
             ControlFlow::Break(end) => break end,
         };
@@ -119,9 +119,9 @@ fn boundary(
     ControlFlow::Continue(Next::Step)
 }
 
-/// One optimizer step on the chosen side of the CPU pool; a stop between micro-batches or a
-/// failed window ends the run.
-fn window_step(
+/// One optimizer step on the chosen side of the CPU pool, or the reason the run ends: a stop
+/// between micro-batches or a failed window.
+fn step_or_end(
     trainer: &mut Trainer,
     flow: &mut Flow,
     controls: &mut UnboundedReceiver<ControlMsg>,

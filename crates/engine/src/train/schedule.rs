@@ -4,7 +4,7 @@
 use std::f64::consts::PI;
 
 /// Schedule multiplier (0..=1) after `step` applied optimizer steps.
-pub fn schedule(step: u64, warmup: u64, decay_steps: u64, min_ratio: f64) -> f64 {
+pub(crate) fn schedule(step: u64, warmup: u64, decay_steps: u64, min_ratio: f64) -> f64 {
     if step < warmup {
         return (step + 1) as f64 / warmup as f64;
     }

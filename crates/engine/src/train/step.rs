@@ -6,8 +6,9 @@ use std::time::Instant;
 use super::boundary::Update;
 use super::window::{rank_window_gradients, Interrupt, Share, WindowGrads, WindowObserver};
 use super::{oom_guard, Trainer};
+use crate::control::Control;
 use crate::data::{Sample, Split};
-use crate::telemetry::{Control, PhaseMs, StepEvent};
+use crate::telemetry::{PhaseMs, StepEvent};
 
 /// What the step event takes from a finished window (every rank's, under data parallel).
 struct WindowSummary {

@@ -4,8 +4,9 @@ use candle_core::Device;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::{failures, EventSink, TrainError, Trainer};
+use crate::control::{Control, ControlMsg, Origin};
 use crate::scenario::Scenario;
-use crate::telemetry::{Control, ControlMsg, Event, Origin};
+use crate::telemetry::Event;
 
 /// A trainer running on its own thread.
 pub struct TrainerHandle {

@@ -12,11 +12,12 @@ use candle_core::{Device, Result, Tensor};
 
 use super::noise;
 use super::offload::{self, Placement, Traffic};
+use crate::control::{Knobs, LossNorm, RankLossNorm, SyncEvery, ZeroGrad};
 use crate::data::{Batch, Sample};
-use crate::dist::{Group, RankLossNorm, SyncEvery};
+use crate::dist::Group;
 use crate::memory::Ledger;
 use crate::model::Gpt;
-use crate::telemetry::{Knobs, LossNorm, Phase, ZeroGrad};
+use crate::telemetry::Phase;
 
 /// The gradients of one window, before the boundary.
 pub struct WindowGrads {

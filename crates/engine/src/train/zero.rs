@@ -152,7 +152,7 @@ impl Shard {
 
 /// Keep only this rank's pieces of whole AdamW moments (from stage 0), values unchanged:
 /// 8 bytes per owned element.
-pub fn cut_moments(opt: &mut AdamW, shard: &Shard) -> Result<()> {
+pub(crate) fn cut_moments(opt: &mut AdamW, shard: &Shard) -> Result<()> {
     let cut = |whole: &[Tensor]| -> Result<Vec<Tensor>> {
         // A copy of each piece alone: a view would keep the whole moment's storage alive.
         shard
@@ -167,7 +167,7 @@ pub fn cut_moments(opt: &mut AdamW, shard: &Shard) -> Result<()> {
 }
 
 /// Whole AdamW moments again (to stage 0), from every rank's pieces.
-pub fn gather_moments(
+pub(crate) fn gather_moments(
     opt: &mut AdamW,
     shard: &Shard,
     params: &[Param],
@@ -179,7 +179,7 @@ pub fn gather_moments(
 
 /// Whole copies of the AdamW moments (`m`, then `v`), shaped like `params`, from every rank's
 /// pieces, leaving `opt` sharded: what a checkpoint saves. Two all-gathers, on every rank.
-pub fn whole_moments(
+pub(crate) fn whole_moments(
     opt: &AdamW,
     shard: &Shard,
     params: &[Param],
@@ -194,7 +194,7 @@ pub fn whole_moments(
 /// each element is updated as the unsharded step would update it: on the CPU in f32 by the
 /// fused kernel, in place in the weights; elsewhere (a GPU, or the lean kernels) by the
 /// same Candle ops as the unsharded step, into new pieces that the all-gather assembles.
-pub fn step(
+pub(crate) fn step(
     opt: &mut AdamW,
     shard: &Shard,
     params: &[Param],
@@ -231,7 +231,7 @@ pub fn step(
             step: scalars.fused(&params[i]),
         })
         .collect();
-    adamw_update_all(&jobs)?;
+    adamw_update_all(&jobs, None)?;
     drop(jobs);
     shard.gather_weights(&pieces, params, group)
 }

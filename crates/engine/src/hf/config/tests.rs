@@ -94,7 +94,7 @@ fn a_multimodal_wrapper_is_read_through_its_text_config_or_refused_with_a_hint()
 #[test]
 fn only_a_regular_file_of_bounded_size_is_read() {
     let dir = tempfile::tempdir().unwrap();
-    let e = load(dir.path()).unwrap_err().to_string();
+    let e = read_config(dir.path()).unwrap_err().to_string();
     assert!(
         e.ends_with("not a regular file; give the model's config.json itself"),
         "{e}"
@@ -102,7 +102,7 @@ fn only_a_regular_file_of_bounded_size_is_read() {
     // A device that never ends is refused before anything is read from it.
     if Path::new("/dev/zero").exists() {
         assert!(matches!(
-            load(Path::new("/dev/zero")),
+            read_config(Path::new("/dev/zero")),
             Err(HfConfigError::NotAFile { .. })
         ));
     }
@@ -112,11 +112,17 @@ fn only_a_regular_file_of_bounded_size_is_read() {
         .unwrap()
         .set_len(MAX_BYTES + 1)
         .unwrap();
-    assert!(matches!(load(&big), Err(HfConfigError::TooLarge { .. })));
+    assert!(matches!(
+        read_config(&big),
+        Err(HfConfigError::TooLarge { .. })
+    ));
     std::fs::write(&big, LLAMA).unwrap();
-    assert_eq!(load(&big).unwrap().family, "llama");
+    assert_eq!(read_config(&big).unwrap().family, "llama");
     std::fs::write(&big, [0xff, 0xfe, b'{']).unwrap();
-    assert!(load(&big).unwrap_err().to_string().contains("not UTF-8"));
+    assert!(read_config(&big)
+        .unwrap_err()
+        .to_string()
+        .contains("not UTF-8"));
 }
 
 #[cfg(unix)]
@@ -127,5 +133,8 @@ fn a_fifo_is_refused_without_blocking() {
     let name = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: `name` is a NUL-terminated path that outlives the call.
     assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
-    assert!(matches!(load(&fifo), Err(HfConfigError::NotAFile { .. })));
+    assert!(matches!(
+        read_config(&fifo),
+        Err(HfConfigError::NotAFile { .. })
+    ));
 }

@@ -70,7 +70,7 @@ impl Shape {
             norm_bias: layer_norm,
             learned: a.positions == Positions::Learned,
             c: cfg.dtype.size_in_bytes() as u64,
-            cast: cfg.dtype != crate::telemetry::Dtype::F32,
+            cast: cfg.dtype != crate::control::Dtype::F32,
             frozen: cfg.lora.is_some(),
         }
     }

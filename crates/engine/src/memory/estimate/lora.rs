@@ -107,7 +107,7 @@ pub fn adapter_params(cfg: &Config, a: &Adapters) -> u64 {
 }
 
 /// Elements of the largest adapter matrix (A `[in, r]` or B `[r, out]`).
-pub fn largest_adapter(cfg: &Config, a: &Adapters) -> u64 {
+pub(super) fn largest_adapter(cfg: &Config, a: &Adapters) -> u64 {
     let s = Shape::new(cfg);
     [Step::attention(cfg, &s), Step::mlp(cfg, &s)]
         .iter()

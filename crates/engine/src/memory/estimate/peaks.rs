@@ -11,8 +11,8 @@
 
 use super::graph::{attention_chunk, checkpointed, recomputed_bytes, Shape};
 use super::{Config, F32};
+use crate::control::Dtype;
 use crate::hf::Mlp;
-use crate::telemetry::Dtype;
 
 /// Bytes live over a run of allocations and frees, from 0, and the highest point reached.
 #[derive(Default)]

@@ -25,10 +25,12 @@ use crate::ops::{vmath, WeightLayout};
 /// (`matmul_split`): 4 of them, each packing only its columns of W.
 const CHUNK_ELEMENTS: usize = 1 << 21;
 
-/// Rows per chunk at vocabulary `v`: at least 64, since each chunk's products pack all of W
-/// again (a huge vocabulary's W is tens of MB).
+/// Rows per chunk at vocabulary `v`: at least 128, since each chunk's products pack all of W
+/// again (a huge vocabulary's W is tens of MB) and dW is read and written once per chunk. At
+/// GPT-2's V = 50,257 a chunk of 64 rows ran the head's products about 9% slower than one of
+/// 128 (docs/PERFORMANCE.md); 128 rows hold 25.7 MB of logits there (78 MB at V = 151,936).
 pub fn chunk_rows(v: usize) -> usize {
-    (CHUNK_ELEMENTS / v.max(1)).max(64)
+    (CHUNK_ELEMENTS / v.max(1)).max(128)
 }
 
 /// Sum over counted rows of `−log softmax(x·W)[target]`: `x` `[N, D]`, `w` `[D, V]` (or

@@ -59,7 +59,7 @@ const GELU_C: f32 = 0.044_715;
 /// GELU(x) = x·σ(2u), u = √(2/π)(x + 0.044715x³) (the same function as 0.5x(1 + tanh u)),
 /// and its derivative σ + 2x·σ(1−σ)·u′, from one exp.
 #[inline(always)]
-pub fn gelu_and_slope(x: f32) -> (f32, f32) {
+pub(super) fn gelu_and_slope(x: f32) -> (f32, f32) {
     let x2 = x * x;
     let u = SQRT_2_OVER_PI * (x + GELU_C * x2 * x);
     let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x2);
@@ -68,7 +68,7 @@ pub fn gelu_and_slope(x: f32) -> (f32, f32) {
 }
 
 #[inline(always)]
-pub fn gelu_value(x: f32) -> f32 {
+pub(super) fn gelu_value(x: f32) -> f32 {
     let u = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
     x / (1.0 + vmath::exp(-2.0 * u))
 }

@@ -3,7 +3,8 @@
 //! dozen temporaries per parameter), the boundary's unscaling and clipping, and the sums of
 //! squares behind the gradient norm and the pitfall's error.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+use std::sync::{Mutex, PoisonError};
 
 use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Result, Tensor};
 
@@ -35,39 +36,70 @@ pub struct AdamWJob<'a> {
     pub m: &'a Tensor,
     /// The second moment, updated in place.
     pub v: &'a Tensor,
-    /// The (unscaled, clipped) gradient.
+    /// The unscaled gradient, clipped already or clipped by `adamw_update_all`'s factor.
     pub g: Tensor,
     /// The update's scalars.
     pub step: AdamWStep,
 }
 
 /// Every job's `adamw_update`, parameters spread over the CPU pool, `ops::pool` (one hand-off for
-/// the whole step instead of three per parameter).
-pub fn adamw_update_all(jobs: &[AdamWJob]) -> Result<()> {
-    let first_error = std::sync::Mutex::new(None);
+/// the whole step instead of three per parameter). With `clip`, each gradient is first multiplied
+/// by it (gradient clipping's factor: the product `scale_in_place` makes, in the same pass as the
+/// update instead of a pass of its own), and each job's Σ (clip·g)² is returned, the sum
+/// `sum_squares` gives for the clipped gradient (same blocks, same order: the same bits);
+/// without, nothing is returned.
+pub fn adamw_update_all(jobs: &[AdamWJob], clip: Option<f32>) -> Result<Vec<f64>> {
+    let first_error = Mutex::new(None);
+    let squares = Mutex::new(vec![0f64; jobs.len()]);
     super::for_each_unit(jobs.len(), |range| {
-        for j in &jobs[range] {
-            if let Err(e) = adamw_update(j.w, j.m, j.v, &j.g, j.step) {
-                // A poisoned lock still holds the first error: a panicking unit does not own it.
-                let mut first = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                first.get_or_insert(e);
+        for i in range {
+            let j = &jobs[i];
+            // A poisoned lock still holds its value: a panicking unit does not own it.
+            match adamw_update(j.w, j.m, j.v, &j.g, j.step, clip) {
+                Ok(sum) => squares.lock().unwrap_or_else(PoisonError::into_inner)[i] = sum,
+                Err(e) => {
+                    let mut first = first_error.lock().unwrap_or_else(PoisonError::into_inner);
+                    first.get_or_insert(e);
+                }
             }
         }
     });
-    first_error
+    match first_error
         .into_inner()
-        .unwrap_or_else(|p| p.into_inner())
-        .map_or(Ok(()), Err)
+        .unwrap_or_else(PoisonError::into_inner)
+    {
+        Some(e) => Err(e),
+        None if clip.is_some() => Ok(squares.into_inner().unwrap_or_else(PoisonError::into_inner)),
+        None => Ok(Vec::new()),
+    }
 }
 
 /// `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`, `w ← decay·w − step_size·m / (√(v·inv_bc2) + ε)`,
 /// all in place, on the calling thread, in one pass over the four arrays (28 bytes per parameter
-/// moved; a pass per array moved 40). Candle lends one writable storage per in-place op, so the
-/// op on `m` lends its slice to an op on `v`, which lends both to an op on `w`.
-fn adamw_update(w: &Tensor, m: &Tensor, v: &Tensor, g: &Tensor, s: AdamWStep) -> Result<()> {
+/// moved; a pass per array moved 40), with `g` first multiplied by `clip` when given. Candle
+/// lends one writable storage per in-place op, so the op on `m` lends its slice to an op on `v`,
+/// which lends both to an op on `w`. Returns Σ (clip·g)² (0 without `clip`).
+fn adamw_update(
+    w: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    s: AdamWStep,
+    clip: Option<f32>,
+) -> Result<f64> {
     let g = g.contiguous()?;
-    m.inplace_op2(&g, &Moments { v, w, step: s })
+    let squares = Cell::new(0.0);
+    let moments = Moments {
+        v,
+        w,
+        step: s,
+        clip,
+        squares: &squares,
+    };
+    m.inplace_op2(&g, &moments)?;
+    Ok(squares.get())
 }
+
 /// Σ x² of a CPU f32 tensor, accumulated in f64 per block of 1024 values.
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
     let t = t.contiguous()?;
@@ -152,6 +184,8 @@ struct Moments<'a> {
     v: &'a Tensor,
     w: &'a Tensor,
     step: AdamWStep,
+    clip: Option<f32>,
+    squares: &'a Cell<f64>,
 }
 
 impl InplaceOp2 for Moments<'_> {
@@ -167,6 +201,8 @@ impl InplaceOp2 for Moments<'_> {
             g,
             w: self.w,
             step: self.step,
+            clip: self.clip,
+            squares: self.squares,
         };
         self.v.inplace_op1(&second)
     }
@@ -178,6 +214,8 @@ struct SecondMoment<'a> {
     g: &'a [f32],
     w: &'a Tensor,
     step: AdamWStep,
+    clip: Option<f32>,
+    squares: &'a Cell<f64>,
 }
 
 impl InplaceOp1 for SecondMoment<'_> {
@@ -193,6 +231,8 @@ impl InplaceOp1 for SecondMoment<'_> {
             v: RefCell::new(v),
             g: self.g,
             step: self.step,
+            clip: self.clip,
+            squares: self.squares,
         };
         self.w.inplace_op1(&update)
     }
@@ -204,6 +244,8 @@ struct Update<'a> {
     v: RefCell<&'a mut [f32]>,
     g: &'a [f32],
     step: AdamWStep,
+    clip: Option<f32>,
+    squares: &'a Cell<f64>,
 }
 
 impl InplaceOp1 for Update<'_> {
@@ -225,17 +267,42 @@ impl InplaceOp1 for Update<'_> {
             );
         }
         let s = self.step;
-        let (b1, r1, b2, r2) = (s.beta1, 1.0 - s.beta1, s.beta2, 1.0 - s.beta2);
-        vmath::widest(
+        let Some(k) = self.clip else {
+            vmath::widest(
+                #[inline(always)]
+                || adamw_block(w, m, v, g, s),
+            );
+            return Ok(());
+        };
+        // Clipped: block by block (`sum_squares`' blocks), the block's clipped gradient made
+        // once, squared and summed as `sum_squares` sums it, then used for the update.
+        let mut clipped = [0f32; 1024];
+        let sum = vmath::widest(
             #[inline(always)]
             || {
-                for (((w, m), v), &g) in w.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
-                    *m = b1 * *m + r1 * g;
-                    *v = b2 * *v + r2 * (g * g);
-                    *w = s.decay * *w - s.step_size * *m / ((*v * s.inv_bc2).sqrt() + s.eps);
+                let mut sum = 0f64;
+                let blocks = w.chunks_mut(1024).zip(m.chunks_mut(1024));
+                for ((w, m), (v, g)) in blocks.zip(v.chunks_mut(1024).zip(g.chunks(1024))) {
+                    let c = &mut clipped[..g.len()];
+                    c.iter_mut().zip(g).for_each(|(c, &g)| *c = g * k);
+                    sum += f64::from(vmath::dot(c, c));
+                    adamw_block(w, m, v, c, s);
                 }
+                sum
             },
         );
+        self.squares.set(sum);
         Ok(())
+    }
+}
+
+/// AdamW on one block of the four arrays (inlined into the caller's SIMD target).
+#[inline(always)]
+fn adamw_block(w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], s: AdamWStep) {
+    let (b1, r1, b2, r2) = (s.beta1, 1.0 - s.beta1, s.beta2, 1.0 - s.beta2);
+    for (((w, m), v), &g) in w.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+        *m = b1 * *m + r1 * g;
+        *v = b2 * *v + r2 * (g * g);
+        *w = s.decay * *w - s.step_size * *m / ((*v * s.inv_bc2).sqrt() + s.eps);
     }
 }

@@ -1,5 +1,5 @@
 //! The parallel product's cuts: blocks chosen by shape, and the same product whichever side is
-//! cut.
+//! cut; AdamW with clipping inside its pass.
 
 use super::*;
 
@@ -80,4 +80,75 @@ fn a_product_cut_into_column_blocks_equals_the_textbook_product() {
             );
         }
     }
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// Clipping folded into the update gives the bits of clipping first: the weights, both moments
+/// and the clipped gradient's sum of squares, over sizes off the 1024-value blocks.
+#[test]
+fn adamw_with_the_clip_inside_gives_the_bits_of_scaling_the_gradient_first() {
+    let dev = candle_core::Device::Cpu;
+    let sizes = [1, 1023, 1024, 2500];
+    let make = |seed: u32| -> Vec<Tensor> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| Tensor::from_vec(values(n, seed + i as u32), n, &dev).unwrap())
+            .collect()
+    };
+    let step = AdamWStep {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        step_size: 3e-4,
+        inv_bc2: 1.7,
+        decay: 0.9999,
+    };
+    let clip = 0.37f32;
+    let state = || {
+        let copy =
+            |ts: Vec<Tensor>| -> Vec<Tensor> { ts.iter().map(|t| t.copy().unwrap()).collect() };
+        let v: Vec<Tensor> = make(30).iter().map(|t| t.abs().unwrap()).collect();
+        (copy(make(10)), copy(make(20)), v)
+    };
+    let run = |w: &[Tensor], m: &[Tensor], v: &[Tensor], g: &[Tensor], clip| {
+        let jobs: Vec<AdamWJob> = (0..sizes.len())
+            .map(|i| AdamWJob {
+                w: &w[i],
+                m: &m[i],
+                v: &v[i],
+                g: g[i].clone(),
+                step,
+            })
+            .collect();
+        adamw_update_all(&jobs, clip).unwrap()
+    };
+    // The old way: scale in place, measure, then update.
+    let (w1, m1, v1) = state();
+    let g1: Vec<Tensor> = make(40).iter().map(|t| t.copy().unwrap()).collect();
+    g1.iter().for_each(|g| scale_in_place(g, clip).unwrap());
+    let measured: Vec<f64> = g1.iter().map(|g| sum_squares(g).unwrap()).collect();
+    assert!(run(&w1, &m1, &v1, &g1, None).is_empty());
+    // Folded.
+    let (w2, m2, v2) = state();
+    let g2 = make(40);
+    let squares = run(&w2, &m2, &v2, &g2, Some(clip));
+    assert_eq!(
+        squares.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+        measured.iter().map(|s| s.to_bits()).collect::<Vec<_>>()
+    );
+    for i in 0..sizes.len() {
+        assert_eq!(bits(&w1[i]), bits(&w2[i]), "w {i}");
+        assert_eq!(bits(&m1[i]), bits(&m2[i]), "m {i}");
+        assert_eq!(bits(&v1[i]), bits(&v2[i]), "v {i}");
+    }
+    // The gradient itself is left as it was.
+    assert_eq!(bits(&g2[3]), bits(&make(40)[3]));
 }
