@@ -15,14 +15,30 @@ fn gaccwb(args: &[&str], dir: &Path) -> (i32, String, String) {
     let out = Command::cargo_bin("gaccwb")
         .unwrap()
         .current_dir(dir)
-        // One thread: how many threads' `gemm` packing overlaps in a backward is timing, and
-        // the comparison is to the byte.
+        // One thread: how many threads' `gemm` packing overlaps in a backward is timing, which
+        // would move a peak by kilobytes.
         .env("RAYON_NUM_THREADS", "1")
         .args(args)
         .timeout(Duration::from_secs(300))
         .output()
         .unwrap();
     common::outcome(args, out)
+}
+
+/// How far apart two runs of one configuration may measure. The counting allocator sees the
+/// whole process, and while the trainer steps, the main thread still holds or formats the
+/// previous step's event line (its length depends on the timings it prints): on one 2-core
+/// machine the same command, run six times, put step 2's forward at 3,024,597 or 3,024,734 B and
+/// its backward peak at 3,283,112 or 3,283,249 B. Compare holding anything of its own in the
+/// run's process would be tens of kilobytes (84 KB before each configuration had a process).
+const JITTER: u64 = 4096;
+
+fn assert_near(a: u64, b: u64, what: &str) {
+    assert!(
+        a.abs_diff(b) < JITTER,
+        "{what}: {a} and {b} B, {} B apart",
+        a.abs_diff(b)
+    );
 }
 
 /// The step figure with the highest peak in a recording, read by the rule every consumer uses.
@@ -95,7 +111,7 @@ fn compare_peaks_are_the_peaks_a_separate_run_records() {
         assert!(stdout.contains("2 steps (completed)"), "{items}: {stdout}");
 
         // With a recording to a path as long as the one compare used: the process holds its
-        // arguments, so this is the run compare's row stands for, to the byte.
+        // arguments, so this is the run compare's row stands for, within `JITTER`.
         let kept = row["recording"]
             .as_str()
             .expect("--record-dir keeps the recording");
@@ -106,8 +122,15 @@ fn compare_peaks_are_the_peaks_a_separate_run_records() {
         let (code, _, stderr) = gaccwb(&args, dir.path());
         assert_eq!(code, 0, "{items}: {stderr}");
         let rerun = recorded_peak(&dir.path().join(&record));
-        assert_eq!(compared, rerun.peak, "{items}: the peak, to the byte");
-        assert_eq!(ledger, rerun.measured_ledger(), "{items}: every category");
+        assert_near(compared, rerun.peak, &format!("{items}: the peak"));
+        let rerun_ledger = rerun.measured_ledger();
+        for (a, b) in ledger.values().into_iter().zip(rerun_ledger.values()) {
+            assert_near(
+                a,
+                b,
+                &format!("{items}: {ledger:?} against {rerun_ledger:?}"),
+            );
+        }
 
         // The same configuration written by hand: other arguments, so `other` may differ by
         // the heap they take; the training's bytes are the same.
@@ -134,13 +157,16 @@ fn compare_peaks_are_the_peaks_a_separate_run_records() {
             "{items}: peak compare {compared} B, its command rerun {} B, by hand {} B ({gap:+} B)",
             rerun.peak, by_hand.peak
         );
-        let training = |c: &Categories| Categories { other: 0, ..*c };
-        assert_eq!(
-            training(&ledger),
-            training(&by_hand.measured_ledger()),
-            "{items}"
-        );
-        assert!(gap.abs() < 1024, "{items}: {gap} B apart");
+        let training = |c: &Categories| Categories { other: 0, ..*c }.values();
+        let hand_ledger = by_hand.measured_ledger();
+        for (a, b) in training(&ledger).into_iter().zip(training(&hand_ledger)) {
+            assert_near(
+                a,
+                b,
+                &format!("{items}: {ledger:?} against {hand_ledger:?}"),
+            );
+        }
+        assert_near(compared, by_hand.peak, &format!("{items}: by hand"));
     }
 }
 
