@@ -58,13 +58,15 @@ fn output_that_cannot_be_written_ends_with_1_not_a_panic() {
         (&replay[..], false),
         (&["estimate"][..], false),
     ] {
-        let mut child = spawn(args, dir.path(), tiny)
-            .stdout(Stdio::piped())
+        // The reader is gone before the child starts (`| true` that already exited): closed
+        // after spawning, a quick command could fill the pipe's buffer first and exit 0.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = spawn(args, dir.path(), tiny)
+            .stdout(writer)
             .stderr(Stdio::piped())
-            .spawn()
+            .output()
             .unwrap();
-        drop(child.stdout.take()); // the reader went away: `| true`
-        let out = child.wait_with_output().unwrap();
         let (code, _, stderr) = common::outcome(args, out);
         assert_eq!(code, 1, "{args:?}: {stderr}");
         assert!(
