@@ -49,6 +49,9 @@ impl ExitClass {
         if let Some(super::ranks::RanksFailed(code)) = cause.downcast_ref() {
             return Some(ExitClass::from_code(*code));
         }
+        if let Some(said) = cause.downcast_ref::<super::rank_check::Said>() {
+            return Some(ExitClass::from_code(i32::from(said.code)));
+        }
         if let Some(refused) = cause.downcast_ref::<super::rank_check::PeerRefused>() {
             return Some(ExitClass::from_code(i32::from(refused.code)));
         }

@@ -107,7 +107,9 @@ pub fn main() -> ExitCode {
             let closed = e
                 .downcast_ref::<gaccwb::out::OutputError>()
                 .is_some_and(|o| o.is_broken_pipe());
-            if !closed {
+            // A rank's refusal was printed while the other ranks waited for it.
+            let said = e.is::<rank_check::Said>();
+            if !closed && !said {
                 gaccwb::out::note(&format!("gaccwb: {e:#}"));
             }
             ExitClass::of(&e).exit_code()

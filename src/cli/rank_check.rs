@@ -54,6 +54,23 @@ pub struct PeerRefused {
     pub code: u8,
 }
 
+/// A refusal this rank has printed already, while the other ranks waited for it; it ends
+/// the process with its exit code and is not printed again.
+#[derive(Debug, thiserror::Error)]
+#[error("(printed above)")]
+pub struct Said {
+    /// Its exit code.
+    pub code: u8,
+}
+
+/// Print `e` as `main` prints an error, now, and stand for it.
+pub fn say(e: &anyhow::Error) -> Said {
+    gaccwb::out::note(&format!("gaccwb: {e:#}"));
+    Said {
+        code: ExitClass::of(e).code(),
+    }
+}
+
 /// The first rank whose outcome in `codes` (one per rank, 0: ready) is a refusal, as an error.
 pub fn peer_refusal(codes: &[u64]) -> Result<(), PeerRefused> {
     match codes.iter().position(|&c| c != 0) {

@@ -377,9 +377,19 @@ fn together<T>(group: &mut gaccwb::dist::Group, local: anyhow::Result<T>) -> any
         .err()
         .map_or(0, |e| super::ExitClass::of(e).code());
     let codes = group.settle(u64::from(code));
-    let local = local?;
-    super::rank_check::peer_refusal(&codes)?;
-    Ok(local)
+    // A launcher ends the whole job when its first rank exits (the others get SIGTERM): after a
+    // refusal a refusing rank says why, then every rank meets once more, so none ends before
+    // every refusal is out.
+    let ended = match local {
+        Err(e) => Err(super::rank_check::say(&e).into()),
+        Ok(local) => super::rank_check::peer_refusal(&codes)
+            .map(|()| local)
+            .map_err(anyhow::Error::from),
+    };
+    if codes.iter().any(|&c| c != 0) {
+        group.settle(0);
+    }
+    ended
 }
 
 /// The preset with every command-line override applied.

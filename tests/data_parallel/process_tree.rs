@@ -193,6 +193,9 @@ fn ranks_started_with_different_runs_are_refused_before_anything_is_built() {
             text.contains("was started with another run than rank 0"),
             "{text}"
         );
+        // The refusing rank printed its message once, before the ranks ended together.
+        assert_eq!(text.matches(expected).count(), 1, "{text}");
+        assert!(!text.contains("(printed above)"), "{text}");
         for crash in [
             "double free",
             "corruption",
