@@ -177,6 +177,11 @@ impl ExitClass {
     }
 }
 
+/// An error as the command line prints it: one line on standard error, its chain joined.
+pub fn print(e: &anyhow::Error) {
+    gaccwb::out::note(&format!("gaccwb: {e:#}"));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

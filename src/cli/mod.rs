@@ -110,7 +110,7 @@ pub fn main() -> ExitCode {
             // A rank's refusal was printed while the other ranks waited for it.
             let said = e.is::<rank_check::Said>();
             if !closed && !said {
-                gaccwb::out::note(&format!("gaccwb: {e:#}"));
+                error::print(&e);
             }
             ExitClass::of(&e).exit_code()
         }

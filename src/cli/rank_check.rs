@@ -65,7 +65,7 @@ pub struct Said {
 
 /// Print `e` as `main` prints an error, now, and stand for it.
 pub fn say(e: &anyhow::Error) -> Said {
-    gaccwb::out::note(&format!("gaccwb: {e:#}"));
+    super::error::print(e);
     Said {
         code: ExitClass::of(e).code(),
     }
