@@ -101,6 +101,7 @@ pub fn gradients(model: &Gpt, root: &Tensor, held: &ParamGrads) -> Vec<Tensor> {
         .iter()
         .map(|p| {
             held.get(&store, &p.var)
+                .unwrap()
                 .unwrap_or_else(|| panic!("{} got no gradient", p.name))
         })
         .collect()

@@ -131,6 +131,9 @@ pub struct Forward {
     pub head: Tensor,
     /// How `head` is stored.
     pub head_layout: WeightLayout,
+    /// Where the loss adds the head weight's gradient beside the graph (the fused CPU ops);
+    /// `None` leaves it to the graph.
+    pub head_grad: Option<Arc<dyn ops::GradTarget>>,
     /// The low-precision weight copies made for this forward (empty in f32).
     pub compute_weights: Vec<Tensor>,
     /// Parameter gradients computed outside the loss's graph, filled during the backward: those
@@ -452,7 +455,11 @@ impl Gpt {
         };
         let recomputed = ParamGrads::default();
         let mut w = Weights::new(dtype, track.then_some(&recomputed));
-        let mut x = self.embed(ids, &mut w)?;
+        // On the fused CPU ops the head's and the embedding's weight gradients are added in
+        // place beside the graph (`ops::GradTarget`).
+        let beside = (track && self.frozen.is_empty() && ops::grads_beside(self.embed.as_tensor()))
+            .then_some(&recomputed);
+        let mut x = self.embed(ids, &mut w, beside)?;
         // Under LoRA the embedding is frozen and its output tracks no graph: made a leaf that
         // does (PEFT's `enable_input_require_grads`), so every block's op, and a checkpointed
         // segment's recompute, joins the graph whatever the dtype.
@@ -481,14 +488,15 @@ impl Gpt {
             shift.as_ref(),
             self.spec.norm_eps,
         )?;
-        let (head, head_layout) = match &self.head {
-            Some(head) => (self.weight(&mut w, head)?, WeightLayout::InOut),
-            None => (self.weight(&mut w, &self.embed)?, WeightLayout::OutIn),
+        let (head_var, head_layout) = match &self.head {
+            Some(head) => (head, WeightLayout::InOut),
+            None => (&self.embed, WeightLayout::OutIn),
         };
         Ok(Forward {
             features,
-            head,
+            head: self.weight(&mut w, head_var)?,
             head_layout,
+            head_grad: beside.map(|grads| grads.target(head_var, dtype)),
             compute_weights: w.into_casts(),
             recomputed,
         })
@@ -503,12 +511,19 @@ impl Gpt {
         }
     }
 
-    /// Token (+ learned position) embeddings, `[B·T, D]`.
-    fn embed(&self, ids: &Tensor, w: &mut Weights) -> Result<Tensor> {
+    /// Token (+ learned position) embeddings, `[B·T, D]`; the token table's gradient goes into
+    /// `beside` when given.
+    fn embed(&self, ids: &Tensor, w: &mut Weights, beside: Option<&ParamGrads>) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let d = self.spec.arch.hidden as usize;
-        let table = self.weight(w, &self.embed)?;
-        let tok = ops::embedding(&table, &ids.flatten_all()?)?;
+        let ids_flat = ids.flatten_all()?;
+        let tok = match beside {
+            Some(grads) => {
+                let target = grads.target(&self.embed, w.dtype());
+                ops::embedding_beside(self.embed.as_tensor(), &ids_flat, w.dtype(), target)?
+            }
+            None => ops::embedding(&self.weight(w, &self.embed)?, &ids_flat)?,
+        };
         match &self.positions {
             None => Ok(tok),
             Some(positions) => {
@@ -528,7 +543,8 @@ impl Forward {
     /// The summed token NLL over counted positions (`ops::linear_nll_sum`): on the fused path
     /// without holding every logit at once.
     pub fn nll_sum(&self, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        ops::linear_nll_sum(&self.features, &self.head, self.head_layout, targets, mask)
+        let (x, w, layout) = (&self.features, &self.head, self.head_layout);
+        ops::linear_nll_sum_into(x, w, layout, targets, mask, self.head_grad.clone())
     }
 }
 

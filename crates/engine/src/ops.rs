@@ -219,6 +219,33 @@ pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<
     }
 }
 
+/// Where an op adds the f32 gradient of a weight that is not one of its graph inputs: on the
+/// fused CPU path the head's and the token embedding's weights (the `[V, D]` matrices a large
+/// vocabulary makes the largest), whose gradients the store would otherwise zero-fill, add and,
+/// in half precision, widen from a cast, each a pass over `V·D` values.
+pub trait GradTarget: Send + Sync {
+    /// Runs `add` on the weight's f32 gradient, `len` values (zeros when none is held yet).
+    fn add_into(&self, len: usize, add: &mut dyn FnMut(&mut [f32])) -> Result<()>;
+}
+
+/// Whether the ops that take `weight` compute its gradient beside the graph, into a
+/// [`GradTarget`]: the fused CPU ops (not the lean or the plain ones) on an f32 weight.
+pub fn grads_beside(weight: &Tensor) -> bool {
+    fused_domain(&[weight]) && !plain()
+}
+
+/// Rows `ids` (`[N]` u32) of the f32 table `[V, D]` in `dtype`, the table's gradient added into
+/// `target` (`grads_beside`), not returned to the graph. The table is the `Var` itself: it keeps
+/// the op in the graph, and a `Var` may go without a gradient where a cast of it may not.
+pub fn embedding_beside(
+    table: &Tensor,
+    ids: &Tensor,
+    dtype: DType,
+    target: Arc<dyn GradTarget>,
+) -> Result<Tensor> {
+    fused::embedding(table, ids, dtype, target)
+}
+
 /// Rows `ids` (`[N]` u32) of an embedding table `[V, D]`. In half precision the table's
 /// gradient is accumulated in f32 (`half::embedding`).
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
@@ -426,8 +453,23 @@ pub fn linear_nll_sum(
     targets: &Tensor,
     mask: &Tensor,
 ) -> Result<Tensor> {
+    linear_nll_sum_into(x, w, layout, targets, mask, None)
+}
+
+/// `linear_nll_sum` with `w`'s gradient added into `target` (`grads_beside`; `w` is then not a
+/// graph input).
+pub fn linear_nll_sum_into(
+    x: &Tensor,
+    w: &Tensor,
+    layout: WeightLayout,
+    targets: &Tensor,
+    mask: &Tensor,
+    target: Option<Arc<dyn GradTarget>>,
+) -> Result<Tensor> {
     if fused_loss_domain(&[x, w], mask) {
-        fused::linear_nll_sum(x, w, layout, targets, mask)
+        fused::linear_nll_sum(x, w, layout, targets, mask, target)
+    } else if target.is_some() {
+        candle_core::bail!("linear nll: a gradient beside the graph needs the fused CPU ops")
     } else if plain() {
         nll_sum(&project(x, w, layout)?, targets, mask)
     } else {

@@ -172,6 +172,13 @@ impl Config {
         self.offload && self.offload_grads == OffloadGrads::Host
     }
 
+    /// The head's and the token embedding's weight gradients are added in place beside the
+    /// graph (`ops::GradTarget`): the fused CPU ops on f32 weights, the base not frozen. The
+    /// embedding then reads its rows from the f32 table, which no cast copies.
+    fn grads_beside(&self) -> bool {
+        self.fused && self.lora.is_none() && !self.half_weights()
+    }
+
     /// Bytes of one parameter's gradient as backward returns it.
     fn grad_elem_bytes(&self) -> u64 {
         if self.half_weights() {
@@ -323,7 +330,8 @@ pub fn update_work_bytes(cfg: &Config) -> u64 {
 
 /// Compute-dtype copies the forward keeps through the micro-step: one of every parameter, or
 /// with checkpointing only of those outside the blocks (the blocks cast theirs transiently);
-/// a tied head is cast again from the token embedding for the head. Under LoRA the frozen base
+/// a tied head is cast again from the token embedding for the head, and with the gradients
+/// beside the graph the embedding reads the f32 table uncast. Under LoRA the frozen base
 /// is in the compute dtype already: the adapters' casts only (all in the blocks).
 fn kept_cast_params(cfg: &Config) -> u64 {
     let a = &cfg.arch;
@@ -333,7 +341,9 @@ fn kept_cast_params(cfg: &Config) -> u64 {
             None => cfg.trained_params(),
         };
     }
-    let all = a.param_count() + if a.tied { a.vocab * a.hidden } else { 0 };
+    let table = a.vocab * a.hidden;
+    let all = a.param_count() + if a.tied { table } else { 0 }
+        - if cfg.grads_beside() { table } else { 0 };
     match checkpointed(cfg) {
         Some(_) => all - a.layers * a.layer_params(),
         None => all,

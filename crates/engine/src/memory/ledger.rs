@@ -10,6 +10,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 
+use crate::model::ParamGrads;
 use crate::telemetry::{Categories, MemoryEvent, MemorySource, Phase};
 use crate::tensors::{activation_bytes, grad_store_bytes, StorageSet};
 
@@ -334,10 +335,10 @@ impl Ledger {
     /// peak over the figure it started from (the store, the gradients in flight, and the
     /// upstream gradients Candle keeps referenced from f32 weight gradients until the store
     /// is dropped).
-    pub fn backward_done(&mut self, store: &GradStore, beside: &[Tensor], recomputed: u64) {
+    pub fn backward_done(&mut self, store: &GradStore, beside: &ParamGrads, recomputed: u64) {
         let peak = self.meter.peak();
         let mut seen = StorageSet::default();
-        self.last_store_bytes = grad_store_bytes(store, &mut seen) + seen.add_all(beside);
+        self.last_store_bytes = grad_store_bytes(store, &mut seen) + beside.bytes(&mut seen);
         let added = peak.saturating_sub(self.backward_start);
         // A recomputed block's graph is activations held at the backward's peak, not gradients.
         let snap = Snapshot {

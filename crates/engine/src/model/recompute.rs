@@ -21,6 +21,7 @@ use candle_core::{
 };
 
 use super::{Block, Dims, Weights};
+use crate::ops::GradTarget;
 use crate::tensors::{activation_bytes, StorageSet};
 
 /// Parameter gradients computed outside the loss's graph, by parameter (`Var`) id, and the size
@@ -30,24 +31,44 @@ pub struct ParamGrads(Arc<Held>);
 
 #[derive(Default)]
 struct Held {
+    /// Tensors a step's or a recompute's backward handed over, in the parameter's dtype.
     grads: Mutex<HashMap<TensorId, Tensor>>,
+    /// f32 values the ops add into in place (`ops::GradTarget`): the head's and the token
+    /// embedding's weights on the fused CPU path; and the compute dtype, to which the sum is
+    /// rounded once when taken.
+    buffers: Mutex<HashMap<TensorId, (Vec<f32>, DType)>>,
     /// Bytes of the largest recomputed graph (the input's copy, the blocks' activations, the
     /// `y · grad` product), parameters and compute weights not counted.
     graph_bytes: AtomicU64,
 }
 
 impl ParamGrads {
-    /// The gradient of `var`: from the loss's `store`, or else from the recomputed blocks.
-    pub fn get(&self, store: &GradStore, var: &Var) -> Option<Tensor> {
-        match store.get(var.as_tensor()) {
-            Some(g) => Some(g.detach()),
-            None => self.lock().remove(&var.id()),
-        }
+    /// The gradient of `var`: the sum of what the loss's `store`, the recomputed blocks and the
+    /// ops' buffers hold for it (a tied head's weight may have parts in two of them), taken.
+    pub fn get(&self, store: &GradStore, var: &Var) -> Result<Option<Tensor>> {
+        let buffer = match lock(&self.0.buffers).remove(&var.id()) {
+            Some((mut values, compute)) => {
+                round_to(&mut values, compute);
+                Some(Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?)
+            }
+            None => None,
+        };
+        let parts = [
+            store.get(var.as_tensor()).map(Tensor::detach),
+            lock(&self.0.grads).remove(&var.id()),
+            buffer,
+        ];
+        parts.into_iter().flatten().try_fold(None, |sum, part| {
+            Ok(Some(match sum {
+                None => part,
+                Some(sum) => (sum + part)?,
+            }))
+        })
     }
 
     /// Add `grad` to what is held for `var` (a gradient computed outside the loss's graph).
     pub(super) fn add(&self, var: &Var, grad: Tensor) -> Result<()> {
-        let mut held = self.lock();
+        let mut held = lock(&self.0.grads);
         let sum = match held.remove(&var.id()) {
             Some(before) => (before + grad)?,
             None => grad,
@@ -56,9 +77,27 @@ impl ParamGrads {
         Ok(())
     }
 
-    /// The gradients held here, not yet taken.
+    /// Where the fused CPU ops add `var`'s f32 gradient in place, for a forward computing in
+    /// `compute`: the sum is rounded once to it, as the fused ops round every gradient they
+    /// return (so a half-precision run trains the same bits whether or not its weights are
+    /// offloaded, where the gradient comes in the compute dtype).
+    pub(super) fn target(&self, var: &Var, compute: DType) -> Arc<dyn GradTarget> {
+        Arc::new(Target {
+            grads: self.clone(),
+            var: var.id(),
+            compute,
+        })
+    }
+
+    /// The gradient tensors held here, not yet taken (the ops' buffers not included).
     pub fn tensors(&self) -> Vec<Tensor> {
-        self.lock().values().cloned().collect()
+        lock(&self.0.grads).values().cloned().collect()
+    }
+
+    /// Bytes of what is held here and not yet taken, tensors `seen` already counted left out.
+    pub fn bytes(&self, seen: &mut StorageSet) -> u64 {
+        let buffers: usize = lock(&self.0.buffers).values().map(|b| b.0.len()).sum();
+        seen.add_all(&self.tensors()) + 4 * buffers as u64
     }
 
     /// Bytes of the largest graph one recompute kept (0 before the backward, or without
@@ -66,9 +105,44 @@ impl ParamGrads {
     pub fn recomputed_graph_bytes(&self) -> u64 {
         self.0.graph_bytes.load(Ordering::Relaxed)
     }
+}
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<TensorId, Tensor>> {
-        self.0.grads.lock().unwrap_or_else(PoisonError::into_inner)
+/// Each value rounded to `dtype` (to nearest, ties to even: Candle's `to_dtype`) and widened
+/// back, in place.
+fn round_to(values: &mut [f32], dtype: DType) {
+    match dtype {
+        DType::BF16 => values
+            .iter_mut()
+            .for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+        DType::F16 => values
+            .iter_mut()
+            .for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+        _ => {}
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One parameter's f32 buffer in a `ParamGrads`, lent to the op that computes its gradient.
+struct Target {
+    grads: ParamGrads,
+    var: TensorId,
+    compute: DType,
+}
+
+impl GradTarget for Target {
+    fn add_into(&self, len: usize, add: &mut dyn FnMut(&mut [f32])) -> Result<()> {
+        let mut buffers = lock(&self.grads.0.buffers);
+        let (held, _) = buffers
+            .entry(self.var)
+            .or_insert_with(|| (vec![0f32; len], self.compute));
+        if held.len() != len {
+            candle_core::bail!("gradient of {len} values added to one of {}", held.len());
+        }
+        add(held);
+        Ok(())
     }
 }
 
@@ -169,7 +243,7 @@ impl CustomOp1 for Recompute {
         let loss = (y * grad.detach())?.sum_all()?;
         self.record_graph(&loss, weights.into_casts());
         let store = loss.backward()?;
-        let mut held = self.grads.lock();
+        let mut held = lock(&self.grads.0.grads);
         for var in self.blocks.iter().flat_map(Block::vars) {
             if let Some(g) = store.get(var.as_tensor()) {
                 held.insert(var.id(), g.detach());

@@ -78,6 +78,11 @@ impl Weights {
         Ok((weights, sink))
     }
 
+    /// The dtype this forward computes in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// `var` as this forward computes with it.
     pub fn get(&mut self, var: &Var) -> Result<Tensor> {
         let w = if self.track {

@@ -240,7 +240,7 @@ fn a_tied_head_computes_the_loss_through_the_embedding() {
     let reference = |t: &[Tensor]| composite::nll_sum(&t[0].matmul(&t[1].t()?)?, &targets, &mask);
     assert_equivalent(
         "fused tied head",
-        |t| fused::linear_nll_sum(&t[0], &t[1], WeightLayout::OutIn, &targets, &mask),
+        |t| fused::linear_nll_sum(&t[0], &t[1], WeightLayout::OutIn, &targets, &mask, None),
         reference,
         &inputs,
     );
@@ -249,6 +249,65 @@ fn a_tied_head_computes_the_loss_through_the_embedding() {
         |t| lean::linear_nll_sum(&t[0], &t[1], WeightLayout::OutIn, &targets, &mask),
         reference,
         &inputs,
+    );
+}
+
+/// A gradient held beside the graph, as `model::ParamGrads` holds one.
+#[derive(Default)]
+struct Held(std::sync::Mutex<Vec<f32>>);
+
+impl GradTarget for Held {
+    fn add_into(&self, len: usize, add: &mut dyn FnMut(&mut [f32])) -> Result<()> {
+        let mut held = self.0.lock().unwrap();
+        if held.is_empty() {
+            held.resize(len, 0.0);
+        }
+        add(&mut held);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_tied_weight_gradient_beside_the_graph_is_the_store_one_to_the_bit() {
+    let (n, d, v) = (40, 8, 300);
+    let (targets, mask) = labels(n, v, 6);
+    let ids = Tensor::new(&[3u32, 0, 299, 3, 17, 299], &Device::Cpu).unwrap();
+    let table = Var::from_tensor(&random(&[v, d], 0.5, 93)).unwrap();
+    let x = Var::from_tensor(&random(&[n, d], 1.0, 94)).unwrap();
+    let r = random(&[6, d], 1.0, 95);
+    // The embedding's rows times fixed weights, plus the tied head's loss.
+    let loss = |tok: Tensor, target: Option<Arc<dyn GradTarget>>| {
+        let head = fused::linear_nll_sum(
+            x.as_tensor(),
+            table.as_tensor(),
+            WeightLayout::OutIn,
+            &targets,
+            &mask,
+            target,
+        )?;
+        (tok * &r)?.sum_all()? + head
+    };
+    let graph = loss(embedding(table.as_tensor(), &ids).unwrap(), None)
+        .unwrap()
+        .backward()
+        .unwrap();
+    let held = Arc::new(Held::default());
+    let tok = embedding_beside(table.as_tensor(), &ids, DType::F32, held.clone()).unwrap();
+    let beside = loss(tok, Some(held.clone())).unwrap().backward().unwrap();
+    assert!(
+        beside.get(table.as_tensor()).is_none(),
+        "no gradient in the store"
+    );
+    let bits = |t: &Tensor| -> Vec<u32> {
+        let values: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        values.iter().map(|f| f.to_bits()).collect()
+    };
+    let want = bits(graph.get(table.as_tensor()).unwrap());
+    let got: Vec<u32> = held.0.lock().unwrap().iter().map(|f| f.to_bits()).collect();
+    assert_eq!(got, want);
+    assert_eq!(
+        bits(beside.get(x.as_tensor()).unwrap()),
+        bits(graph.get(x.as_tensor()).unwrap())
     );
 }
 
@@ -310,7 +369,7 @@ fn chunked_linear_nll_matches_the_unchunked_head() {
         let inputs = [random(&[n, d], 1.0, 51), random(&[d, v], 0.5, 52)];
         // The previous fused path (head product, then the fused NLL) and the composite one.
         let chunked = |t: &[Tensor]| {
-            fused::linear_nll_sum(&t[0], &t[1], WeightLayout::InOut, &targets, &mask)
+            fused::linear_nll_sum(&t[0], &t[1], WeightLayout::InOut, &targets, &mask, None)
         };
         assert_equivalent(
             "linear_nll_sum vs fused",
@@ -515,7 +574,7 @@ fn fused_ops_in_half_precision_compute_in_f32_and_round_once() {
             "linear_nll_sum",
             dtype,
             bound,
-            |t| fused::linear_nll_sum(&t[0], &t[1], WeightLayout::InOut, &targets, &mask),
+            |t| fused::linear_nll_sum(&t[0], &t[1], WeightLayout::InOut, &targets, &mask, None),
             |t| composite::nll_sum(&t[0].matmul(&t[1])?, &targets, &mask),
             &[rows.clone(), head],
         );
@@ -588,7 +647,8 @@ fn linear_nll_rejects_a_target_outside_the_vocabulary() {
     let targets = Tensor::new(&[0u32, 7, 1, 2], &Device::Cpu).unwrap();
     let mask = Tensor::ones(4, DType::F32, &Device::Cpu).unwrap();
     let (x, w) = (random(&[4, 8], 1.0, 2), random(&[8, 5], 1.0, 3));
-    let err = fused::linear_nll_sum(&x, &w, WeightLayout::InOut, &targets, &mask).unwrap_err();
+    let err =
+        fused::linear_nll_sum(&x, &w, WeightLayout::InOut, &targets, &mask, None).unwrap_err();
     assert!(err.to_string().contains("outside vocab 5"), "{err}");
 }
 

@@ -148,7 +148,7 @@ pub struct BackwardEnd<'a> {
     pub store: &'a GradStore,
     /// The parameter gradients computed outside the graph, held beside the store
     /// (`Forward::recomputed`).
-    pub beside: &'a [Tensor],
+    pub beside: &'a crate::model::ParamGrads,
     /// Bytes of the graph activation checkpointing rebuilt inside this backward.
     pub recomputed_bytes: u64,
 }
@@ -284,15 +284,13 @@ pub fn rank_window_gradients(
         watch.each(|o| o.backward_start())?;
         let store = loss.backward()?;
         let recomputed_bytes = fwd.recomputed.recomputed_graph_bytes();
-        let beside = fwd.recomputed.tensors();
         watch.each(|o| {
             o.backward_end(&BackwardEnd {
                 store: &store,
-                beside: &beside,
+                beside: &fwd.recomputed,
                 recomputed_bytes,
             })
         })?;
-        drop(beside);
         drop(loss);
         let recomputed = fwd.recomputed.clone();
         drop(fwd);
@@ -513,7 +511,7 @@ fn parameter_gradients(
         .params
         .iter()
         .map(|p| {
-            recomputed.get(&store, &p.var).ok_or_else(|| {
+            recomputed.get(&store, &p.var)?.ok_or_else(|| {
                 candle_core::Error::Msg(format!("parameter {} received no gradient", p.name))
             })
         })

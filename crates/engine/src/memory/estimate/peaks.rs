@@ -278,7 +278,9 @@ pub fn head_peak_bytes(cfg: &Config) -> u64 {
     if cfg.lora.is_some() {
         return frozen_head_peak_bytes(cfg, &s);
     }
-    let op = if cfg.fused {
+    let op = if cfg.grads_beside() {
+        beside_head_peak_bytes(&s)
+    } else if cfg.fused {
         fused_head_peak_bytes(&s)
     } else {
         let chunk = head_chunk(&s);
@@ -293,7 +295,7 @@ pub fn head_peak_bytes(cfg: &Config) -> u64 {
 /// zeroed f32 tensor, D·V·(c + 3·4) beside the features' gradient. 0 in f32, and under offload
 /// in half precision (the weights are half already).
 fn head_cast_bytes(cfg: &Config, s: &Shape) -> u64 {
-    if !s.cast || cfg.half_weights() || cfg.lora.is_some() {
+    if !s.cast || cfg.half_weights() || cfg.lora.is_some() || cfg.grads_beside() {
         return 0;
     }
     s.d * s.v * (s.c + 3 * F32) + s.nd() * s.c
@@ -322,6 +324,21 @@ fn fused_head_peak_bytes(s: &Shape) -> u64 {
     let adding_dx = 3 * n * d + d * v;
     let adding_dw = 2 * n * d + 3 * d * v;
     inside.max(adding_dx).max(adding_dw) * F32
+}
+
+/// The fused head and loss's backward with W's gradient beside the graph: inside it dx (N·D)
+/// and W's f32 gradient (D·V, zeros made by its first chunk, or the embedding's) beside one
+/// chunk of logits; after it, the store adds dx (a zero tensor and the sum). With half storage
+/// the inside also holds f32 copies of x and W, and dx is rounded into a half copy while the
+/// f32 one lives.
+fn beside_head_peak_bytes(s: &Shape) -> u64 {
+    let (nd, dv) = (s.nd(), s.d * s.v);
+    if s.cast {
+        let inside = (2 * nd + 2 * dv + head_chunk(s)) * F32;
+        let rounding = nd * (F32 + s.c) + dv * F32;
+        return inside.max(rounding).max(3 * nd * s.c + dv * F32);
+    }
+    (nd + dv + head_chunk(s)).max(3 * nd + dv) * F32
 }
 
 /// The head and loss's backward with a frozen head (LoRA): the same moments without dW. Fused:
@@ -404,7 +421,9 @@ pub fn grad_store_bytes(cfg: &Config) -> u64 {
 }
 
 /// Bytes at the backward's very end, in the embeddings' gradients: every other gradient is
-/// in the store. In f32 Candle's `index_select` backward holds the table's zero tensor (or,
+/// in the store. With the gradients beside the graph (`Config::grads_beside`) the op adds the
+/// tokens' gradient rows into the table's f32 gradient in place: that gradient beside an f32
+/// copy of them. In f32 Candle's `index_select` backward holds the table's zero tensor (or,
 /// for a tied head, the head's gradient already there) and the `index_add` result (2·V·D)
 /// beside the tokens' gradient (N·D). In half precision the largest moment comes after
 /// `ops::half::embedding` (whose f32 sum is rounded to the table's dtype): the cast's backward
@@ -420,6 +439,11 @@ pub fn embedding_peak_bytes(cfg: &Config) -> u64 {
     }
     let s = Shape::new(cfg);
     let (vd, nd) = (s.v * s.d, s.nd());
+    if cfg.grads_beside() {
+        // The tokens' gradient, its f32 widening (half storage) and the rows read out of it.
+        let widened = if s.cast { nd * F32 } else { 0 };
+        return grad_store_bytes(cfg) + nd * (s.c + F32) + widened;
+    }
     if !s.cast {
         return grad_store_bytes(cfg) + (vd + nd) * F32;
     }

@@ -10,13 +10,14 @@
 //! its result), and dW adds the chunks in order: the same bits at any thread count.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
 use super::{
     f32_slice, filled, for_units, log_sum_exp, matmul, storage, u32_slice, Mat, MatMut, Shared,
 };
-use crate::ops::{vmath, WeightLayout};
+use crate::ops::{vmath, GradTarget, WeightLayout};
 
 /// Logits one chunk holds: 2M floats (8 MiB), 256 rows at V = 8192. Measured on `text-bpe`
 /// at two threads (docs/TOKENIZER.md): 64, 256 and 1024 rows ran at the same speed within noise,
@@ -35,15 +36,22 @@ pub fn chunk_rows(v: usize) -> usize {
 
 /// Sum over counted rows of `−log softmax(x·W)[target]`: `x` `[N, D]`, `w` `[D, V]` (or
 /// `[V, D]` with `WeightLayout::OutIn`: a head tied to the token embedding), `targets` `[N]`
-/// u32, `mask` `[N]` f32. Gradients flow to `x` and `w`.
+/// u32, `mask` `[N]` f32. Gradients flow to `x` and to `w`, or with `target` into it
+/// (`ops::GradTarget`).
 pub fn linear_nll_sum(
     x: &Tensor,
     w: &Tensor,
     layout: WeightLayout,
     targets: &Tensor,
     mask: &Tensor,
+    target: Option<Arc<dyn GradTarget>>,
 ) -> Result<Tensor> {
     let (x, w) = (x.contiguous()?, w.contiguous()?);
+    // A weight whose gradient goes beside the graph is no graph input.
+    let w = match target {
+        Some(_) => w.detach(),
+        None => w,
+    };
     let (n, d) = x.dims2()?;
     let wd = match layout {
         WeightLayout::InOut => w.dim(0)?,
@@ -63,6 +71,7 @@ pub fn linear_nll_sum(
         targets: targets.contiguous()?,
         mask: mask.contiguous()?,
         layout,
+        target,
     };
     x.apply_op2(&w, op)
 }
@@ -73,6 +82,18 @@ struct LinearNll {
     targets: Tensor,
     mask: Tensor,
     layout: WeightLayout,
+    target: Option<Arc<dyn GradTarget>>,
+}
+
+/// Where the backward puts W's gradient.
+#[derive(Clone)]
+enum WeightGrad {
+    /// Nowhere: a frozen head (LoRA) takes part in no graph.
+    None,
+    /// After dx in the op's result, for the gradient store.
+    Packed,
+    /// Added into a gradient held beside the graph.
+    Beside(Arc<dyn GradTarget>),
 }
 
 /// The shapes one pass works on.
@@ -192,24 +213,28 @@ impl CustomOp2 for LinearNll {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (n, d) = x.dims2()?;
         let scale = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+        let weight_grad = match (&self.target, w.track_op()) {
+            (Some(target), _) => WeightGrad::Beside(target.clone()),
+            (None, true) => WeightGrad::Packed,
+            (None, false) => WeightGrad::None,
+        };
         let op = LinearNllBackward {
             scale,
             targets: self.targets.clone(),
             mask: self.mask.clone(),
             layout: self.layout,
-            // A frozen head (LoRA) takes part in no graph: its gradient is never computed.
-            weight_grad: w.track_op(),
+            weight_grad,
         };
         // One buffer holds [dx; dw], as the fused linear's backward.
         let packed = x.apply_op2_no_bwd(w, &op)?;
         let dx = packed.narrow(0, 0, n * d)?.reshape((n, d))?;
         let dw = match op.weight_grad {
-            true => Some(
+            WeightGrad::Packed => Some(
                 packed
                     .narrow(0, n * d, w.elem_count())?
                     .reshape(w.shape())?,
             ),
-            false => None,
+            WeightGrad::None | WeightGrad::Beside(_) => None,
         };
         Ok((Some(dx), dw))
     }
@@ -256,8 +281,7 @@ struct LinearNllBackward {
     targets: Tensor,
     mask: Tensor,
     layout: WeightLayout,
-    /// Whether dW is wanted (not for a frozen head).
-    weight_grad: bool,
+    weight_grad: WeightGrad,
 }
 
 impl CustomOp2 for LinearNllBackward {
@@ -282,50 +306,103 @@ impl CustomOp2 for LinearNllBackward {
         let dims = Dims::of(xl, wl, self.layout);
         let Dims { n, d, v, .. } = dims;
         let packed = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
-            let mut buf = chunk_buffer(dims);
-            // dx rows are written by their chunk's product, dw by the first chunk's (then
-            // added to): every value, as chunks cover all rows and n ≥ 1.
-            let dw_len = if self.weight_grad { d * v } else { 0 };
-            Ok(filled(n * d + dw_len, |out| {
-                for (c, rows) in dims.chunks().enumerate() {
-                    chunk_logits(&mut buf, x, w, dims, &rows);
-                    let dlogits = &mut buf[..rows.len() * v];
-                    to_dlogits(dlogits, v, rows.start, targets, mask, self.scale);
-                    let x_rows = Mat::rows(&x[rows.start * d..rows.end * d], d);
-                    // SAFETY: `out` holds n·d dx values then d·v dw values; these views are
-                    // this chunk's dx rows and the dw block, apart from `buf`, `x` and `w`.
-                    unsafe {
-                        matmul(
-                            MatMut::new(out.offset(rows.start * d), rows.len(), d, d),
-                            Mat::rows(dlogits, v),
-                            dims.w(w).t(),
-                            false,
-                            true,
-                        );
-                        match (self.weight_grad, dims.layout) {
-                            (false, _) => {}
-                            (true, WeightLayout::InOut) => matmul(
-                                MatMut::new(out.offset(n * d), d, v, v),
-                                x_rows.t(),
-                                Mat::rows(dlogits, v),
-                                c > 0,
-                                true,
-                            ),
-                            (true, WeightLayout::OutIn) => matmul(
-                                MatMut::new(out.offset(n * d), v, d, d),
-                                Mat::rows(dlogits, v).t(),
-                                x_rows,
-                                c > 0,
-                                true,
-                            ),
-                        }
-                    }
+            let labels = Labels {
+                targets,
+                mask,
+                scale: self.scale,
+            };
+            let packed_dw = matches!(self.weight_grad, WeightGrad::Packed);
+            // dx rows are written by their chunk's product, a packed dw by the first chunk's
+            // (then added to): every value, as chunks cover all rows and n ≥ 1.
+            let len = n * d + if packed_dw { d * v } else { 0 };
+            let run = |beside: Option<&mut [f32]>| {
+                filled(len, |out| {
+                    let dw = match beside {
+                        Some(held) => Some((held.as_mut_ptr(), true)),
+                        None => packed_dw.then(|| (out.offset(n * d), false)),
+                    };
+                    // SAFETY: `out` holds n·d dx values (then a packed dw's d·v), `held` d·v.
+                    unsafe { backward_chunks(x, w, dims, &labels, out.offset(0), dw) }
+                })
+            };
+            match &self.weight_grad {
+                WeightGrad::Beside(target) => {
+                    let mut packed = None;
+                    target.add_into(d * v, &mut |held| packed = Some(run(Some(held))))?;
+                    packed.ok_or_else(|| candle_core::Error::Msg("linear nll: no gradient".into()))
                 }
-            }))
+                _ => Ok(run(None)),
+            }
         })?;
         drop((xw, ww));
         let len = packed.len();
         Ok((storage::stored(packed, xs)?, Shape::from(len)))
+    }
+}
+
+/// One batch's labels and the loss's incoming gradient.
+struct Labels<'a> {
+    targets: &'a [u32],
+    mask: &'a [f32],
+    scale: f32,
+}
+
+/// Per chunk: dlogits from recomputed logits, then `dx[chunk] = dlogits·wᵀ` into `dx` (`n·d`
+/// values) and `dw (+)= x[chunk]ᵀ·dlogits` into `dw`'s `d·v` values, the first chunk writing
+/// them unless `dw.1` (added to from the start).
+///
+/// # Safety
+/// `dx` and `dw` point to buffers of those sizes that nothing else reads or writes meanwhile.
+unsafe fn backward_chunks(
+    x: &[f32],
+    w: &[f32],
+    dims: Dims,
+    labels: &Labels,
+    dx: *mut f32,
+    dw: Option<(*mut f32, bool)>,
+) {
+    let Dims { d, v, .. } = dims;
+    let mut buf = chunk_buffer(dims);
+    for (c, rows) in dims.chunks().enumerate() {
+        chunk_logits(&mut buf, x, w, dims, &rows);
+        let dlogits = &mut buf[..rows.len() * v];
+        to_dlogits(
+            dlogits,
+            v,
+            rows.start,
+            labels.targets,
+            labels.mask,
+            labels.scale,
+        );
+        let x_rows = Mat::rows(&x[rows.start * d..rows.end * d], d);
+        // SAFETY: the caller's buffers; these views are this chunk's dx rows and all of dw,
+        // apart from `buf`, `x` and `w`.
+        unsafe {
+            matmul(
+                MatMut::new(dx.add(rows.start * d), rows.len(), d, d),
+                Mat::rows(dlogits, v),
+                dims.w(w).t(),
+                false,
+                true,
+            );
+            let Some((dw, add)) = dw else { continue };
+            match dims.layout {
+                WeightLayout::InOut => matmul(
+                    MatMut::new(dw, d, v, v),
+                    x_rows.t(),
+                    Mat::rows(dlogits, v),
+                    add || c > 0,
+                    true,
+                ),
+                WeightLayout::OutIn => matmul(
+                    MatMut::new(dw, v, d, d),
+                    Mat::rows(dlogits, v).t(),
+                    x_rows,
+                    add || c > 0,
+                    true,
+                ),
+            }
+        }
     }
 }
 

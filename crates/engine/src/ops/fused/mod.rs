@@ -17,6 +17,7 @@ use crate::ops::vmath;
 
 mod attention;
 mod branch;
+mod embedding;
 mod head;
 mod layer;
 mod linear;
@@ -28,6 +29,7 @@ mod tests;
 
 pub use attention::causal_attention;
 pub use branch::branch;
+pub use embedding::embedding;
 pub use head::{chunk_rows as head_chunk_rows, linear_nll_sum};
 
 pub use linear::{act_linear, gelu_linear, linear, project};

@@ -70,7 +70,7 @@ pub(super) fn cpu<'a>(s: &'a Storage, op: &str) -> Result<&'a CpuStorage> {
     }
 }
 
-fn in_dtype(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
+pub(super) fn in_dtype(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
     Ok(match dtype {
         DType::F32 => CpuStorage::F32(values),
         DType::BF16 => CpuStorage::BF16(par_convert(&values, |src, dst| {
