@@ -544,7 +544,7 @@ impl Forward {
     /// without holding every logit at once.
     pub fn nll_sum(&self, targets: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let (x, w, layout) = (&self.features, &self.head, self.head_layout);
-        ops::linear_nll_sum_into(x, w, layout, targets, mask, self.head_grad.clone())
+        ops::linear_nll_sum(x, w, layout, targets, mask, self.head_grad.clone())
     }
 }
 

@@ -446,19 +446,10 @@ pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tenso
 /// `nll_sum(x·w, targets, mask)`: the LM head and the loss as one. The fused (CPU) and lean
 /// versions never hold the `[N, V]` logits at once (`fused::linear_nll_sum`,
 /// `lean::linear_nll_sum`); the plain one makes them and passes them to `nll_sum`.
+///
+/// With `target`, `w`'s gradient is added into it (`grads_beside`; `w` is then not a graph
+/// input).
 pub fn linear_nll_sum(
-    x: &Tensor,
-    w: &Tensor,
-    layout: WeightLayout,
-    targets: &Tensor,
-    mask: &Tensor,
-) -> Result<Tensor> {
-    linear_nll_sum_into(x, w, layout, targets, mask, None)
-}
-
-/// `linear_nll_sum` with `w`'s gradient added into `target` (`grads_beside`; `w` is then not a
-/// graph input).
-pub fn linear_nll_sum_into(
     x: &Tensor,
     w: &Tensor,
     layout: WeightLayout,

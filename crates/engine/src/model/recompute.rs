@@ -48,7 +48,7 @@ impl ParamGrads {
     pub fn get(&self, store: &GradStore, var: &Var) -> Result<Option<Tensor>> {
         let buffer = match lock(&self.0.buffers).remove(&var.id()) {
             Some((mut values, compute)) => {
-                round_to(&mut values, compute);
+                crate::ops::fused::round_in_place(&mut values, compute);
                 Some(Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?)
             }
             None => None,
@@ -104,20 +104,6 @@ impl ParamGrads {
     /// checkpointing): the activations the backward adds at its peak.
     pub fn recomputed_graph_bytes(&self) -> u64 {
         self.0.graph_bytes.load(Ordering::Relaxed)
-    }
-}
-
-/// Each value rounded to `dtype` (to nearest, ties to even: Candle's `to_dtype`) and widened
-/// back, in place.
-fn round_to(values: &mut [f32], dtype: DType) {
-    match dtype {
-        DType::BF16 => values
-            .iter_mut()
-            .for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
-        DType::F16 => values
-            .iter_mut()
-            .for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
-        _ => {}
     }
 }
 

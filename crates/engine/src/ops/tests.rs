@@ -457,7 +457,8 @@ fn lean_ops_in_half_precision_stay_near_f32() {
         let qkv = linear(&x, &c(&t_[3])?, &c(&t_[4])?)?;
         let y = causal_attention(&qkv, b, t, h)?;
         let y = gelu_linear(&y, &c(&t_[5])?, &c(&t_[6])?)?;
-        linear_nll_sum(&y, &c(&t_[7])?, WeightLayout::InOut, &targets, &mask)?.to_dtype(DType::F32)
+        linear_nll_sum(&y, &c(&t_[7])?, WeightLayout::InOut, &targets, &mask, None)?
+            .to_dtype(DType::F32)
     };
     let inputs = [
         random(&[b * t, d], 2.0, 1),

@@ -38,6 +38,7 @@ use norm::{norm_backward_rows, norm_rows};
 pub use optim::{
     adamw_update_all, scale_in_place, sum_squared_difference, sum_squares, AdamWJob, AdamWStep,
 };
+pub(crate) use storage::round_in_place;
 
 // ---------------------------------------------------------------------------------------------
 // Plumbing

@@ -92,6 +92,25 @@ pub(super) fn in_dtype(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
     })
 }
 
+/// `values` rounded to `dtype` and back in place, as storing them would do (`rounding`; nothing
+/// for f32).
+pub(crate) fn round_in_place(values: &mut [f32], dtype: DType) {
+    match dtype {
+        DType::BF16 => vmath::widest(
+            #[inline(always)]
+            || {
+                for v in values.iter_mut() {
+                    *v = f32::from_bits(u32::from(bf16_bits(*v)) << 16);
+                }
+            },
+        ),
+        DType::F16 => values
+            .iter_mut()
+            .for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+        _ => {}
+    }
+}
+
 /// The rounding of a value to `dtype` and back, as storing it would do (the identity for f32).
 pub(super) fn rounding(dtype: DType) -> fn(f32) -> f32 {
     match dtype {
