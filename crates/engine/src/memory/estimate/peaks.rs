@@ -279,7 +279,7 @@ pub fn head_peak_bytes(cfg: &Config) -> u64 {
         return frozen_head_peak_bytes(cfg, &s);
     }
     let op = if cfg.grads_beside() {
-        beside_head_peak_bytes(&s)
+        beside_head_peak_bytes(cfg, &s)
     } else if cfg.fused {
         fused_head_peak_bytes(&s)
     } else {
@@ -328,17 +328,18 @@ fn fused_head_peak_bytes(s: &Shape) -> u64 {
 
 /// The fused head and loss's backward with W's gradient beside the graph: inside it dx (N·D)
 /// and W's f32 gradient (D·V, zeros made by its first chunk, or the embedding's) beside one
-/// chunk of logits; after it, the store adds dx (a zero tensor and the sum). With half storage
-/// the inside also holds f32 copies of x and W, and dx is rounded into a half copy while the
-/// f32 one lives.
-fn beside_head_peak_bytes(s: &Shape) -> u64 {
+/// chunk of logits and `gemm`'s packed copies of an untied W (`head_packing`); after it, the
+/// store adds dx (a zero tensor and the sum). With half storage the inside also holds f32
+/// copies of x and W, and dx is rounded into a half copy while the f32 one lives.
+fn beside_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
     let (nd, dv) = (s.nd(), s.d * s.v);
+    let packing = head_packing(cfg, s);
     if s.cast {
-        let inside = (2 * nd + 2 * dv + head_chunk(s)) * F32;
+        let inside = (2 * nd + 2 * dv + head_chunk(s)) * F32 + packing;
         let rounding = nd * (F32 + s.c) + dv * F32;
         return inside.max(rounding).max(3 * nd * s.c + dv * F32);
     }
-    (nd + dv + head_chunk(s)).max(3 * nd + dv) * F32
+    ((nd + dv + head_chunk(s)) * F32 + packing).max((3 * nd + dv) * F32)
 }
 
 /// The head and loss's backward with a frozen head (LoRA): the same moments without dW. Fused:
@@ -358,8 +359,8 @@ fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
     ((nd + chunk) * F32 + packing).max(3 * nd * F32)
 }
 
-/// `gemm`'s packed copies of an untied head's W (stored `[D, V]`) while the fused backward of a
-/// frozen head multiplies a chunk's logits gradient by its transpose (dx, `[rows, V]·[V, D]`):
+/// `gemm`'s packed copies of an untied head's W (stored `[D, V]`) while the fused backward
+/// (of a frozen head, or with W's gradient beside the graph) multiplies a chunk's logits gradient by its transpose (dx, `[rows, V]·[V, D]`):
 /// one per thread that takes part (`packing`), of at most 512 rows of Wᵀ (the inner-sum block
 /// `gemm` takes for small products). A tied head's W is the embedding, stored `[V, D]`: `gemm`
 /// reads it in place (the fixtures' ledger shows no copy). Measured on the Llama fixture under
