@@ -224,9 +224,15 @@ pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<
 /// vocabulary makes the largest), whose gradients the store would otherwise zero-fill, add and,
 /// in half precision, widen from a cast, each a pass over `V·D` values.
 pub trait GradTarget: Send + Sync {
-    /// Runs `add` on the weight's f32 gradient, `len` values (zeros when none is held yet).
-    fn add_into(&self, len: usize, add: &mut dyn FnMut(&mut [f32])) -> Result<()>;
+    /// Runs `write` on the weight's f32 gradient of `len` values: on `Some(sum)`, the sum held so
+    /// far, `write` adds to it and returns `None`; on `None` (none held yet), `write` returns
+    /// the first gradient, held from then on. An op that writes every value anyway (a product)
+    /// thus skips a zero-filled `[V, D]` buffer (a serial memset of the whole matrix).
+    fn add_into(&self, len: usize, write: &mut GradWrite) -> Result<()>;
 }
+
+/// What a [`GradTarget`] runs on the gradient it holds (see [`GradTarget::add_into`]).
+pub type GradWrite<'a> = dyn FnMut(Option<&mut [f32]>) -> Option<Vec<f32>> + 'a;
 
 /// Whether the ops that take `weight` compute its gradient beside the graph, into a
 /// [`GradTarget`]: the fused CPU ops (not the lean or the plain ones) on an f32 weight.

@@ -21,7 +21,7 @@ use candle_core::{
 };
 
 use super::{Block, Dims, Weights};
-use crate::ops::GradTarget;
+use crate::ops::{GradTarget, GradWrite};
 use crate::tensors::{activation_bytes, StorageSet};
 
 /// Parameter gradients computed outside the loss's graph, by parameter (`Var`) id, and the size
@@ -119,16 +119,25 @@ struct Target {
 }
 
 impl GradTarget for Target {
-    fn add_into(&self, len: usize, add: &mut dyn FnMut(&mut [f32])) -> Result<()> {
+    fn add_into(&self, len: usize, write: &mut GradWrite) -> Result<()> {
         let mut buffers = lock(&self.grads.0.buffers);
-        let (held, _) = buffers
-            .entry(self.var)
-            .or_insert_with(|| (vec![0f32; len], self.compute));
-        if held.len() != len {
-            candle_core::bail!("gradient of {len} values added to one of {}", held.len());
+        if let Some((held, _)) = buffers.get_mut(&self.var) {
+            if held.len() != len {
+                candle_core::bail!("gradient of {len} values added to one of {}", held.len());
+            }
+            if write(Some(held)).is_some() {
+                candle_core::bail!("a gradient was returned where it should have been added");
+            }
+            return Ok(());
         }
-        add(held);
-        Ok(())
+        match write(None) {
+            Some(first) if first.len() == len => {
+                buffers.insert(self.var, (first, self.compute));
+                Ok(())
+            }
+            Some(first) => candle_core::bail!("gradient of {} values for {len}", first.len()),
+            None => candle_core::bail!("no gradient was returned for a weight with none held"),
+        }
     }
 }
 

@@ -257,12 +257,14 @@ fn a_tied_head_computes_the_loss_through_the_embedding() {
 struct Held(std::sync::Mutex<Vec<f32>>);
 
 impl GradTarget for Held {
-    fn add_into(&self, len: usize, add: &mut dyn FnMut(&mut [f32])) -> Result<()> {
+    fn add_into(&self, len: usize, write: &mut crate::ops::GradWrite) -> Result<()> {
         let mut held = self.0.lock().unwrap();
         if held.is_empty() {
-            held.resize(len, 0.0);
+            *held = write(None).expect("a first gradient");
+            assert_eq!(held.len(), len);
+        } else {
+            assert!(write(Some(&mut held)).is_none());
         }
-        add(&mut held);
         Ok(())
     }
 }

@@ -75,15 +75,28 @@ impl CustomOp2 for Embedding {
         let grad = grad.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let ids = ids.to_vec1::<u32>()?;
         // Positions in order: the same sums at any thread count.
-        self.target.add_into(v * d, &mut |held| {
-            for (&id, row) in ids.iter().zip(grad.chunks_exact(d)) {
-                let id = id as usize;
-                held[id * d..(id + 1) * d]
-                    .iter_mut()
-                    .zip(row)
-                    .for_each(|(h, g)| *h += g);
+        self.target.add_into(v * d, &mut |held| match held {
+            Some(held) => {
+                add_rows(held, &ids, &grad, d);
+                None
+            }
+            None => {
+                let mut first = vec![0f32; v * d];
+                add_rows(&mut first, &ids, &grad, d);
+                Some(first)
             }
         })?;
         Ok((None, None))
+    }
+}
+
+/// Each position's gradient row added into its token's row of `table`, in position order.
+fn add_rows(table: &mut [f32], ids: &[u32], grad: &[f32], d: usize) {
+    for (&id, row) in ids.iter().zip(grad.chunks_exact(d)) {
+        let id = id as usize;
+        table[id * d..(id + 1) * d]
+            .iter_mut()
+            .zip(row)
+            .for_each(|(h, g)| *h += g);
     }
 }

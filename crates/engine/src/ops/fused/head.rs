@@ -315,20 +315,27 @@ impl CustomOp2 for LinearNllBackward {
             // dx rows are written by their chunk's product, a packed dw by the first chunk's
             // (then added to): every value, as chunks cover all rows and n ≥ 1.
             let len = n * d + if packed_dw { d * v } else { 0 };
-            let run = |beside: Option<&mut [f32]>| {
+            // `beside`: a dw buffer of d·v values apart from `out`, and whether to add to it.
+            let run = |beside: Option<(*mut f32, bool)>| {
                 filled(len, |out| {
-                    let dw = match beside {
-                        Some(held) => Some((held.as_mut_ptr(), true)),
-                        None => packed_dw.then(|| (out.offset(n * d), false)),
-                    };
-                    // SAFETY: `out` holds n·d dx values (then a packed dw's d·v), `held` d·v.
+                    let dw = beside.or_else(|| packed_dw.then(|| (out.offset(n * d), false)));
+                    // SAFETY: `out` holds n·d dx values (then a packed dw's d·v), `beside` d·v.
                     unsafe { backward_chunks(x, w, dims, &labels, out.offset(0), dw) }
                 })
             };
             match &self.weight_grad {
                 WeightGrad::Beside(target) => {
                     let mut packed = None;
-                    target.add_into(d * v, &mut |held| packed = Some(run(Some(held))))?;
+                    target.add_into(d * v, &mut |held| match held {
+                        Some(held) => {
+                            packed = Some(run(Some((held.as_mut_ptr(), true))));
+                            None
+                        }
+                        // The first chunk's product writes every value of dw (no zeros first).
+                        None => Some(filled(d * v, |dw| {
+                            packed = Some(run(Some((dw.offset(0), false))));
+                        })),
+                    })?;
                     packed.ok_or_else(|| candle_core::Error::Msg("linear nll: no gradient".into()))
                 }
                 _ => Ok(run(None)),
