@@ -252,6 +252,16 @@ pub fn embedding_beside(
     fused::embedding(table, ids, dtype, target)
 }
 
+/// `t` in `dtype`: f32 to bf16 on the CPU by the fused cast (`fused::to_bf16`, the same bits,
+/// vectorised and on the CPU pool), anything else by Candle's `to_dtype`.
+pub fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    if dtype == DType::BF16 && fused_domain(&[t]) {
+        fused::to_bf16(t)
+    } else {
+        t.to_dtype(dtype)
+    }
+}
+
 /// Rows `ids` (`[N]` u32) of an embedding table `[V, D]`. In half precision the table's
 /// gradient is accumulated in f32 (`half::embedding`).
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {

@@ -93,7 +93,7 @@ impl Weights {
         if w.dtype() == self.dtype {
             return Ok(w);
         }
-        let cast = w.to_dtype(self.dtype)?;
+        let cast = crate::ops::cast(&w, self.dtype)?;
         self.casts.push(cast.clone());
         Ok(cast)
     }
@@ -104,7 +104,7 @@ impl Weights {
         if w.dtype() == self.dtype {
             return Ok(w);
         }
-        let cast = w.to_dtype(self.dtype)?;
+        let cast = crate::ops::cast(&w, self.dtype)?;
         self.casts.push(cast.clone());
         Ok(cast)
     }

@@ -146,6 +146,7 @@ impl Op {
 
     /// The output and the intermediates kept for the backward.
     fn forward(&self, x: &Tensor, w: &StepWeights) -> Result<(Tensor, Vec<Tensor>)> {
+        let _products = super::tiles::scope(self.dtype);
         let (n, d) = x.dims2()?;
         let store = |v: Vec<f32>, cols: usize| storage::tensor(v, self.dtype, (n, cols));
         let eps = self.step.eps as f32;
@@ -183,6 +184,7 @@ impl Op {
         w: &StepWeights,
         dy: &Tensor,
     ) -> Result<(Tensor, Vec<Tensor>)> {
+        let _products = super::tiles::scope(self.dtype);
         let (n, d) = x.dims2()?;
         let dt = self.dtype;
         let base = !w.frozen;

@@ -192,6 +192,7 @@ impl CustomOp2 for LinearNll {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let x = storage::input(xs, xl, self.name())?;
         let w = storage::input(ws, wl, self.name())?;
         let (x, w) = (&x[..], &w[..]);
@@ -298,6 +299,7 @@ impl CustomOp2 for LinearNllBackward {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let (xw, ww) = (
             storage::input(xs, xl, self.name())?,
             storage::input(ws, wl, self.name())?,

@@ -227,6 +227,7 @@ impl CustomOp2 for Linear {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let x = storage::input(xs, xl, CustomOp2::name(self))?;
         let w = storage::input(ws, wl, CustomOp2::name(self))?;
         let (n, o) = (xl.dims()[0], wl.dims()[1]);
@@ -265,6 +266,7 @@ impl CustomOp3 for Linear {
         bs: &CpuStorage,
         bl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let x = storage::input(xs, xl, CustomOp3::name(self))?;
         let w = storage::input(ws, wl, CustomOp3::name(self))?;
         let b = storage::input(bs, bl, CustomOp3::name(self))?;
@@ -305,6 +307,7 @@ impl CustomOp3 for LinearBackward {
         gs: &CpuStorage,
         gl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let packed = {
             let x = storage::input(xs, xl, self.name())?;
             let w = storage::input(ws, wl, self.name())?;

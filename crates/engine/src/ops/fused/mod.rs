@@ -17,6 +17,7 @@ use crate::ops::vmath;
 
 mod attention;
 mod branch;
+mod cast;
 mod embedding;
 mod head;
 mod layer;
@@ -26,9 +27,11 @@ mod optim;
 mod storage;
 #[cfg(test)]
 mod tests;
+mod tiles;
 
 pub use attention::causal_attention;
 pub use branch::branch;
+pub use cast::to_bf16;
 pub use embedding::embedding;
 pub use head::{chunk_rows as head_chunk_rows, linear_nll_sum};
 
@@ -39,6 +42,12 @@ pub use optim::{
     adamw_update_all, scale_in_place, sum_squared_difference, sum_squares, AdamWJob, AdamWStep,
 };
 pub(crate) use storage::round_in_place;
+
+/// Whether this process's bf16 products run on AMX tiles (`tiles`): the CPU has AMX-BF16, the
+/// kernel granted the tile state, and `GACCWB_AMX` is not `off`.
+pub fn amx_products() -> bool {
+    tiles::enabled()
+}
 
 // ---------------------------------------------------------------------------------------------
 // Plumbing
@@ -223,6 +232,11 @@ unsafe fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) 
         return unsafe { gemm_block(&dst, a, b, accumulate, 0..dst.rows) };
     }
     let split = matmul_split(dst.rows, a.cols, b.cols);
+    let gemm_block = if tiles::fit(a.cols) {
+        tiles::gemm_block
+    } else {
+        gemm_block
+    };
     let dst = &dst;
     // One thread runs the same blocks in order, so the result is the same at any thread count.
     for_each_unit(split.blocks, |range| {

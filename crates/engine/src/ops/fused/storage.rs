@@ -73,16 +73,7 @@ pub(super) fn cpu<'a>(s: &'a Storage, op: &str) -> Result<&'a CpuStorage> {
 pub(super) fn in_dtype(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
     Ok(match dtype {
         DType::F32 => CpuStorage::F32(values),
-        DType::BF16 => CpuStorage::BF16(par_convert(&values, |src, dst| {
-            vmath::widest(
-                #[inline(always)]
-                || {
-                    for (d, &s) in dst.iter_mut().zip(src) {
-                        d.write(bf16::from_bits(bf16_bits(s)));
-                    }
-                },
-            )
-        })),
+        DType::BF16 => to_bf16(&values),
         DType::F16 => CpuStorage::F16(par_convert(&values, |src, dst| {
             // SAFETY: f16 has no invalid bit pattern; every value is written before it is read.
             let dst = unsafe { assume_written(dst) };
@@ -90,6 +81,20 @@ pub(super) fn in_dtype(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
         })),
         other => candle_core::bail!("fused ops store f32, bf16 or f16, not {other:?}"),
     })
+}
+
+/// `values` rounded to bf16 (ties to even), converted on the CPU pool.
+pub(super) fn to_bf16(values: &[f32]) -> CpuStorage {
+    CpuStorage::BF16(par_convert(values, |src, dst| {
+        vmath::widest(
+            #[inline(always)]
+            || {
+                for (d, &s) in dst.iter_mut().zip(src) {
+                    d.write(bf16::from_bits(bf16_bits(s)));
+                }
+            },
+        )
+    }))
 }
 
 /// `values` rounded to `dtype` and back in place, as storing them would do (`rounding`; nothing
@@ -123,7 +128,7 @@ pub(super) fn rounding(dtype: DType) -> fn(f32) -> f32 {
 /// The bf16 nearest to `x` (ties to even; a NaN stays a quiet NaN), branch-free so that a loop
 /// of it vectorises (`half`'s `bf16::from_f32` branches). The same bits as `bf16::from_f32`.
 #[inline(always)]
-fn bf16_bits(x: f32) -> u16 {
+pub(super) fn bf16_bits(x: f32) -> u16 {
     let bits = x.to_bits();
     let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16;
     let nan = (bits >> 16) | 0x0040;

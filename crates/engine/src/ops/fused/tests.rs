@@ -152,3 +152,71 @@ fn adamw_with_the_clip_inside_gives_the_bits_of_scaling_the_gradient_first() {
     // The gradient itself is left as it was.
     assert_eq!(bits(&g2[3]), bits(&make(40)[3]));
 }
+
+/// bf16 products on AMX tiles, where the CPU has them: the f32 sums of the bf16-rounded
+/// operands, for shapes off the 32-row, 32-column and 32-deep blocks, cut into row and column
+/// blocks, from transposed views and added into a strided destination. Without AMX no product
+/// goes to tiles.
+#[test]
+fn tile_products_sum_the_bf16_rounded_operands() {
+    let _bf16 = tiles::scope_if(true);
+    if !tiles::available() {
+        assert!(!tiles::fit(768), "tiles without AMX");
+        return;
+    }
+    let round = storage::rounding(candle_core::DType::BF16);
+    for (m, k, n) in [
+        (300, 100, 300),
+        (64, 1100, 1000),
+        (97, 70, 2000),
+        (200, 33, 5000),
+    ] {
+        let a = values(m * k, 3);
+        let b = values(k * n, 4);
+        let (ar, br): (Vec<f32>, Vec<f32>) = (
+            a.iter().map(|&x| round(x)).collect(),
+            b.iter().map(|&x| round(x)).collect(),
+        );
+        assert!(tiles::fit(k), "{m}x{k}x{n} must go to tiles");
+        let expected = reference(&ar, &br, m, k, n);
+        let unrounded = reference(&a, &b, m, k, n);
+        let apart = expected
+            .iter()
+            .zip(&unrounded)
+            .any(|(x, y)| (x - y).abs() > 1e-2);
+        assert!(
+            apart,
+            "{m}x{k}x{n}: rounding must show, or the test cannot tell the paths"
+        );
+        let at: Vec<f32> = (0..m * k).map(|i| a[(i % m) * k + i / m]).collect();
+        let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+        for transposed in [false, true] {
+            let width = n + 1;
+            let mut dst = vec![1f32; m * width];
+            let (left, right) = match transposed {
+                false => (Mat::rows(&a, k), Mat::rows(&b, n)),
+                true => (Mat::rows(&at, m).t(), Mat::rows(&bt, k).t()),
+            };
+            // SAFETY: the views lie inside `a`/`at`, `b`/`bt` and `dst`, which do not overlap.
+            unsafe {
+                matmul(
+                    MatMut::new(dst.as_mut_ptr(), m, n, width),
+                    left,
+                    right,
+                    true,
+                    true,
+                )
+            };
+            for i in 0..m {
+                for j in 0..n {
+                    let (got, want) = (dst[i * width + j], expected[i * n + j] + 1.0);
+                    assert!(
+                        (got - want).abs() < 1e-4,
+                        "{m}x{k}x{n} ({i}, {j}) {got} vs {want}"
+                    );
+                }
+                assert_eq!(dst[i * width + n], 1.0, "row {i}: the spare column");
+            }
+        }
+    }
+}
