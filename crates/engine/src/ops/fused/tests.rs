@@ -51,34 +51,39 @@ fn a_product_cut_into_column_blocks_equals_the_textbook_product() {
     let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
     let expected = reference(&a, &b, m, k, n);
     for transposed in [false, true] {
-        // A destination with a spare column on each row, holding 1.0 before the product adds.
-        let width = n + 1;
-        let mut dst = vec![1f32; m * width];
         let right = match transposed {
             false => Mat::rows(&b, n),
             true => Mat::rows(&bt, k).t(),
         };
-        // SAFETY: the views lie inside `a`, `b`/`bt` and `dst`, which do not overlap.
-        unsafe {
-            matmul(
-                MatMut::new(dst.as_mut_ptr(), m, n, width),
-                Mat::rows(&a, k),
-                right,
-                true,
-                true,
-            )
-        };
-        for i in 0..m {
-            for j in 0..n {
-                let (got, want) = (dst[i * width + j], expected[i * n + j] + 1.0);
-                assert!((got - want).abs() < 1e-4, "({i}, {j}) {got} vs {want}");
-            }
-            assert_eq!(
-                dst[i * width + n],
-                1.0,
-                "row {i}: the spare column is untouched"
+        assert_added(Mat::rows(&a, k), right, &expected, "column blocks");
+    }
+}
+
+/// `left·right` added into a destination of ones with a spare column on each row: every value
+/// is `expected` + 1 (to 1e-4), and the spare column is untouched.
+fn assert_added(left: Mat, right: Mat, expected: &[f32], what: &str) {
+    let (m, n) = (left.rows, right.cols);
+    let width = n + 1;
+    let mut dst = vec![1f32; m * width];
+    // SAFETY: the caller's views lie inside live buffers apart from `dst`.
+    unsafe {
+        matmul(
+            MatMut::new(dst.as_mut_ptr(), m, n, width),
+            left,
+            right,
+            true,
+            true,
+        )
+    };
+    for i in 0..m {
+        for j in 0..n {
+            let (got, want) = (dst[i * width + j], expected[i * n + j] + 1.0);
+            assert!(
+                (got - want).abs() < 1e-4,
+                "{what} ({i}, {j}) {got} vs {want}"
             );
         }
+        assert_eq!(dst[i * width + n], 1.0, "{what} row {i}: the spare column");
     }
 }
 
@@ -191,32 +196,11 @@ fn tile_products_sum_the_bf16_rounded_operands() {
         let at: Vec<f32> = (0..m * k).map(|i| a[(i % m) * k + i / m]).collect();
         let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
         for transposed in [false, true] {
-            let width = n + 1;
-            let mut dst = vec![1f32; m * width];
             let (left, right) = match transposed {
                 false => (Mat::rows(&a, k), Mat::rows(&b, n)),
                 true => (Mat::rows(&at, m).t(), Mat::rows(&bt, k).t()),
             };
-            // SAFETY: the views lie inside `a`/`at`, `b`/`bt` and `dst`, which do not overlap.
-            unsafe {
-                matmul(
-                    MatMut::new(dst.as_mut_ptr(), m, n, width),
-                    left,
-                    right,
-                    true,
-                    true,
-                )
-            };
-            for i in 0..m {
-                for j in 0..n {
-                    let (got, want) = (dst[i * width + j], expected[i * n + j] + 1.0);
-                    assert!(
-                        (got - want).abs() < 1e-4,
-                        "{m}x{k}x{n} ({i}, {j}) {got} vs {want}"
-                    );
-                }
-                assert_eq!(dst[i * width + n], 1.0, "row {i}: the spare column");
-            }
+            assert_added(left, right, &expected, &format!("{m}x{k}x{n}"));
         }
     }
 }
