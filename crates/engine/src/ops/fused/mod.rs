@@ -6,7 +6,7 @@
 //!
 //! Callers (`crate::ops`) route CPU tensors stored in f32, bf16 or f16 here (all of one op's
 //! float inputs in one dtype; the loss mask f32); the arithmetic is f32 whatever the storage
-//! (`storage`).
+//! (`storage`), but for a bf16 op's products where the CPU has AMX (`tiles`).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -220,8 +220,8 @@ impl MatMut {
 
 /// `dst = a·b`, or `dst += a·b` when `accumulate`. With `parallel`, blocks of `dst` (rows or
 /// columns, `matmul_split`) go to the CPU pool (`ops::pool`), each one single-threaded `gemm`
-/// call: the same pool as every other fused op (a second pool, rayon's, would compete with it
-/// for the cores).
+/// call (or, in a bf16 op where the CPU has AMX, one `tiles` call): the same pool as every
+/// other fused op (a second pool, rayon's, would compete with it for the cores).
 ///
 /// # Safety
 /// The views lie inside live buffers, and `dst` overlaps neither `a` nor `b` (shapes are checked).

@@ -1,4 +1,5 @@
-//! The fused ops' storage dtypes: f32, bf16 and f16, with f32 arithmetic always. An op reads a
+//! The fused ops' storage dtypes: f32, bf16 and f16, with f32 arithmetic (but bf16 products on
+//! AMX tiles where the CPU has them: `tiles`, bf16 operands and f32 sums). An op reads a
 //! half-precision input by widening it into an f32 buffer of its own (freed when the op
 //! returns), runs the f32 kernel, and rounds its result once to the storage dtype. Gradients
 //! come out of the same kernels, so a weight's or a bias's gradient is summed over every row in

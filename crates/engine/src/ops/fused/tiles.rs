@@ -1,8 +1,8 @@
 //! Products on AMX tiles (`tdpbf16ps`): bf16 operands, f32 sums. Where the CPU has AMX
 //! (Sapphire Rapids and later Xeons) and the kernel grants the process its tile state, a bf16
 //! model's products run here instead of widening bf16 to f32 for `gemm`: one `tdpbf16ps`
-//! multiplies a 16×32 by a 32×16 block (16,384 multiply-adds), measured at 3.6 TFLOP/s on one
-//! core of the development machine against ~0.1 TFLOP/s for f32 `gemm`.
+//! multiplies a 16×32 by a 32×16 block (16,384 multiply-adds), many times `gemm`'s f32 rate
+//! (docs/PERFORMANCE.md).
 //!
 //! Operands are packed from their f32 views into bf16 (rounded to nearest, ties to even; values
 //! a bf16 tensor holds are exact): the left-hand rows as rows of 32-column tiles, the right-hand
