@@ -99,10 +99,21 @@ pub(super) fn activated(h: &[f32], act: Activation, i: usize) -> Vec<f32> {
                 vmath::widest(
                     #[inline(always)]
                     || {
-                        for (e, d) in r.zip(dst.iter_mut()) {
+                        // Row by row, so the inner loop runs over contiguous values (an index
+                        // divided per value kept it scalar: 8% of a SmolLM-135M bf16 step).
+                        let mut dst = dst;
+                        let mut e = r.start;
+                        while e < r.end {
                             let (row, j) = (e / i, e % i);
-                            let (g, u) = (h[row * 2 * i + j], h[row * 2 * i + i + j]);
-                            d.write(g * sigmoid(g) * u);
+                            let len = (i - j).min(r.end - e);
+                            let gate = &h[row * 2 * i + j..][..len];
+                            let up = &h[row * 2 * i + i + j..][..len];
+                            let (out, rest) = dst.split_at_mut(len);
+                            for ((d, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                                d.write(g * sigmoid(g) * u);
+                            }
+                            dst = rest;
+                            e += len;
                         }
                     },
                 )

@@ -220,8 +220,9 @@ impl MatMut {
 
 /// `dst = a·b`, or `dst += a·b` when `accumulate`. With `parallel`, blocks of `dst` (rows or
 /// columns, `matmul_split`) go to the CPU pool (`ops::pool`), each one single-threaded `gemm`
-/// call (or, in a bf16 op where the CPU has AMX, one `tiles` call): the same pool as every
-/// other fused op (a second pool, rayon's, would compete with it for the cores).
+/// call (or, in a bf16 op where the CPU has AMX, one `tiles` call on `tiles::split`'s blocks):
+/// the same pool as every other fused op (a second pool, rayon's, would compete with it for
+/// the cores).
 ///
 /// # Safety
 /// The views lie inside live buffers, and `dst` overlaps neither `a` nor `b` (shapes are checked).
@@ -231,14 +232,14 @@ unsafe fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) 
         // SAFETY: the caller's contract, for all of dst.
         return unsafe { gemm_block(&dst, a, b, accumulate, 0..dst.rows) };
     }
-    let split = matmul_split(dst.rows, a.cols, b.cols);
-    let gemm_block = if tiles::fit(a.cols) {
-        tiles::gemm_block
+    let (split, gemm_block): (_, BlockProduct) = if tiles::fit(a.cols) {
+        (tiles::split(dst.rows, b.cols), tiles::gemm_block)
     } else {
-        gemm_block
+        (matmul_split(dst.rows, a.cols, b.cols), gemm_block)
     };
     let dst = &dst;
-    // One thread runs the same blocks in order, so the result is the same at any thread count.
+    // One thread runs the same blocks in order (tiles: any blocks give the same bits), so the
+    // result is the same at any thread count.
     for_each_unit(split.blocks, |range| {
         for block in range {
             let r = split.block(block);
@@ -259,6 +260,9 @@ unsafe fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) 
         }
     });
 }
+
+/// Rows of a product on the calling thread (`gemm_block`, `tiles::gemm_block`).
+type BlockProduct = unsafe fn(&MatMut, Mat, Mat, bool, Range<usize>);
 
 /// Most blocks one product is cut into. Every block packs again the operand it shares with
 /// the others, and one thread runs all of them too, so fewer blocks are faster alone: 4 (two per

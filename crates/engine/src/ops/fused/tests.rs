@@ -204,3 +204,37 @@ fn tile_products_sum_the_bf16_rounded_operands() {
         }
     }
 }
+
+/// A tile product's bits do not depend on how it is cut (so tile products may be cut by the
+/// thread count): rows and columns cut off the 32-wide blocks, adding into values already there,
+/// over two 512-deep inner blocks, give the bits of the uncut product.
+#[test]
+fn tile_products_give_the_same_bits_however_they_are_cut() {
+    if !tiles::available() {
+        return;
+    }
+    let (m, k, n) = (100, 1100, 150);
+    let (a, b) = (values(m * k, 5), values(k * n, 6));
+    let (left, right) = (Mat::rows(&a, k), Mat::rows(&b, n));
+    let start = values(m * n, 7);
+    let product = |cut: &dyn Fn(&MatMut)| -> Vec<u32> {
+        let mut dst = start.clone();
+        cut(&MatMut::new(dst.as_mut_ptr(), m, n, n));
+        dst.iter().map(|x| x.to_bits()).collect()
+    };
+    // SAFETY: the views lie inside `a`, `b` and the fresh `dst`, on this thread, AMX granted.
+    let whole = product(&|d| unsafe { tiles::gemm_block(d, left, right, true, 0..m) });
+    // SAFETY: as above.
+    let rows = product(&|d| unsafe {
+        tiles::gemm_block(d, left, right, true, 0..37);
+        tiles::gemm_block(d, left, right, true, 37..m);
+    });
+    // SAFETY: as above; the column views lie inside dst and `b`.
+    let columns = product(&|d| unsafe {
+        tiles::gemm_block(&d.columns(0..45), left, right.columns(0..45), true, 0..m);
+        tiles::gemm_block(&d.columns(45..n), left, right.columns(45..n), true, 0..m);
+    });
+    assert!(whole != start.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    assert!(rows == whole, "cut into rows 0..37, 37..{m}");
+    assert!(columns == whole, "cut into columns 0..45, 45..{n}");
+}

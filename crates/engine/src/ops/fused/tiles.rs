@@ -8,8 +8,9 @@
 //! a bf16 tensor holds are exact): the left-hand rows as rows of 32-column tiles, the right-hand
 //! columns in the pair-interleaved ("VNNI") panels `tdpbf16ps` reads. They are packed into
 //! `gemm`'s own per-thread slab (`ops::workspace`, which the memory estimate already counts), in
-//! blocks of at most 512 inner values, as `gemm` packs; sums run in a fixed order, so results
-//! do not depend on the thread count. `GACCWB_AMX=off` keeps bf16 products in f32 `gemm`.
+//! blocks of at most 512 inner values, as `gemm` packs; every value's sums run in one order
+//! wherever its block falls, so results depend neither on the thread count nor on how a product
+//! is cut (`split`: one block per thread). `GACCWB_AMX=off` keeps bf16 products in f32 `gemm`.
 
 use std::cell::Cell;
 use std::mem::MaybeUninit;
@@ -64,6 +65,27 @@ pub(super) fn fit(inner: usize) -> bool {
     active() && inner >= DEPTH && plan(inner).is_some()
 }
 
+/// How a parallel tile product `[rows, inner]·[inner, cols]` is cut: along the longer side of
+/// dst, one block per pool thread, in whole 32-wide blocks. Every block packs again the operand
+/// it shares with the others, so fewer blocks pack less; unlike `gemm`'s (`matmul_split`), a
+/// tile product's bits do not depend on its blocks (`strip_blocks`), so the count may follow
+/// the threads.
+pub(super) fn split(rows: usize, cols: usize) -> super::Split {
+    let (by, len) = if cols > rows {
+        (super::Cut::Columns, cols)
+    } else {
+        (super::Cut::Rows, rows)
+    };
+    let threads = crate::ops::pool::threads().max(1);
+    let size = pad(len.div_ceil(threads), BLOCK).max(BLOCK);
+    super::Split {
+        by,
+        size,
+        blocks: len.div_ceil(size),
+        len,
+    }
+}
+
 /// Rows `r` of `dst = a·b` (or `+=`) with bf16-rounded operands, on the calling thread.
 ///
 /// # Safety
@@ -106,7 +128,9 @@ pub(super) unsafe fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, 
 
 /// Rows `rows` × columns `cols` of dst from one packed strip of the left-hand rows and the
 /// columns' panels, 32×32 at a time: whole blocks straight into dst (loaded first when
-/// `add`), edge blocks through a scratch block.
+/// `add`), edge blocks through a scratch block loaded the same way. So every value is its old
+/// value (or zero) plus the same products in the same order, wherever its block falls: the
+/// bits do not depend on how the product is cut.
 ///
 /// # Safety
 /// `rows` and `cols` lie in dst, no other thread writes those rows, tiles are configured.
@@ -133,30 +157,43 @@ unsafe fn strip_blocks(
                     let c = dst.ptr.add(row * dst.row_stride + col);
                     cpu::block(c, dst.row_stride * 4, add, lhs, panels, kp);
                 } else {
-                    cpu::block(sums.as_mut_ptr(), BLOCK * 4, false, lhs, panels, kp);
                     let end = (row + BLOCK).min(rows.end);
-                    write(dst, &sums, row..end, col, cols.end, add);
+                    if add {
+                        read(dst, &mut sums, row..end, col, cols.end);
+                    }
+                    cpu::block(sums.as_mut_ptr(), BLOCK * 4, add, lhs, panels, kp);
+                    write(dst, &sums, row..end, col, cols.end);
                 }
             }
         }
     }
 }
 
-/// `sums` (32×32) into rows `rows` of dst from column `j` to at most `end`, written or added.
+/// Rows `rows` of dst from column `j` to at most `end` into `sums` (32×32); what lies past
+/// them in `sums` feeds only sums that are not written.
+///
+/// # Safety
+/// `rows` lie in dst.
+unsafe fn read(dst: &MatMut, sums: &mut [f32], rows: Range<usize>, j: usize, end: usize) {
+    let cols = BLOCK.min(end - j);
+    for (row, s) in rows.zip(sums.chunks_exact_mut(BLOCK)) {
+        // SAFETY: the caller's contract; columns j..j+cols lie in the row.
+        let values = unsafe { line(dst.ptr.add(row * dst.row_stride + j).cast_const(), 0, cols) };
+        s[..cols].copy_from_slice(values);
+    }
+}
+
+/// `sums` (32×32) into rows `rows` of dst from column `j` to at most `end`.
 ///
 /// # Safety
 /// `rows` lie in dst and no other thread writes them.
-unsafe fn write(dst: &MatMut, sums: &[f32], rows: Range<usize>, j: usize, end: usize, add: bool) {
+unsafe fn write(dst: &MatMut, sums: &[f32], rows: Range<usize>, j: usize, end: usize) {
     let cols = BLOCK.min(end - j);
     for (row, s) in rows.zip(sums.chunks_exact(BLOCK)) {
         // SAFETY: the caller's contract; columns j..j+cols lie in the row.
         let out =
             unsafe { std::slice::from_raw_parts_mut(dst.ptr.add(row * dst.row_stride + j), cols) };
-        if add {
-            out.iter_mut().zip(s).for_each(|(o, s)| *o += s);
-        } else {
-            out.copy_from_slice(&s[..cols]);
-        }
+        out.copy_from_slice(&s[..cols]);
     }
 }
 
