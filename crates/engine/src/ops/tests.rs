@@ -359,33 +359,74 @@ fn labels(n: usize, v: usize, seed: u64) -> (Tensor, Tensor) {
 }
 
 #[test]
-fn chunked_linear_nll_matches_the_unchunked_head() {
-    // 600 rows at V = 3000 are one chunk (699 rows); at V = 50000 (128 rows a chunk) five
-    // chunks, the last one 88 rows.
-    for (n, d, v) in [(5, 8, 300), (600, 32, 3000), (600, 16, 50_000)] {
+fn blocked_linear_nll_matches_the_unblocked_head() {
+    // 600 rows at V = 3000 are one block; at V = 50000 one block of rows by 15 slices of the
+    // vocabulary (3495 wide, the last 1070); 1100 rows at V = 5000 two blocks of rows (1024,
+    // 76) by three slices (2048, 2048, 904).
+    for (n, d, v) in [
+        (5, 8, 300),
+        (600, 32, 3000),
+        (600, 16, 50_000),
+        (1100, 8, 5000),
+    ] {
+        let (rows, cols) = fused::head_block(n, v);
         assert!(
-            v < 50_000 || n > fused::head_chunk_rows(v),
-            "several chunks"
+            v < 5000 || (cols < v && (n < 1000 || rows < n)),
+            "several blocks"
         );
         let (targets, mask) = labels(n, v, 8);
         let inputs = [random(&[n, d], 1.0, 51), random(&[d, v], 0.5, 52)];
         // The previous fused path (head product, then the fused NLL) and the composite one.
-        let chunked = |t: &[Tensor]| {
+        let blocked = |t: &[Tensor]| {
             fused::linear_nll_sum(&t[0], &t[1], WeightLayout::InOut, &targets, &mask, None)
         };
         assert_equivalent(
             "linear_nll_sum vs fused",
-            chunked,
+            blocked,
             |t| fused::nll_sum(&fused::project(&t[0], &t[1])?, &targets, &mask),
             &inputs,
         );
         assert_equivalent(
             "linear_nll_sum vs composite",
-            chunked,
+            blocked,
             |t| composite::nll_sum(&t[0].matmul(&t[1])?, &targets, &mask),
             &inputs,
         );
+        // A tied head's `[V, D]` weight: slices of the vocabulary are blocks of its rows.
+        let tied = [
+            inputs[0].clone(),
+            inputs[1].t().unwrap().contiguous().unwrap(),
+        ];
+        assert_equivalent(
+            "tied linear_nll_sum vs composite",
+            |t| fused::linear_nll_sum(&t[0], &t[1], WeightLayout::OutIn, &targets, &mask, None),
+            |t| composite::nll_sum(&t[0].matmul(&t[1].t()?)?, &targets, &mask),
+            &tied,
+        );
     }
+}
+
+#[test]
+fn blocked_linear_nll_gives_the_same_bits_on_one_thread_and_on_the_pool() {
+    // Two blocks of rows (1024, 76) by three slices of the vocabulary, a tied head's layout.
+    // With one CPU the pool is the calling thread too, and both runs take the same path.
+    let (n, d, v) = (1100, 8, 5000);
+    let (targets, mask) = labels(n, v, 9);
+    let inputs = [random(&[n, d], 1.0, 53), random(&[v, d], 0.5, 54)];
+    let bits = |serial: bool| {
+        let _pool = pool::serial(serial);
+        let head = |t: &[Tensor]| {
+            fused::linear_nll_sum(&t[0], &t[1], WeightLayout::OutIn, &targets, &mask, None)
+        };
+        let (value, grads) = value_and_grads(head, &inputs, 7);
+        let mut bits = vec![value.to_scalar::<f32>().unwrap().to_bits()];
+        for g in grads {
+            let g = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            bits.extend(g.iter().map(|x| x.to_bits()));
+        }
+        bits
+    };
+    assert_eq!(bits(true), bits(false));
 }
 
 #[test]

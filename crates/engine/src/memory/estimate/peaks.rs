@@ -283,7 +283,7 @@ pub fn head_peak_bytes(cfg: &Config) -> u64 {
     } else if cfg.fused {
         fused_head_peak_bytes(&s)
     } else {
-        let chunk = head_chunk(&s);
+        let chunk = lean_head_chunk(&s);
         let dw_sum = if chunk < s.n * s.v { s.d * s.v } else { 0 };
         (3 * chunk + dw_sum) * F32 + s.nd() * s.c
     };
@@ -302,8 +302,8 @@ fn head_cast_bytes(cfg: &Config, s: &Shape) -> u64 {
 }
 
 /// The fused head and loss's backward (`ops::fused::linear_nll_sum`) peaks at the larger of two
-/// moments. Inside it: its packed result (dx, N·D, and dW, D·V) and one chunk of logits turned
-/// into their gradient (`chunk_rows(V)` rows of V, or N when fewer). After it, when the store
+/// moments. Inside it: its packed result (dx, N·D, and dW, D·V) and one block of logits turned
+/// into their gradient (`fused_head_block`). After it, when the store
 /// adds its results (a zero tensor, then the sum, per input): beside the packed buffer, x's zero
 /// tensor and sum (3·N·D + D·V), then x's sum with W's zero tensor and sum (2·N·D + 3·D·V). A
 /// tied head's W is the token embedding: the same sizes.
@@ -315,42 +315,43 @@ fn fused_head_peak_bytes(s: &Shape) -> u64 {
     let (n, d, v) = (s.n, s.d, s.v);
     let packed = n * d + d * v;
     if s.cast {
-        let inside = (2 * packed + head_chunk(s)) * F32;
+        let inside = (2 * packed + fused_head_block(s)) * F32;
         let rounding = packed * (F32 + s.c);
         let adding = (2 * n * d + 3 * d * v).max(3 * n * d + d * v) * s.c;
         return inside.max(rounding).max(adding);
     }
-    let inside = packed + head_chunk(s);
+    let inside = packed + fused_head_block(s);
     let adding_dx = 3 * n * d + d * v;
     let adding_dw = 2 * n * d + 3 * d * v;
     inside.max(adding_dx).max(adding_dw) * F32
 }
 
 /// The fused head and loss's backward with W's gradient beside the graph: inside it dx (N·D)
-/// and W's f32 gradient (D·V, zeros made by its first chunk, or the embedding's) beside one
-/// chunk of logits and `gemm`'s packed copies of an untied W (`head_packing`); after it, the
+/// and W's f32 gradient (D·V, written by its first block of rows, or the embedding's) beside one
+/// block of logits and `gemm`'s packed copies of an untied W (`head_packing`); after it, the
 /// store adds dx (a zero tensor and the sum). With half storage the inside also holds f32
 /// copies of x and W, and dx is rounded into a half copy while the f32 one lives.
 fn beside_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
     let (nd, dv) = (s.nd(), s.d * s.v);
     let packing = head_packing(cfg, s);
     if s.cast {
-        let inside = (2 * nd + 2 * dv + head_chunk(s)) * F32 + packing;
+        let inside = (2 * nd + 2 * dv + fused_head_block(s)) * F32 + packing;
         let rounding = nd * (F32 + s.c) + dv * F32;
         return inside.max(rounding).max(3 * nd * s.c + dv * F32);
     }
-    ((nd + dv + head_chunk(s)) * F32 + packing).max((3 * nd + dv) * F32)
+    ((nd + dv + fused_head_block(s)) * F32 + packing).max((3 * nd + dv) * F32)
 }
 
 /// The head and loss's backward with a frozen head (LoRA): the same moments without dW. Fused:
-/// inside, dx and a chunk of logits (with half storage beside the f32 copies of x and W), then
+/// inside, dx and a block of logits (with half storage beside the f32 copies of x and W), then
 /// dx rounded, then the store adding dx (a zero tensor and the sum beside it). Lean: the
 /// chunk's three tensors beside the rows of dx.
 fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
-    let (nd, dv, chunk) = (s.nd(), s.d * s.v, head_chunk(s));
+    let (nd, dv) = (s.nd(), s.d * s.v);
     if !cfg.fused {
-        return 3 * chunk * F32 + nd * s.c;
+        return 3 * lean_head_chunk(s) * F32 + nd * s.c;
     }
+    let chunk = fused_head_block(s);
     let packing = head_packing(cfg, s);
     if s.cast {
         let inside = (2 * nd + dv + chunk) * F32 + packing;
@@ -360,22 +361,29 @@ fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
 }
 
 /// `gemm`'s packed copies of an untied head's W (stored `[D, V]`) while the fused backward
-/// (of a frozen head, or with W's gradient beside the graph) multiplies a chunk's logits gradient by its transpose (dx, `[rows, V]·[V, D]`):
-/// one per thread that takes part (`packing`), of at most 512 rows of Wᵀ (the inner-sum block
-/// `gemm` takes for small products). A tied head's W is the embedding, stored `[V, D]`: `gemm`
-/// reads it in place (the fixtures' ledger shows no copy). Measured on the Llama fixture under
-/// LoRA (V 360, D 32, two threads): 92,160 of the backward's bytes.
+/// (of a frozen head, or with W's gradient beside the graph) multiplies a block's logits
+/// gradient by its slice of W, transposed (dx, `[rows, cols]·[cols, D]`): one per thread that
+/// takes part (`packing`), of at most 512 rows of the slice (the inner-sum block `gemm` takes
+/// for small products). A tied head's W is the embedding, stored `[V, D]`: `gemm` reads it in
+/// place (the fixtures' ledger shows no copy). Measured on the Llama fixture under LoRA (V 360,
+/// D 32, two threads): 92,160 of the backward's bytes.
 fn head_packing(cfg: &Config, s: &Shape) -> u64 {
     if cfg.arch.tied {
         return 0;
     }
-    let rows = (crate::ops::fused::head_chunk_rows(s.v as usize) as u64).min(s.n);
-    packing(rows, s.v.min(512), s.d)
+    let (rows, cols) = crate::ops::fused::head_block(s.n as usize, s.v as usize);
+    packing(rows as u64, (cols as u64).min(512), s.d)
 }
 
-/// Floats of one chunk of the head's logits (both paths chunk alike).
-fn head_chunk(s: &Shape) -> u64 {
-    (crate::ops::fused::head_chunk_rows(s.v as usize) as u64).min(s.n) * s.v
+/// Floats of one chunk of the lean head's logits (`ops::lean::head_chunk_rows` rows of V).
+fn lean_head_chunk(s: &Shape) -> u64 {
+    (crate::ops::lean::head_chunk_rows(s.v as usize) as u64).min(s.n) * s.v
+}
+
+/// Floats of one block of the fused head's logits (`ops::fused::head_block`).
+fn fused_head_block(s: &Shape) -> u64 {
+    let (rows, cols) = crate::ops::fused::head_block(s.n as usize, s.v as usize);
+    (rows * cols) as u64
 }
 
 /// What the head and loss leave live when their backward is done: the head weight's gradient
@@ -521,8 +529,8 @@ fn recompute_in_flight_bytes(cfg: &Config) -> u64 {
 /// What the end of the forward holds only while it runs, beyond the activations it leaves: no
 /// category holds it, so the forward's measured peak shows it in `other`.
 ///
-/// Fused head and loss (CPU): one chunk of logits and each row's loss (the backward reuses
-/// its chunk inside `head_peak_bytes`); with half storage the f32 copies the ops make of their
+/// Fused head and loss (CPU): one block of logits and each row's three running statistics (the
+/// backward reuses its block inside `head_peak_bytes`); with half storage the f32 copies the ops make of their
 /// inputs, the largest in the last block's MLP step. Lean ops: the larger of the final norm's
 /// f32 work (the input's f32 copy when cast, the normalised rows, ×gain and +bias: 3 or 4 ×
 /// N·D·4, the result and its copy into the graph: 2·N·D·c) and one chunk of the head's logits
@@ -530,7 +538,7 @@ fn recompute_in_flight_bytes(cfg: &Config) -> u64 {
 pub(super) fn head_forward_transient_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     if cfg.fused {
-        let head = (head_chunk(&s) + s.n) * F32;
+        let head = (fused_head_block(&s) + 3 * s.n) * F32;
         if !s.cast {
             // Or the last block's MLP step: its activation, `gemm`'s packed second weight and
             // the output, before the final norm exists (the output stays).
@@ -550,5 +558,5 @@ pub(super) fn head_forward_transient_bytes(cfg: &Config) -> u64 {
     }
     let f32_copies = if s.cast { 4 } else { 3 };
     let final_norm = (f32_copies * F32 + 2 * s.c) * s.nd();
-    final_norm.max(3 * head_chunk(&s) * F32)
+    final_norm.max(3 * lean_head_chunk(&s) * F32)
 }

@@ -1,16 +1,25 @@
 //! The LM head and the token NLL as one op: `Σ mask·−log softmax(x·W)[target]` without the
-//! N×V logits. Rows go through in chunks of `chunk_rows(V)`: a chunk's logits are made, reduced
-//! to each row's loss and dropped. The backward makes each chunk's logits again, turns them in
-//! place into `dlogits = scale·mask·(softmax − onehot)`, and adds the chunk's share to dW
-//! (`x_cᵀ·dlogits_c`) and writes its rows of dx (`dlogits_c·Wᵀ`). So at most one chunk of
-//! logits exists at a time, forward or backward, at the cost of the head's product done twice
-//! (the fused linear-cross-entropy kernels' trade).
+//! N×V logits. The logits go through in blocks (`block`): up to 1024 rows by a slice of the
+//! vocabulary, 2M floats (8 MiB) in all. The forward makes each block's logits and folds them
+//! into each row's running log-sum-exp (its max and the sum of exponentials under it) and its
+//! target's logit; the log-sum-exps are kept for the backward. The backward makes each block's
+//! logits again, turns them in place into `dlogits = scale·mask·(softmax − onehot)` with the
+//! kept log-sum-exps, adds the block's share to its rows of dx (`dlogits·W_sliceᵀ`) and writes
+//! (or adds to) its slice of dW (`x_rowsᵀ·dlogits`). So at most one block of logits exists at a
+//! time, at the cost of the head's product done twice (the fused linear-cross-entropy kernels'
+//! trade).
 //!
-//! Chunks depend on V alone and go one after another (each product parallel inside, by rows of
-//! its result), and dW adds the chunks in order: the same bits at any thread count.
+//! Blocks run along the vocabulary inside a block of rows, so each slice of W is packed once
+//! per product for all the rows it serves, and each slice of dW is written once per block of
+//! rows: at GPT-2-small (V = 50,257, 512 rows) W is packed three times a step, not twelve, and
+//! dW's 154 MB are written once, not read and written four times (docs/PERFORMANCE.md).
+//!
+//! Blocks depend on N and V alone and go one after another (each product parallel inside, by
+//! blocks of its result); each row's statistics and dx, and each slice of dW, add the blocks in
+//! order: the same bits at any thread count.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
@@ -19,19 +28,19 @@ use super::{
 };
 use crate::ops::{vmath, GradTarget, WeightLayout};
 
-/// Logits one chunk holds: 2M floats (8 MiB), 256 rows at V = 8192. Measured on `text-bpe`
-/// at two threads (docs/TOKENIZER.md): 64, 256 and 1024 rows ran at the same speed within noise,
-/// 16 rows 35% slower (a product under 32 rows is one block, one thread); 1024 rows added 21 MiB
-/// to the peak. A chunk's products are wider than tall, so they are cut into column blocks
-/// (`matmul_split`): 4 of them, each packing only its columns of W.
-const CHUNK_ELEMENTS: usize = 1 << 21;
+/// Logits one block holds: 2M floats (8 MiB), as the rows-only chunks held before at V ≤ 16K.
+/// At GPT-2-small (512 rows, one thread) blocks of 1M and 4M floats ran within noise of 2M;
+/// blocks of 256 rows (two per step) ran 5–7% slower (docs/PERFORMANCE.md).
+const BLOCK_ELEMENTS: usize = 1 << 21;
+/// Rows one block takes at most. Every block of rows packs all of W again (three times), and
+/// every slice of the vocabulary packs its rows of x again: at 2M floats a block of ~1,450
+/// rows packs the least in all. 1024 keeps slices ≥ 2,048 wide.
+const BLOCK_ROWS: usize = 1024;
 
-/// Rows per chunk at vocabulary `v`: at least 128, since each chunk's products pack all of W
-/// again (a huge vocabulary's W is tens of MB) and dW is read and written once per chunk. At
-/// GPT-2's V = 50,257 a chunk of 64 rows ran the head's products about 9% slower than one of
-/// 128 (docs/PERFORMANCE.md); 128 rows hold 25.7 MB of logits there (78 MB at V = 151,936).
-pub fn chunk_rows(v: usize) -> usize {
-    (CHUNK_ELEMENTS / v.max(1)).max(128)
+/// The rows and vocabulary columns of one block of logits for `n` rows at vocabulary `v`.
+pub fn block(n: usize, v: usize) -> (usize, usize) {
+    let rows = n.clamp(1, BLOCK_ROWS);
+    (rows, (BLOCK_ELEMENTS / rows).min(v.max(1)))
 }
 
 /// Sum over counted rows of `−log softmax(x·W)[target]`: `x` `[N, D]`, `w` `[D, V]` (or
@@ -57,7 +66,7 @@ pub fn linear_nll_sum(
         WeightLayout::InOut => w.dim(0)?,
         WeightLayout::OutIn => w.dim(1)?,
     };
-    // n ≥ 1: the backward's first chunk is what writes dW.
+    // n ≥ 1: the backward's first block of rows is what writes dW.
     if n == 0 || wd != d || targets.dims1()? != n || mask.dims1()? != n {
         candle_core::bail!(
             "linear nll: x {:?}, w {:?}, targets {:?}, mask {:?}",
@@ -72,17 +81,20 @@ pub fn linear_nll_sum(
         mask: mask.contiguous()?,
         layout,
         target,
+        shifts: Mutex::new(None),
     };
     x.apply_op2(&w, op)
 }
 
 /// The targets and mask ride in the op (no gradient): the same storages as the batch's, so the
-/// op adds nothing to what the step holds.
+/// op adds nothing to what the step holds but each row's log-sum-exp (N floats).
 struct LinearNll {
     targets: Tensor,
     mask: Tensor,
     layout: WeightLayout,
     target: Option<Arc<dyn GradTarget>>,
+    /// Each row's `log Σ exp(logits)`, from the forward, for the backward's softmax.
+    shifts: Mutex<Option<Arc<Vec<f32>>>>,
 }
 
 /// Where the backward puts W's gradient.
@@ -119,23 +131,30 @@ impl Dims {
         }
     }
 
-    /// W as the `d × v` matrix the logits multiply by.
-    fn w(&self, w: &[f32]) -> Mat {
-        match self.layout {
+    /// Columns `cols` of W as the `d × v` matrix the logits multiply by.
+    fn w(&self, w: &[f32], cols: &Range<usize>) -> Mat {
+        let w = match self.layout {
             WeightLayout::InOut => Mat::rows(w, self.v),
             WeightLayout::OutIn => Mat::rows(w, self.d).t(),
-        }
+        };
+        w.columns(cols.clone())
     }
 
-    /// The row ranges of the chunks, in order.
-    fn chunks(&self) -> impl Iterator<Item = Range<usize>> {
-        let (n, rows) = (self.n, chunk_rows(self.v));
-        (0..n.div_ceil(rows)).map(move |c| c * rows..((c + 1) * rows).min(n))
+    /// The blocks, in order: each block of rows with its index, each slice of the vocabulary
+    /// with its index.
+    fn blocks(&self) -> impl Iterator<Item = ((usize, Range<usize>), (usize, Range<usize>))> {
+        let (rows, cols) = block(self.n, self.v);
+        let cuts = |len: usize, size: usize| {
+            (0..len.div_ceil(size)).map(move |i| (i, i * size..((i + 1) * size).min(len)))
+        };
+        let v = self.v;
+        cuts(self.n, rows).flat_map(move |r| cuts(v, cols).map(move |c| (r.clone(), c)))
     }
 
-    /// Floats of the chunk buffer: one chunk's logits.
-    fn chunk_len(&self) -> usize {
-        chunk_rows(self.v).min(self.n) * self.v
+    /// Floats of the block buffer: one block's logits.
+    fn block_len(&self) -> usize {
+        let (rows, cols) = block(self.n, self.v);
+        rows * cols
     }
 }
 
@@ -159,25 +178,32 @@ fn with_labels<R>(
     f(targets, mask)
 }
 
-/// `buf` (rows `rows`, V columns) = `x[rows]·w`.
-fn chunk_logits(buf: &mut [f32], x: &[f32], w: &[f32], dims: Dims, rows: &Range<usize>) {
-    let Dims { d, v, .. } = dims;
+/// `buf` (`rows` × `cols`, row-major) = `x[rows]·W[:, cols]`: one block's logits.
+fn block_logits(
+    buf: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    dims: Dims,
+    rows: &Range<usize>,
+    cols: &Range<usize>,
+) {
+    let d = dims.d;
     let x_rows = &x[rows.start * d..rows.end * d];
     // SAFETY: `buf` is this call's own scratch, apart from `x` and `w`; the views are in bounds.
     unsafe {
         matmul(
-            MatMut::rows(&mut buf[..rows.len() * v], v),
+            MatMut::rows(&mut buf[..rows.len() * cols.len()], cols.len()),
             Mat::rows(x_rows, d),
-            dims.w(w),
+            dims.w(w, cols),
             false,
             true,
         )
     };
 }
 
-/// The buffer one chunk's logits (then their gradient) live in, reused by every chunk.
-fn chunk_buffer(dims: Dims) -> Vec<f32> {
-    vec![0f32; dims.chunk_len()]
+/// The buffer one block's logits (then their gradient) live in, reused by every block.
+fn block_buffer(dims: Dims) -> Vec<f32> {
+    vec![0f32; dims.block_len()]
 }
 
 impl CustomOp2 for LinearNll {
@@ -197,9 +223,10 @@ impl CustomOp2 for LinearNll {
         let w = storage::input(ws, wl, self.name())?;
         let (x, w) = (&x[..], &w[..]);
         let dims = Dims::of(xl, wl, self.layout);
-        let losses = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
-            Ok(row_losses(x, w, dims, targets, mask))
+        let (losses, shifts) = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
+            Ok(finish(&row_statistics(x, w, dims, targets), mask))
         })?;
+        *self.shifts.lock().expect("linear nll: shifts") = Some(Arc::new(shifts));
         // Rows in order: the same total for any thread count.
         let total: f32 = losses.iter().sum();
         Ok((CpuStorage::F32(vec![total]), Shape::from(())))
@@ -219,10 +246,17 @@ impl CustomOp2 for LinearNll {
             (None, true) => WeightGrad::Packed,
             (None, false) => WeightGrad::None,
         };
+        let shifts = self
+            .shifts
+            .lock()
+            .expect("linear nll: shifts")
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("linear nll: backward before forward".into()))?;
         let op = LinearNllBackward {
             scale,
             targets: self.targets.clone(),
             mask: self.mask.clone(),
+            shifts,
             layout: self.layout,
             weight_grad,
         };
@@ -241,46 +275,74 @@ impl CustomOp2 for LinearNll {
     }
 }
 
-/// Each row's `mask·−log softmax(logits)[target]`, chunk by chunk.
-fn row_losses(x: &[f32], w: &[f32], dims: Dims, targets: &[u32], mask: &[f32]) -> Vec<f32> {
-    let v = dims.v;
-    let mut buf = chunk_buffer(dims);
-    // `for_units` covers every row of every chunk and each unit writes all its rows.
-    filled(dims.n, |out| {
-        for rows in dims.chunks() {
-            chunk_logits(&mut buf, x, w, dims, &rows);
-            let logits = &buf[..rows.len() * v];
-            for_units(rows.len(), v, |_, local| {
-                // SAFETY: units cover disjoint row ranges; the global rows are inside `0..n`.
-                let dst = unsafe {
-                    out.uninit_rows(&(rows.start + local.start..rows.start + local.end), 1)
-                };
-                let mut scratch = vec![0f32; v];
-                vmath::widest(
-                    #[inline(always)]
-                    || {
-                        for (slot, r) in dst.iter_mut().zip(local.clone()) {
-                            let i = rows.start + r;
-                            let loss = if mask[i] == 0.0 {
-                                0.0
-                            } else {
-                                let row = &logits[r * v..(r + 1) * v];
-                                let (max, lse) = log_sum_exp(row, &mut scratch);
-                                -mask[i] * (row[targets[i] as usize] - max - lse)
-                            };
-                            slot.write(loss);
+/// Values kept per row while the forward folds the blocks in: the running max of its logits,
+/// the sum of their exponentials under that max, and its target's logit.
+const STATS: usize = 3;
+
+/// Each row's statistics (`STATS` values per row), folded block by block.
+fn row_statistics(x: &[f32], w: &[f32], dims: Dims, targets: &[u32]) -> Vec<f32> {
+    let mut stats: Vec<f32> = (0..dims.n)
+        .flat_map(|_| [f32::NEG_INFINITY, 0.0, 0.0])
+        .collect();
+    let mut buf = block_buffer(dims);
+    let shared = Shared(stats.as_mut_ptr());
+    for ((_, rows), (_, cols)) in dims.blocks() {
+        block_logits(&mut buf, x, w, dims, &rows, &cols);
+        let (width, logits) = (cols.len(), &buf[..rows.len() * cols.len()]);
+        for_units(rows.len(), width, |_, local| {
+            let global = rows.start + local.start..rows.start + local.end;
+            // SAFETY: units cover disjoint rows of `stats`, which outlives this loop.
+            let dst = unsafe { shared.rows(&global, STATS) };
+            let mut scratch = vec![0f32; width];
+            vmath::widest(
+                #[inline(always)]
+                || {
+                    for (s, r) in dst.chunks_exact_mut(STATS).zip(local.clone()) {
+                        let row = &logits[r * width..(r + 1) * width];
+                        fold(s, row, &mut scratch);
+                        let t = targets[rows.start + r] as usize;
+                        if cols.contains(&t) {
+                            s[2] = row[t - cols.start];
                         }
-                    },
-                )
-            });
-        }
-    })
+                    }
+                },
+            )
+        });
+    }
+    stats
+}
+
+/// Fold one block's logits of a row into its running max and sum of exponentials.
+#[inline(always)]
+fn fold(stats: &mut [f32], row: &[f32], scratch: &mut [f32]) {
+    let (max, lse) = log_sum_exp(row, scratch);
+    let (old, sum) = (stats[0], stats[1]);
+    if max > old {
+        stats[0] = max;
+        stats[1] = sum * (old - max).exp() + lse.exp();
+    } else {
+        stats[1] = sum + (lse + max - old).exp();
+    }
+}
+
+/// Each row's loss, `mask·(log Σ exp − target's logit)`, and its log-sum-exp.
+fn finish(stats: &[f32], mask: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    stats
+        .chunks_exact(STATS)
+        .zip(mask)
+        .map(|(s, &m)| {
+            let shift = s[0] + s[1].ln();
+            let loss = if m == 0.0 { 0.0 } else { -m * (s[2] - shift) };
+            (loss, shift)
+        })
+        .unzip()
 }
 
 struct LinearNllBackward {
     scale: f32,
     targets: Tensor,
     mask: Tensor,
+    shifts: Arc<Vec<f32>>,
     layout: WeightLayout,
     weight_grad: WeightGrad,
 }
@@ -290,8 +352,8 @@ impl CustomOp2 for LinearNllBackward {
         "gaccwb-linear-nll-backward"
     }
 
-    /// `[dx; dw]`, `n·d + d·v` floats: per chunk, dlogits from recomputed logits, then
-    /// `dx[chunk] = dlogits·wᵀ` and `dw (+)= x[chunk]ᵀ·dlogits`.
+    /// `[dx; dw]`, `n·d + d·v` floats: per block, dlogits from recomputed logits, then
+    /// `dx[rows] (+)= dlogits·W[:, cols]ᵀ` and `dw[cols] (+)= x[rows]ᵀ·dlogits`.
     fn cpu_fwd(
         &self,
         xs: &CpuStorage,
@@ -307,22 +369,30 @@ impl CustomOp2 for LinearNllBackward {
         let (x, w) = (&xw[..], &ww[..]);
         let dims = Dims::of(xl, wl, self.layout);
         let Dims { n, d, v, .. } = dims;
+        if self.shifts.len() != n {
+            candle_core::bail!(
+                "linear nll: {} log-sum-exps for {n} rows",
+                self.shifts.len()
+            );
+        }
         let packed = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
             let labels = Labels {
                 targets,
                 mask,
+                shifts: &self.shifts,
                 scale: self.scale,
             };
             let packed_dw = matches!(self.weight_grad, WeightGrad::Packed);
-            // dx rows are written by their chunk's product, a packed dw by the first chunk's
-            // (then added to): every value, as chunks cover all rows and n ≥ 1.
+            // dx rows are written by their first slice's product, a packed dw by the first
+            // block of rows' (then added to): every value, as blocks cover all rows and columns
+            // and n ≥ 1.
             let len = n * d + if packed_dw { d * v } else { 0 };
             // `beside`: a dw buffer of d·v values apart from `out`, and whether to add to it.
             let run = |beside: Option<(*mut f32, bool)>| {
                 filled(len, |out| {
                     let dw = beside.or_else(|| packed_dw.then(|| (out.offset(n * d), false)));
                     // SAFETY: `out` holds n·d dx values (then a packed dw's d·v), `beside` d·v.
-                    unsafe { backward_chunks(x, w, dims, &labels, out.offset(0), dw) }
+                    unsafe { backward_blocks(x, w, dims, &labels, out.offset(0), dw) }
                 })
             };
             match &self.weight_grad {
@@ -333,7 +403,7 @@ impl CustomOp2 for LinearNllBackward {
                             packed = Some(run(Some((held.as_mut_ptr(), true))));
                             None
                         }
-                        // The first chunk's product writes every value of dw (no zeros first).
+                        // The first block of rows writes every value of dw (no zeros first).
                         None => Some(filled(d * v, |dw| {
                             packed = Some(run(Some((dw.offset(0), false))));
                         })),
@@ -349,20 +419,22 @@ impl CustomOp2 for LinearNllBackward {
     }
 }
 
-/// One batch's labels and the loss's incoming gradient.
+/// One batch's labels, the forward's log-sum-exps and the loss's incoming gradient.
 struct Labels<'a> {
     targets: &'a [u32],
     mask: &'a [f32],
+    shifts: &'a [f32],
     scale: f32,
 }
 
-/// Per chunk: dlogits from recomputed logits, then `dx[chunk] = dlogits·wᵀ` into `dx` (`n·d`
-/// values) and `dw (+)= x[chunk]ᵀ·dlogits` into `dw`'s `d·v` values, the first chunk writing
+/// Per block: dlogits from recomputed logits, then `dx[rows] (+)= dlogits·W[:, cols]ᵀ` into
+/// `dx` (`n·d` values, written by each row block's first slice) and
+/// `dw[cols] (+)= x[rows]ᵀ·dlogits` into `dw`'s `d·v` values, the first block of rows writing
 /// them unless `dw.1` (added to from the start).
 ///
 /// # Safety
 /// `dx` and `dw` point to buffers of those sizes that nothing else reads or writes meanwhile.
-unsafe fn backward_chunks(
+unsafe fn backward_blocks(
     x: &[f32],
     w: &[f32],
     dims: Dims,
@@ -371,43 +443,37 @@ unsafe fn backward_chunks(
     dw: Option<(*mut f32, bool)>,
 ) {
     let Dims { d, v, .. } = dims;
-    let mut buf = chunk_buffer(dims);
-    for (c, rows) in dims.chunks().enumerate() {
-        chunk_logits(&mut buf, x, w, dims, &rows);
-        let dlogits = &mut buf[..rows.len() * v];
-        to_dlogits(
-            dlogits,
-            v,
-            rows.start,
-            labels.targets,
-            labels.mask,
-            labels.scale,
-        );
+    let mut buf = block_buffer(dims);
+    for ((rb, rows), (cb, cols)) in dims.blocks() {
+        block_logits(&mut buf, x, w, dims, &rows, &cols);
+        let dlogits = &mut buf[..rows.len() * cols.len()];
+        to_dlogits(dlogits, &rows, &cols, labels);
+        let (dlogits, width) = (Mat::rows(dlogits, cols.len()), cols.len());
         let x_rows = Mat::rows(&x[rows.start * d..rows.end * d], d);
-        // SAFETY: the caller's buffers; these views are this chunk's dx rows and all of dw,
-        // apart from `buf`, `x` and `w`.
+        // SAFETY: the caller's buffers; these views are this block's rows of dx and its slice
+        // of dw, apart from `buf`, `x` and `w`.
         unsafe {
             matmul(
                 MatMut::new(dx.add(rows.start * d), rows.len(), d, d),
-                Mat::rows(dlogits, v),
-                dims.w(w).t(),
-                false,
+                dlogits,
+                dims.w(w, &cols).t(),
+                cb > 0,
                 true,
             );
             let Some((dw, add)) = dw else { continue };
             match dims.layout {
                 WeightLayout::InOut => matmul(
-                    MatMut::new(dw, d, v, v),
+                    MatMut::new(dw.add(cols.start), d, width, v),
                     x_rows.t(),
-                    Mat::rows(dlogits, v),
-                    add || c > 0,
+                    dlogits,
+                    add || rb > 0,
                     true,
                 ),
                 WeightLayout::OutIn => matmul(
-                    MatMut::new(dw, v, d, d),
-                    Mat::rows(dlogits, v).t(),
+                    MatMut::new(dw.add(cols.start * d), width, d, d),
+                    dlogits.t(),
                     x_rows,
-                    add || c > 0,
+                    add || rb > 0,
                     true,
                 ),
             }
@@ -415,28 +481,32 @@ unsafe fn backward_chunks(
     }
 }
 
-/// Turn one chunk's logits (rows from global row `first`) into their gradient, in place:
-/// `scale·mask·(softmax(row) − onehot(target))`, zero for uncounted rows.
-fn to_dlogits(
-    chunk: &mut [f32],
-    v: usize,
-    first: usize,
-    targets: &[u32],
-    mask: &[f32],
-    scale: f32,
-) {
-    let rows = chunk.len() / v;
-    let shared = Shared(chunk.as_mut_ptr());
-    for_units(rows, v, |_, local| {
-        // SAFETY: units cover disjoint row ranges of `chunk`.
-        let dst = unsafe { shared.rows(&local, v) };
-        let mut scratch = vec![0f32; v];
+/// Turn one block's logits (rows `rows`, vocabulary columns `cols`) into their gradient, in
+/// place: `scale·mask·(softmax − onehot(target))` with each row's kept log-sum-exp, zero for
+/// uncounted rows.
+fn to_dlogits(block: &mut [f32], rows: &Range<usize>, cols: &Range<usize>, labels: &Labels) {
+    let width = cols.len();
+    let shared = Shared(block.as_mut_ptr());
+    for_units(rows.len(), width, |_, local| {
+        // SAFETY: units cover disjoint row ranges of `block`.
+        let dst = unsafe { shared.rows(&local, width) };
         vmath::widest(
             #[inline(always)]
             || {
-                for (row, r) in dst.chunks_exact_mut(v).zip(local.clone()) {
-                    let i = first + r;
-                    softmax_minus_onehot(row, targets[i] as usize, scale * mask[i], &mut scratch);
+                for (row, r) in dst.chunks_exact_mut(width).zip(local.clone()) {
+                    let i = rows.start + r;
+                    let weight = labels.scale * labels.mask[i];
+                    if weight == 0.0 {
+                        row.fill(0.0);
+                        continue;
+                    }
+                    let shift = labels.shifts[i];
+                    row.iter_mut()
+                        .for_each(|x| *x = weight * vmath::exp(*x - shift));
+                    let t = labels.targets[i] as usize;
+                    if cols.contains(&t) {
+                        row[t - cols.start] -= weight;
+                    }
                 }
             },
         )

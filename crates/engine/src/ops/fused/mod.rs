@@ -33,7 +33,7 @@ pub use attention::causal_attention;
 pub use branch::branch;
 pub use cast::to_bf16;
 pub use embedding::embedding;
-pub use head::{chunk_rows as head_chunk_rows, linear_nll_sum};
+pub use head::{block as head_block, linear_nll_sum};
 
 pub use linear::{act_linear, gelu_linear, linear, project};
 pub use norm::{layer_norm, rms_norm};

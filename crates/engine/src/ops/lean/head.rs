@@ -1,6 +1,6 @@
 //! The LM head and the token NLL as one op, `Σ mask·−log softmax(x·W)[target]`, that never
-//! holds the `[N, V]` logits: rows go through in chunks of `fused::head_chunk_rows(V)` (the
-//! fused CPU head's chunks), each chunk's logits made, reduced to its rows' losses and dropped.
+//! holds the `[N, V]` logits: rows go through in chunks of `chunk_rows(V)`, each chunk's logits
+//! made, reduced to its rows' losses and dropped.
 //! The backward makes each chunk's logits again and turns them into
 //! `dlogits = g·mask·(softmax − onehot)`: one chunk of logits exists at a time, forward or
 //! backward. Softmax and sums run in f32; the products in the compute dtype.
@@ -8,8 +8,19 @@
 use candle_core::{DType, Result, Tensor, D};
 
 use super::apply;
-use crate::ops::fused::head_chunk_rows;
 use crate::ops::WeightLayout;
+
+/// Logits one chunk holds: 2M floats (8 MiB), 256 rows at V = 8192: the rule the CPU's fused
+/// head chunked by before it cut the vocabulary too. Measured there on `text-bpe` at two
+/// threads (docs/TOKENIZER.md): 64, 256 and 1024 rows ran at the same speed within noise, 16
+/// rows 35% slower; 1024 rows added 21 MiB to the peak.
+const CHUNK_ELEMENTS: usize = 1 << 21;
+
+/// Rows per chunk at vocabulary `v`: at least 128, since each chunk's products read all of W
+/// again (a huge vocabulary's W is tens of MB) and dW is read and written once per chunk.
+pub fn chunk_rows(v: usize) -> usize {
+    (CHUNK_ELEMENTS / v.max(1)).max(128)
+}
 
 /// Sum over counted rows of `−log softmax(x·w)[target]` (f32 scalar): `x` `[N, D]`, `w`
 /// `[D, V]` (or `[V, D]` with `WeightLayout::OutIn`, a tied head), `targets` `[N]` u32, `mask`
@@ -40,7 +51,7 @@ pub fn linear_nll_sum(
     let labels = Labels {
         targets: targets.detach(),
         mask: mask.detach().to_dtype(DType::F32)?,
-        rows: head_chunk_rows(v),
+        rows: chunk_rows(v),
         n,
     };
     let (xd, wd) = (x.detach(), as_in_out(&w.detach())?);

@@ -37,7 +37,7 @@ mod norm;
 
 pub use attention::{causal_attention, sequences_per_chunk};
 pub use branch::branch;
-pub use head::linear_nll_sum;
+pub use head::{chunk_rows as head_chunk_rows, linear_nll_sum};
 pub use linear::{gelu_linear, linear};
 pub use norm::{layer_norm, rms_norm};
 
