@@ -19,7 +19,7 @@
 //! order: the same bits at any thread count.
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
@@ -81,7 +81,7 @@ pub fn linear_nll_sum(
         mask: mask.contiguous()?,
         layout,
         target,
-        shifts: Mutex::new(None),
+        shifts: OnceLock::new(),
     };
     x.apply_op2(&w, op)
 }
@@ -94,7 +94,7 @@ struct LinearNll {
     layout: WeightLayout,
     target: Option<Arc<dyn GradTarget>>,
     /// Each row's `log Σ exp(logits)`, from the forward, for the backward's softmax.
-    shifts: Mutex<Option<Arc<Vec<f32>>>>,
+    shifts: OnceLock<Arc<Vec<f32>>>,
 }
 
 /// Where the backward puts W's gradient.
@@ -226,7 +226,9 @@ impl CustomOp2 for LinearNll {
         let (losses, shifts) = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
             Ok(finish(&row_statistics(x, w, dims, targets), mask))
         })?;
-        *self.shifts.lock().expect("linear nll: shifts") = Some(Arc::new(shifts));
+        if self.shifts.set(Arc::new(shifts)).is_err() {
+            candle_core::bail!("linear nll: the op ran its forward twice");
+        }
         // Rows in order: the same total for any thread count.
         let total: f32 = losses.iter().sum();
         Ok((CpuStorage::F32(vec![total]), Shape::from(())))
@@ -246,12 +248,10 @@ impl CustomOp2 for LinearNll {
             (None, true) => WeightGrad::Packed,
             (None, false) => WeightGrad::None,
         };
-        let shifts = self
-            .shifts
-            .lock()
-            .expect("linear nll: shifts")
-            .clone()
-            .ok_or_else(|| candle_core::Error::Msg("linear nll: backward before forward".into()))?;
+        let shifts =
+            self.shifts.get().cloned().ok_or_else(|| {
+                candle_core::Error::Msg("linear nll: backward before forward".into())
+            })?;
         let op = LinearNllBackward {
             scale,
             targets: self.targets.clone(),
