@@ -9,10 +9,10 @@
 //! time, at the cost of the head's product done twice (the fused linear-cross-entropy kernels'
 //! trade).
 //!
-//! Blocks run along the vocabulary inside a block of rows, so each slice of W is packed once
-//! per product for all the rows it serves, and each slice of dW is written once per block of
-//! rows: at GPT-2-small (V = 50,257, 512 rows) W is packed three times a step, not twelve, and
-//! dW's 154 MB are written once, not read and written four times (docs/PERFORMANCE.md).
+//! Blocks run along the vocabulary inside a block of rows, so each slice of W serves all the
+//! rows of its block, and each slice of dW is written once per block of rows: at GPT-2-small
+//! (V = 50,257, 512 rows) a tile product at one thread packs W three times a step, not twelve,
+//! and dW's 154 MB are written once, not read and written four times (docs/PERFORMANCE.md).
 //!
 //! Blocks depend on N and V alone and go one after another (each product parallel inside, by
 //! blocks of its result); each row's statistics and dx, and each slice of dW, add the blocks in
@@ -495,18 +495,10 @@ fn to_dlogits(block: &mut [f32], rows: &Range<usize>, cols: &Range<usize>, label
             || {
                 for (row, r) in dst.chunks_exact_mut(width).zip(local.clone()) {
                     let i = rows.start + r;
-                    let weight = labels.scale * labels.mask[i];
-                    if weight == 0.0 {
-                        row.fill(0.0);
-                        continue;
-                    }
-                    let shift = labels.shifts[i];
-                    row.iter_mut()
-                        .for_each(|x| *x = weight * vmath::exp(*x - shift));
                     let t = labels.targets[i] as usize;
-                    if cols.contains(&t) {
-                        row[t - cols.start] -= weight;
-                    }
+                    let target = cols.contains(&t).then(|| t - cols.start);
+                    let weight = labels.scale * labels.mask[i];
+                    softmax_grad(row, labels.shifts[i], target, weight);
                 }
             },
         )
@@ -526,8 +518,20 @@ pub(super) fn softmax_minus_onehot(
         return;
     }
     let (max, lse) = log_sum_exp(row, scratch);
-    let shift = max + lse;
+    softmax_grad(row, max + lse, Some(target), weight);
+}
+
+/// `row` ← `weight·(exp(row − shift) − onehot(target))` in place, `shift` the whole row's
+/// log-sum-exp and `target` its column in `row` if `row` holds it (all zeros when `weight` is 0).
+#[inline(always)]
+fn softmax_grad(row: &mut [f32], shift: f32, target: Option<usize>, weight: f32) {
+    if weight == 0.0 {
+        row.fill(0.0);
+        return;
+    }
     row.iter_mut()
         .for_each(|x| *x = weight * vmath::exp(*x - shift));
-    row[target] -= weight;
+    if let Some(t) = target {
+        row[t] -= weight;
+    }
 }
