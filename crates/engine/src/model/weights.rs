@@ -28,8 +28,9 @@ impl Weights {
     }
 
     /// A residual step's weights as this forward computes with them, and the sink the step
-    /// hands their gradients to (none when the weights are detached). A gradient arrives in the
-    /// compute dtype and lands in the `Var`'s (exactly: widening is exact).
+    /// hands their gradients to (none when the weights are detached). A gradient arrives rounded
+    /// to the compute dtype (stored in it, or already widened to f32) and lands in the `Var`'s
+    /// dtype exactly.
     pub(super) fn step(
         &mut self,
         norm: &Norm,

@@ -24,7 +24,8 @@ use super::{composite, Activation, AttentionShape, NormKind};
 /// Takes a step's weight gradients (in `StepWeights::flat` order) during the backward. Each is
 /// summed in f32 and rounded once to the storage dtype, as a single op's is: the value the
 /// weight's cast received from Candle's graph, so an f32 master weight and a half-precision one
-/// under offload get the same gradient.
+/// under offload get the same gradient. The fused CPU ops hand it over widened back to f32
+/// (exact), the lean ones in the storage dtype.
 pub(crate) type GradSink = Box<dyn Fn(Vec<Tensor>) -> Result<()> + Send + Sync>;
 
 /// What sits between a step's two layers.

@@ -10,7 +10,8 @@
 //! `parts_backward_rows`, `norm_backward_rows`, which adds the residual's gradient as it writes) with the
 //! gradients between them in f32, and rounds only the input's gradient to the storage dtype:
 //! two adds per block remain, where each step's input gradient joins the graph. The weights
-//! are not graph inputs either: their gradients go to a `GradSink`.
+//! are not graph inputs either: their gradients go to a `GradSink`, rounded to the storage
+//! dtype but kept in f32 (the master weight's dtype, so nothing widens them again).
 //!
 //! The forward rounds each intermediate to the storage dtype as the single ops do (the second
 //! layer's output with the residual added: one rounding, not two), and keeps what the single
@@ -175,8 +176,8 @@ impl Op {
         })?
     }
 
-    /// The input's gradient and the trainable weights' (in `StepWeights::trainable` order), in
-    /// the storage dtype.
+    /// The input's gradient in the storage dtype, and the trainable weights' (in
+    /// `StepWeights::trainable` order) rounded to it but kept in f32.
     fn backward(
         &self,
         x: &Tensor,
@@ -214,9 +215,9 @@ impl Op {
             })?;
             let mut grads = Vec::new();
             if base {
-                grads.push(storage::tensor(norm[n * d..(n + 1) * d].to_vec(), dt, d)?);
+                grads.push(storage::rounded(norm[n * d..(n + 1) * d].to_vec(), dt, d)?);
                 if self.step.norm == NormKind::Layer {
-                    grads.push(storage::tensor(
+                    grads.push(storage::rounded(
                         norm[(n + 1) * d..(n + 2) * d].to_vec(),
                         dt,
                         d,
@@ -230,7 +231,7 @@ impl Op {
                 .chain([(&w.second, second_grads)]);
             for (dense, packed) in denses {
                 for (t, g) in trainable_of(dense, base).into_iter().zip(packed) {
-                    grads.push(storage::tensor(g, dt, t.dims())?);
+                    grads.push(storage::rounded(g, dt, t.dims())?);
                 }
             }
             norm.truncate(n * d);
