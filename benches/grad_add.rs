@@ -36,7 +36,10 @@ fn main() -> candle_core::Result<()> {
         let f32_ms = zeros_then_add(d, DType::F32)?;
         let bf16_ms = zeros_then_add(d, DType::BF16)?;
         println!("  {shape} (d {d}, {edges} edges a step):");
-        println!("    f32  {f32_ms:.3} ms, {:.1} ms a step", f32_ms * edges as f64);
+        println!(
+            "    f32  {f32_ms:.3} ms, {:.1} ms a step",
+            f32_ms * edges as f64
+        );
         println!(
             "    bf16 {bf16_ms:.3} ms, {:.1} ms a step ({:.1}x f32)",
             bf16_ms * edges as f64,

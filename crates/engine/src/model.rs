@@ -466,6 +466,7 @@ impl Gpt {
         if track && !self.frozen.is_empty() && !x.track_op() {
             x = Var::from_tensor(&x)?.into_inner();
         }
+        x = ops::widen_stream(&x)?;
         match checkpointing.segment().filter(|_| track) {
             None => {
                 for block in &self.blocks {
@@ -478,6 +479,7 @@ impl Gpt {
                 }
             }
         }
+        let x = ops::narrow_stream(&x, dtype)?;
         let n = &self.norm;
         let gain = self.weight(&mut w, &n.g)?;
         let shift = n.b.as_ref().map(|b| self.weight(&mut w, b)).transpose()?;

@@ -172,9 +172,9 @@ pub fn residual_step(
     weights: step::StepWeights,
     sink: Option<step::GradSink>,
 ) -> Result<Tensor> {
-    let mut all = vec![x];
-    all.extend(weights.flat());
-    if fused_model_domain(&all) {
+    let w = weights.flat();
+    let stream = x.dtype() == w[0].dtype() || x.dtype() == DType::F32;
+    if stream && x.device().is_cpu() && fused_model_domain(&w) {
         fused::branch(x, step, weights, sink)
     } else if plain() {
         step.composite(x, &weights)
@@ -251,6 +251,28 @@ pub fn embedding_beside(
     target: Arc<dyn GradTarget>,
 ) -> Result<Tensor> {
     fused::embedding(table, ids, dtype, target)
+}
+
+/// The residual stream a half-precision forward on the fused CPU ops carries between its
+/// blocks: `x` widened to f32 (exact), the values still those of the compute dtype. Each block
+/// step's input gradient then joins Candle's graph through an f32 add, where a bf16 one costs
+/// ten times as much (`benches/grad_add.rs`); the steps round what they store as before, so
+/// the bits do not change. `x` itself without a graph, elsewhere, or in f32.
+pub fn widen_stream(x: &Tensor) -> Result<Tensor> {
+    if x.track_op() && x.dtype() != DType::F32 && fused_model_domain(&[x]) {
+        fused::widen(x)
+    } else {
+        Ok(x.clone())
+    }
+}
+
+/// The residual stream back in the compute dtype `dtype` (exact: `widen_stream`).
+pub fn narrow_stream(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    if x.dtype() == dtype {
+        Ok(x.clone())
+    } else {
+        cast(x, dtype)
+    }
 }
 
 /// `t` in `dtype`: f32 to bf16 on the CPU by the fused cast (`fused::to_bf16`, the same bits,

@@ -41,6 +41,9 @@ pub(super) struct Shape {
     pub c: u64,
     /// The compute dtype differs from f32 (the fused ops widen their inputs into f32 copies).
     pub cast: bool,
+    /// Bytes of a residual-stream element in the graph: f32 on the fused ops (half precision
+    /// carries its stream widened, `ops::widen_stream`), else c.
+    pub stream: u64,
     /// The base is frozen (LoRA): the embedding's output is a leaf copy, not a graph node.
     pub frozen: bool,
 }
@@ -71,6 +74,11 @@ impl Shape {
             learned: a.positions == Positions::Learned,
             c: cfg.dtype.size_in_bytes() as u64,
             cast: cfg.dtype != crate::control::Dtype::F32,
+            stream: if cfg.fused {
+                F32
+            } else {
+                cfg.dtype.size_in_bytes() as u64
+            },
             frozen: cfg.lora.is_some(),
         }
     }
@@ -78,6 +86,11 @@ impl Shape {
     /// N·D elements: one `[N, D]` tensor.
     pub(super) fn nd(&self) -> u64 {
         self.n * self.d
+    }
+
+    /// The residual stream is a widened copy of the compute dtype's (`ops::widen_stream`).
+    pub(super) fn widened(&self) -> bool {
+        self.stream != self.c
     }
 
     /// Elements of attention's log-sum-exp, one f32 per (sequence, query head, position).
@@ -95,30 +108,35 @@ pub(super) fn loss_scalar_bytes() -> u64 {
 /// The embeddings' outputs: the token rows (`[N, D]`) and, with a learned position table, their
 /// sum with the positions; rotary families add their positions inside attention. Under LoRA
 /// the frozen embedding computes outside the graph and its output is copied into a leaf
-/// (`Gpt::forward_checkpointed`, PEFT's `enable_input_require_grads`): that copy only.
+/// (`Gpt::forward_checkpointed`, PEFT's `enable_input_require_grads`): that copy only. A
+/// widened stream adds its f32 copy.
 fn embedding_bytes(s: &Shape) -> u64 {
+    let widened = if s.widened() { s.nd() * s.stream } else { 0 };
     if s.frozen {
-        return s.nd() * s.c;
+        return s.nd() * s.c + widened;
     }
-    (1 + u64::from(s.learned)) * s.nd() * s.c
+    (1 + u64::from(s.learned)) * s.nd() * s.c + widened
 }
 
-/// The final norm: its output, and on the lean path its f32 row statistics.
+/// The final norm: its output, and on the lean path its f32 row statistics; after a widened
+/// stream, its input narrowed back to the compute dtype too.
 fn final_norm_bytes(cfg: &Config, s: &Shape) -> u64 {
     let stats = if cfg.fused { 0 } else { s.stats * s.n * F32 };
-    s.nd() * s.c + stats
+    let narrowed = if s.widened() { s.nd() * s.c } else { 0 };
+    s.nd() * s.c + stats + narrowed
 }
 
 /// Bytes one block's graph keeps for backward. Each residual step is one op whose one graph
 /// input is the residual stream; it keeps its norm's output (D), its first layer's output (qkv:
 /// (H + 2·KV)·hd; the MLP: F, or 2F for SwiGLU's gate and up) and, after attention, attention's
 /// output (H·hd): the probabilities and the activation are made again in the backward. With
-/// the two steps' outputs that is (4·D + qkv + H·hd + mlp)·N·c, 12·N·D·c for this engine's
-/// GPT. The lean ops also keep f32 row statistics beside their outputs: each norm's (2 floats a
-/// row for layer norm, 1 for RMS norm) and attention's log-sum-exp (B·H·T).
+/// the two steps' outputs (the stream's) that is (2·D·stream + (2·D + qkv + H·hd + mlp)·c)·N,
+/// 12·N·D·c for this engine's GPT where the stream is c. The lean ops also keep f32 row
+/// statistics beside their outputs: each norm's (2 floats a row for layer norm, 1 for RMS
+/// norm) and attention's log-sum-exp (B·H·T).
 pub(super) fn block_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
-    let kept = (4 * s.d + s.qkv + s.att + s.mlp) * s.n * s.c;
+    let kept = (2 * s.d * s.stream + (2 * s.d + s.qkv + s.att + s.mlp) * s.c) * s.n;
     if cfg.fused {
         kept
     } else {
@@ -131,7 +149,7 @@ pub(super) fn block_bytes(cfg: &Config) -> u64 {
 pub fn activation_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     let blocks = match checkpointed(cfg) {
-        Some(segments) => segments.kept * s.nd() * s.c,
+        Some(segments) => segments.kept * s.nd() * s.stream,
         None => s.layers * block_bytes(cfg),
     };
     embedding_bytes(&s) + blocks + final_norm_bytes(cfg, &s) + loss_scalar_bytes()
@@ -164,7 +182,7 @@ pub fn recomputed_bytes(cfg: &Config) -> u64 {
         return 0;
     };
     let s = Shape::new(cfg);
-    2 * s.nd() * s.c + segments.largest * block_bytes(cfg) + s.c
+    2 * s.nd() * s.stream + segments.largest * block_bytes(cfg) + s.stream
 }
 
 /// Bytes the checkpointed forward holds at its peak beyond what its end keeps (`other` at the
@@ -185,7 +203,7 @@ pub fn checkpointed_forward_excess_bytes(cfg: &Config) -> u64 {
     let present = (0..segments.kept)
         .map(|i| {
             let size = per.min(s.layers - i * per);
-            let held = (i + u64::from(size > 1)) * s.nd() * s.c;
+            let held = (i + u64::from(size > 1)) * s.nd() * s.stream;
             embedding_bytes(&s) + held + checkpointed_block_peak_bytes(cfg, size)
         })
         .max()

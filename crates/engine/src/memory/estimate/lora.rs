@@ -144,12 +144,13 @@ fn adapter_grads(n: u64, r: u64, (i, o): (u64, u64), e: u64, drop: Option<u64>, 
 /// [dx; dgain (; dbias)] (computed, not kept), all in f32; on half storage beside the f32
 /// copies of dy, of every weight and of the tensors it reads.
 pub(super) fn fused_step(cfg: &Config, a: &Adapters, s: &Shape, step: &Step, t: &mut Tape) {
-    let (n, d, c, r) = (s.n, s.d, s.c, a.rank);
+    let (n, d, r) = (s.n, s.d, a.rank);
     let adapters = a.step_params(step, s);
     let mut layers = a.layers(step, s);
     let second_adapted = layers.pop().flatten();
+    // dy comes in the f32 stream.
     let widened = if s.cast {
-        (n * d + step.params(s) + adapters) * F32
+        (step.params(s) + adapters) * F32
     } else {
         0
     };
@@ -165,11 +166,9 @@ pub(super) fn fused_step(cfg: &Config, a: &Adapters, s: &Shape, step: &Step, t: 
     t.add(input + activation + d * F32);
     let d_act = n * step.product * F32;
     t.add(d_act);
-    let mut grads = 0;
     let drop = a.dropout.then_some(0);
     if let Some(dims) = second_adapted {
         adapter_grads(n, r, dims, F32, drop, t);
-        grads += r * (dims.0 + dims.1) * F32;
     }
     // SwiGLU's gradient of [gate | up] is a new buffer; the GELU's is made in place.
     let d_second = n * step.second_in * F32;
@@ -189,22 +188,16 @@ pub(super) fn fused_step(cfg: &Config, a: &Adapters, s: &Shape, step: &Step, t: 
     t.add(normed + n * d * F32 + width * F32);
     for &dims in layers.iter().flatten() {
         adapter_grads(n, r, dims, F32, drop, t);
-        grads += r * (dims.0 + dims.1) * F32;
     }
     t.free(normed + width * F32);
     let norm = super::peaks::norm_backward(s, t);
-    // The adapters' gradients in the storage dtype, and dx.
-    if s.cast {
-        t.add(adapters * c);
-        t.free(grads);
-        t.add(n * d * c);
-        t.free(norm);
-    }
-    let dx = if s.cast { n * d * c } else { norm };
+    // The adapters' gradients stay in f32, rounded to the compute dtype (`storage::rounded`);
+    // dx is the norm's result, rounded in place, in the f32 stream.
     t.free(d_second + dmid + n * d * F32 + widened);
-    keep(cfg, s, adapters, t);
-    t.add(2 * n * d * c);
-    t.free(n * d * c + dx + n * d * c);
+    super::peaks::keep_gradients(cfg, adapters, F32, t);
+    let stream = n * d * s.stream;
+    t.add(2 * stream);
+    t.free(stream + norm + stream);
 }
 
 /// A frozen residual step's backward on the lean path (`ops::lean::branch`, `layer_grads`
@@ -257,17 +250,7 @@ pub(super) fn lean_step(cfg: &Config, a: &Adapters, s: &Shape, step: &Step, t: &
     t.touch((4 + s.stats + widen) * n * d * F32);
     t.add(2 * n * d * c);
     t.free(remade + n * step.product * c + n * width * c + 2 * n * d * c);
-    keep(cfg, s, adapters, t);
+    super::peaks::keep_gradients(cfg, adapters, c, t);
     t.add(2 * n * d * c);
     t.free(3 * n * d * c);
-}
-
-/// The sink keeps the adapters' gradients in f32 (their `Var`s' dtype): a half gradient is
-/// widened.
-fn keep(cfg: &Config, s: &Shape, adapters: u64, t: &mut Tape) {
-    let kept = cfg.grad_elem_bytes();
-    if kept != s.c {
-        t.add(adapters * kept);
-        t.free(adapters * s.c);
-    }
 }

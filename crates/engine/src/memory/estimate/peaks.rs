@@ -102,11 +102,12 @@ impl Step {
     }
 }
 
-/// A fused residual step's norm in the backward: its input's f32 copy (half storage) for the
-/// op's run, and its packed result `[dx; dgain (; dbias)]`, which stays: its bytes.
+/// A fused residual step's norm in the backward: its input's f32 copy (a stream in half
+/// storage) for the op's run, and its packed result `[dx; dgain (; dbias)]`, which stays: its
+/// bytes.
 pub(super) fn norm_backward(s: &Shape, t: &mut Tape) -> u64 {
     let (n, d) = (s.n, s.d);
-    let x = if s.cast { n * d * F32 } else { 0 };
+    let x = if s.stream == F32 { 0 } else { n * d * F32 };
     let norm = (n + 1 + u64::from(s.norm_bias)) * d * F32;
     t.add(x + norm);
     t.free(x);
@@ -125,10 +126,11 @@ fn packing(rows: u64, inner: u64, cols: u64) -> u64 {
 /// gradient `dy` (`[N, D]`, in the graph) to the input's gradient added into the store. The
 /// weights' gradients are left live (they go to the sink).
 fn fused_step(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
-    let (n, d, c) = (s.n, s.d, s.c);
+    let (n, d) = (s.n, s.d);
     let params = step.params(s);
-    // Half storage: the op reads f32 copies of dy and of every weight for its whole run.
-    let widened = if s.cast { (n * d + params) * F32 } else { 0 };
+    // Half storage: the op reads f32 copies of every weight for its whole run (dy comes in the
+    // f32 stream).
+    let widened = if s.cast { params * F32 } else { 0 };
     t.add(widened);
     // The second layer: its packed [input's gradient; weight's; bias's], beside the input's
     // f32 copy (half storage) and the activation's recomputed value and slope (GELU) or
@@ -172,23 +174,16 @@ fn fused_step(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
     }
     t.free(normed + width * F32);
     let norm = norm_backward(s, t);
-    // Each weight's gradient taken out of the f32 buffers in the storage dtype.
-    if s.cast {
-        t.touch(params * F32);
-    }
-    t.add(params * c);
-    // dx in the storage dtype.
-    if s.cast {
-        t.add(n * d * c);
-        t.free(norm);
-    }
-    let dx = if s.cast { n * d * c } else { norm };
+    // Each weight's gradient taken out of the f32 buffers, rounded to the compute dtype but
+    // kept in f32 (`storage::rounded`); dx is the norm's result, rounded in place.
+    t.add(params * F32);
     t.free(packed + dmid + n * d * F32 + parts + widened);
-    keep_gradients(cfg, s, step, t);
-    // Candle adds dx into the input's gradient (a zeroed tensor, then the sum); dx and the
-    // incoming dy go.
-    t.add(2 * n * d * c);
-    t.free(n * d * c + dx + n * d * c);
+    keep_gradients(cfg, step.params(s), F32, t);
+    // Candle adds dx into the input's gradient (a zeroed tensor of the stream, then the sum);
+    // dx and the incoming dy go.
+    let stream = n * d * s.stream;
+    t.add(2 * stream);
+    t.free(stream + norm + stream);
 }
 
 /// One residual step's backward on the lean path (`ops::lean::branch`): Candle tensor ops on
@@ -241,21 +236,20 @@ fn lean_step(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
     t.add(2 * n * d * c);
     // The step's temporaries go; its gradients stay.
     t.free(second - step.product * d * c - bias + n * width * c + 2 * n * d * c);
-    keep_gradients(cfg, s, step, t);
+    keep_gradients(cfg, step.params(s), c, t);
     // Candle adds dx + dy into the input's gradient (a zeroed tensor, then the sum); dx + dy
     // and the incoming dy go.
     t.add(2 * n * d * c);
     t.free(3 * n * d * c);
 }
 
-/// The sink keeps each of a step's gradients, made in the compute dtype, in its weight's dtype:
-/// converted to f32 (the weights are f32 under half-precision compute), or kept as made.
-fn keep_gradients(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
+/// The sink keeps each of a step's `params` gradients, made in `made` bytes each (the fused
+/// ops' f32, the lean ops' compute dtype), in its weight's dtype: converted, or kept as made.
+pub(super) fn keep_gradients(cfg: &Config, params: u64, made: u64, t: &mut Tape) {
     let kept = cfg.grad_elem_bytes();
-    if kept != s.c {
-        let params = step.params(s);
+    if kept != made {
         t.add(params * kept);
-        t.free(params * s.c);
+        t.free(params * made);
     }
 }
 
@@ -516,14 +510,15 @@ fn recompute_casts(cfg: &Config) -> u64 {
 /// Gradients the checkpointed backward holds in a segment beyond the plain one: the outer
 /// backward's gradient of the segment's output, held while the recompute runs, the gradient
 /// Candle's `Mul` backward computes and keeps in the recompute's store for the detached `grad_y`
-/// side of `y · grad_y` (never a node, so never removed), and three more N·D·c measured and not
-/// yet attributed (`tests/memory/checkpointing_memory.rs`). 0 without checkpointing.
+/// side of `y · grad_y` (never a node, so never removed), and three more `[N, D]` measured and
+/// not yet attributed (`tests/memory/checkpointing_memory.rs`), all in the residual stream's
+/// dtype. 0 without checkpointing.
 fn recompute_in_flight_bytes(cfg: &Config) -> u64 {
     if checkpointed(cfg).is_none() {
         return 0;
     }
     let s = Shape::new(cfg);
-    5 * s.nd() * s.c
+    5 * s.nd() * s.stream
 }
 
 /// What the end of the forward holds only while it runs, beyond the activations it leaves: no

@@ -34,8 +34,11 @@ use crate::ops::NormKind;
 
 const NAME: &str = "gaccwb-block-branch";
 
-/// `x + step(x)` for `x` (`[N, D]`) with `weights`, all of `x`'s dtype on the CPU. Without
-/// `sink` the weights get no gradient (they are detached).
+/// `x + step(x)` for `x` (`[N, D]`) with `weights`, on the CPU, computed in the weights' dtype.
+/// `x` is stored in that dtype or, as the residual stream of a half-precision forward, in f32
+/// holding values rounded to it (`ops::widen_stream`); the output and the input's gradient are
+/// rounded to the weights' dtype and stored in `x`'s. Without `sink` the weights get no
+/// gradient (they are detached).
 pub fn branch(
     x: &Tensor,
     step: &Step,
@@ -45,7 +48,8 @@ pub fn branch(
     let x = x.contiguous()?;
     let op = Op {
         step: step.clone(),
-        dtype: x.dtype(),
+        dtype: weights.gain.dtype(),
+        stream: x.dtype(),
     };
     let (y, kept) = op.forward(&x, &weights)?;
     let inputs = weights.graph_inputs(&x, sink.is_some());
@@ -65,7 +69,10 @@ pub fn branch(
 
 struct Op {
     step: Step,
+    /// The compute dtype: the weights', to which every value the op stores is rounded.
     dtype: DType,
+    /// The residual stream's storage dtype: the compute dtype or f32.
+    stream: DType,
 }
 
 /// `f` of a contiguous CPU tensor's values as f32 (widened when stored in half precision).
@@ -138,6 +145,15 @@ impl Values<'_> {
 }
 
 impl Op {
+    /// `values` (`[N, D]`) rounded to the compute dtype and stored in the stream's.
+    fn to_stream(&self, mut values: Vec<f32>, n: usize, d: usize) -> Result<Tensor> {
+        if self.stream == self.dtype {
+            return storage::tensor(values, self.dtype, (n, d));
+        }
+        storage::round_in_place(&mut values, self.dtype);
+        storage::tensor(values, self.stream, (n, d))
+    }
+
     fn attention(&self) -> Option<Attention> {
         match &self.step.middle {
             Middle::Attention { shape, rope } => Some(Attention::new(*shape, rope.clone())),
@@ -172,12 +188,12 @@ impl Op {
             let act = self.step.activation();
             let cols = second_in.dim(1)?;
             let out = with_f32(&second_in, |v| second_rows(v, cols, &second, act, x))?;
-            Ok((store(out, d)?, kept))
+            Ok((self.to_stream(out, n, d)?, kept))
         })?
     }
 
-    /// The input's gradient in the storage dtype, and the trainable weights' (in
-    /// `StepWeights::trainable` order) rounded to it but kept in f32.
+    /// The input's gradient (`to_stream`), and the trainable weights' (in
+    /// `StepWeights::trainable` order) rounded to the compute dtype but kept in f32.
     fn backward(
         &self,
         x: &Tensor,
@@ -235,7 +251,7 @@ impl Op {
                 }
             }
             norm.truncate(n * d);
-            Ok((storage::tensor(norm, dt, (n, d))?, grads))
+            Ok((self.to_stream(norm, n, d)?, grads))
         })?
     }
 }

@@ -31,7 +31,7 @@ mod tiles;
 
 pub use attention::causal_attention;
 pub use branch::branch;
-pub use cast::to_bf16;
+pub use cast::{to_bf16, widen};
 pub use embedding::embedding;
 pub use head::{block as head_block, linear_nll_sum};
 
