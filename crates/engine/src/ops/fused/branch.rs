@@ -9,16 +9,17 @@
 //! single ops' f32 kernels (`linear_backward_rows`, attention's `backward_rows`,
 //! `parts_backward_rows`, `norm_backward_rows`, which adds the residual's gradient as it writes) with the
 //! gradients between them in f32, and rounds only the input's gradient to the storage dtype:
-//! two adds per block remain, where each step's input gradient joins the graph. The weights
-//! are not graph inputs either: their gradients go to a `GradSink`, rounded to the storage
-//! dtype but kept in f32 (the master weight's dtype, so nothing widens them again).
+//! two adds per block remain, where each step's input gradient joins the graph, and those are
+//! f32 adds in half precision too, whose residual stream is f32 (`ops::widen_stream`). The
+//! weights are not graph inputs either: their gradients go to a `GradSink`, rounded to the
+//! storage dtype but kept in f32 (the master weight's dtype, so nothing widens them again).
 //!
 //! The forward rounds each intermediate to the storage dtype as the single ops do (the second
 //! layer's output with the residual added: one rounding, not two), and keeps what the single
 //! ops keep but the branch's output, which only the residual add needed: the input (the op's one
 //! graph input) and, beside it (booked with `tensors::keep_beside` by `lean::apply`), the norm's
 //! output, then `qkv` and attention's output or the MLP's hidden layer (the GELU's input), all in
-//! the storage dtype.
+//! the storage dtype (the input in the stream's).
 
 use std::borrow::Cow;
 
