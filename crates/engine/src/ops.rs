@@ -173,7 +173,10 @@ pub fn residual_step(
     sink: Option<step::GradSink>,
 ) -> Result<Tensor> {
     let w = weights.flat();
-    let stream = x.dtype() == w[0].dtype() || x.dtype() == DType::F32;
+    // `x` in the weights' dtype, or the f32 stream of a half-precision forward.
+    let stream = w
+        .first()
+        .is_some_and(|g| x.dtype() == g.dtype() || x.dtype() == DType::F32);
     if stream && x.device().is_cpu() && fused_model_domain(&w) {
         fused::branch(x, step, weights, sink)
     } else if plain() {
@@ -256,7 +259,7 @@ pub fn embedding_beside(
 /// The residual stream a half-precision forward on the fused CPU ops carries between its
 /// blocks: `x` widened to f32 (exact), the values still those of the compute dtype. Each block
 /// step's input gradient then joins Candle's graph through an f32 add, where a bf16 one costs
-/// ten times as much (`benches/grad_add.rs`); the steps round what they store as before, so
+/// 10–36 times as much (`benches/grad_add.rs`); the steps round what they store as before, so
 /// the bits do not change. `x` itself without a graph, elsewhere, or in f32.
 pub fn widen_stream(x: &Tensor) -> Result<Tensor> {
     if x.track_op() && x.dtype() != DType::F32 && fused_model_domain(&[x]) {
