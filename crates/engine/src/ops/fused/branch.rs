@@ -146,13 +146,13 @@ impl Values<'_> {
 }
 
 impl Op {
-    /// `values` (`[N, D]`) rounded to the compute dtype and stored in the stream's.
-    fn to_stream(&self, mut values: Vec<f32>, n: usize, d: usize) -> Result<Tensor> {
-        if self.stream == self.dtype {
-            return storage::tensor(values, self.dtype, (n, d));
+    /// `values` (`[N, D]`) rounded to the compute dtype and stored in the stream's (that dtype,
+    /// or f32: `ops::residual_step` takes no other).
+    fn to_stream(&self, values: Vec<f32>, n: usize, d: usize) -> Result<Tensor> {
+        match self.stream == self.dtype {
+            true => storage::tensor(values, self.dtype, (n, d)),
+            false => storage::rounded(values, self.dtype, (n, d)),
         }
-        storage::round_in_place(&mut values, self.dtype);
-        storage::tensor(values, self.stream, (n, d))
     }
 
     fn attention(&self) -> Option<Attention> {
