@@ -11,12 +11,12 @@ thread count, loss (token-sum NLL over the window's tokens), global-norm clip 1.
 PyTorch (f32 master weights) and the engine's bf16 compute dtype. The best PyTorch step of the round
 is the anchor: the ratio is gaccwb's median tokens/s over the best PyTorch median of that round.
 
-The host's limit: the best f32 product rate measured in gaccwb's process (its own product, at
-1024³, at [B·T, d]·[d, 4d] and at the head's
-[B·T, d]·[d, V]) or by torch.mm at the same shapes; the step's model
-FLOP/s (6 per multiplied parameter per token plus attention's 12·L·T·q, the planner's rule) as a
-fraction of it. bf16 products are timed with torch.mm only where /proc/cpuinfo lists avx512_bf16
-or amx_bf16. Phase times (forward, backward, optimizer) are medians of the timed steps; the
+The host's limit: the best product rate in each dtype, measured in gaccwb's process (its own
+product, at 1024³, at [B·T, d]·[d, 4d] and at the head's [B·T, d]·[d, V]; bf16 on AMX tiles where
+the CPU has them) or by torch.mm at the same shapes; the step's model FLOP/s (6 per multiplied
+parameter per token plus attention's 12·L·T·q, the planner's rule) as a fraction of the best rate
+in the step's dtype. bf16 products are timed with torch.mm only where /proc/cpuinfo lists
+avx512_bf16 or amx_bf16. Phase times (forward, backward, optimizer) are medians of the timed steps; the
 engine's forward includes the head and the loss.
 
 Usage (release binary built first; PyTorch and transformers from outside the repo):
@@ -37,6 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = os.path.join(ROOT, "tests", "fixtures", "hf", "shapes")
 IMPLS = ["candle", "torch-hf", "torch-nano"]
+TORCH_DTYPE = {"f32": "float32", "bf16": "bfloat16"}
 
 
 def cpu_flags():
@@ -263,7 +264,7 @@ def one_round(args, config, threads, first):
             if row["impl"] in IMPLS:
                 rows.setdefault(row["impl"], {})[row["dtype"]] = row
             elif row["impl"] == "candle-product":
-                prods += [dict(p, dtype="float32", impl="candle") for p in row["products"]]
+                prods += [dict(p, dtype=TORCH_DTYPE[p["dtype"]], impl="candle") for p in row["products"]]
             else:
                 prods += [dict(p, impl="torch") for p in row["products"]]
     return rows, prods
@@ -300,7 +301,7 @@ def main():
           f"flags: {' '.join(simd)}; B={args.micro_batch} T={args.seq_len} K=1, "
           f"{args.rounds} rounds of {args.steps} timed steps after {args.warmup} warm-up", flush=True)
     header = ("| shape | thr | dtype | gaccwb tok/s | HF tok/s | nano tok/s | ratio to best min/med/max "
-              "| gaccwb GFLOP/s | of best f32 product | gaccwb fwd/bwd/opt ms | best torch fwd/bwd/opt ms "
+              "| gaccwb GFLOP/s | of best product in its dtype | gaccwb fwd/bwd/opt ms | best torch fwd/bwd/opt ms "
               "| load |")
     print(header)
     print("|" + "|".join([" --- "] * (header.count("|") - 1)) + "|")
@@ -316,7 +317,8 @@ def main():
                 for d in args.dtype:
                     for i in IMPLS:
                         per[d][i].append(rows[i][d])
-            best_f32 = max(p["flops_per_s"] for p in prods if p["dtype"] == "float32")
+            best_rate = {d: max(p["flops_per_s"] for p in prods if p["dtype"] == TORCH_DTYPE[d])
+                         for d in args.dtype}
             for line in prods:
                 print(f"#   {shape} {threads} thr: {line['impl']} {line['dtype']} product "
                       f"[{line['m']}x{line['k']}]·[{line['k']}x{line['n']}] "
@@ -335,7 +337,7 @@ def main():
                 print(f"| {shape} | {threads} | {d} | {spread(tok(c))} | {spread(tok(hf))} | "
                       f"{spread(tok(nano))} | {spread(ratio, '{:.2f}')} | "
                       f"{statistics.median(rate) / 1e9:.1f} | "
-                      f"{100 * statistics.median(rate) / best_f32:.0f}% | {phases(c[order[mid]])} | "
+                      f"{100 * statistics.median(rate) / best_rate[d]:.0f}% | {phases(c[order[mid]])} | "
                       f"{phases(sorted(bt, key=lambda x: x['tokens_per_s'])[mid])} | "
                       f"{min(loads):.1f}–{max(loads):.1f} |", flush=True)
 

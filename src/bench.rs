@@ -280,34 +280,40 @@ pub fn measure_host_rates(params: usize, n: usize, steps: usize) -> anyhow::Resu
     })
 }
 
-/// One product shape, `[m, k] · [k, n]`, and the rate the fused ops' f32 product ran it at.
+/// One product shape, `[m, k] · [k, n]`, and the rate the fused ops' product of that dtype ran
+/// it at.
 #[derive(Clone, Debug, Serialize)]
 pub struct ProductRate {
     pub m: usize,
     pub k: usize,
     pub n: usize,
+    /// The operands' storage dtype (`f32`, `bf16`, `f16`).
+    pub dtype: &'static str,
     /// 2·m·k·n / the median of the timed products.
     pub flops_per_s: f64,
 }
 
-/// The fused ops' f32 product (`ops::fused::project`, the path the step's products take) at each
-/// shape, `steps` timed products after one untimed one.
+/// The fused ops' product (`ops::fused::project`, the path the step's products take) of `dtype`
+/// operands at each shape, `steps` timed products after one untimed one: bf16 runs on AMX tiles
+/// where the CPU has them (`ops::fused::amx_products`), else widened into f32 `gemm`.
 pub fn measure_products(
     shapes: &[(usize, usize, usize)],
+    dtype: Dtype,
     steps: usize,
 ) -> anyhow::Result<Vec<ProductRate>> {
-    use candle_core::{DType, Tensor};
+    use candle_core::Tensor;
     let device = Device::Cpu;
     shapes
         .iter()
         .map(|&(m, k, n)| {
-            let a = Tensor::ones((m, k), DType::F32, &device)?;
-            let b = Tensor::ones((k, n), DType::F32, &device)?;
+            let a = Tensor::ones((m, k), dtype.candle(), &device)?;
+            let b = Tensor::ones((k, n), dtype.candle(), &device)?;
             let s = timed(steps, || crate::ops::fused::project(&a, &b).map(drop))?;
             Ok(ProductRate {
                 m,
                 k,
                 n,
+                dtype: dtype.name(),
                 flops_per_s: 2.0 * (m * k * n) as f64 / median_of(&s),
             })
         })
@@ -387,9 +393,14 @@ mod tests {
 
     #[test]
     fn product_rates_keep_their_shapes_in_order() {
-        let r = measure_products(&[(4, 8, 16), (16, 8, 4)], 2).unwrap();
-        let shapes: Vec<_> = r.iter().map(|p| (p.m, p.k, p.n)).collect();
-        assert_eq!(shapes, [(4, 8, 16), (16, 8, 4)]);
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            let r = measure_products(&[(4, 32, 16), (16, 32, 4)], dtype, 2).unwrap();
+            let shapes: Vec<_> = r.iter().map(|p| (p.m, p.k, p.n, p.dtype)).collect();
+            let name = dtype.name();
+            assert_eq!(shapes, [(4, 32, 16, name), (16, 32, 4, name)]);
+            assert!(r.iter().all(|p| p.flops_per_s > 0.0));
+        }
+        let r = measure_products(&[(4, 8, 16), (16, 8, 4)], Dtype::F32, 2).unwrap();
         assert!(r.iter().all(|p| p.flops_per_s > 0.0));
     }
 }

@@ -1,10 +1,11 @@
 //! `gaccwb bench --model PATH`: the training step of a Hugging Face model (a checkpoint, or a
-//! shape's config.json alone with random weights), its FLOP/s against the host's own f32 product
-//! rate, measured in the same process, and where the step's time goes.
+//! shape's config.json alone with random weights), its FLOP/s against the host's own product
+//! rate in the step's dtype, measured in the same process, and where the step's time goes.
 
 use std::path::PathBuf;
 
 use gaccwb::bench::{self, Case, Measurement, ProductRate};
+use gaccwb::control::Dtype;
 use gaccwb::planner::{flops_per_token, Recompute};
 use gaccwb::presets;
 use gaccwb::scenario::{DataSource, Scenario};
@@ -46,9 +47,7 @@ pub(super) fn bench_model(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let mut results = Vec::new();
     for case in &cases {
-        let f32_only = [gaccwb::control::Dtype::F32];
-        let dtypes = args.dtypes.as_ref().map_or(&f32_only[..], |d| &d.0[..]);
-        let scenarios: Vec<Scenario> = dtypes
+        let scenarios: Vec<Scenario> = dtypes(args)
             .iter()
             .map(|&d| {
                 let mut s = bench::case_scenario(&base, *case);
@@ -71,9 +70,25 @@ pub(super) fn bench_model(args: &BenchArgs) -> anyhow::Result<()> {
         results.extend(rs);
     }
     let shapes = product_shapes(&base, &cases);
-    let products = bench::measure_products(&shapes, args.steps as usize)?;
-    let best = products.iter().map(|p| p.flops_per_s).fold(0.0, f64::max);
-    report(args, source, &results, &products, flops, best)
+    let mut products = bench::measure_products(&shapes, Dtype::F32, args.steps as usize)?;
+    for &d in dtypes(args).iter().filter(|&&d| d != Dtype::F32) {
+        products.extend(bench::measure_products(&shapes, d, args.steps as usize)?);
+    }
+    report(args, source, &results, &products, flops)
+}
+
+/// The dtypes `--dtype` asks for (f32 alone by default).
+fn dtypes(args: &BenchArgs) -> &[Dtype] {
+    args.dtypes.as_ref().map_or(&[Dtype::F32], |d| &d.0[..])
+}
+
+/// The best rate among `products` of `dtype` (0 where none was timed).
+fn best(products: &[ProductRate], dtype: Dtype) -> f64 {
+    products
+        .iter()
+        .filter(|p| p.dtype == dtype.name())
+        .map(|p| p.flops_per_s)
+        .fold(0.0, f64::max)
 }
 
 /// The default preset's training settings on the model at `--model`, and its FLOPs per token.
@@ -116,12 +131,12 @@ fn report(
     results: &[Measurement],
     products: &[ProductRate],
     flops: f64,
-    best: f64,
 ) -> anyhow::Result<()> {
     if args.json {
         for r in results {
             let mut row = case_json(r);
             let rate = r.median_tokens_per_s() * flops;
+            let best = best(products, r.dtype);
             row["model"] = source.into();
             row["seq_len"] = (r.tokens_per_step / (r.micro_batch * r.accum_steps) as u64).into();
             row["flops_per_token"] = flops.into();
@@ -133,7 +148,7 @@ fn report(
             "impl": "candle-product",
             "threads": bench::threads(),
             "products": products,
-            "best_flops_per_s": best,
+            "best_flops_per_s": best(products, Dtype::F32),
         });
         return Ok(gaccwb::out::println(&row.to_string())?);
     }
@@ -143,6 +158,7 @@ fn report(
     ))?;
     for r in results {
         let rate = r.median_tokens_per_s() * flops;
+        let best = best(products, r.dtype);
         let p = r.median_phase_ms();
         gaccwb::out::println(&format!(
             "{:>3} {:>2} {:>5} {:>9.1} {:>8.1} {:>7.1}% {:>9.0} {:>9.0} {:>9.0}",
@@ -159,7 +175,8 @@ fn report(
     }
     for p in products {
         gaccwb::out::println(&format!(
-            "f32 product [{}x{}]·[{}x{}]: {:.1} GFLOP/s",
+            "{} product [{}x{}]·[{}x{}]: {:.1} GFLOP/s",
+            p.dtype,
             p.m,
             p.k,
             p.k,
@@ -167,9 +184,13 @@ fn report(
             p.flops_per_s / 1e9
         ))?;
     }
-    gaccwb::out::println(&format!(
-        "best f32 product rate: {:.1} GFLOP/s (\"of best\" above is the step's model FLOP/s over it)",
-        best / 1e9
-    ))?;
+    for &d in dtypes(args) {
+        gaccwb::out::println(&format!(
+            "best {} product rate: {:.1} GFLOP/s (\"of best\" above for {} rows is the step's model FLOP/s over it)",
+            d.name(),
+            best(products, d) / 1e9,
+            d.name()
+        ))?;
+    }
     Ok(())
 }

@@ -28,6 +28,7 @@ mod storage;
 #[cfg(test)]
 mod tests;
 mod tiles;
+mod transpose;
 
 pub use attention::causal_attention;
 pub use branch::branch;

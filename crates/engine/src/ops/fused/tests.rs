@@ -207,7 +207,7 @@ fn tile_products_sum_the_bf16_rounded_operands() {
 
 /// A tile product's bits do not depend on how it is cut (so tile products may be cut by the
 /// thread count): rows and columns cut off the 32-wide blocks, adding into values already there,
-/// over two 512-deep inner blocks, give the bits of the uncut product.
+/// over three inner passes, give the bits of the uncut product.
 #[test]
 fn tile_products_give_the_same_bits_however_they_are_cut() {
     if !tiles::available() {

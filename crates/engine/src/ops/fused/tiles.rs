@@ -8,8 +8,8 @@
 //! a bf16 tensor holds are exact): the left-hand rows as rows of 32-column tiles, the right-hand
 //! columns in the pair-interleaved ("VNNI") panels `tdpbf16ps` reads. They are packed into
 //! `gemm`'s own per-thread slab (`ops::workspace`, which the memory estimate already counts), in
-//! blocks of at most 512 inner values, as `gemm` packs; every value's sums run in one order
-//! wherever its block falls, so results depend neither on the thread count nor on how a product
+//! passes of at most 384 inner values (`plan`); every value's sums run in one order wherever its
+//! block falls, so results depend neither on the thread count nor on how a product
 //! is cut (`split`: one block per thread). `GACCWB_AMX=off` keeps bf16 products in f32 `gemm`.
 
 use std::cell::Cell;
@@ -19,6 +19,7 @@ use std::sync::OnceLock;
 
 use candle_core::DType;
 
+use super::transpose::transposed;
 use super::{storage::bf16_bits, Mat, MatMut};
 use crate::ops::vmath;
 
@@ -45,17 +46,23 @@ pub(super) fn enabled() -> bool {
 const BLOCK: usize = 32;
 /// Inner values one tile multiply-add consumes.
 const DEPTH: usize = 32;
-/// Inner values packed at a time (`gemm`'s own most).
-const KC: usize = 512;
+/// Inner values packed at a time, at most: a block's 32 left-hand rows of them (24 KiB) stay in
+/// the first-level cache while the right-hand panels stream past (512 ran slower, measured:
+/// docs/PERFORMANCE.md).
+const KC: usize = 384;
 /// Rows of the left-hand matrix packed at a time.
 const STRIP: usize = 128;
 
-/// The inner values and right-hand columns packed at a time for a product `inner` deep: a
-/// strip of rows and the columns' panels fill the slab. `None` where the slab is too small.
+/// The inner values and right-hand columns packed at a time for a product `inner` deep: the
+/// depth cut into equal passes of at most `KC` (whole tiles: a pass boundary does not change a
+/// sum, which the tiles keep in f32), a strip of rows, and columns whose panels fill half the
+/// slab (the second-level cache) so that they stream from it. `None` where the slab is too small.
 fn plan(inner: usize) -> Option<(usize, usize)> {
-    let kc = pad(inner, DEPTH).min(KC);
+    let passes = inner.div_ceil(KC).max(1);
+    let kc = pad(inner.div_ceil(passes), DEPTH);
     let slab = crate::ops::workspace::slab_bytes() as usize;
-    let cols = slab.checked_sub(STRIP * kc * 2)? / (kc * 2) / BLOCK * BLOCK;
+    let panels = (slab / 2).min(slab.checked_sub(STRIP * kc * 2)?);
+    let cols = panels / (kc * 2) / BLOCK * BLOCK;
     (cols >= BLOCK).then_some((kc, cols))
 }
 
@@ -144,10 +151,12 @@ unsafe fn strip_blocks(
     add: bool,
 ) {
     let mut sums = [0f32; BLOCK * BLOCK];
-    for j in (0..cols.len()).step_by(BLOCK) {
-        let panels = &panels[j * kp..(j + BLOCK) * kp];
-        for i in (0..rows.len()).step_by(BLOCK) {
-            let lhs = &lhs[i * kp..(i + BLOCK) * kp];
+    // A block of rows at a time across all the panels: its 32 rows stay in the first-level
+    // cache and the panels stream in order (twice the rate of the other order, measured).
+    for i in (0..rows.len()).step_by(BLOCK) {
+        let lhs = &lhs[i * kp..(i + BLOCK) * kp];
+        for j in (0..cols.len()).step_by(BLOCK) {
+            let panels = &panels[j * kp..(j + BLOCK) * kp];
             let (row, col) = (rows.start + i, cols.start + j);
             let whole = row + BLOCK <= rows.end && col + BLOCK <= cols.end;
             // SAFETY: the block at (row, col) lies in dst (whole) or `sums` is 32×32; `lhs`
@@ -280,7 +289,11 @@ unsafe fn pack_rows(dst: &mut [u16], kp: usize, a: Mat, start: usize, m: usize) 
                 }
                 return;
             }
-            // Columns are the contiguous lines: 16 of them at a time, turned into rows.
+            if a.row_stride == 1 {
+                // SAFETY: the caller's contract (a transposed view).
+                return unsafe { pack_columns(dst, kp, a, m) };
+            }
+            // Neither is contiguous: 16 columns at a time, turned into rows.
             let mut tile = [[0u16; 16]; 16];
             for c0 in (0..a.cols).step_by(16) {
                 let cs = 16.min(a.cols - c0);
@@ -301,10 +314,69 @@ unsafe fn pack_rows(dst: &mut [u16], kp: usize, a: Mat, start: usize, m: usize) 
     )
 }
 
+/// `pack_rows` of a view whose columns are contiguous (a transposed matrix): a row of tiles
+/// holds pairs of adjacent columns, so each pair of columns is one vector of `pair`s, and blocks
+/// of 16 pairs × 16 rows are transposed into the rows.
+///
+/// # Safety
+/// `a`'s first `m` rows are in bounds of a live buffer and `a.row_stride == 1`.
+#[inline(always)]
+unsafe fn pack_columns(dst: &mut [u16], kp: usize, a: Mat, m: usize) {
+    // SAFETY: u16 pairs as u32, as `pack_panels` (align 4, checked; kp is even).
+    let (head, dst32, _) = unsafe { dst.align_to_mut::<u32>() };
+    assert!(head.is_empty());
+    let (pairs, half) = (a.cols / 2, kp / 2);
+    let mut tile = [[0u32; 16]; 16];
+    for p0 in (0..pairs).step_by(16) {
+        let ps = 16.min(pairs - p0);
+        for i0 in (0..m).step_by(16) {
+            let is = 16.min(m - i0);
+            for (p, t) in tile.iter_mut().enumerate().take(ps) {
+                let c = (2 * (p0 + p)) as isize * a.col_stride + i0 as isize;
+                // SAFETY: rows i0..i0+is of columns c and c+1, contiguous.
+                let (lo, hi) = unsafe { (line(a.ptr, c, is), line(a.ptr, c + a.col_stride, is)) };
+                pairs_into(&mut t[..is], lo, hi);
+            }
+            let rows = transposed(&tile);
+            for (i, row) in rows.iter().enumerate().take(is) {
+                dst32[(i0 + i) * half + p0..][..ps].copy_from_slice(&row[..ps]);
+            }
+        }
+    }
+    // An odd last column pairs with the zero padding.
+    if a.cols % 2 == 1 {
+        let c = (a.cols - 1) as isize * a.col_stride;
+        // SAFETY: rows 0..m of the last column, contiguous.
+        let last = unsafe { line(a.ptr, c, m) };
+        for (i, &x) in last.iter().enumerate() {
+            dst[i * kp + a.cols - 1] = bf16_bits(x);
+        }
+    }
+}
+
 /// Two values as one bf16 pair (`lo` in the low half): one row of a `tdpbf16ps` panel holds 16.
 #[inline(always)]
 fn pair(lo: f32, hi: f32) -> u32 {
     u32::from(bf16_bits(hi)) << 16 | u32::from(bf16_bits(lo))
+}
+
+/// `out[i] = pair(lo[i], hi[i])` for up to 16 values, a whole 16 as one fixed-size block so
+/// that it compiles to a few vector instructions.
+#[inline(always)]
+fn pairs_into(out: &mut [u32], lo: &[f32], hi: &[f32]) {
+    if let (Ok(out), Ok(lo), Ok(hi)) = (
+        <&mut [u32; 16]>::try_from(&mut *out),
+        <&[f32; 16]>::try_from(lo),
+        <&[f32; 16]>::try_from(hi),
+    ) {
+        for i in 0..16 {
+            out[i] = pair(lo[i], hi[i]);
+        }
+        return;
+    }
+    for ((d, &l), &h) in out.iter_mut().zip(lo).zip(hi) {
+        *d = pair(l, h);
+    }
 }
 
 /// All of `b` (`kp` ≥ `b.rows` inner values) as panels of 16 columns, each `kp / 2` rows of
@@ -341,9 +413,7 @@ unsafe fn pack_panels(dst: &mut [u16], kp: usize, b: Mat) {
                     };
                     for (g, (lo, hi)) in lo.chunks(16).zip(hi.chunks(16)).enumerate() {
                         let out = &mut dst[g * panel + p * 16..][..lo.len()];
-                        for ((d, &l), &h) in out.iter_mut().zip(lo).zip(hi) {
-                            *d = pair(l, h);
-                        }
+                        pairs_into(out, lo, hi);
                     }
                 }
             } else {
@@ -368,9 +438,10 @@ unsafe fn pack_panels(dst: &mut [u16], kp: usize, b: Mat) {
                                 *t = pair(at(r, c0 + c), at(r + 1, c0 + c));
                             }
                         }
-                        for p in 0..ps {
+                        let rows = transposed(&tile);
+                        for (p, row) in rows.iter().enumerate().take(ps) {
                             let out = &mut dst[(c0 / 16) * panel + (p0 + p) * 16..][..cs];
-                            out.iter_mut().zip(&tile).for_each(|(d, t)| *d = t[p]);
+                            out.copy_from_slice(&row[..cs]);
                         }
                     }
                 }
@@ -518,11 +589,11 @@ mod cpu {
             for k in (0..kp).step_by(DEPTH) {
                 asm!(
                     "tileloadd tmm0, [{a0} + {sa}*1]",
-                    "tileloadd tmm1, [{a1} + {sa}*1]",
                     "tileloadd tmm2, [{b0} + {sb}*1]",
-                    "tileloadd tmm3, [{b1} + {sb}*1]",
                     "tdpbf16ps tmm4, tmm0, tmm2",
+                    "tileloadd tmm3, [{b1} + {sb}*1]",
                     "tdpbf16ps tmm5, tmm0, tmm3",
+                    "tileloadd tmm1, [{a1} + {sa}*1]",
                     "tdpbf16ps tmm6, tmm1, tmm2",
                     "tdpbf16ps tmm7, tmm1, tmm3",
                     a0 = in(reg) a0.add(k),

@@ -1,0 +1,69 @@
+//! `gaccwb bench --model`: the step's rate beside the host's product rate in the step's dtype.
+
+use std::path::Path;
+
+use assert_cmd::Command;
+use serde_json::Value;
+
+use crate::common;
+
+/// With f32 and bf16 asked for, the products are timed in both at the same shapes, and each
+/// dtype's step is a fraction of its own dtype's best product (bf16 products run on AMX tiles
+/// where the CPU has them, many times the f32 rate, so f32's best would flatter bf16).
+#[test]
+fn bench_model_rates_each_dtype_against_its_own_products() {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/models/llama-tied");
+    let args = [
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--seq-len",
+        "16",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--dtype",
+        "f32,bf16",
+        "--json",
+    ];
+    let out = Command::cargo_bin("gaccwb")
+        .unwrap()
+        .env("RAYON_NUM_THREADS", "1")
+        .args(args)
+        .output()
+        .unwrap();
+    let (code, stdout, stderr) = common::outcome(&args, out);
+    assert_eq!(code, 0, "{stderr}");
+    let rows: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let products = rows
+        .iter()
+        .find(|r| r["impl"] == "candle-product")
+        .expect("a product row")["products"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let shapes = |dtype: &str| -> Vec<(u64, u64, u64)> {
+        let of = |p: &Value, k: &str| p[k].as_u64().unwrap();
+        products
+            .iter()
+            .filter(|p| p["dtype"] == dtype)
+            .map(|p| (of(p, "m"), of(p, "k"), of(p, "n")))
+            .collect()
+    };
+    assert_eq!(shapes("f32").len(), 3, "{products:?}");
+    assert_eq!(shapes("f32"), shapes("bf16"), "{products:?}");
+    for dtype in ["f32", "bf16"] {
+        let best = products
+            .iter()
+            .filter(|p| p["dtype"] == dtype)
+            .map(|p| p["flops_per_s"].as_f64().unwrap())
+            .fold(0.0, f64::max);
+        let step = rows.iter().find(|r| r["dtype"] == dtype).expect(dtype);
+        let share = step["flops_per_s"].as_f64().unwrap() / best;
+        assert_eq!(step["of_best_product"].as_f64().unwrap(), share, "{dtype}");
+    }
+}
