@@ -15,7 +15,8 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{filled, for_each_unit, storage, Mat, MatMut, Shared};
+use super::tiles::{chosen, serial};
+use super::{filled, for_each_unit, storage, tiles, Mat, MatMut, Shared};
 use crate::ops::rope::RopeTable;
 use crate::ops::{vmath, AttentionShape};
 
@@ -102,9 +103,9 @@ impl Attention {
     }
 
     /// P = softmax(scale · Q Kᵀ) into `p` (T×T).
-    fn probabilities(&self, q: Mat, k: Mat, p: &mut [f32]) {
+    fn probabilities(&self, q: Mat, k: Mat, p: &mut [f32], tiles: bool) {
         // SAFETY: `p` is T×T; q and k are views of `qkv` or of scratch blocks, none of them `p`.
-        unsafe { super::matmul(MatMut::rows(p, self.s.t), q, k.t(), false, false) };
+        unsafe { serial(tiles, MatMut::rows(p, self.s.t), q, k.t(), false) };
         vmath::widest(
             #[inline(always)]
             || self.softmax_rows(p),
@@ -127,10 +128,12 @@ impl Attention {
         }
     }
 
-    /// `y` (`[B·T, H·hd]`) from `qkv`, in f32.
+    /// `y` (`[B·T, H·hd]`) from `qkv`, in f32; the products on tiles when this thread's products
+    /// are (`tiles::chosen`: a bf16 op where the CPU has AMX), their operands then rounded to bf16.
     pub(super) fn forward_rows(&self, qkv: &[f32]) -> Vec<f32> {
         let s = self.s;
         let (t, hd, width) = (s.t, s.head_dim, s.q_width());
+        let tiles = chosen();
         // Every (sequence, query head) writes its T×hd block of y: all of it.
         filled(s.batch * t * width, |out| {
             for_each_unit(self.units(), |units| {
@@ -142,23 +145,25 @@ impl Attention {
                     let v = self.part(qkv, 2, b, g);
                     for h in s.group_of(g) {
                         let q = self.turned(qkv, 0, b, h, &mut qb);
-                        self.probabilities(q, k, &mut p);
+                        self.probabilities(q, k, &mut p, tiles);
                         let dst = MatMut::new(out.offset(b * t * width + h * hd), t, hd, width);
                         // SAFETY: `dst` is query head h's T×hd block of sequence b in the
                         // output, this unit's alone; `p` and `v` are separate buffers.
-                        unsafe { super::matmul(dst, Mat::rows(&p, t), v, false, false) };
+                        unsafe { serial(tiles, dst, Mat::rows(&p, t), v, false) };
                     }
                 }
             })
         })
     }
 
-    /// `dqkv` (`[B·T, (H + 2·KV)·hd]`) from `qkv` and the output gradient `dy`, in f32: the
+    /// `dqkv` (`[B·T, (H + 2·KV)·hd]`) from `qkv` and the output gradient `dy`, in f32 (products
+    /// as `forward_rows`'): the
     /// probabilities are recomputed from `qkv`.
     pub(super) fn backward_rows(&self, qkv: &[f32], dy: &[f32]) -> Vec<f32> {
         let s = self.s;
         let (t, hd, width) = (s.t, s.head_dim, s.q_width());
         let scale = self.scale();
+        let tiles = chosen();
         // Every (sequence, key/value head) writes its dK and dV blocks and the dQ blocks of
         // its query heads: all of dqkv.
         filled(s.batch * t * s.qkv_width(), |out| {
@@ -173,12 +178,12 @@ impl Attention {
                     let v = self.part(qkv, 2, b, g);
                     for (i, h) in s.group_of(g).enumerate() {
                         let q = self.turned(qkv, 0, b, h, &mut qb);
-                        self.probabilities(q, k, &mut p);
+                        self.probabilities(q, k, &mut p, tiles);
                         let dy = Mat::new(dy[b * t * width + h * hd..].as_ptr(), t, hd, width);
                         // dP = dY Vᵀ, then dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)).
                         // SAFETY: `ds` is this unit's T×T scratch; dy and v are views of other
                         // buffers.
-                        unsafe { super::matmul(MatMut::rows(&mut ds, t), dy, v.t(), false, false) };
+                        unsafe { serial(tiles, MatMut::rows(&mut ds, t), dy, v.t(), false) };
                         vmath::widest(
                             #[inline(always)]
                             || {
@@ -202,14 +207,14 @@ impl Attention {
                         // blocks of the output (query head h, key/value head g of sequence b);
                         // the inputs are other buffers.
                         unsafe {
-                            super::matmul(dq, Mat::rows(&ds, t), k, false, false);
-                            super::matmul(dk, Mat::rows(&ds, t).t(), q, sum, false);
-                            super::matmul(
+                            serial(tiles, dq, Mat::rows(&ds, t), k, false);
+                            serial(tiles, dk, Mat::rows(&ds, t).t(), q, sum);
+                            serial(
+                                tiles,
                                 self.grad(out, 2, b, g),
                                 Mat::rows(&p, t).t(),
                                 dy,
                                 sum,
-                                false,
                             );
                         }
                         if self.rope.is_some() {
@@ -250,6 +255,7 @@ impl CustomOp1 for Attention {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _products = tiles::scope(candle_core::backend::BackendStorage::dtype(s));
         let qkv = storage::input(s, l, self.name())?;
         let y = self.forward_rows(&qkv);
         Ok((
@@ -283,6 +289,7 @@ impl CustomOp2 for AttentionBackward {
             storage::input(qs, ql, self.name())?,
             storage::input(gs, gl, self.name())?,
         );
+        let _products = tiles::scope(candle_core::backend::BackendStorage::dtype(qs));
         let dqkv = self.0.backward_rows(&qkv, &dy);
         let s = self.0.s;
         Ok((

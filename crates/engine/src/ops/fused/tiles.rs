@@ -72,6 +72,30 @@ pub(super) fn fit(inner: usize) -> bool {
     active() && inner >= DEPTH && plan(inner).is_some()
 }
 
+/// Whether this thread's products run on tiles (`scope`). An op that hands its products to
+/// pool work reads it on its own thread and passes it to `serial`: the workers' own choice is
+/// off.
+pub(super) fn chosen() -> bool {
+    active()
+}
+
+/// `dst` (+)= `a·b` on this thread alone: on tiles when `tiles` (the op thread's `chosen`) and
+/// the product is at least one tile deep, else `gemm`. The choice depends on the shape alone,
+/// not on the thread, so the bits are the same at any thread count.
+///
+/// # Safety
+/// As `super::matmul`.
+pub(super) unsafe fn serial(tiles: bool, dst: MatMut, a: Mat, b: Mat, accumulate: bool) {
+    let rows = 0..dst.rows;
+    if tiles && a.cols >= DEPTH {
+        // SAFETY: the caller's contract, for all of dst.
+        unsafe { gemm_block(&dst, a, b, accumulate, rows) }
+    } else {
+        // SAFETY: as above.
+        unsafe { super::gemm_block(&dst, a, b, accumulate, rows) }
+    }
+}
+
 /// How a parallel tile product `[rows, inner]·[inner, cols]` is cut: along the longer side of
 /// dst, one block per pool thread, in whole 32-wide blocks. Every block packs again the operand
 /// it shares with the others, so fewer blocks pack less; unlike `gemm`'s (`matmul_split`), a
@@ -240,8 +264,9 @@ fn active() -> bool {
 }
 
 /// Products of an op whose storage is `dtype` on this thread, until the guard drops: on tiles
-/// for bf16 (where `available`), `gemm` otherwise. Only the op's own (parallel) products read
-/// it, on the op's thread; products inside pool work (attention's) stay f32 on every thread.
+/// for bf16 (where `available`), `gemm` otherwise. The op's own (parallel) products read it on
+/// the op's thread; products inside pool work (attention's) take the op thread's `chosen` along
+/// to `serial`.
 pub(super) fn scope(dtype: DType) -> Scope {
     scope_if(dtype == DType::BF16 && enabled())
 }
