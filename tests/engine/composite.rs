@@ -60,7 +60,8 @@ fn training_on_the_lean_ops_follows_the_fused_run() {
 fn the_lean_path_is_what_runs_when_forced() {
     // The lean residual steps keep what the fused ones keep, plus f32 row
     // figures beside their nodes (each layer norm's mean and reciprocal std, attention's
-    // log-sum-exp), which the fused steps recompute.
+    // log-sum-exp), which the fused steps recompute; and the lean embedding keeps the token
+    // rows beside their sum with the positions, where the fused one adds them in one op.
     let s = accumulating();
     let model = Gpt::new(&s.model, 1, &Device::Cpu).unwrap();
     let (b, t) = (2, 8);
@@ -79,7 +80,8 @@ fn the_lean_path_is_what_runs_when_forced() {
     let (fused, lean) = (kept(false), kept(true));
     let (n, layers, heads) = (b * t, s.model.layers, s.model.heads);
     let statistics = layers * (2 * 2 * n + heads * n) * 4 + 2 * n * 4;
-    assert_eq!(lean, fused + statistics as u64);
+    let token_rows = n * s.model.d_model * 4;
+    assert_eq!(lean, fused + (statistics + token_rows) as u64);
 }
 
 /// One vector of values per parameter.

@@ -171,12 +171,12 @@ fn the_fused_half_graph_halves_all_but_the_f32_stream_and_keeps_what_the_estimat
             "{dtype:?}: graph keeps {kept}, estimate {booked}"
         );
         // Every kept tensor in 2 bytes instead of 4 but the loss's two f32 scalars and the
-        // residual stream: each residual step's output stays in f32, and the stream adds two
-        // copies, the embedding's widened (4 bytes) and the last step's narrowed (2 bytes).
-        let stream = steps * nd * 4;
+        // residual stream: the embedding's output and each residual step's stay in f32, and the
+        // stream adds one copy, the last step's narrowed (2 bytes).
+        let stream = (steps + 1) * nd * 4;
         assert_eq!(
             kept - 8,
-            (f32_kept - 8 - stream) / 2 + stream + nd * (4 + 2),
+            (f32_kept - 8 - stream) / 2 + stream + nd * 2,
             "{dtype:?}: {kept} vs f32 {f32_kept}"
         );
     }

@@ -513,19 +513,23 @@ impl Gpt {
         }
     }
 
-    /// Token (+ learned position) embeddings, `[B·T, D]`; the token table's gradient goes into
-    /// `beside` when given.
+    /// Token (+ learned position) embeddings, `[B·T, D]`; with `beside` the tables' gradients go
+    /// there and the rows come as the residual stream (`ops::embedding_beside`).
     fn embed(&self, ids: &Tensor, w: &mut Weights, beside: Option<&ParamGrads>) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let d = self.spec.arch.hidden as usize;
         let ids_flat = ids.flatten_all()?;
-        let tok = match beside {
-            Some(grads) => {
-                let target = grads.target(&self.embed, w.dtype());
-                ops::embedding_beside(self.embed.as_tensor(), &ids_flat, w.dtype(), target)?
-            }
-            None => ops::embedding(&self.weight(w, &self.embed)?, &ids_flat)?,
-        };
+        if let Some(grads) = beside {
+            let positions = self.positions.as_ref().map(|p| ops::fused::Positions {
+                table: p.as_tensor().clone(),
+                len: t,
+                target: grads.target(p, w.dtype()),
+            });
+            let target = grads.target(&self.embed, w.dtype());
+            let table = self.embed.as_tensor();
+            return ops::embedding_beside(table, &ids_flat, w.dtype(), target, positions);
+        }
+        let tok = ops::embedding(&self.weight(w, &self.embed)?, &ids_flat)?;
         match &self.positions {
             None => Ok(tok),
             Some(positions) => {

@@ -244,16 +244,19 @@ pub fn grads_beside(weight: &Tensor) -> bool {
     fused_domain(&[weight]) && !plain()
 }
 
-/// Rows `ids` (`[N]` u32) of the f32 table `[V, D]` in `dtype`, the table's gradient added into
-/// `target` (`grads_beside`), not returned to the graph. The table is the `Var` itself: it keeps
-/// the op in the graph, and a `Var` may go without a gradient where a cast of it may not.
+/// Rows `ids` (`[N]` u32) of the f32 table `[V, D]` computed in `dtype`, with `positions`
+/// their learned position rows added, as the residual stream `widen_stream` makes (f32 storage,
+/// `dtype`'s values); the tables' gradients are added into their targets (`grads_beside`), not
+/// returned to the graph. The table is the `Var` itself: it keeps the op in the graph, and a
+/// `Var` may go without a gradient where a cast of it may not.
 pub fn embedding_beside(
     table: &Tensor,
     ids: &Tensor,
     dtype: DType,
     target: Arc<dyn GradTarget>,
+    positions: Option<fused::Positions>,
 ) -> Result<Tensor> {
-    fused::embedding(table, ids, dtype, target)
+    fused::embedding(table, ids, (dtype, DType::F32), target, positions)
 }
 
 /// The residual stream a half-precision forward on the fused CPU ops carries between its

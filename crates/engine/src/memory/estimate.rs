@@ -331,7 +331,8 @@ pub fn update_work_bytes(cfg: &Config) -> u64 {
 /// Compute-dtype copies the forward keeps through the micro-step: one of every parameter, or
 /// with checkpointing only of those outside the blocks (the blocks cast theirs transiently);
 /// a tied head is cast again from the token embedding for the head, and with the gradients
-/// beside the graph the embedding reads the f32 table uncast. Under LoRA the frozen base
+/// beside the graph the embedding reads the f32 tables (tokens and learned positions) uncast.
+/// Under LoRA the frozen base
 /// is in the compute dtype already: the adapters' casts only (all in the blocks).
 fn kept_cast_params(cfg: &Config) -> u64 {
     let a = &cfg.arch;
@@ -342,8 +343,9 @@ fn kept_cast_params(cfg: &Config) -> u64 {
         };
     }
     let table = a.vocab * a.hidden;
+    let uncast = table + a.positions_table * a.hidden;
     let all = a.param_count() + if a.tied { table } else { 0 }
-        - if cfg.grads_beside() { table } else { 0 };
+        - if cfg.grads_beside() { uncast } else { 0 };
     match checkpointed(cfg) {
         Some(_) => all - a.layers * a.layer_params(),
         None => all,

@@ -474,8 +474,10 @@ mod tests {
         assert!(bf16_peak < f32_peak, "bf16 {bf16_peak} vs f32 {f32_peak}");
         // Because the CPU keeps every activation in 2 bytes: half of f32's (the loss's two f32
         // scalars aside), with no f32 row statistics beside them, but for the residual stream:
-        // each step's output in f32, the embedding's widened copy (4 bytes) and the last
-        // step's narrowed one (2 bytes).
+        // each step's output in f32. The f32 lever's embedding writes the stream itself (one f32
+        // [N, D]); the bf16 lever offloads (its weights in bf16, so its embedding is not the
+        // fused one): the token rows and their sum with the positions in 2 bytes each, the
+        // widened copy (4) and the last step's narrowed one (2).
         let activations = |l: &Lever| estimate(&lever_config(&cfg, l)).backward.activations;
         let (a32, a16) = (activations(&v.levers[0]), activations(&v.levers[1]));
         let half = lever_config(&cfg, &v.levers[1]);
@@ -483,7 +485,7 @@ mod tests {
         let stream = 2 * half.arch.layers * nd * 4;
         assert_eq!(
             a16 - 8,
-            (a32 - 8 - stream) / 2 + stream + 6 * nd,
+            (a32 - 8 - stream - 4 * nd) / 2 + stream + 10 * nd,
             "bf16 {a16} vs f32 {a32}"
         );
     }

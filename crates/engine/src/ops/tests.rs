@@ -294,7 +294,7 @@ fn a_tied_weight_gradient_beside_the_graph_is_the_store_one_to_the_bit() {
         .backward()
         .unwrap();
     let held = Arc::new(Held::default());
-    let tok = embedding_beside(table.as_tensor(), &ids, DType::F32, held.clone()).unwrap();
+    let tok = embedding_beside(table.as_tensor(), &ids, DType::F32, held.clone(), None).unwrap();
     let beside = loss(tok, Some(held.clone())).unwrap().backward().unwrap();
     assert!(
         beside.get(table.as_tensor()).is_none(),
@@ -311,6 +311,73 @@ fn a_tied_weight_gradient_beside_the_graph_is_the_store_one_to_the_bit() {
         bits(beside.get(x.as_tensor()).unwrap()),
         bits(graph.get(x.as_tensor()).unwrap())
     );
+}
+
+#[test]
+fn learned_positions_added_by_the_fused_embedding_are_the_graph_sum_and_its_gradients() {
+    // Two sequences of three tokens; a position table of five rows (more than the sequence).
+    let (t, d, v) = (3, 8, 20);
+    let ids = Tensor::new(&[3u32, 0, 19, 3, 17, 19], &Device::Cpu).unwrap();
+    let table = Var::from_tensor(&random(&[v, d], 0.5, 96)).unwrap();
+    let positions = Var::from_tensor(&random(&[5, d], 0.5, 97)).unwrap();
+    let r = random(&[2 * t, d], 1.0, 98);
+    let bits = |t: &Tensor| -> Vec<u32> {
+        let values: Vec<f32> = t
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        values.iter().map(|f| f.to_bits()).collect()
+    };
+    let mut want = None;
+    for dtype in [DType::F32, DType::BF16] {
+        // Candle's graph: each table cast, the token rows gathered, the positions sliced and
+        // broadcast over the batch, the sum in the compute dtype.
+        let tok = embedding(&table.as_tensor().to_dtype(dtype).unwrap(), &ids).unwrap();
+        let pos = positions
+            .as_tensor()
+            .to_dtype(dtype)
+            .unwrap()
+            .narrow(0, 0, t)
+            .unwrap();
+        let sum = tok
+            .reshape((2, t, d))
+            .unwrap()
+            .broadcast_add(&pos)
+            .unwrap()
+            .reshape((2 * t, d))
+            .unwrap();
+        let loss = |x: &Tensor| (x.to_dtype(DType::F32)? * &r)?.sum_all();
+        let graph = loss(&sum).unwrap().backward().unwrap();
+        let (held_tok, held_pos) = (Arc::new(Held::default()), Arc::new(Held::default()));
+        let fused = embedding_beside(
+            table.as_tensor(),
+            &ids,
+            dtype,
+            held_tok.clone(),
+            Some(fused::Positions {
+                table: positions.as_tensor().clone(),
+                len: t,
+                target: held_pos.clone(),
+            }),
+        )
+        .unwrap();
+        assert_eq!(fused.dtype(), DType::F32, "the stream is stored in f32");
+        assert_eq!(bits(&fused), bits(&sum), "{dtype:?}: values");
+        let beside = loss(&fused).unwrap().backward().unwrap();
+        assert!(beside.get(positions.as_tensor()).is_none());
+        // The fused op's incoming gradient is f32, never rounded: in every dtype its tables'
+        // gradients are the f32 graph's to the bit (the bf16 graph rounds each row and sum).
+        let graph_f32 = want.get_or_insert_with(|| {
+            [&table, &positions].map(|v| bits(graph.get(v.as_tensor()).unwrap()))
+        });
+        for (held, want) in [&held_tok, &held_pos].iter().zip(graph_f32.iter()) {
+            let got: Vec<u32> = held.0.lock().unwrap().iter().map(|f| f.to_bits()).collect();
+            assert_eq!(&got, want, "{dtype:?}: gradients");
+        }
+    }
 }
 
 #[test]

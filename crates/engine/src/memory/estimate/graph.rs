@@ -109,11 +109,15 @@ pub(super) fn loss_scalar_bytes() -> u64 {
 /// sum with the positions; rotary families add their positions inside attention. Under LoRA
 /// the frozen embedding computes outside the graph and its output is copied into a leaf
 /// (`Gpt::forward_checkpointed`, PEFT's `enable_input_require_grads`): that copy only. A
-/// widened stream adds its f32 copy.
-fn embedding_bytes(s: &Shape) -> u64 {
+/// widened stream adds its f32 copy. The fused ops' embedding adds the positions and writes the
+/// stream itself (`ops::embedding_beside`): its output only.
+fn embedding_bytes(cfg: &Config, s: &Shape) -> u64 {
     let widened = if s.widened() { s.nd() * s.stream } else { 0 };
     if s.frozen {
         return s.nd() * s.c + widened;
+    }
+    if cfg.grads_beside() {
+        return s.nd() * s.stream;
     }
     (1 + u64::from(s.learned)) * s.nd() * s.c + widened
 }
@@ -152,7 +156,7 @@ pub fn activation_bytes(cfg: &Config) -> u64 {
         Some(segments) => segments.kept * s.nd() * s.stream,
         None => s.layers * block_bytes(cfg),
     };
-    embedding_bytes(&s) + blocks + final_norm_bytes(cfg, &s) + loss_scalar_bytes()
+    embedding_bytes(cfg, &s) + blocks + final_norm_bytes(cfg, &s) + loss_scalar_bytes()
 }
 
 /// How checkpointing splits the blocks: segment outputs kept through the forward, and the
@@ -204,7 +208,7 @@ pub fn checkpointed_forward_excess_bytes(cfg: &Config) -> u64 {
         .map(|i| {
             let size = per.min(s.layers - i * per);
             let held = (i + u64::from(size > 1)) * s.nd() * s.stream;
-            embedding_bytes(&s) + held + checkpointed_block_peak_bytes(cfg, size)
+            embedding_bytes(cfg, &s) + held + checkpointed_block_peak_bytes(cfg, size)
         })
         .max()
         .unwrap_or(0);

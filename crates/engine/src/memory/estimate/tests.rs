@@ -136,9 +136,15 @@ fn the_lean_step_keeps_the_fused_figure_and_its_row_statistics() {
         );
         let per_block = (2 * stats * n + 4 * a.heads * 32) * F32;
         let final_norm = stats * n * F32;
+        // The lean embedding keeps the token rows beside their sum with learned positions.
+        let token_rows = if a.positions_table > 0 {
+            n * a.hidden * F32
+        } else {
+            0
+        };
         assert_eq!(
             activation_bytes(&lean) - activation_bytes(&fused),
-            a.layers * per_block + final_norm,
+            a.layers * per_block + final_norm + token_rows,
             "{}",
             a.family
         );
@@ -165,11 +171,16 @@ fn a_tied_head_is_cast_again_from_the_token_embedding_unless_the_embedding_reads
             ..tiny(4, 1)
         };
         let a = &cfg.arch;
-        // The fused ops' embedding gathers from the f32 table: only the head casts it.
-        let table_casts = if fused { 1 } else { 2 };
+        // The fused ops' embedding gathers from the f32 tables: only the head casts the
+        // token table, and nothing casts the learned positions.
+        let (table_casts, positions) = if fused {
+            (1, a.positions_table * a.hidden)
+        } else {
+            (2, 0)
+        };
         assert_eq!(
             estimate(&cfg).forward.compute_weights,
-            (a.param_count() + (table_casts - 1) * a.vocab * a.hidden) * 2
+            (a.param_count() + (table_casts - 1) * a.vocab * a.hidden - positions) * 2
         );
     }
 }

@@ -33,7 +33,7 @@ mod transpose;
 pub use attention::causal_attention;
 pub use branch::branch;
 pub use cast::{to_bf16, widen};
-pub use embedding::embedding;
+pub use embedding::{embedding, Positions};
 pub use head::{block as head_block, linear_nll_sum};
 
 pub use linear::{act_linear, gelu_linear, linear, project};
