@@ -156,9 +156,8 @@ impl Attention {
         })
     }
 
-    /// `dqkv` (`[B·T, (H + 2·KV)·hd]`) from `qkv` and the output gradient `dy`, in f32 (products
-    /// as `forward_rows`'): the
-    /// probabilities are recomputed from `qkv`.
+    /// `dqkv` (`[B·T, (H + 2·KV)·hd]`) from `qkv` and the output gradient `dy`, in f32, the
+    /// products as `forward_rows` makes them: the probabilities are recomputed from `qkv`.
     pub(super) fn backward_rows(&self, qkv: &[f32], dy: &[f32]) -> Vec<f32> {
         let s = self.s;
         let (t, hd, width) = (s.t, s.head_dim, s.q_width());
