@@ -332,8 +332,8 @@ pub fn update_work_bytes(cfg: &Config) -> u64 {
 /// with checkpointing only of those outside the blocks (the blocks cast theirs transiently);
 /// a tied head is cast again from the token embedding for the head, and with the gradients
 /// beside the graph the embedding reads the f32 tables (tokens and learned positions) uncast.
-/// Under LoRA the frozen base
-/// is in the compute dtype already: the adapters' casts only (all in the blocks).
+/// Under LoRA the frozen base is in the compute dtype already: the adapters' casts only (all in
+/// the blocks).
 fn kept_cast_params(cfg: &Config) -> u64 {
     let a = &cfg.arch;
     if cfg.lora.is_some() {
