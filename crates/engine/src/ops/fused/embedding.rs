@@ -119,8 +119,11 @@ impl CustomOp2 for Embedding {
             }
             rows.extend_from_slice(&table[id * d..(id + 1) * d]);
         }
-        self.add_positions(&mut rows, d)?;
-        storage::round_in_place(&mut rows, self.dtype);
+        // Adding the positions rounds every value; without them, the rows are rounded here.
+        match self.positions {
+            Some(_) => self.add_positions(&mut rows, d)?,
+            None => storage::round_in_place(&mut rows, self.dtype),
+        }
         Ok((
             storage::in_dtype(rows, self.store)?,
             Shape::from((ids.len(), d)),
