@@ -41,6 +41,9 @@ pub(super) struct Shape {
     pub c: u64,
     /// The compute dtype differs from f32 (the fused ops widen their inputs into f32 copies).
     pub cast: bool,
+    /// The fused ops' bf16 products run on AMX tiles (`ops::fused::amx_products`), which read
+    /// weight matrices as stored: no f32 copies of them (`ops::fused` `storage::operand`).
+    pub tiles: bool,
     /// Bytes of a residual-stream element in the graph: f32 on the fused ops (half precision
     /// carries its stream widened, `ops::widen_stream`), else c.
     pub stream: u64,
@@ -74,12 +77,25 @@ impl Shape {
             learned: a.positions == Positions::Learned,
             c: cfg.dtype.size_in_bytes() as u64,
             cast: cfg.dtype != crate::control::Dtype::F32,
+            tiles: cfg.fused
+                && cfg.dtype == crate::control::Dtype::Bf16
+                && crate::ops::fused::amx_products(),
             stream: if cfg.fused {
                 F32
             } else {
                 cfg.dtype.size_in_bytes() as u64
             },
             frozen: cfg.lora.is_some(),
+        }
+    }
+
+    /// The fused ops read `matrix` elements of weight matrices through f32 copies: in half
+    /// storage, unless on tiles. Their bytes.
+    pub(super) fn matrix_copies(&self, matrix: u64) -> u64 {
+        if self.cast && !self.tiles {
+            matrix * F32
+        } else {
+            0
         }
     }
 
@@ -246,8 +262,8 @@ fn checkpointed_block_peak_bytes(cfg: &Config, blocks: u64) -> u64 {
         if !s.cast {
             return (3 * s.d + s.mlp + s.f) * s.n * F32 + packing;
         }
-        let widened = (s.mlp + s.f + s.d) * s.n + s.f * s.d;
-        return (3 * s.d + s.mlp) * s.n * c + widened * F32 + packing + casts;
+        let widened = (s.mlp + s.f + s.d) * s.n * F32 + s.matrix_copies(s.f * s.d);
+        return (3 * s.d + s.mlp) * s.n * c + widened + packing + casts;
     }
     let attention = (s.d + 2 * s.qkv) * s.n * c + (3 * attention_chunk(&s) + 2 * s.lse()) * F32;
     let mlp = (5 * s.d + s.mlp + s.f) * s.n * c;

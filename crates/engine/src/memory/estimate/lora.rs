@@ -142,18 +142,15 @@ fn adapter_grads(n: u64, r: u64, (i, o): (u64, u64), e: u64, drop: Option<u64>, 
 /// base): the second layer through `parts_backward_rows` (no packed [dx; dW]), attention's or
 /// the activation's gradient, the first layer's dx and the adapters' gradients, the norm's
 /// [dx; dgain (; dbias)] (computed, not kept), all in f32; on half storage beside the f32
-/// copies of dy, of every weight and of the tensors it reads.
+/// copies of dy, of its weights (`Step::widened`, the adapters' as matrices) and of the tensors
+/// it reads.
 pub(super) fn fused_step(cfg: &Config, a: &Adapters, s: &Shape, step: &Step, t: &mut Tape) {
     let (n, d, r) = (s.n, s.d, a.rank);
     let adapters = a.step_params(step, s);
     let mut layers = a.layers(step, s);
     let second_adapted = layers.pop().flatten();
     // dy comes in the f32 stream.
-    let widened = if s.cast {
-        (step.params(s) + adapters) * F32
-    } else {
-        0
-    };
+    let widened = step.widened(s) + s.matrix_copies(adapters);
     t.add(widened);
     // The second layer: its input's f32 copy (half storage), the activation's value (and the
     // GELU's slope), the input's gradient, the adapter's.

@@ -96,6 +96,21 @@ impl Step {
         norm + first + self.product * s.d + if self.second_bias { s.d } else { 0 }
     }
 
+    /// Elements of the step's weight matrices (its parameters but the norm's and the biases).
+    pub(super) fn matrices(&self, s: &Shape) -> u64 {
+        self.width() * s.d + self.product * s.d
+    }
+
+    /// Bytes of the f32 copies a fused step reads its weights through in half storage: all of
+    /// them, or the vectors alone where the matrices are read as stored (`Shape::tiles`).
+    pub(super) fn widened(&self, s: &Shape) -> u64 {
+        if !s.cast {
+            return 0;
+        }
+        let matrices = self.matrices(s);
+        (self.params(s) - matrices) * F32 + s.matrix_copies(matrices)
+    }
+
     /// Width of the first layer's output.
     pub(super) fn width(&self) -> u64 {
         self.first.iter().map(|p| p.0).sum()
@@ -128,9 +143,9 @@ fn packing(rows: u64, inner: u64, cols: u64) -> u64 {
 fn fused_step(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
     let (n, d) = (s.n, s.d);
     let params = step.params(s);
-    // Half storage: the op reads f32 copies of every weight for its whole run (dy comes in the
+    // Half storage: the op reads f32 copies of its weights for its whole run (dy comes in the
     // f32 stream).
-    let widened = if s.cast { params * F32 } else { 0 };
+    let widened = step.widened(s);
     t.add(widened);
     // The second layer: its packed [input's gradient; weight's; bias's], beside the input's
     // f32 copy (half storage) and the activation's recomputed value and slope (GELU) or
@@ -302,14 +317,16 @@ fn head_cast_bytes(cfg: &Config, s: &Shape) -> u64 {
 /// tensor and sum (3·N·D + D·V), then x's sum with W's zero tensor and sum (2·N·D + 3·D·V). A
 /// tied head's W is the token embedding: the same sizes.
 ///
-/// With half storage the inside also holds f32 copies of x and W (N·D + D·V), the packed result
+/// With half storage the inside also holds f32 copies of x and W (N·D + D·V; W read as stored
+/// on tiles: `Shape::matrix_copies`), the packed result
 /// is rounded into a half copy while the f32 one lives (N·D + D·V of each), and the store adds
 /// half gradients (c bytes each).
 fn fused_head_peak_bytes(s: &Shape) -> u64 {
     let (n, d, v) = (s.n, s.d, s.v);
     let packed = n * d + d * v;
     if s.cast {
-        let inside = (2 * packed + fused_head_block(s)) * F32;
+        // The packed result and x's f32 copy, W's (`Shape::matrix_copies`), a block of logits.
+        let inside = (packed + n * d + fused_head_block(s)) * F32 + s.matrix_copies(d * v);
         let rounding = packed * (F32 + s.c);
         let adding = (2 * n * d + 3 * d * v).max(3 * n * d + d * v) * s.c;
         return inside.max(rounding).max(adding);
@@ -324,12 +341,13 @@ fn fused_head_peak_bytes(s: &Shape) -> u64 {
 /// and W's f32 gradient (D·V, written by its first block of rows, or the embedding's) beside one
 /// block of logits and `gemm`'s packed copies of an untied W (`head_packing`); after it, the
 /// store adds dx (a zero tensor and the sum). With half storage the inside also holds f32
-/// copies of x and W, and dx is rounded into a half copy while the f32 one lives.
+/// copies of x and W (`Shape::matrix_copies`), and dx is rounded into a half copy while the f32
+/// one lives.
 fn beside_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
     let (nd, dv) = (s.nd(), s.d * s.v);
     let packing = head_packing(cfg, s);
     if s.cast {
-        let inside = (2 * nd + 2 * dv + fused_head_block(s)) * F32 + packing;
+        let inside = (2 * nd + dv + fused_head_block(s)) * F32 + s.matrix_copies(dv) + packing;
         let rounding = nd * (F32 + s.c) + dv * F32;
         return inside.max(rounding).max(3 * nd * s.c + dv * F32);
     }
@@ -337,7 +355,8 @@ fn beside_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
 }
 
 /// The head and loss's backward with a frozen head (LoRA): the same moments without dW. Fused:
-/// inside, dx and a block of logits (with half storage beside the f32 copies of x and W), then
+/// inside, dx and a block of logits (with half storage beside the f32 copies of x and W:
+/// `Shape::matrix_copies`), then
 /// dx rounded, then the store adding dx (a zero tensor and the sum beside it). Lean: the
 /// chunk's three tensors beside the rows of dx.
 fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
@@ -348,7 +367,7 @@ fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
     let chunk = fused_head_block(s);
     let packing = head_packing(cfg, s);
     if s.cast {
-        let inside = (2 * nd + dv + chunk) * F32 + packing;
+        let inside = (2 * nd + chunk) * F32 + s.matrix_copies(dv) + packing;
         return inside.max(nd * (F32 + s.c)).max(3 * nd * s.c);
     }
     ((nd + chunk) * F32 + packing).max(3 * nd * F32)
@@ -541,13 +560,13 @@ pub(super) fn head_forward_transient_bytes(cfg: &Config) -> u64 {
             return head.max(mlp);
         }
         // Half storage: the head's f32 copies of x and W; and the last block's MLP step, which
-        // holds f32 copies of its input, of every weight of the step and of its first layer's
+        // holds f32 copies of its input, of its weights (`Step::widened`), of its first layer's
         // output, the activation and its f32 result, and `gemm`'s packed second weight, before
         // that block's output and the final norm (2·N·D·c) exist.
         let nd = s.nd();
-        let head = head + (nd + s.d * s.v) * F32;
+        let head = head + nd * F32 + s.matrix_copies(s.d * s.v);
         let step = Step::mlp(cfg, &s);
-        let work = (2 * nd + s.n * (s.mlp + s.f) + step.params(&s)) * F32;
+        let work = (2 * nd + s.n * (s.mlp + s.f)) * F32 + step.widened(&s);
         let mlp = (work + packing(s.n, s.f, s.d)).saturating_sub(2 * nd * s.c);
         return head.max(mlp);
     }

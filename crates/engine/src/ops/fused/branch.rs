@@ -21,15 +21,14 @@
 //! output, then `qkv` and attention's output or the MLP's hidden layer (the GELU's input), all in
 //! the storage dtype (the input in the stream's).
 
-use std::borrow::Cow;
-
 use candle_core::{DType, Result, Tensor};
 
 use super::attention::Attention;
 use super::layer::{
     parts_backward_rows, parts_rows, second_backward_rows, second_rows, LowRank, Part,
 };
-use super::{norm_backward_rows, norm_rows, storage};
+use super::storage::{self, Operand};
+use super::{norm_backward_rows, norm_rows};
 use crate::ops::step::{GradSink, Middle, Step, StepWeights};
 use crate::ops::NormKind;
 
@@ -83,29 +82,45 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     Ok(f(&values))
 }
 
-/// `f` of several tensors' values as f32.
-fn with_all_f32<R>(ts: &[&Tensor], f: impl FnOnce(&[Cow<[f32]>]) -> R) -> Result<R> {
+/// `f` of a step's weights (`StepWeights::flat`), read as `Inputs` reads them: matrices as
+/// operands (`storage::operand`: bf16 as stored where products run on tiles), vectors (gains,
+/// shifts, biases) as f32.
+fn with_weights<R>(ts: &[&Tensor], f: impl FnOnce(&[Operand]) -> Result<R>) -> Result<R> {
     let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
     let values = guards
         .iter()
-        .map(|(g, l)| storage::input(storage::cpu(g, NAME)?, l, NAME))
+        .map(|(g, l)| {
+            let s = storage::cpu(g, NAME)?;
+            match l.dims().len() {
+                2 => storage::operand(s, l, NAME),
+                _ => Ok(Operand::F32(storage::input(s, l, NAME)?)),
+            }
+        })
         .collect::<Result<Vec<_>>>()?;
-    Ok(f(&values))
+    f(&values)
 }
 
-/// A step's weights as f32 values, in `StepWeights::flat` order, read by position.
-struct Values<'a> {
-    all: &'a [Cow<'a, [f32]>],
+/// A step's weights, in `StepWeights::flat` order, read by position.
+struct Inputs<'a> {
+    all: &'a [Operand<'a>],
     w: &'a StepWeights,
 }
 
-impl Values<'_> {
+impl Inputs<'_> {
+    /// Vector `i` (read in f32 by `with_weights`).
+    fn vector(&self, i: usize) -> &[f32] {
+        match &self.all[i] {
+            Operand::F32(v) => v,
+            Operand::Bf16(_) => unreachable!("vectors are read in f32"),
+        }
+    }
+
     fn gain(&self) -> &[f32] {
-        &self.all[0]
+        self.vector(0)
     }
 
     fn shift(&self) -> Option<&[f32]> {
-        self.w.shift.as_ref().map(|_| &self.all[1][..])
+        self.w.shift.as_ref().map(|_| self.vector(1))
     }
 
     /// The first layer's parts and the second layer, as `Part`s.
@@ -113,15 +128,15 @@ impl Values<'_> {
         let mut at = 1 + usize::from(self.w.shift.is_some());
         let mut parts = Vec::new();
         for d in self.w.first.iter().chain([&self.w.second]) {
-            let w = &self.all[at][..];
+            let w = self.all[at].values();
             at += 1;
-            let b = d.b.as_ref().map(|_| &self.all[at][..]);
+            let b = d.b.as_ref().map(|_| self.vector(at));
             at += usize::from(d.b.is_some());
             let adapter = match &d.adapter {
                 Some(a) => {
                     let lr = LowRank {
-                        a: &self.all[at],
-                        b: &self.all[at + 1],
+                        a: self.all[at].values(),
+                        b: self.all[at + 1].values(),
                         r: a.a.dim(1)?,
                         scale: a.scale as f32,
                         dropout: a.dropout.as_ref(),
@@ -168,10 +183,8 @@ impl Op {
         let (n, d) = x.dims2()?;
         let store = |v: Vec<f32>, cols: usize| storage::tensor(v, self.dtype, (n, cols));
         let eps = self.step.eps as f32;
-        let mut all = vec![x];
-        all.extend(w.flat());
-        with_all_f32(&all, |v| {
-            let (x, values) = (&v[0][..], Values { all: &v[1..], w });
+        let forward = |x: &[f32], all: &[Operand]| {
+            let values = Inputs { all, w };
             let (first, second) = values.layers()?;
             let round = storage::rounding(self.dtype);
             let normed = norm_rows(x, values.gain(), values.shift(), eps, self.step.norm, round);
@@ -190,7 +203,8 @@ impl Op {
             let cols = second_in.dim(1)?;
             let out = with_f32(&second_in, |v| second_rows(v, cols, &second, act, x))?;
             Ok((self.to_stream(out, n, d)?, kept))
-        })?
+        };
+        with_f32(x, |x| with_weights(&w.flat(), |all| forward(x, all)))?
     }
 
     /// The input's gradient (`to_stream`), and the trainable weights' (in
@@ -206,10 +220,8 @@ impl Op {
         let (n, d) = x.dims2()?;
         let dt = self.dtype;
         let base = !w.frozen;
-        let mut all = vec![dy];
-        all.extend(w.flat());
-        with_all_f32(&all, |v| {
-            let (dy, values) = (&v[0][..], Values { all: &v[1..], w });
+        let backward = |dy: &[f32], all: &[Operand]| {
+            let values = Inputs { all, w };
             let (first, second) = values.layers()?;
             let second_in = kept.last().unwrap_or(x);
             let cols = second_in.dim(1)?;
@@ -253,7 +265,8 @@ impl Op {
             }
             norm.truncate(n * d);
             Ok((self.to_stream(norm, n, d)?, grads))
-        })?
+        };
+        with_f32(dy, |dy| with_weights(&w.flat(), |all| backward(dy, all)))?
     }
 }
 

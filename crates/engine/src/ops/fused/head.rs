@@ -25,6 +25,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor}
 
 use super::{
     f32_slice, filled, for_units, log_sum_exp, matmul, storage, u32_slice, Mat, MatMut, Shared,
+    Values,
 };
 use crate::ops::{vmath, GradTarget, WeightLayout};
 
@@ -132,10 +133,10 @@ impl Dims {
     }
 
     /// Columns `cols` of W as the `d × v` matrix the logits multiply by.
-    fn w(&self, w: &[f32], cols: &Range<usize>) -> Mat {
+    fn w(&self, w: Values, cols: &Range<usize>) -> Mat {
         let w = match self.layout {
-            WeightLayout::InOut => Mat::rows(w, self.v),
-            WeightLayout::OutIn => Mat::rows(w, self.d).t(),
+            WeightLayout::InOut => Mat::of(w, self.v),
+            WeightLayout::OutIn => Mat::of(w, self.d).t(),
         };
         w.columns(cols.clone())
     }
@@ -182,7 +183,7 @@ fn with_labels<R>(
 fn block_logits(
     buf: &mut [f32],
     x: &[f32],
-    w: &[f32],
+    w: Values,
     dims: Dims,
     rows: &Range<usize>,
     cols: &Range<usize>,
@@ -220,8 +221,8 @@ impl CustomOp2 for LinearNll {
     ) -> Result<(CpuStorage, Shape)> {
         let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let x = storage::input(xs, xl, self.name())?;
-        let w = storage::input(ws, wl, self.name())?;
-        let (x, w) = (&x[..], &w[..]);
+        let w = storage::operand(ws, wl, self.name())?;
+        let (x, w) = (&x[..], w.values());
         let dims = Dims::of(xl, wl, self.layout);
         let (losses, shifts) = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
             Ok(finish(&row_statistics(x, w, dims, targets), mask))
@@ -280,7 +281,7 @@ impl CustomOp2 for LinearNll {
 const STATS: usize = 3;
 
 /// Each row's statistics (`STATS` values per row), folded block by block.
-fn row_statistics(x: &[f32], w: &[f32], dims: Dims, targets: &[u32]) -> Vec<f32> {
+fn row_statistics(x: &[f32], w: Values, dims: Dims, targets: &[u32]) -> Vec<f32> {
     let mut stats: Vec<f32> = (0..dims.n)
         .flat_map(|_| [f32::NEG_INFINITY, 0.0, 0.0])
         .collect();
@@ -364,9 +365,9 @@ impl CustomOp2 for LinearNllBackward {
         let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let (xw, ww) = (
             storage::input(xs, xl, self.name())?,
-            storage::input(ws, wl, self.name())?,
+            storage::operand(ws, wl, self.name())?,
         );
-        let (x, w) = (&xw[..], &ww[..]);
+        let (x, w) = (&xw[..], ww.values());
         let dims = Dims::of(xl, wl, self.layout);
         let Dims { n, d, v, .. } = dims;
         if self.shifts.len() != n {
@@ -436,7 +437,7 @@ struct Labels<'a> {
 /// `dx` and `dw` point to buffers of those sizes that nothing else reads or writes meanwhile.
 unsafe fn backward_blocks(
     x: &[f32],
-    w: &[f32],
+    w: Values,
     dims: Dims,
     labels: &Labels,
     dx: *mut f32,

@@ -12,16 +12,16 @@ use std::borrow::Cow;
 use super::linear::{
     activated, gelu_with_slope, linear_backward_rows, linear_rows, swiglu_backward,
 };
-use super::{column_sums, filled, for_ranges, matmul, Mat, MatMut};
+use super::{column_sums, filled, for_ranges, matmul, Mat, MatMut, Values};
 use crate::ops::dropout::Dropout;
 use crate::ops::Activation;
 
 /// An adapter's factors as the kernels read them.
 pub(super) struct LowRank<'a> {
     /// `A`, `[i, r]`.
-    pub a: &'a [f32],
+    pub a: Values<'a>,
     /// `B`, `[r, o]`.
-    pub b: &'a [f32],
+    pub b: Values<'a>,
     /// The rank.
     pub r: usize,
     /// `alpha / r`.
@@ -33,7 +33,7 @@ pub(super) struct LowRank<'a> {
 /// One weight of a layer: `w` `[i, o]`, its bias `[o]` and its adapter, when it has them.
 pub(super) struct Part<'a> {
     /// The weight's values.
-    pub w: &'a [f32],
+    pub w: Values<'a>,
     /// The bias's values.
     pub b: Option<&'a [f32]>,
     /// Its output width.
@@ -64,7 +64,7 @@ fn low_rank_product(x: &[f32], i: usize, lr: &LowRank) -> Vec<f32> {
         matmul(
             MatMut::new(out.offset(0), n, lr.r, lr.r),
             Mat::rows(x, i),
-            Mat::rows(lr.a, lr.r),
+            Mat::of(lr.a, lr.r),
             false,
             true,
         )
@@ -99,9 +99,9 @@ pub(super) fn parts_rows(x: &[f32], i: usize, parts: &[Part]) -> Vec<f32> {
             // adapter's buffers are other buffers.
             unsafe {
                 let dst = || MatMut::new(out.offset(at), n, p.o, width);
-                matmul(dst(), Mat::rows(x, i), Mat::rows(p.w, p.o), true, true);
+                matmul(dst(), Mat::rows(x, i), Mat::of(p.w, p.o), true, true);
                 if let (Some(lr), Some(xa)) = (&p.adapter, &xa) {
-                    matmul(dst(), Mat::rows(xa, lr.r), Mat::rows(lr.b, p.o), true, true);
+                    matmul(dst(), Mat::rows(xa, lr.r), Mat::of(lr.b, p.o), true, true);
                 }
             }
             at += p.o;
@@ -141,7 +141,7 @@ pub(super) fn parts_backward_rows(
                     matmul(
                         MatMut::new(out.offset(0), n, lr.r, lr.r),
                         *dyp,
-                        Mat::rows(lr.b, p.o).t(),
+                        Mat::of(lr.b, p.o).t(),
                         false,
                         true,
                     )
@@ -158,7 +158,7 @@ pub(super) fn parts_backward_rows(
             // add; dy, w, t and A are other buffers.
             unsafe {
                 let dst = || MatMut::new(out.offset(0), n, i, i);
-                matmul(dst(), *dyp, Mat::rows(p.w, p.o).t(), k > 0, true);
+                matmul(dst(), *dyp, Mat::of(p.w, p.o).t(), k > 0, true);
                 match (&p.adapter, t) {
                     (Some(lr), Some(t)) if lr.dropout.is_some() => {
                         add_masked_back(out.rows(&(0..n), i), t, lr, i);
@@ -166,7 +166,7 @@ pub(super) fn parts_backward_rows(
                     (Some(lr), Some(t)) => matmul(
                         dst(),
                         Mat::rows(t, lr.r),
-                        Mat::rows(lr.a, lr.r).t(),
+                        Mat::of(lr.a, lr.r).t(),
                         true,
                         true,
                     ),
@@ -228,7 +228,7 @@ fn add_masked_back(dx: &mut [f32], t: &[f32], lr: &LowRank, i: usize) {
         matmul(
             MatMut::new(out.offset(0), n, i, i),
             Mat::rows(t, lr.r),
-            Mat::rows(lr.a, lr.r).t(),
+            Mat::of(lr.a, lr.r).t(),
             false,
             true,
         )
@@ -268,7 +268,7 @@ pub(super) fn second_rows(
         matmul(
             MatMut::rows(&mut out, layer.o),
             Mat::rows(&xa, lr.r),
-            Mat::rows(lr.b, layer.o),
+            Mat::of(lr.b, layer.o),
             true,
             true,
         )

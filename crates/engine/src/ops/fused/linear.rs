@@ -8,7 +8,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{column_sums, filled, for_ranges, for_units, matmul, storage, Mat, MatMut};
+use super::{column_sums, filled, for_ranges, for_units, matmul, storage, Mat, MatMut, Values};
 use crate::ops::{vmath, Activation};
 
 /// `x·w + b` for `x` `[N, I]`, `w` `[I, O]`, `b` `[O]`.
@@ -127,7 +127,7 @@ pub(super) fn activated(h: &[f32], act: Activation, i: usize) -> Vec<f32> {
 /// extra pass.
 pub(super) fn linear_rows(
     x: &[f32],
-    w: &[f32],
+    w: Values,
     b: Option<&[f32]>,
     o: usize,
     act: Activation,
@@ -144,7 +144,7 @@ pub(super) fn linear_rows(
 /// (`db` only with a bias).
 pub(super) fn linear_backward_rows(
     x: &[f32],
-    w: &[f32],
+    w: Values,
     dy: &[f32],
     cols: usize,
     act: Activation,
@@ -165,7 +165,7 @@ impl Linear {
     fn forward(
         &self,
         x: &[f32],
-        w: &[f32],
+        w: Values,
         b: Option<&[f32]>,
         o: usize,
         residual: Option<&[f32]>,
@@ -202,7 +202,7 @@ impl Linear {
                 matmul(
                     MatMut::new(out.offset(0), n, o, o),
                     Mat::rows(input, i),
-                    Mat::rows(w, o),
+                    Mat::of(w, o),
                     starts,
                     true,
                 )
@@ -240,9 +240,9 @@ impl CustomOp2 for Linear {
     ) -> Result<(CpuStorage, Shape)> {
         let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let x = storage::input(xs, xl, CustomOp2::name(self))?;
-        let w = storage::input(ws, wl, CustomOp2::name(self))?;
+        let w = storage::operand(ws, wl, CustomOp2::name(self))?;
         let (n, o) = (xl.dims()[0], wl.dims()[1]);
-        let y = self.forward(&x, &w, None, o, None);
+        let y = self.forward(&x, w.values(), None, o, None);
         drop((x, w));
         Ok((storage::stored(y, xs)?, Shape::from((n, o))))
     }
@@ -279,10 +279,10 @@ impl CustomOp3 for Linear {
     ) -> Result<(CpuStorage, Shape)> {
         let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let x = storage::input(xs, xl, CustomOp3::name(self))?;
-        let w = storage::input(ws, wl, CustomOp3::name(self))?;
+        let w = storage::operand(ws, wl, CustomOp3::name(self))?;
         let b = storage::input(bs, bl, CustomOp3::name(self))?;
         let (n, o) = (xl.dims()[0], b.len());
-        let y = self.forward(&x, &w, Some(&b), o, None);
+        let y = self.forward(&x, w.values(), Some(&b), o, None);
         drop((x, w, b));
         Ok((storage::stored(y, xs)?, Shape::from((n, o))))
     }
@@ -321,9 +321,9 @@ impl CustomOp3 for LinearBackward {
         let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let packed = {
             let x = storage::input(xs, xl, self.name())?;
-            let w = storage::input(ws, wl, self.name())?;
+            let w = storage::operand(ws, wl, self.name())?;
             let dy = storage::input(gs, gl, self.name())?;
-            self.packed(&x, &w, &dy, xl.dims()[1])
+            self.packed(&x, w.values(), &dy, xl.dims()[1])
         };
         let len = packed.len();
         Ok((storage::stored(packed, xs)?, Shape::from(len)))
@@ -332,7 +332,7 @@ impl CustomOp3 for LinearBackward {
 
 impl LinearBackward {
     /// `[dx; dw; db]` in f32 from the f32 values of `x` (`[N, cols]`), `w` and `dy`.
-    fn packed(&self, x: &[f32], w: &[f32], dy: &[f32], cols: usize) -> Vec<f32> {
+    fn packed(&self, x: &[f32], w: Values, dy: &[f32], cols: usize) -> Vec<f32> {
         let act = self.0.act;
         let n = x.len() / cols;
         let i = act.product_width(cols);
@@ -354,7 +354,7 @@ impl LinearBackward {
                 matmul(
                     MatMut::new(out.offset(0), n, i, i),
                     Mat::rows(dy, o),
-                    Mat::rows(w, o).t(),
+                    Mat::of(w, o).t(),
                     false,
                     true,
                 )
@@ -370,7 +370,7 @@ impl LinearBackward {
                     matmul(
                         MatMut::new(out.offset(0), n, i, i),
                         Mat::rows(dy, o),
-                        Mat::rows(w, o).t(),
+                        Mat::of(w, o).t(),
                         false,
                         true,
                     );

@@ -6,7 +6,8 @@
 //!
 //! Callers (`crate::ops`) route CPU tensors stored in f32, bf16 or f16 here (all of one op's
 //! float inputs in one dtype; the loss mask f32); the arithmetic is f32 whatever the storage
-//! (`storage`), but for a bf16 op's products where the CPU has AMX (`tiles`).
+//! (`storage`), but for a bf16 op's products where the CPU has AMX (`tiles`), which read the
+//! weight matrices as stored (`Values::Bf16`).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -130,10 +131,44 @@ fn filled(n: usize, fill: impl FnOnce(Shared)) -> Vec<f32> {
     v
 }
 
-/// A read-only strided f32 matrix.
+/// Where a matrix's values start: f32, or bf16 (read by tile products as they are, widened for
+/// `gemm`: `Values::Bf16`).
+#[derive(Clone, Copy)]
+enum Ptr {
+    F32(*const f32),
+    Bf16(*const u16),
+}
+
+impl Ptr {
+    /// `count` values on (wrapping: the result is only read inside the view).
+    fn offset(self, count: isize) -> Ptr {
+        match self {
+            Ptr::F32(p) => Ptr::F32(p.wrapping_offset(count)),
+            Ptr::Bf16(p) => Ptr::Bf16(p.wrapping_offset(count)),
+        }
+    }
+}
+
+/// An op's values as its products read them: f32, or bf16 as stored (`storage::operand`).
+#[derive(Clone, Copy)]
+pub(super) enum Values<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+}
+
+impl Values<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Values::F32(v) => v.len(),
+            Values::Bf16(v) => v.len(),
+        }
+    }
+}
+
+/// A read-only strided matrix of f32 or bf16 values.
 #[derive(Clone, Copy)]
 struct Mat {
-    ptr: *const f32,
+    ptr: Ptr,
     rows: usize,
     cols: usize,
     row_stride: isize,
@@ -144,7 +179,7 @@ impl Mat {
     /// `rows × cols` with rows `row_stride` apart and contiguous columns.
     fn new(ptr: *const f32, rows: usize, cols: usize, row_stride: usize) -> Mat {
         Mat {
-            ptr,
+            ptr: Ptr::F32(ptr),
             rows,
             cols,
             row_stride: row_stride as isize,
@@ -157,11 +192,26 @@ impl Mat {
         Mat::new(v.as_ptr(), v.len() / cols, cols, cols)
     }
 
+    /// `values` as a contiguous row-major matrix of `cols` columns.
+    fn of(values: Values, cols: usize) -> Mat {
+        match values {
+            Values::F32(v) => Mat::rows(v, cols),
+            Values::Bf16(v) => Mat {
+                // bf16 is a transparent u16.
+                ptr: Ptr::Bf16(v.as_ptr().cast()),
+                rows: v.len() / cols,
+                cols,
+                row_stride: cols as isize,
+                col_stride: 1,
+            },
+        }
+    }
+
     /// Columns `c` of this matrix.
     fn columns(self, c: Range<usize>) -> Mat {
         assert!(c.end <= self.cols);
         Mat {
-            ptr: self.ptr.wrapping_offset(c.start as isize * self.col_stride),
+            ptr: self.ptr.offset(c.start as isize * self.col_stride),
             cols: c.len(),
             ..self
         }
@@ -175,6 +225,25 @@ impl Mat {
             col_stride: self.row_stride,
             ..self
         }
+    }
+
+    /// This view's values in f32: itself when f32, else widened into `buf` (`rows × cols`,
+    /// row-major), for `gemm`.
+    ///
+    /// # Safety
+    /// The view lies in a live buffer.
+    unsafe fn widened(self, buf: &mut Vec<f32>) -> Mat {
+        let Ptr::Bf16(p) = self.ptr else { return self };
+        buf.clear();
+        buf.reserve(self.rows * self.cols);
+        for r in 0..self.rows as isize {
+            buf.extend((0..self.cols as isize).map(|c| {
+                // SAFETY: row r, column c of the caller's in-bounds view.
+                let bits = unsafe { *p.offset(r * self.row_stride + c * self.col_stride) };
+                f32::from_bits(u32::from(bits) << 16)
+            }));
+        }
+        Mat::rows(buf, self.cols)
     }
 }
 
@@ -233,10 +302,14 @@ unsafe fn matmul(dst: MatMut, a: Mat, b: Mat, accumulate: bool, parallel: bool) 
         // SAFETY: the caller's contract, for all of dst.
         return unsafe { gemm_block(&dst, a, b, accumulate, 0..dst.rows) };
     }
-    let (split, gemm_block): (_, BlockProduct) = if tiles::fit(a.cols) {
-        (tiles::split(dst.rows, b.cols), tiles::gemm_block)
+    let (mut wide_a, mut wide_b) = (Vec::new(), Vec::new());
+    let (split, gemm_block, a, b): (_, BlockProduct, _, _) = if tiles::fit(a.cols) {
+        (tiles::split(dst.rows, b.cols), tiles::gemm_block, a, b)
     } else {
-        (matmul_split(dst.rows, a.cols, b.cols), gemm_block)
+        // bf16 operands are widened once here, not by every block.
+        // SAFETY: the caller's views are in bounds.
+        let (a, b) = unsafe { (a.widened(&mut wide_a), b.widened(&mut wide_b)) };
+        (matmul_split(dst.rows, a.cols, b.cols), gemm_block, a, b)
     };
     let dst = &dst;
     // One thread runs the same blocks in order (tiles: any blocks give the same bits), so the
@@ -343,6 +416,14 @@ pub fn rhs_packing(rows: usize, inner: usize, cols: usize) -> (u64, usize) {
 /// # Safety
 /// As `matmul`, and no other thread writes rows `r` of `dst` meanwhile.
 unsafe fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, r: Range<usize>) {
+    let (Ptr::F32(pa), Ptr::F32(pb)) = (a.ptr, b.ptr) else {
+        let (mut wide_a, mut wide_b) = (Vec::new(), Vec::new());
+        // SAFETY: the caller's contract; the widened copies are f32.
+        return unsafe {
+            let (a, b) = (a.widened(&mut wide_a), b.widened(&mut wide_b));
+            gemm_block(dst, a, b, accumulate, r)
+        };
+    };
     // SAFETY: the views are in bounds of live buffers (callers' contract), rows `r` of dst are
     // written by this call alone, and dst does not overlap a or b.
     unsafe {
@@ -354,10 +435,10 @@ unsafe fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, r: Range<us
             1,
             dst.row_stride as isize,
             accumulate,
-            a.ptr.offset(r.start as isize * a.row_stride),
+            pa.offset(r.start as isize * a.row_stride),
             a.col_stride,
             a.row_stride,
-            b.ptr,
+            pb,
             b.col_stride,
             b.row_stride,
             1.0,

@@ -1,7 +1,8 @@
 //! The fused ops' storage dtypes: f32, bf16 and f16, with f32 arithmetic (but bf16 products on
 //! AMX tiles where the CPU has them: `tiles`, bf16 operands and f32 sums). An op reads a
 //! half-precision input by widening it into an f32 buffer of its own (freed when the op
-//! returns), runs the f32 kernel, and rounds its result once to the storage dtype. Gradients
+//! returns), runs the f32 kernel, and rounds its result once to the storage dtype; a bf16 weight
+//! matrix that only tile products read is borrowed as stored (`operand`). Gradients
 //! come out of the same kernels, so a weight's or a bias's gradient is summed over every row in
 //! f32 and rounded once, never accumulated in the half type.
 
@@ -44,6 +45,36 @@ pub(super) fn input<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<Cow<'
             other.dtype()
         ),
     })
+}
+
+/// An op's matrix input as its products read it (`operand`).
+pub(super) enum Operand<'a> {
+    F32(Cow<'a, [f32]>),
+    Bf16(&'a [bf16]),
+}
+
+impl Operand<'_> {
+    pub(super) fn values(&self) -> super::Values<'_> {
+        match self {
+            Operand::F32(v) => super::Values::F32(v),
+            Operand::Bf16(v) => super::Values::Bf16(v),
+        }
+    }
+}
+
+/// A matrix an op only multiplies by: stored bf16 borrowed as it is where this thread's
+/// products run on tiles (`tiles::chosen`), which read bf16 (no f32 copy made, and half the
+/// bytes packed), else `input`'s f32 values.
+pub(super) fn operand<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<Operand<'a>> {
+    match s {
+        CpuStorage::BF16(v) if super::tiles::chosen() => {
+            let Some((a, b)) = l.contiguous_offsets() else {
+                candle_core::bail!("{op}: input must be contiguous")
+            };
+            Ok(Operand::Bf16(&v[a..b]))
+        }
+        _ => Ok(Operand::F32(input(s, l, op)?)),
+    }
 }
 
 /// `values` stored in the dtype of `like` (the op's input), each rounded once (to nearest,

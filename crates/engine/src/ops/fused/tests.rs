@@ -238,3 +238,41 @@ fn tile_products_give_the_same_bits_however_they_are_cut() {
     assert!(rows == whole, "cut into rows 0..37, 37..{m}");
     assert!(columns == whole, "cut into columns 0..45, 45..{n}");
 }
+
+/// bf16 operands read as stored (`Values::Bf16`: on tiles, or widened for `gemm` where the
+/// product is shallower than a tile or the CPU has no AMX) give the bits of the same values in
+/// f32, from row-major and transposed views. The shapes include whole blocks (no padding, so
+/// the packing alone writes the slab, which holds the products' before it).
+#[test]
+fn bf16_operands_read_as_stored_give_the_bits_of_their_f32_values() {
+    let _bf16 = tiles::scope_if(true);
+    for (m, k, n) in [(97, 70, 300), (40, 8, 50), (64, 64, 96), (128, 384, 64)] {
+        let round =
+            |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
+        let (a, b) = (round(values(m * k, 8)), round(values(k * n, 9)));
+        let wide = |v: &[half::bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
+        let (af, bf) = (wide(&a), wide(&b));
+        let turned = |v: &[half::bf16], rows: usize, cols: usize| -> Vec<half::bf16> {
+            (0..rows * cols)
+                .map(|i| v[(i % rows) * cols + i / rows])
+                .collect()
+        };
+        let (at, bt) = (turned(&a, m, k), turned(&b, k, n));
+        let (atf, btf) = (wide(&at), wide(&bt));
+        let product = |left: Mat, right: Mat| -> Vec<u32> {
+            let mut dst = values(m * n, 10);
+            // SAFETY: the views lie inside this test's live buffers, apart from `dst`.
+            unsafe { matmul(MatMut::rows(&mut dst, n), left, right, true, true) };
+            dst.iter().map(|x| x.to_bits()).collect()
+        };
+        let f32s = product(Mat::rows(&af, k), Mat::rows(&bf, n));
+        let stored = product(Mat::of(Values::Bf16(&a), k), Mat::of(Values::Bf16(&b), n));
+        assert!(stored == f32s, "{m}x{k}x{n}");
+        let stored_t = product(
+            Mat::of(Values::Bf16(&at), m).t(),
+            Mat::of(Values::Bf16(&bt), k).t(),
+        );
+        let f32s_t = product(Mat::rows(&atf, m).t(), Mat::rows(&btf, k).t());
+        assert!(stored_t == f32s_t, "{m}x{k}x{n} transposed");
+    }
+}

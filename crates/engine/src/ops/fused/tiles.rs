@@ -1,16 +1,18 @@
 //! Products on AMX tiles (`tdpbf16ps`): bf16 operands, f32 sums. Where the CPU has AMX
 //! (Sapphire Rapids and later Xeons) and the kernel grants the process its tile state, a bf16
 //! model's products run here instead of widening bf16 to f32 for `gemm`: one `tdpbf16ps`
-//! multiplies a 16×32 by a 32×16 block (16,384 multiply-adds), many times `gemm`'s f32 rate
+//! multiplies a 16×32 by a 32×16 block (8,192 multiply-adds), many times `gemm`'s f32 rate
 //! (docs/PERFORMANCE.md).
 //!
-//! Operands are packed from their f32 views into bf16 (rounded to nearest, ties to even; values
-//! a bf16 tensor holds are exact): the left-hand rows as rows of 32-column tiles, the right-hand
-//! columns in the pair-interleaved ("VNNI") panels `tdpbf16ps` reads. They are packed into
-//! `gemm`'s own per-thread slab (`ops::workspace`, which the memory estimate already counts), in
-//! passes of at most 384 inner values (`plan`); every value's sums run in one order wherever its
-//! block falls, so results depend neither on the thread count nor on how a product
-//! is cut (`split`: one block per thread). `GACCWB_AMX=off` keeps bf16 products in f32 `gemm`.
+//! Operands are packed into bf16 from f32 views (rounded to nearest, ties to even; values a
+//! bf16 tensor holds are exact) or from bf16 ones as stored (`Values::Bf16`: weights, half the
+//! bytes to read and no f32 copy): the left-hand rows as rows of 32-column tiles, the
+//! right-hand columns in the pair-interleaved ("VNNI") panels `tdpbf16ps` reads. They are
+//! packed into `gemm`'s own per-thread slab (`ops::workspace`, which the memory estimate already
+//! counts, cache-line aligned: tile rows that cross lines load at a third of the rate), in passes
+//! of at most 384 inner values (`plan`); every value's sums run in one order wherever its block
+//! falls, so results depend neither on the thread count nor on how a product is cut (`split`:
+//! one block per thread). `GACCWB_AMX=off` keeps bf16 products in f32 `gemm`.
 
 use std::cell::Cell;
 use std::mem::MaybeUninit;
@@ -20,7 +22,7 @@ use std::sync::OnceLock;
 use candle_core::DType;
 
 use super::transpose::transposed;
-use super::{storage::bf16_bits, Mat, MatMut};
+use super::{storage::bf16_bits, Mat, MatMut, Ptr};
 use crate::ops::vmath;
 
 /// The variable that turns the tile products off (`off`); unset or anything else leaves them
@@ -130,19 +132,20 @@ pub(super) unsafe fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, 
     cpu::configure();
     gemm_common::gemm::L2_SLAB.with(|slab| {
         let mut slab = slab.borrow_mut();
+        initialise(&mut slab);
         let (panel_mem, strip_mem) = slab.split_at_mut(nc * kc * 2);
         for jb in (0..n).step_by(nc) {
             let cols = nc.min(n - jb);
             for kb in (0..k).step_by(kc) {
                 let depth = kc.min(k - kb);
                 let kp = pad(depth, DEPTH);
-                let panels = zeroed(panel_mem, pad(cols, BLOCK) * kp);
+                let panels = packed(panel_mem, pad(cols, BLOCK) * kp, cols % BLOCK + kp - depth);
                 // SAFETY: inner rows kb.. and columns jb.. of the caller's in-bounds view.
                 unsafe { pack_panels(panels, kp, inner_rows(b, kb, depth).columns(jb..jb + cols)) };
                 let add = accumulate || kb > 0;
                 for strip in (0..m).step_by(STRIP) {
                     let rows = STRIP.min(m - strip);
-                    let lhs = zeroed(strip_mem, pad(rows, BLOCK) * kp);
+                    let lhs = packed(strip_mem, pad(rows, BLOCK) * kp, rows % BLOCK + kp - depth);
                     // SAFETY: rows r.start+strip.. and columns kb.. of `a` lie in its view.
                     unsafe { pack_rows(lhs, kp, a.columns(kb..kb + depth), r.start + strip, rows) };
                     let at = r.start + strip;
@@ -233,22 +236,40 @@ unsafe fn write(dst: &MatMut, sums: &[f32], rows: Range<usize>, j: usize, end: u
 /// Rows `start..start+len` of `b`.
 fn inner_rows(b: Mat, start: usize, len: usize) -> Mat {
     Mat {
-        ptr: b.ptr.wrapping_offset(start as isize * b.row_stride),
+        ptr: b.ptr.offset(start as isize * b.row_stride),
         rows: len,
         ..b
     }
 }
 
-/// The first `len` u16 of `mem`, zeroed (the padding past a block's values must read zero).
-fn zeroed(mem: &mut [MaybeUninit<u8>], len: usize) -> &mut [u16] {
-    assert!(len * 2 <= mem.len() && mem.as_ptr().align_offset(4) == 0);
-    let ptr = mem.as_mut_ptr().cast::<u16>();
-    // SAFETY: `len` u16 fit in `mem` (checked), which is 4-aligned (checked); zero is a valid
-    // u16, written before the slice is made.
-    unsafe {
-        ptr.write_bytes(0, len);
-        std::slice::from_raw_parts_mut(ptr, len)
+thread_local! {
+    /// Whether this thread's slab has been zeroed: once, before its first tile product.
+    static INITIALISED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Zeroes this thread's slab once, so that its bytes are initialised from then on: every later
+/// write (the packing here, `gemm`'s) stores whole values.
+fn initialise(slab: &mut [MaybeUninit<u8>]) {
+    if !INITIALISED.with(Cell::get) {
+        slab.fill(MaybeUninit::new(0));
+        INITIALISED.with(|c| c.set(true));
     }
+}
+
+/// The first `len` u16 of `mem` (initialised: `initialise`) for a packed operand, zeroed first
+/// where it has padding (`padding` > 0: a block's edge rows or columns, or a depth short of whole
+/// tiles), which must read zero; without padding the packing writes every value.
+fn packed(mem: &mut [MaybeUninit<u8>], len: usize, padding: usize) -> &mut [u16] {
+    assert!(len * 2 <= mem.len() && mem.as_ptr().align_offset(4) == 0);
+    assert!(INITIALISED.with(Cell::get));
+    let ptr = mem.as_mut_ptr().cast::<u16>();
+    // SAFETY: `len` u16 fit in `mem` (checked), which is 4-aligned (checked) and initialised
+    // (`initialise`, checked); any bits are a valid u16.
+    let values = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+    if padding > 0 {
+        values.fill(0);
+    }
+    values
 }
 
 fn pad(n: usize, to: usize) -> usize {
@@ -290,17 +311,76 @@ impl Drop for Scope {
     }
 }
 
-/// Rows `start..start+m` of `a` as bf16 rows of `kp` values. Columns past `a.cols` stay zero;
-/// rows past `m` keep what they held, as they feed only sums that are not written.
+/// A value an operand is packed from: f32 (rounded to bf16) or bf16 bits (as they are).
+trait Elem: Copy {
+    const ZERO: Self;
+    fn bits(self) -> u16;
+}
+
+impl Elem for f32 {
+    const ZERO: f32 = 0.0;
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        bf16_bits(self)
+    }
+}
+
+impl Elem for u16 {
+    const ZERO: u16 = 0;
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        self
+    }
+}
+
+/// A `Mat` whose values' type is resolved.
+#[derive(Clone, Copy)]
+struct View<T> {
+    ptr: *const T,
+    rows: usize,
+    cols: usize,
+    row_stride: isize,
+    col_stride: isize,
+}
+
+impl<T> View<T> {
+    fn of(m: Mat, ptr: *const T) -> View<T> {
+        View {
+            ptr,
+            rows: m.rows,
+            cols: m.cols,
+            row_stride: m.row_stride,
+            col_stride: m.col_stride,
+        }
+    }
+}
+
+/// Rows `start..start+m` of `a` as bf16 rows of `kp` values. Columns past `a.cols` and rows
+/// past `m` are left as they are (`packed` zeroes the padding).
 ///
 /// # Safety
 /// `a`'s view is in bounds of a live buffer.
 unsafe fn pack_rows(dst: &mut [u16], kp: usize, a: Mat, start: usize, m: usize) {
     let a = Mat {
-        ptr: a.ptr.wrapping_offset(start as isize * a.row_stride),
+        ptr: a.ptr.offset(start as isize * a.row_stride),
         rows: m,
         ..a
     };
+    // SAFETY: the caller's contract, for the view typed by its values.
+    unsafe {
+        match a.ptr {
+            Ptr::F32(p) => rows_of(dst, kp, View::of(a, p)),
+            Ptr::Bf16(p) => rows_of(dst, kp, View::of(a, p)),
+        }
+    }
+}
+
+/// `pack_rows` of all of `a`'s rows.
+///
+/// # Safety
+/// As `pack_rows`.
+unsafe fn rows_of<T: Elem>(dst: &mut [u16], kp: usize, a: View<T>) {
+    let m = a.rows;
     vmath::widest(
         #[inline(always)]
         || {
@@ -308,15 +388,13 @@ unsafe fn pack_rows(dst: &mut [u16], kp: usize, a: Mat, start: usize, m: usize) 
                 for (i, row) in dst.chunks_exact_mut(kp).take(m).enumerate() {
                     // SAFETY: row i of the view, `a.cols` contiguous values.
                     let src = unsafe { line(a.ptr, i as isize * a.row_stride, a.cols) };
-                    row.iter_mut()
-                        .zip(src)
-                        .for_each(|(d, &x)| *d = bf16_bits(x));
+                    row.iter_mut().zip(src).for_each(|(d, &x)| *d = x.bits());
                 }
                 return;
             }
             if a.row_stride == 1 {
                 // SAFETY: the caller's contract (a transposed view).
-                return unsafe { pack_columns(dst, kp, a, m) };
+                return unsafe { pack_columns(dst, kp, a) };
             }
             // Neither is contiguous: 16 columns at a time, turned into rows.
             let mut tile = [[0u16; 16]; 16];
@@ -327,7 +405,7 @@ unsafe fn pack_rows(dst: &mut [u16], kp: usize, a: Mat, start: usize, m: usize) 
                     for (c, t) in tile.iter_mut().enumerate().take(cs) {
                         let at = (c0 + c) as isize * a.col_stride + i0 as isize * a.row_stride;
                         // SAFETY: column c0+c, rows i0..i0+is of the view.
-                        unsafe { strided(a.ptr, at, a.row_stride, is, |i, x| t[i] = bf16_bits(x)) };
+                        unsafe { strided(a.ptr, at, a.row_stride, is, |i, x| t[i] = x.bits()) };
                     }
                     for i in 0..is {
                         let row = &mut dst[(i0 + i) * kp + c0..][..cs];
@@ -339,14 +417,15 @@ unsafe fn pack_rows(dst: &mut [u16], kp: usize, a: Mat, start: usize, m: usize) 
     )
 }
 
-/// `pack_rows` of a view whose columns are contiguous (a transposed matrix): a row of tiles
-/// holds pairs of adjacent columns, so each pair of columns is one vector of `pair`s, and blocks
-/// of 16 pairs × 16 rows are transposed into the rows.
+/// `rows_of` a view whose columns are contiguous (a transposed matrix): a row of tiles holds
+/// pairs of adjacent columns, so each pair of columns is one vector of `pair`s, and blocks of 16
+/// pairs × 16 rows are transposed into the rows.
 ///
 /// # Safety
-/// `a`'s first `m` rows are in bounds of a live buffer and `a.row_stride == 1`.
+/// `a`'s rows are in bounds of a live buffer and `a.row_stride == 1`.
 #[inline(always)]
-unsafe fn pack_columns(dst: &mut [u16], kp: usize, a: Mat, m: usize) {
+unsafe fn pack_columns<T: Elem>(dst: &mut [u16], kp: usize, a: View<T>) {
+    let m = a.rows;
     // SAFETY: u16 pairs as u32, as `pack_panels` (align 4, checked; kp is even).
     let (head, dst32, _) = unsafe { dst.align_to_mut::<u32>() };
     assert!(head.is_empty());
@@ -374,25 +453,25 @@ unsafe fn pack_columns(dst: &mut [u16], kp: usize, a: Mat, m: usize) {
         // SAFETY: rows 0..m of the last column, contiguous.
         let last = unsafe { line(a.ptr, c, m) };
         for (i, &x) in last.iter().enumerate() {
-            dst[i * kp + a.cols - 1] = bf16_bits(x);
+            dst[i * kp + a.cols - 1] = x.bits();
         }
     }
 }
 
 /// Two values as one bf16 pair (`lo` in the low half): one row of a `tdpbf16ps` panel holds 16.
 #[inline(always)]
-fn pair(lo: f32, hi: f32) -> u32 {
-    u32::from(bf16_bits(hi)) << 16 | u32::from(bf16_bits(lo))
+fn pair<T: Elem>(lo: T, hi: T) -> u32 {
+    u32::from(hi.bits()) << 16 | u32::from(lo.bits())
 }
 
 /// `out[i] = pair(lo[i], hi[i])` for up to 16 values, a whole 16 as one fixed-size block so
 /// that it compiles to a few vector instructions.
 #[inline(always)]
-fn pairs_into(out: &mut [u32], lo: &[f32], hi: &[f32]) {
+fn pairs_into<T: Elem>(out: &mut [u32], lo: &[T], hi: &[T]) {
     if let (Ok(out), Ok(lo), Ok(hi)) = (
         <&mut [u32; 16]>::try_from(&mut *out),
-        <&[f32; 16]>::try_from(lo),
-        <&[f32; 16]>::try_from(hi),
+        <&[T; 16]>::try_from(lo),
+        <&[T; 16]>::try_from(hi),
     ) {
         for i in 0..16 {
             out[i] = pair(lo[i], hi[i]);
@@ -410,8 +489,21 @@ fn pairs_into(out: &mut [u32], lo: &[f32], hi: &[f32]) {
 /// # Safety
 /// `b`'s view is in bounds of a live buffer.
 unsafe fn pack_panels(dst: &mut [u16], kp: usize, b: Mat) {
-    // SAFETY: u16 pairs as u32 (align 4: `Vec<u16>` from the global allocator is 4-aligned at
-    // least; checked).
+    // SAFETY: the caller's contract, for the view typed by its values.
+    unsafe {
+        match b.ptr {
+            Ptr::F32(p) => panels_of(dst, kp, View::of(b, p)),
+            Ptr::Bf16(p) => panels_of(dst, kp, View::of(b, p)),
+        }
+    }
+}
+
+/// `pack_panels` of a typed view.
+///
+/// # Safety
+/// As `pack_panels`.
+unsafe fn panels_of<T: Elem>(dst: &mut [u16], kp: usize, b: View<T>) {
+    // SAFETY: u16 pairs as u32 (align 4: the slab is cache-line aligned; checked).
     let (head, dst, _) = unsafe { dst.align_to_mut::<u32>() };
     assert!(head.is_empty());
     let panel = 16 * kp / 2;
@@ -474,7 +566,7 @@ unsafe fn pack_panels(dst: &mut [u16], kp: usize, b: Mat) {
             // An odd last row pairs with the zero padding.
             if b.rows % 2 == 1 {
                 for c in 0..b.cols {
-                    dst[(c / 16) * panel + pairs * 16 + c % 16] = pair(at(b.rows - 1, c), 0.0);
+                    dst[(c / 16) * panel + pairs * 16 + c % 16] = pair(at(b.rows - 1, c), T::ZERO);
                 }
             }
         },
@@ -486,7 +578,7 @@ unsafe fn pack_panels(dst: &mut [u16], kp: usize, b: Mat) {
 /// # Safety
 /// They lie inside a live buffer.
 #[inline(always)]
-unsafe fn line<'a>(ptr: *const f32, offset: isize, len: usize) -> &'a [f32] {
+unsafe fn line<'a, T>(ptr: *const T, offset: isize, len: usize) -> &'a [T] {
     // SAFETY: the caller's contract.
     unsafe { std::slice::from_raw_parts(ptr.offset(offset), len) }
 }
@@ -496,12 +588,12 @@ unsafe fn line<'a>(ptr: *const f32, offset: isize, len: usize) -> &'a [f32] {
 /// # Safety
 /// Those values lie inside a live buffer.
 #[inline(always)]
-unsafe fn strided(
-    ptr: *const f32,
+unsafe fn strided<T: Copy>(
+    ptr: *const T,
     offset: isize,
     stride: isize,
     len: usize,
-    mut f: impl FnMut(usize, f32),
+    mut f: impl FnMut(usize, T),
 ) {
     if stride == 1 {
         // SAFETY: the caller's values lie in a live buffer.
