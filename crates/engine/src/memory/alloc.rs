@@ -3,7 +3,8 @@
 //!
 //! It wraps `Inner`, named in exactly one place so a faster allocator can replace the system one
 //! without touching the counting. Counting costs two relaxed atomic operations per allocation
-//! (one more only when a new peak is set).
+//! (one more only when a new peak is set). Blocks of 4 KiB and more are handed out on a cache
+//! line (`large_alloc`); the counters count the sizes asked for.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -42,26 +43,74 @@ const LARGE: usize = 4096;
 /// rate (a 16-byte-aligned product destination measured 10-20% slower, docs/PERFORMANCE.md),
 /// and the system allocator aligns large blocks to 16 bytes only.
 const LINE: usize = 64;
+/// Bytes a large block asks `Inner` for beyond its size: room to reach the next line past the
+/// word that records how far back the block starts.
+const SLACK: usize = LINE + WORD;
+const WORD: usize = std::mem::size_of::<usize>();
 
-/// The layout a block is allocated with: `layout`, aligned to a cache line when large. One
-/// rule for allocation and release, so both see the same layout.
-fn inner_layout(layout: Layout) -> Layout {
-    if layout.size() >= LARGE && layout.align() < LINE {
-        // Cannot fail: LINE is a power of two, and the size was valid at a smaller alignment
-        // and stays below isize::MAX rounded to LINE (sizes that large never allocate).
-        layout.align_to(LINE).unwrap_or(layout)
-    } else {
-        layout
+/// Whether a block is handed out on a cache line (`large_alloc`).
+fn is_large(layout: Layout) -> bool {
+    layout.size() >= LARGE && layout.align() < LINE
+}
+
+/// The block `Inner` holds for a large `layout`: `SLACK` bytes more, word-aligned.
+fn padded(layout: Layout) -> Layout {
+    // SAFETY: sizes near isize::MAX never allocate; WORD is a power of two.
+    unsafe { Layout::from_size_align_unchecked(layout.size() + SLACK, layout.align().max(WORD)) }
+}
+
+/// A large block on a cache line, inside a `padded` block of `Inner`'s: the distance back to
+/// that block's start sits in the word just before the pointer. Over-allocating, not asking
+/// `Inner` for the alignment: glibc serves aligned requests of this size from fresh mappings
+/// each time (measured: 9,258 page faults a step against 866 at GPT-2-small, two threads).
+///
+/// # Safety
+/// `layout` is large (`is_large`); `zeroed` asks `Inner` for zeroed bytes.
+unsafe fn large_alloc(layout: Layout, zeroed: bool) -> *mut u8 {
+    // SAFETY: a valid, non-zero-sized layout.
+    let base = unsafe {
+        match zeroed {
+            true => INNER.alloc_zeroed(padded(layout)),
+            false => INNER.alloc(padded(layout)),
+        }
+    };
+    if base.is_null() {
+        return base;
+    }
+    let back = (base as usize + WORD).next_multiple_of(LINE) - base as usize;
+    // SAFETY: WORD ≤ back < SLACK, so the pointer and its size lie in the padded block, and
+    // the word before it (8-aligned: the pointer is on a line) too.
+    unsafe {
+        let p = base.add(back);
+        p.cast::<usize>().sub(1).write(back);
+        p
     }
 }
 
-// SAFETY: every call is forwarded to `Inner`, a correct allocator, with the caller's layout or
-// the same size at a larger alignment (`inner_layout`, the same rule for every call on one
-// block); the counters only observe sizes.
+/// Releases a block from `large_alloc`.
+///
+/// # Safety
+/// `ptr` came from `large_alloc(layout, _)`.
+unsafe fn large_dealloc(ptr: *mut u8, layout: Layout) {
+    // SAFETY: `large_alloc` wrote the distance back to the padded block's start before `ptr`.
+    unsafe {
+        let back = ptr.cast::<usize>().sub(1).read();
+        INNER.dealloc(ptr.sub(back), padded(layout));
+    }
+}
+
+// SAFETY: small blocks are forwarded unchanged to `Inner`, a correct allocator; large ones are
+// carved out of a larger block of `Inner`'s and released through the distance recorded beside
+// them (`large_alloc`); the counters only observe sizes.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's `layout` contract passes to a correct allocator, only aligned more.
-        let p = unsafe { INNER.alloc(inner_layout(layout)) };
+        // SAFETY: the caller's `layout` contract.
+        let p = unsafe {
+            match is_large(layout) {
+                true => large_alloc(layout, false),
+                false => INNER.alloc(layout),
+            }
+        };
         if !p.is_null() {
             added(layout.size());
         }
@@ -70,7 +119,12 @@ unsafe impl GlobalAlloc for CountingAlloc {
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         // SAFETY: as in `alloc`.
-        let p = unsafe { INNER.alloc_zeroed(inner_layout(layout)) };
+        let p = unsafe {
+            match is_large(layout) {
+                true => large_alloc(layout, true),
+                false => INNER.alloc_zeroed(layout),
+            }
+        };
         if !p.is_null() {
             added(layout.size());
         }
@@ -78,38 +132,39 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from `INNER` with `inner_layout(layout)` (the caller's contract).
-        unsafe { INNER.dealloc(ptr, inner_layout(layout)) };
+        // SAFETY: `ptr` came from `alloc` with `layout` (the caller's contract), so from the
+        // same branch.
+        unsafe {
+            match is_large(layout) {
+                true => large_dealloc(ptr, layout),
+                false => INNER.dealloc(ptr, layout),
+            }
+        }
         removed(layout.size());
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let (old, new) = (
-            inner_layout(layout),
-            // SAFETY: the caller's contract: `new_size` is valid at `layout`'s alignment.
-            inner_layout(unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) }),
-        );
-        let p = if old.align() == new.align() {
+        // SAFETY: the caller's contract: `new_size` is valid at `layout`'s alignment.
+        let new = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        if !is_large(layout) && !is_large(new) {
             // SAFETY: as in `dealloc`, with the caller's `new_size` contract.
-            unsafe { INNER.realloc(ptr, old, new_size) }
-        } else {
-            // The block crosses `LARGE`: move it to a block of the new alignment.
-            // SAFETY: `new` is a valid layout; the copy reads the old block's bytes that both
-            // hold; `ptr` came from `INNER` with `old`.
-            unsafe {
-                let p = INNER.alloc(new);
-                if !p.is_null() {
-                    std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
-                    INNER.dealloc(ptr, old);
-                }
-                p
+            let p = unsafe { INNER.realloc(ptr, layout, new_size) };
+            if !p.is_null() {
+                removed(layout.size());
+                added(new_size);
             }
-        };
-        if !p.is_null() {
-            removed(layout.size());
-            added(new_size);
+            return p;
         }
-        p
+        // A large block on either side moves: a new block, the bytes both hold, the old freed.
+        // SAFETY: `new` is valid; `ptr` came from this allocator with `layout`.
+        unsafe {
+            let p = self.alloc(new);
+            if !p.is_null() {
+                std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
+                self.dealloc(ptr, layout);
+            }
+            p
+        }
     }
 }
 
@@ -152,5 +207,27 @@ mod tests {
         drop(buffer);
         assert!(peak() >= before + N as u64 - (1 << 20));
         assert!(live() < during - N as u64 / 2);
+    }
+
+    /// Large blocks start on a cache line, zeroed when asked, and keep their bytes when they
+    /// grow and shrink across the large size.
+    #[test]
+    fn large_blocks_sit_on_a_cache_line_and_keep_their_bytes_across_reallocation() {
+        let on_line = |p: *const u8| (p as usize).is_multiple_of(LINE);
+        for size in [LARGE, LARGE + 4, 3 * LARGE + 12, 1 << 20] {
+            let v = vec![0u8; size];
+            assert!(on_line(v.as_ptr()), "{size} bytes, zeroed");
+            assert!(v.iter().all(|&b| b == 0));
+            let w: Vec<f32> = Vec::with_capacity(size / 4);
+            assert!(on_line(w.as_ptr().cast()), "{size} bytes");
+        }
+        // Grows from small to large and shrinks back: moved, bytes kept.
+        let mut v: Vec<u32> = (0..100).collect();
+        v.reserve_exact(5000);
+        assert!(on_line(v.as_ptr().cast()));
+        v.extend(100..5000);
+        v.truncate(50);
+        v.shrink_to_fit();
+        assert_eq!(v, (0..50).collect::<Vec<_>>());
     }
 }
