@@ -39,8 +39,7 @@ fn removed(bytes: usize) {
 
 /// Blocks of at least this many bytes are aligned to a cache line (`LINE`).
 const LARGE: usize = 4096;
-/// A cache line: AMX tile loads and stores whose rows cross lines run at a fraction of their
-/// rate (a 16-byte-aligned product destination measured 10-20% slower, docs/PERFORMANCE.md),
+/// A cache line: AMX tile loads and stores whose rows cross lines run slower (docs/PERFORMANCE.md),
 /// and the system allocator aligns large blocks to 16 bytes only.
 const LINE: usize = 64;
 /// Bytes a large block asks `Inner` for beyond its size: room to reach the next line past the

@@ -9,7 +9,7 @@
 //! bytes to read and no f32 copy): the left-hand rows as rows of 32-column tiles, the
 //! right-hand columns in the pair-interleaved ("VNNI") panels `tdpbf16ps` reads. They are
 //! packed into `gemm`'s own per-thread slab (`ops::workspace`, which the memory estimate already
-//! counts, cache-line aligned: tile rows that cross lines load at a third of the rate), in passes
+//! counts, cache-line aligned: tile rows that cross lines load several times slower), in passes
 //! of at most 384 inner values (`plan`); every value's sums run in one order wherever its block
 //! falls, so results depend neither on the thread count nor on how a product is cut (`split`:
 //! one block per thread). `GACCWB_AMX=off` keeps bf16 products in f32 `gemm`.
