@@ -9,16 +9,18 @@ use crate::end::EndReason;
 
 /// Global L2 norm over a set of tensors, in f64 on the host.
 pub fn global_norm(tensors: &[Tensor]) -> Result<f64> {
+    let (host, device): (Vec<&Tensor>, Vec<&Tensor>) = tensors
+        .iter()
+        .partition(|t| crate::ops::fused_domain(&[*t]));
     let mut sum = 0f64;
-    // Per-tensor sums of squares left on the device, read back together: one host sync.
-    let mut on_device = Vec::new();
-    for t in tensors {
-        if crate::ops::fused_domain(&[t]) {
-            sum += crate::ops::fused::sum_squares(t)?;
-            continue;
-        }
-        on_device.push(t.sqr()?.sum_all()?.to_dtype(candle_core::DType::F32)?);
+    for s in crate::ops::fused::sums_of_squares(&host)? {
+        sum += s;
     }
+    // Per-tensor sums of squares left on the device, read back together: one host sync.
+    let on_device = device
+        .iter()
+        .map(|t| t.sqr()?.sum_all()?.to_dtype(candle_core::DType::F32))
+        .collect::<Result<Vec<_>>>()?;
     if !on_device.is_empty() {
         let sums = Tensor::stack(&on_device, 0)?.to_vec1::<f32>()?;
         sum += sums.iter().map(|&s| f64::from(s)).sum::<f64>();

@@ -41,7 +41,8 @@ pub use linear::{act_linear, gelu_linear, linear, project};
 pub use norm::{layer_norm, rms_norm};
 use norm::{norm_backward_rows, norm_rows};
 pub use optim::{
-    adamw_update_all, scale_in_place, sum_squared_difference, sum_squares, AdamWJob, AdamWStep,
+    adamw_update_all, scale_in_place, sum_squared_difference, sum_squares, sums_of_squares,
+    AdamWJob, AdamWStep,
 };
 pub(crate) use storage::round_in_place;
 

@@ -4,6 +4,7 @@
 //! squares behind the gradient norm and the pitfall's error.
 
 use std::cell::{Cell, RefCell};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Result, Tensor};
@@ -116,6 +117,54 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
             )
         })
         .sum())
+}
+
+/// `sum_squares` of each tensor, to the bit, with the blocks' sums made on the CPU pool (the
+/// gradient norm reads every gradient: one thread alone is bound by its share of the memory
+/// bandwidth) and then added in order, as `sum_squares` adds them.
+pub fn sums_of_squares(ts: &[&Tensor]) -> Result<Vec<f64>> {
+    let ts = ts
+        .iter()
+        .map(|t| t.contiguous())
+        .collect::<Result<Vec<_>>>()?;
+    let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let slices = guards
+        .iter()
+        .map(|(s, l)| match &**s {
+            candle_core::Storage::Cpu(cpu) => f32_slice(cpu, l, "sum_squares"),
+            _ => candle_core::bail!("sum_squares: expects a CPU tensor"),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Block b of the whole list lies in tensor i where starts[i] <= b < starts[i + 1].
+    let mut starts = vec![0];
+    for x in &slices {
+        starts.push(starts[starts.len() - 1] + x.len().div_ceil(1024));
+    }
+    let blocks: Vec<AtomicU64> = (0..starts[slices.len()])
+        .map(|_| AtomicU64::new(0))
+        .collect();
+    super::for_each_unit(blocks.len(), |range| {
+        for b in range {
+            let i = starts.partition_point(|&s| s <= b) - 1;
+            let x = slices[i];
+            let at = (b - starts[i]) * 1024;
+            let c = &x[at..(at + 1024).min(x.len())];
+            let sum = vmath::widest(
+                #[inline(always)]
+                || f64::from(vmath::dot(c, c)),
+            );
+            blocks[b].store(sum.to_bits(), Ordering::Relaxed);
+        }
+    });
+    Ok(starts
+        .windows(2)
+        .map(|w| {
+            blocks[w[0]..w[1]]
+                .iter()
+                .map(|s| f64::from_bits(s.load(Ordering::Relaxed)))
+                .sum()
+        })
+        .collect())
 }
 
 /// Σ (a − b)² of two CPU f32 tensors of one shape, with no temporary tensor: the same blocks

@@ -142,8 +142,20 @@ pub(super) fn to_bf16(values: &[f32]) -> CpuStorage {
 }
 
 /// `values` rounded to `dtype` and back in place, as storing them would do (`rounding`; nothing
-/// for f32).
+/// for f32), on the CPU pool: value by value, so the bits do not depend on the threads.
 pub(crate) fn round_in_place(values: &mut [f32], dtype: DType) {
+    if dtype == DType::F32 {
+        return;
+    }
+    let shared = super::Shared(values.as_mut_ptr());
+    super::for_ranges(values.len(), |range| {
+        // SAFETY: `for_ranges` gives each call its own range of the values.
+        round_part(unsafe { shared.rows(&range, 1) }, dtype)
+    });
+}
+
+/// `round_in_place` on the calling thread.
+fn round_part(values: &mut [f32], dtype: DType) {
     match dtype {
         DType::BF16 => vmath::widest(
             #[inline(always)]

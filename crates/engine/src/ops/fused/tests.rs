@@ -95,6 +95,37 @@ fn bits(t: &Tensor) -> Vec<u32> {
         .collect()
 }
 
+/// The gradient norm's sums made on the pool are each tensor's serial `sum_squares`, to the bit:
+/// empty tensors, sizes off the 1024-value blocks, blocks whose order changes the f64 sum, a
+/// transposed view, and more blocks than the pool has threads.
+#[test]
+fn sums_of_squares_on_the_pool_give_the_bits_of_each_serial_sum() {
+    let dev = candle_core::Device::Cpu;
+    let mut ts: Vec<Tensor> = [0, 1, 1023, 1024, 1025, 0, 40_000, 7]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| Tensor::from_vec(values(n, 50 + i as u32), n, &dev).unwrap())
+        .collect();
+    // Blocks' sums 2^80 apart from first to last: added in another order, f64 rounds them
+    // differently.
+    let spread: Vec<f32> = values(40_960, 70)
+        .iter()
+        .enumerate()
+        .map(|(j, x)| x * 2f32.powi((j / 1024) as i32 - 20) * (1.0 + j as f32 * 1e-7))
+        .collect();
+    ts.push(Tensor::from_vec(spread, 40_960, &dev).unwrap());
+    let square = Tensor::from_vec(values(60 * 70, 90), (60, 70), &dev).unwrap();
+    ts.push(square.t().unwrap());
+    let refs: Vec<&Tensor> = ts.iter().collect();
+    let pooled = sums_of_squares(&refs).unwrap();
+    let serial: Vec<f64> = ts.iter().map(|t| sum_squares(t).unwrap()).collect();
+    assert_eq!(
+        pooled.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+        serial.iter().map(|s| s.to_bits()).collect::<Vec<_>>()
+    );
+    assert!(serial[6] > 0.0 && serial[8] > 0.0 && serial[9] > 0.0);
+}
+
 /// Clipping folded into the update gives the bits of clipping first: the weights, both moments
 /// and the clipped gradient's sum of squares, over sizes off the 1024-value blocks.
 #[test]
