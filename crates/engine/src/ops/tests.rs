@@ -229,6 +229,14 @@ fn swiglu_linear_matches_the_composite_expression() {
         swiglu,
         &inputs,
     );
+    // With a bias, whose gradient sits after dx (twice the product's width) and dw.
+    let biased = [inputs[0].clone(), inputs[1].clone(), random(&[o], 1.0, 83)];
+    assert_equivalent(
+        "fused swiglu with a bias",
+        |t| fused::act_linear(&t[0], &t[1], Some(&t[2]), Activation::SwiGlu),
+        |t| swiglu(t)?.broadcast_add(&t[2]),
+        &biased,
+    );
 }
 
 #[test]

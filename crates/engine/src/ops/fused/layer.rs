@@ -298,14 +298,9 @@ pub(super) fn second_backward_rows(
     let n = h.len() / cols;
     let i = act.product_width(cols);
     if base && layer.adapter.is_none() {
-        // One packed buffer [dh; dw; db], the activation's backward fused in.
-        let mut packed = linear_backward_rows(h, layer.w, dy, cols, act, layer.b.is_some());
-        let mut grads = vec![packed[n * cols..n * cols + i * layer.o].to_vec()];
-        if layer.b.is_some() {
-            grads.push(packed[n * cols + i * layer.o..].to_vec());
-        }
-        packed.truncate(n * cols);
-        return (packed, grads);
+        // The activation's backward fused in.
+        let (dh, dw, db) = linear_backward_rows(h, layer.w, dy, cols, act, layer.b.is_some());
+        return (dh, [dw].into_iter().chain(db).collect());
     }
     let (input, slope) = match act {
         Activation::Gelu => {

@@ -140,8 +140,8 @@ pub(super) fn linear_rows(
     layer.forward(x, w, b, o, residual)
 }
 
-/// `[dx; dw; db]` of `linear_rows` at `x` (rows of `cols`) for the output gradient `dy`, in f32
-/// (`db` only with a bias).
+/// `dx`, `dw` and `db` of `linear_rows` at `x` (rows of `cols`) for the output gradient `dy`,
+/// in f32, each in its own buffer (`db` only with a bias).
 pub(super) fn linear_backward_rows(
     x: &[f32],
     w: Values,
@@ -149,8 +149,48 @@ pub(super) fn linear_backward_rows(
     cols: usize,
     act: Activation,
     bias: bool,
-) -> Vec<f32> {
-    LinearBackward(Linear { act, bias }).packed(x, w, dy, cols)
+) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
+    let back = LinearBackward(Linear { act, bias });
+    let sizes = back.sizes(x, w, cols);
+    let (mut dw, mut db) = (Vec::new(), None);
+    // Each `filled` buffer is written whole by `write` (its contract).
+    let dx = filled(sizes.dx, |dx| {
+        dw = filled(sizes.dw, |dw| {
+            let Some(len) = sizes.db else {
+                return back.write(x, w, dy, cols, Out { dx, dw, db: None });
+            };
+            db = Some(filled(len, |db| {
+                back.write(
+                    x,
+                    w,
+                    dy,
+                    cols,
+                    Out {
+                        dx,
+                        dw,
+                        db: Some(db),
+                    },
+                )
+            }));
+        })
+    });
+    (dx, dw, db)
+}
+
+/// Where `LinearBackward::write` puts its gradients: `dx` (n×cols values), `dw` (i×o) and
+/// `db` (o, with a bias), none initialised yet.
+#[derive(Clone, Copy)]
+struct Out {
+    dx: super::Shared,
+    dw: super::Shared,
+    db: Option<super::Shared>,
+}
+
+/// The lengths of a linear's gradients (`Out`).
+struct Sizes {
+    dx: usize,
+    dw: usize,
+    db: Option<usize>,
 }
 
 #[derive(Clone, Copy)]
@@ -220,7 +260,7 @@ impl Linear {
             packed.narrow(0, n * cols, i * o)?.reshape((i, o))?,
         ];
         if self.bias {
-            grads.push(packed.narrow(0, n * i + i * o, o)?);
+            grads.push(packed.narrow(0, n * cols + i * o, o)?);
         }
         Ok(grads)
     }
@@ -331,13 +371,37 @@ impl CustomOp3 for LinearBackward {
 }
 
 impl LinearBackward {
-    /// `[dx; dw; db]` in f32 from the f32 values of `x` (`[N, cols]`), `w` and `dy`.
+    /// The lengths of the gradients for `x` (rows of `cols`) and `w`.
+    fn sizes(&self, x: &[f32], w: Values, cols: usize) -> Sizes {
+        let i = self.0.act.product_width(cols);
+        let o = w.len() / i;
+        Sizes {
+            dx: x.len(),
+            dw: i * o,
+            db: self.0.bias.then_some(o),
+        }
+    }
+
+    /// `[dx; dw; db]` in f32 from the f32 values of `x` (`[N, cols]`), `w` and `dy`: one buffer,
+    /// the op's output.
     fn packed(&self, x: &[f32], w: Values, dy: &[f32], cols: usize) -> Vec<f32> {
+        let sizes = self.sizes(x, w, cols);
+        filled(sizes.dx + sizes.dw + sizes.db.unwrap_or(0), |out| {
+            let (dw, db) = (sizes.dx, sizes.dx + sizes.dw);
+            let db = sizes.db.map(|_| super::Shared(out.offset(db)));
+            let dw = super::Shared(out.offset(dw));
+            // `write` fills the three disjoint parts, all of the buffer.
+            self.write(x, w, dy, cols, Out { dx: out, dw, db })
+        })
+    }
+
+    /// The gradients in f32 from the f32 values of `x` (`[N, cols]`), `w` and `dy`, written
+    /// whole into `out`.
+    fn write(&self, x: &[f32], w: Values, dy: &[f32], cols: usize, out: Out) {
         let act = self.0.act;
         let n = x.len() / cols;
         let i = act.product_width(cols);
         let o = w.len() / i;
-        let bias = if self.0.bias { o } else { 0 };
         let (input, slope) = match act {
             Activation::None => (None, None),
             Activation::Gelu => {
@@ -360,51 +424,47 @@ impl LinearBackward {
                 )
             })
         });
-        let dw_at = n * cols;
         // dx and dw are written by the products (or the SwiGLU split), db by its zeroing and sum.
-        filled(dw_at + i * o + bias, |out| {
-            // SAFETY: `out` packs dx (n×cols) then dw (i×o) first, so the destinations are
-            // disjoint and inside it; dy, w and input are other buffers.
-            unsafe {
-                if da.is_none() {
-                    matmul(
-                        MatMut::new(out.offset(0), n, i, i),
-                        Mat::rows(dy, o),
-                        Mat::of(w, o).t(),
-                        false,
-                        true,
-                    );
-                }
+        // SAFETY: `out`'s dx (n×cols) and dw (i×o) are disjoint buffers of those sizes (its
+        // contract); dy, w and input are other buffers.
+        unsafe {
+            if da.is_none() {
                 matmul(
-                    MatMut::new(out.offset(dw_at), i, o, o),
-                    Mat::rows(input, i).t(),
+                    MatMut::new(out.dx.offset(0), n, i, i),
                     Mat::rows(dy, o),
+                    Mat::of(w, o).t(),
                     false,
                     true,
                 );
             }
-            if self.0.bias {
-                // SAFETY: the bias gradient's o values after dw are this closure's alone.
-                let db = unsafe { out.uninit_rows(&(dw_at + i * o..dw_at + i * o + o), 1) };
-                db.iter_mut().for_each(|v| {
-                    v.write(0.0);
-                });
-                // SAFETY: the same values, now initialised by the loop above.
-                let db = unsafe { out.rows(&(dw_at + i * o..dw_at + i * o + o), 1) };
-                column_sums(dy, o, db);
-            }
-            if let Some(slope) = slope {
-                // dx is written (above): scale it in place.
-                for_ranges(slope.len(), |r| {
-                    // SAFETY: `for_ranges` gives each call its own range of dx, written above.
-                    let dst = unsafe { out.rows(&r, 1) };
-                    dst.iter_mut().zip(&slope[r]).for_each(|(d, s)| *d *= s);
-                });
-            }
-            if let Some(da) = &da {
-                swiglu_backward(x, da, i, out);
-            }
-        })
+            matmul(
+                MatMut::new(out.dw.offset(0), i, o, o),
+                Mat::rows(input, i).t(),
+                Mat::rows(dy, o),
+                false,
+                true,
+            );
+        }
+        if let Some(db) = out.db {
+            // SAFETY: the bias gradient's o values are `out.db`'s, this call's alone.
+            let values = unsafe { db.uninit_rows(&(0..o), 1) };
+            values.iter_mut().for_each(|v| {
+                v.write(0.0);
+            });
+            // SAFETY: the same values, now initialised by the loop above.
+            column_sums(dy, o, unsafe { db.rows(&(0..o), 1) });
+        }
+        if let Some(slope) = slope {
+            // dx is written (above): scale it in place.
+            for_ranges(slope.len(), |r| {
+                // SAFETY: `for_ranges` gives each call its own range of dx, written above.
+                let dst = unsafe { out.dx.rows(&r, 1) };
+                dst.iter_mut().zip(&slope[r]).for_each(|(d, s)| *d *= s);
+            });
+        }
+        if let Some(da) = &da {
+            swiglu_backward(x, da, i, out.dx);
+        }
     }
 }
 
