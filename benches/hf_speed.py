@@ -4,8 +4,9 @@
 For each shape and thread count, each round runs three fresh processes one after the other:
 `gaccwb bench --model CONFIG --json`, transformers' own model (GPT2LMHeadModel / LlamaForCausalLM
 built from the same config.json, SDPA attention) and a nanoGPT-style model written here with
-`F.scaled_dot_product_attention` (GQA through `enable_gqa`, no repeated K/V). Each process runs every
-dtype asked for, a step of each in turn. All three train from random weights at the same B, T, K=1,
+`F.scaled_dot_product_attention` (GQA through `enable_gqa`, no repeated K/V), for each dtype asked
+for: a process runs one dtype (PyTorch's f32 step, alternated with a bf16 model in one process, ran
+its backward about a quarter slower than alone at GPT-2-small on one thread). All three train from random weights at the same B, T, K=1,
 thread count, loss (token-sum NLL over the window's tokens), global-norm clip 1.0 and AdamW (decay
 0.1 on matrices only, betas 0.9/0.95); dropout is off (the engine has none); bf16 is autocast in
 PyTorch (f32 master weights) and the engine's bf16 compute dtype. The best PyTorch step of the round
@@ -22,7 +23,7 @@ engine's forward includes the head and the loss.
 Usage (release binary built first; PyTorch and transformers from outside the repo):
   PYTHONPATH=~/.cache/gaccwb-hf python3 benches/hf_speed.py            # both shapes, threads 1 2, f32 bf16
   PYTHONPATH=~/.cache/gaccwb-hf python3 benches/hf_speed.py --shape gpt2-small --threads 2 \
-      --dtype f32 --rounds 1 --steps 2 --warmup 1
+      --dtype f32 --rounds 1 --steps 2
 """
 
 import argparse
@@ -243,30 +244,33 @@ def run_lines(cmd, env):
 
 
 def one_round(args, config, threads, first):
-    """One process of each implementation in turn; returns {impl: {dtype: row}}, product rows."""
+    """A process of each implementation in turn, for each dtype; returns {impl: {dtype: row}},
+    product rows."""
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     rows, prods = {}, []
-    candle = [args.bin, "bench", "--model", config, "--seq-len", str(args.seq_len), "--json",
-              "--threads", str(threads), "--case", f"{args.micro_batch},1",
-              "--dtype", ",".join(args.dtype)] + common
-    for impl in IMPLS:
-        if impl == "candle":
-            cmd = candle
-        else:
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--config", config,
-                   "--threads", str(threads), "--micro-batch", str(args.micro_batch),
-                   "--seq-len", str(args.seq_len), "--dtype", *args.dtype] + common
-            if first and impl == "torch-nano":
-                cmd.append("--products")
-        for row in run_lines(cmd, env):
-            print("raw " + json.dumps({k: v for k, v in row.items() if k != "step_s"}), file=sys.stderr, flush=True)
-            if row["impl"] in IMPLS:
-                rows.setdefault(row["impl"], {})[row["dtype"]] = row
-            elif row["impl"] == "candle-product":
-                prods += [dict(p, dtype=TORCH_DTYPE[p["dtype"]], impl="candle") for p in row["products"]]
+    for dtype in args.dtype:
+        for impl in IMPLS:
+            if impl == "candle":
+                cmd = [args.bin, "bench", "--model", config, "--seq-len", str(args.seq_len),
+                       "--json", "--threads", str(threads), "--case", f"{args.micro_batch},1",
+                       "--dtype", dtype] + common
             else:
-                prods += [dict(p, impl="torch") for p in row["products"]]
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--config",
+                       config, "--threads", str(threads), "--micro-batch", str(args.micro_batch),
+                       "--seq-len", str(args.seq_len), "--dtype", dtype] + common
+                if first and impl == "torch-nano" and dtype == args.dtype[0]:
+                    cmd.append("--products")
+            for row in run_lines(cmd, env):
+                print("raw " + json.dumps({k: v for k, v in row.items() if k != "step_s"}),
+                      file=sys.stderr, flush=True)
+                if row["impl"] in IMPLS:
+                    rows.setdefault(row["impl"], {})[row["dtype"]] = row
+                elif row["impl"] == "candle-product":
+                    prods += [dict(p, dtype=TORCH_DTYPE[p["dtype"]], impl="candle")
+                              for p in row["products"]]
+                else:
+                    prods += [dict(p, impl="torch") for p in row["products"]]
     return rows, prods
 
 
@@ -284,7 +288,9 @@ def main():
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    # PyTorch's bf16 step is still warming up after one step (oneDNN creates its kernels): the
+    # nanoGPT-style SmolLM-135M step ran 188.7 tok/s after one warm-up step, 270.8 after four.
+    ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release", "gaccwb"))
     ap.add_argument("--worker", choices=IMPLS[1:], help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
