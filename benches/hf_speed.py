@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """gaccwb's training step at Hugging Face shapes against PyTorch's, alternating, with the host's limit.
 
-For each shape and thread count, each round runs three fresh processes one after the other:
-`gaccwb bench --model CONFIG --json`, transformers' own model (GPT2LMHeadModel / LlamaForCausalLM
-built from the same config.json, SDPA attention) and a nanoGPT-style model written here with
-`F.scaled_dot_product_attention` (GQA through `enable_gqa`, no repeated K/V), for each dtype asked
-for: a process runs one dtype (PyTorch's f32 step, alternated with a bf16 model in one process, ran
-its backward about a quarter slower than alone at GPT-2-small on one thread). All three train from random weights at the same B, T, K=1,
+For each shape and thread count, each round runs, for each dtype, three fresh processes one after
+the other: `gaccwb bench --model CONFIG --json`, transformers' own model (GPT2LMHeadModel /
+LlamaForCausalLM built from the same config.json, SDPA attention) and a nanoGPT-style model written
+here with `F.scaled_dot_product_attention` (GQA through `enable_gqa`, no repeated K/V). A process
+runs one dtype: PyTorch's f32 step, alternated with a bf16 model in one process, ran its backward
+about a third slower than alone at GPT-2-small on one thread. All three train from random weights
+at the same B, T, K=1,
 thread count, loss (token-sum NLL over the window's tokens), global-norm clip 1.0 and AdamW (decay
 0.1 on matrices only, betas 0.9/0.95); dropout is off (the engine has none); bf16 is autocast in
 PyTorch (f32 master weights) and the engine's bf16 compute dtype. The best PyTorch step of the round
@@ -288,8 +289,8 @@ def main():
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
-    # PyTorch's bf16 step is still warming up after one step (oneDNN creates its kernels): the
-    # nanoGPT-style SmolLM-135M step ran 188.7 tok/s after one warm-up step, 270.8 after four.
+    # PyTorch's bf16 step is still warming up after one step: the nanoGPT-style SmolLM-135M step
+    # ran 188.7 tok/s after one warm-up step, 270.8 after four.
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release", "gaccwb"))
     ap.add_argument("--worker", choices=IMPLS[1:], help=argparse.SUPPRESS)
