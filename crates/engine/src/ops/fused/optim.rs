@@ -12,6 +12,10 @@ use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Result, Tensor};
 use super::f32_slice;
 use crate::ops::vmath;
 
+/// Values per partial sum of squares (`sum_squares` and the sums that must give its bits): each
+/// block's sum is made in f32, then added in f64.
+const BLOCK: usize = 1024;
+
 /// One AdamW update's scalars (the caller's `AdamW::step` documents the maths).
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWStep {
@@ -101,7 +105,7 @@ fn adamw_update(
     Ok(squares.get())
 }
 
-/// Σ x² of a CPU f32 tensor, accumulated in f64 per block of 1024 values.
+/// Σ x² of a CPU f32 tensor, accumulated in f64 per block of `BLOCK` values.
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
@@ -109,14 +113,15 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
         candle_core::bail!("sum_squares: expects a CPU tensor");
     };
     let x = f32_slice(cpu, layout, "sum_squares")?;
-    Ok(x.chunks(1024)
-        .map(|c| {
-            vmath::widest(
-                #[inline(always)]
-                || f64::from(vmath::dot(c, c)),
-            )
-        })
-        .sum())
+    Ok(x.chunks(BLOCK).map(block_squares).sum())
+}
+
+/// Σ x² of one block (at most `BLOCK` values), as `sum_squares` and `sums_of_squares` add it.
+fn block_squares(c: &[f32]) -> f64 {
+    vmath::widest(
+        #[inline(always)]
+        || f64::from(vmath::dot(c, c)),
+    )
 }
 
 /// `sum_squares` of each tensor, to the bit, with the blocks' sums made on the CPU pool (the
@@ -138,7 +143,7 @@ pub fn sums_of_squares(ts: &[&Tensor]) -> Result<Vec<f64>> {
     // Block b of the whole list lies in tensor i where starts[i] <= b < starts[i + 1].
     let mut starts = vec![0];
     for x in &slices {
-        starts.push(starts[starts.len() - 1] + x.len().div_ceil(1024));
+        starts.push(starts[starts.len() - 1] + x.len().div_ceil(BLOCK));
     }
     let blocks: Vec<AtomicU64> = (0..starts[slices.len()])
         .map(|_| AtomicU64::new(0))
@@ -147,12 +152,8 @@ pub fn sums_of_squares(ts: &[&Tensor]) -> Result<Vec<f64>> {
         for b in range {
             let i = starts.partition_point(|&s| s <= b) - 1;
             let x = slices[i];
-            let at = (b - starts[i]) * 1024;
-            let c = &x[at..(at + 1024).min(x.len())];
-            let sum = vmath::widest(
-                #[inline(always)]
-                || f64::from(vmath::dot(c, c)),
-            );
+            let at = (b - starts[i]) * BLOCK;
+            let sum = block_squares(&x[at..(at + BLOCK).min(x.len())]);
             blocks[b].store(sum.to_bits(), Ordering::Relaxed);
         }
     });
@@ -168,7 +169,7 @@ pub fn sums_of_squares(ts: &[&Tensor]) -> Result<Vec<f64>> {
 }
 
 /// Σ (a − b)² of two CPU f32 tensors of one shape, with no temporary tensor: the same blocks
-/// of 1024 values and the same sums as `sum_squares` of the difference.
+/// of `BLOCK` values and the same sums as `sum_squares` of the difference.
 pub fn sum_squared_difference(a: &Tensor, b: &Tensor) -> Result<f64> {
     let (a, b) = (a.contiguous()?, b.contiguous()?);
     let (sa, la) = a.storage_and_layout();
@@ -181,9 +182,9 @@ pub fn sum_squared_difference(a: &Tensor, b: &Tensor) -> Result<f64> {
     if x.len() != y.len() {
         candle_core::bail!("sum_squared_difference: {} vs {} values", x.len(), y.len());
     }
-    let mut diff = [0f32; 1024];
-    Ok(x.chunks(1024)
-        .zip(y.chunks(1024))
+    let mut diff = [0f32; BLOCK];
+    Ok(x.chunks(BLOCK)
+        .zip(y.chunks(BLOCK))
         .map(|(x, y)| {
             let d = &mut diff[..x.len()];
             d.iter_mut()
@@ -325,13 +326,13 @@ impl InplaceOp1 for Update<'_> {
         };
         // Clipped: block by block (`sum_squares`' blocks), the block's clipped gradient made
         // once, squared and summed as `sum_squares` sums it, then used for the update.
-        let mut clipped = [0f32; 1024];
+        let mut clipped = [0f32; BLOCK];
         let sum = vmath::widest(
             #[inline(always)]
             || {
                 let mut sum = 0f64;
-                let blocks = w.chunks_mut(1024).zip(m.chunks_mut(1024));
-                for ((w, m), (v, g)) in blocks.zip(v.chunks_mut(1024).zip(g.chunks(1024))) {
+                let blocks = w.chunks_mut(BLOCK).zip(m.chunks_mut(BLOCK));
+                for ((w, m), (v, g)) in blocks.zip(v.chunks_mut(BLOCK).zip(g.chunks(BLOCK))) {
                     let c = &mut clipped[..g.len()];
                     c.iter_mut().zip(g).for_each(|(c, &g)| *c = g * k);
                     sum += f64::from(vmath::dot(c, c));
