@@ -3,6 +3,7 @@
 //! the CPU, `ops::lean::branch` elsewhere), for every family the `Arch` describes; and how
 //! activation checkpointing (`model/recompute.rs`) changes it.
 
+use super::peaks::head_kept_bytes;
 use super::{Config, F32};
 use crate::hf::{Mlp, Norm, Positions};
 
@@ -165,14 +166,19 @@ pub(super) fn block_bytes(cfg: &Config) -> u64 {
 }
 
 /// Bytes the graph of one micro-batch keeps for backward. With checkpointing each segment of
-/// blocks keeps only its output (the next segment's input): `checkpointed`.
+/// blocks keeps only its output (the next segment's input): `checkpointed`. The fused head may
+/// keep its logits (`head_kept_bytes`).
 pub fn activation_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     let blocks = match checkpointed(cfg) {
         Some(segments) => segments.kept * s.nd() * s.stream,
         None => s.layers * block_bytes(cfg),
     };
-    embedding_bytes(cfg, &s) + blocks + final_norm_bytes(cfg, &s) + loss_scalar_bytes()
+    embedding_bytes(cfg, &s)
+        + blocks
+        + final_norm_bytes(cfg, &s)
+        + head_kept_bytes(cfg)
+        + loss_scalar_bytes()
 }
 
 /// How checkpointing splits the blocks: segment outputs kept through the forward, and the

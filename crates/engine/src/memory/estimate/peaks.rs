@@ -373,19 +373,23 @@ fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
     ((nd + chunk) * F32 + packing).max(3 * nd * F32)
 }
 
-/// `gemm`'s packed copies of an untied head's W (stored `[D, V]`) while the fused backward
-/// (of a frozen head, or with W's gradient beside the graph) multiplies a block's logits
-/// gradient by its slice of W, transposed (dx, `[rows, cols]·[cols, D]`): one per thread that
-/// takes part (`packing`), of at most 512 rows of the slice (the inner-sum block `gemm` takes
-/// for small products). A tied head's W is the embedding, stored `[V, D]`: `gemm` reads it in
-/// place (the fixtures' ledger shows no copy). Measured on the Llama fixture under LoRA (V 360,
-/// D 32, two threads): 92,160 of the backward's bytes.
+/// `gemm`'s packed copies while the fused backward of an untied head (stored `[D, V]`; frozen,
+/// or with W's gradient beside the graph) multiplies a block's logits gradient by its slice of
+/// W, transposed (dx, `[rows, cols]·[cols, D]`): on each thread that takes part (`packing`'s
+/// blocks), 64 rows by at most 512 columns (the inner-sum block `gemm` takes for small
+/// products), whatever the block's rows and D. Measured (`ops::fused::linear_nll_sum`'s
+/// backward, two threads): 131,072 bytes at V 256 and 262,144 at V 512 and 1,024, with N 64–256
+/// and D 16–64; 92,160 on the Llama fixture under LoRA (V 360, one block). A tied head's W is
+/// the embedding, stored `[V, D]`: `gemm` reads it in place (the fixtures' ledger shows no
+/// copy).
 fn head_packing(cfg: &Config, s: &Shape) -> u64 {
-    if cfg.arch.tied {
+    if cfg.arch.tied || s.tiles {
         return 0;
     }
     let (rows, cols) = crate::ops::fused::head_block(s.n as usize, s.v as usize);
-    packing(rows as u64, (cols as u64).min(512), s.d)
+    let inner = cols.min(512);
+    let (_, blocks) = crate::ops::fused::rhs_packing(rows, inner, s.d as usize);
+    crate::ops::pool::cpu_threads().min(blocks) as u64 * inner as u64 * 64 * F32
 }
 
 /// Floats of one chunk of the lean head's logits (`ops::lean::head_chunk_rows` rows of V).
@@ -397,6 +401,17 @@ fn lean_head_chunk(s: &Shape) -> u64 {
 fn fused_head_block(s: &Shape) -> u64 {
     let (rows, cols) = crate::ops::fused::head_block(s.n as usize, s.v as usize);
     (rows * cols) as u64
+}
+
+/// Bytes of the logits the fused head's forward keeps for its backward
+/// (`ops::fused::head_kept`; in f32 at most 128 MiB, else none): activations until the head's
+/// backward ends.
+pub(super) fn head_kept_bytes(cfg: &Config) -> u64 {
+    let s = Shape::new(cfg);
+    if !cfg.fused {
+        return 0;
+    }
+    crate::ops::fused::head_kept(s.n as usize, s.v as usize, s.cast) as u64 * F32
 }
 
 /// What the head and loss leave live when their backward is done: the head weight's gradient
@@ -507,13 +522,16 @@ fn blocks_peak(cfg: &Config, s: &Shape) -> u64 {
 /// kept, and with checkpointing the recompute's casts of a segment's weights) and the token
 /// embedding's gradient at the very end. With checkpointing the ledger books the largest
 /// recomputed graph as activations held at the peak, so a peak outside the blocks shows less
-/// that much here.
+/// that much here. The logits the fused head kept (`head_kept_bytes`) are part of the start
+/// and gone after the head: the later moments stand that much lower over it.
 pub fn transient_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     let graph = recomputed_bytes(cfg);
+    let freed = head_kept_bytes(cfg);
     (blocks_peak(cfg, &s) + recompute_casts(cfg))
+        .saturating_sub(freed)
         .max(head_peak_bytes(cfg).saturating_sub(graph))
-        .max(embedding_peak_bytes(cfg).saturating_sub(graph))
+        .max(embedding_peak_bytes(cfg).saturating_sub(graph + freed))
 }
 
 /// The compute-dtype copies the backward's recompute makes of one segment's weights.
@@ -543,8 +561,8 @@ fn recompute_in_flight_bytes(cfg: &Config) -> u64 {
 /// What the end of the forward holds only while it runs, beyond the activations it leaves: no
 /// category holds it, so the forward's measured peak shows it in `other`.
 ///
-/// Fused head and loss (CPU): one block of logits and each row's three running statistics (the
-/// backward reuses its block inside `head_peak_bytes`); with half storage the f32 copies the ops make of their
+/// Fused head and loss (CPU): one block of logits (none when it keeps them all, as activations:
+/// `head_kept_bytes`) and each row's three running statistics; with half storage the f32 copies the ops make of their
 /// inputs, the largest in the last block's MLP step. Lean ops: the larger of the final norm's
 /// f32 work (the input's f32 copy when cast, the normalised rows, ×gain and +bias: 3 or 4 ×
 /// N·D·4, the result and its copy into the graph: 2·N·D·c) and one chunk of the head's logits
@@ -552,7 +570,11 @@ fn recompute_in_flight_bytes(cfg: &Config) -> u64 {
 pub(super) fn head_forward_transient_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     if cfg.fused {
-        let head = (fused_head_block(&s) + 3 * s.n) * F32;
+        let block = match head_kept_bytes(cfg) {
+            0 => fused_head_block(&s),
+            _ => 0,
+        };
+        let head = (block + 3 * s.n) * F32;
         if !s.cast {
             // Or the last block's MLP step: its activation, `gemm`'s packed second weight and
             // the output, before the final norm exists (the output stays).

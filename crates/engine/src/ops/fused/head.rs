@@ -1,13 +1,18 @@
-//! The LM head and the token NLL as one op: `Σ mask·−log softmax(x·W)[target]` without the
-//! N×V logits. The logits go through in blocks (`block`): up to 1024 rows by a slice of the
-//! vocabulary, 2M floats (8 MiB) in all. The forward makes each block's logits and folds them
-//! into each row's running log-sum-exp (its max and the sum of exponentials under it) and its
-//! target's logit; the log-sum-exps are kept for the backward. The backward makes each block's
-//! logits again, turns them in place into `dlogits = scale·mask·(softmax − onehot)` with the
+//! The LM head and the token NLL as one op: `Σ mask·−log softmax(x·W)[target]`. The logits go
+//! through in blocks (`block`): up to 1024 rows by a slice of the vocabulary, 2M floats (8 MiB)
+//! in all. The forward makes each block's logits and folds them into each row's running
+//! log-sum-exp (its max and the sum of exponentials under it) and its target's logit; the
+//! log-sum-exps are kept for the backward. The backward takes each block's logits into one
+//! buffer it reuses, turns them in place into `dlogits = scale·mask·(softmax − onehot)` with the
 //! kept log-sum-exps, adds the block's share to its rows of dx (`dlogits·W_sliceᵀ`) and writes
-//! (or adds to) its slice of dW (`x_rowsᵀ·dlogits`). So at most one block of logits exists at a
-//! time, at the cost of the head's product done twice (the fused linear-cross-entropy kernels'
-//! trade).
+//! (or adds to) its slice of dW (`x_rowsᵀ·dlogits`).
+//!
+//! Where the logits come from in the backward is a trade of memory for time (`keeps`): when a
+//! gradient is wanted, the inputs are f32 and the N×V logits take at most `KEEP_ELEMENTS`, the
+//! forward keeps every block for the backward, which then copies each block instead of making
+//! it again (a quarter of the head's products, 39.5 GFLOP a step at GPT-2-small with 512 rows).
+//! Otherwise only one block of logits exists at a time, and the backward makes each block again
+//! (the fused linear-cross-entropy kernels' trade). Either way the backward reads the same bits.
 //!
 //! Blocks run along the vocabulary inside a block of rows, so each slice of W serves all the
 //! rows of its block, and each slice of dW is written once per block of rows: at GPT-2-small
@@ -19,15 +24,16 @@
 //! order: the same bits at any thread count.
 
 use std::ops::Range;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::{
     f32_slice, filled, for_units, log_sum_exp, matmul, storage, u32_slice, Mat, MatMut, Shared,
     Values,
 };
 use crate::ops::{vmath, GradTarget, WeightLayout};
+use crate::tensors::{keep_beside, KeptBeside};
 
 /// Logits one block holds: 2M floats (8 MiB), as the rows-only chunks held before at V ≤ 16K.
 /// At GPT-2-small (512 rows, one thread) blocks of 1M and 4M floats ran within noise of 2M;
@@ -38,10 +44,33 @@ const BLOCK_ELEMENTS: usize = 1 << 21;
 /// rows packs the least in all. 1024 keeps slices ≥ 2,048 wide.
 const BLOCK_ROWS: usize = 1024;
 
+/// Logits the forward keeps for the backward at most: 32M floats (128 MiB). At GPT-2-small's
+/// and SmolLM-135M's vocabularies that is up to 667 and 682 rows (B·T = 512 in the benchmark).
+/// Larger batches recompute, so the head's memory stays bounded however many rows a step
+/// takes (docs/MEMORY.md).
+const KEEP_ELEMENTS: usize = 1 << 25;
+
 /// The rows and vocabulary columns of one block of logits for `n` rows at vocabulary `v`.
 pub fn block(n: usize, v: usize) -> (usize, usize) {
     let rows = n.clamp(1, BLOCK_ROWS);
     (rows, (BLOCK_ELEMENTS / rows).min(v.max(1)))
+}
+
+/// Whether a training step's forward keeps all `n`×`v` logits for its backward: in f32, when
+/// they take at most `KEEP_ELEMENTS`. With `half` inputs (bf16, f16) never: at GPT-2-small
+/// the bf16 step on AMX tiles ran no faster keeping them (docs/PERFORMANCE.md).
+fn keeps(n: usize, v: usize, half: bool) -> bool {
+    !half && n.saturating_mul(v) <= KEEP_ELEMENTS
+}
+
+/// Floats of logits a training step's forward keeps for its backward (inputs `half` or f32):
+/// all N×V (`keeps`), or none.
+pub fn kept(n: usize, v: usize, half: bool) -> usize {
+    if keeps(n, v, half) {
+        n * v
+    } else {
+        0
+    }
 }
 
 /// Sum over counted rows of `−log softmax(x·W)[target]`: `x` `[N, D]`, `w` `[D, V]` (or
@@ -77,14 +106,29 @@ pub fn linear_nll_sum(
             mask.dims()
         );
     }
+    let v = w.elem_count() / d;
+    // Only a step that will run the backward keeps the logits: one whose inputs carry a
+    // gradient (an evaluation's forward holds one block at a time).
+    let wanted = x.track_op() || w.track_op() || target.is_some();
+    let kept = Arc::new(Mutex::new(Kept::Not));
     let op = LinearNll {
         targets: targets.contiguous()?,
         mask: mask.contiguous()?,
         layout,
         target,
         shifts: OnceLock::new(),
+        keep: wanted && keeps(n, v, x.dtype() != DType::F32),
+        kept: kept.clone(),
     };
-    x.apply_op2(&w, op)
+    let loss = x.apply_op2(&w, op)?;
+    let mut kept = kept.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Kept::Made(all) = std::mem::take(&mut *kept) {
+        // The vector becomes the tensor's storage as it is (no copy).
+        let all = Tensor::from_vec(all, n * v, x.device())?;
+        let booking = keep_beside(&loss, vec![all.clone()]);
+        *kept = Kept::Booked(all, booking);
+    }
+    Ok(loss)
 }
 
 /// The targets and mask ride in the op (no gradient): the same storages as the batch's, so the
@@ -96,6 +140,24 @@ struct LinearNll {
     target: Option<Arc<dyn GradTarget>>,
     /// Each row's `log Σ exp(logits)`, from the forward, for the backward's softmax.
     shifts: OnceLock<Arc<Vec<f32>>>,
+    /// Whether the forward keeps the logits (`keeps`).
+    keep: bool,
+    /// The logits kept, until the backward takes them.
+    kept: Arc<Mutex<Kept>>,
+}
+
+/// The logits a training step's forward keeps for its backward, block after block in
+/// `Dims::blocks` order. They are activations: booked with the loss (`tensors::keep_beside`)
+/// so the ledger counts them, and freed when the head's backward ends.
+#[derive(Default)]
+enum Kept {
+    /// None: the backward makes each block's logits again.
+    #[default]
+    Not,
+    /// The forward's values, before `linear_nll_sum` books them with the op's output.
+    Made(Vec<f32>),
+    /// The values as a tensor, and their booking.
+    Booked(Tensor, KeptBeside),
 }
 
 /// Where the backward puts W's gradient.
@@ -202,9 +264,38 @@ fn block_logits(
     };
 }
 
-/// The buffer one block's logits (then their gradient) live in, reused by every block.
-fn block_buffer(dims: Dims) -> Vec<f32> {
-    vec![0f32; dims.block_len()]
+/// Where each block's logits (then their gradient) live.
+enum Logits {
+    /// One block's buffer, reused by every block.
+    Reused(Vec<f32>),
+    /// All N×V logits, each block at its place in `Dims::blocks` order (`at`: the next one's).
+    Kept { all: Vec<f32>, at: usize },
+}
+
+impl Logits {
+    /// Space for one block of logits, reused by every block.
+    fn reused(dims: Dims) -> Logits {
+        Logits::Reused(vec![0f32; dims.block_len()])
+    }
+
+    /// Space for all the logits, each block's its own.
+    fn kept(dims: Dims) -> Logits {
+        Logits::Kept {
+            all: vec![0f32; dims.n * dims.v],
+            at: 0,
+        }
+    }
+
+    /// The next block's `len` values, in `Dims::blocks` order.
+    fn next(&mut self, len: usize) -> &mut [f32] {
+        match self {
+            Logits::Reused(buf) => &mut buf[..len],
+            Logits::Kept { all, at } => {
+                *at += len;
+                &mut all[*at - len..*at]
+            }
+        }
+    }
 }
 
 impl CustomOp2 for LinearNll {
@@ -224,11 +315,21 @@ impl CustomOp2 for LinearNll {
         let w = storage::operand(ws, wl, self.name())?;
         let (x, w) = (&x[..], w.values());
         let dims = Dims::of(xl, wl, self.layout);
+        let mut logits = match self.keep {
+            true => Logits::kept(dims),
+            false => Logits::reused(dims),
+        };
         let (losses, shifts) = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
-            Ok(finish(&row_statistics(x, w, dims, targets), mask))
+            Ok(finish(
+                &row_statistics(x, w, dims, targets, &mut logits),
+                mask,
+            ))
         })?;
         if self.shifts.set(Arc::new(shifts)).is_err() {
             candle_core::bail!("linear nll: the op ran its forward twice");
+        }
+        if let Logits::Kept { all, .. } = logits {
+            *self.kept.lock().unwrap_or_else(PoisonError::into_inner) = Kept::Made(all);
         }
         // Rows in order: the same total for any thread count.
         let total: f32 = losses.iter().sum();
@@ -253,6 +354,13 @@ impl CustomOp2 for LinearNll {
             self.shifts.get().cloned().ok_or_else(|| {
                 candle_core::Error::Msg("linear nll: backward before forward".into())
             })?;
+        // Taken, so they are freed when this backward ends (a second backward over the same
+        // graph makes the logits again).
+        let kept =
+            match std::mem::take(&mut *self.kept.lock().unwrap_or_else(PoisonError::into_inner)) {
+                Kept::Booked(all, _booking) => Some(all),
+                Kept::Not | Kept::Made(_) => None,
+            };
         let op = LinearNllBackward {
             scale,
             targets: self.targets.clone(),
@@ -260,6 +368,7 @@ impl CustomOp2 for LinearNll {
             shifts,
             layout: self.layout,
             weight_grad,
+            kept,
         };
         // One buffer holds [dx; dw], as the fused linear's backward.
         let packed = x.apply_op2_no_bwd(w, &op)?;
@@ -280,16 +389,23 @@ impl CustomOp2 for LinearNll {
 /// the sum of their exponentials under that max, and its target's logit.
 const STATS: usize = 3;
 
-/// Each row's statistics (`STATS` values per row), folded block by block.
-fn row_statistics(x: &[f32], w: Values, dims: Dims, targets: &[u32]) -> Vec<f32> {
+/// Each row's statistics (`STATS` values per row), folded block by block, the blocks' logits
+/// made in `logits`.
+fn row_statistics(
+    x: &[f32],
+    w: Values,
+    dims: Dims,
+    targets: &[u32],
+    logits: &mut Logits,
+) -> Vec<f32> {
     let mut stats: Vec<f32> = (0..dims.n)
         .flat_map(|_| [f32::NEG_INFINITY, 0.0, 0.0])
         .collect();
-    let mut buf = block_buffer(dims);
     let shared = Shared(stats.as_mut_ptr());
     for ((_, rows), (_, cols)) in dims.blocks() {
-        block_logits(&mut buf, x, w, dims, &rows, &cols);
-        let (width, logits) = (cols.len(), &buf[..rows.len() * cols.len()]);
+        let (width, buf) = (cols.len(), logits.next(rows.len() * cols.len()));
+        block_logits(buf, x, w, dims, &rows, &cols);
+        let logits = &*buf;
         for_units(rows.len(), width, |_, local| {
             let global = rows.start + local.start..rows.start + local.end;
             // SAFETY: units cover disjoint rows of `stats`, which outlives this loop.
@@ -346,6 +462,8 @@ struct LinearNllBackward {
     shifts: Arc<Vec<f32>>,
     layout: WeightLayout,
     weight_grad: WeightGrad,
+    /// The forward's logits (`LinearNll::kept`); without them each block's are made again.
+    kept: Option<Tensor>,
 }
 
 impl CustomOp2 for LinearNllBackward {
@@ -353,7 +471,7 @@ impl CustomOp2 for LinearNllBackward {
         "gaccwb-linear-nll-backward"
     }
 
-    /// `[dx; dw]`, `n·d + d·v` floats: per block, dlogits from recomputed logits, then
+    /// `[dx; dw]`, `n·d + d·v` floats: per block, dlogits from its kept or recomputed logits, then
     /// `dx[rows] (+)= dlogits·W[:, cols]ᵀ` and `dw[cols] (+)= x[rows]ᵀ·dlogits`.
     fn cpu_fwd(
         &self,
@@ -383,6 +501,14 @@ impl CustomOp2 for LinearNllBackward {
                 shifts: &self.shifts,
                 scale: self.scale,
             };
+            let guard = self.kept.as_ref().map(Tensor::storage_and_layout);
+            let kept = match &guard {
+                Some((storage, layout)) => match &**storage {
+                    Storage::Cpu(all) => Some(f32_slice(all, layout, self.name())?),
+                    _ => candle_core::bail!("linear nll: kept logits must be on the CPU"),
+                },
+                None => None,
+            };
             let packed_dw = matches!(self.weight_grad, WeightGrad::Packed);
             // dx rows are written by their first slice's product, a packed dw by the first
             // block of rows' (then added to): every value, as blocks cover all rows and columns
@@ -393,7 +519,7 @@ impl CustomOp2 for LinearNllBackward {
                 filled(len, |out| {
                     let dw = beside.or_else(|| packed_dw.then(|| (out.offset(n * d), false)));
                     // SAFETY: `out` holds n·d dx values (then a packed dw's d·v), `beside` d·v.
-                    unsafe { backward_blocks(x, w, dims, &labels, out.offset(0), dw) }
+                    unsafe { backward_blocks(x, w, dims, &labels, kept, out.offset(0), dw) }
                 })
             };
             match &self.weight_grad {
@@ -428,7 +554,8 @@ struct Labels<'a> {
     scale: f32,
 }
 
-/// Per block: dlogits from recomputed logits, then `dx[rows] (+)= dlogits·W[:, cols]ᵀ` into
+/// Per block: dlogits from its logits (copied from `kept`, or made again) in one buffer reused
+/// by every block, then `dx[rows] (+)= dlogits·W[:, cols]ᵀ` into
 /// `dx` (`n·d` values, written by each row block's first slice) and
 /// `dw[cols] (+)= x[rows]ᵀ·dlogits` into `dw`'s `d·v` values, the first block of rows writing
 /// them unless `dw.1` (added to from the start).
@@ -440,14 +567,21 @@ unsafe fn backward_blocks(
     w: Values,
     dims: Dims,
     labels: &Labels,
+    kept: Option<&[f32]>,
     dx: *mut f32,
     dw: Option<(*mut f32, bool)>,
 ) {
     let Dims { d, v, .. } = dims;
-    let mut buf = block_buffer(dims);
+    let mut buf = Logits::reused(dims);
+    let mut at = 0;
     for ((rb, rows), (cb, cols)) in dims.blocks() {
-        block_logits(&mut buf, x, w, dims, &rows, &cols);
-        let dlogits = &mut buf[..rows.len() * cols.len()];
+        let len = rows.len() * cols.len();
+        let dlogits = buf.next(len);
+        match kept {
+            Some(all) => dlogits.copy_from_slice(&all[at..at + len]),
+            None => block_logits(dlogits, x, w, dims, &rows, &cols),
+        }
+        at += len;
         to_dlogits(dlogits, &rows, &cols, labels);
         let (dlogits, width) = (Mat::rows(dlogits, cols.len()), cols.len());
         let x_rows = Mat::rows(&x[rows.start * d..rows.end * d], d);

@@ -35,7 +35,7 @@ pub use attention::causal_attention;
 pub use branch::branch;
 pub use cast::{to_bf16, widen};
 pub use embedding::{embedding, Positions};
-pub use head::{block as head_block, linear_nll_sum};
+pub use head::{block as head_block, kept as head_kept, linear_nll_sum};
 
 pub use linear::{act_linear, gelu_linear, linear, project};
 pub use norm::{layer_norm, rms_norm};
