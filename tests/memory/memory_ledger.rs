@@ -31,6 +31,7 @@ fn memory_ledger_physics_and_accounting() {
         the_estimator_is_within_ten_percent_of_measured_for_every_category();
         offload_moves_the_moments_out_of_optimizer_state();
         a_device_meter_keeps_offloaded_bytes_out_of_the_device_total();
+        the_store_less_what_the_backward_freed_floors_the_transient_gradients();
     });
 }
 
@@ -316,4 +317,19 @@ fn a_device_meter_keeps_offloaded_bytes_out_of_the_device_total() {
     assert!(s.categories.offloaded > 0);
     let on_device = s.categories.sum() - s.categories.offloaded - s.categories.other;
     assert_eq!(s.categories.other, device_bytes - on_device);
+}
+
+/// Under a meter that reads no growth the store is all a backward is known to add, less what it
+/// freed of the activations: the logits the f32 head kept, freed after the head's backward (the
+/// categories would otherwise add up to more than the peak).
+fn the_store_less_what_the_backward_freed_floors_the_transient_gradients() {
+    let mut t = warm_trainer(tiny(4, 1, &[]));
+    let cfg = Config::from_scenario(t.scenario(), true).unwrap();
+    let rows = cfg.micro_batch * cfg.model.seq_len;
+    let logits = gaccwb::ops::fused::head_kept(rows, cfg.model.vocab, false) as u64 * 4;
+    assert!(logits > 0, "the f32 head keeps its logits");
+    let (live, peak) = (Arc::new(AtomicU64::new(50 << 20)), Arc::new(AtomicU64::new(50 << 20)));
+    t.measure_with(Box::new(FakeMeter { live, peak }));
+    let b = at(&step(&mut t), Phase::Backward).categories;
+    assert_eq!(b.gradients_transient, t.memory().last_store_bytes - logits);
 }

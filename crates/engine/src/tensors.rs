@@ -95,6 +95,19 @@ pub fn activation_bytes(loss: &Tensor, seen: &mut StorageSet) -> u64 {
         .sum()
 }
 
+/// Bytes of what ops keep beside the graph behind `loss` (`keep_beside`), each storage once: the
+/// part of its activations an op may free before the graph is dropped (the logits the f32 head
+/// keeps, freed by the head's backward).
+pub fn beside_bytes(loss: &Tensor) -> u64 {
+    let mut seen = StorageSet::default();
+    let beside = BESIDE.lock().unwrap_or_else(PoisonError::into_inner);
+    loss.sorted_nodes()
+        .into_iter()
+        .filter_map(|t| beside.get(&t.id()))
+        .map(|kept| seen.add_all(kept))
+        .sum()
+}
+
 /// Tensors custom ops keep for their backward outside the graph's nodes, by the id of the op's
 /// output. A graph walk sees only nodes; without this a layer norm's row statistics or
 /// attention's log-sum-exp would be held and never counted.

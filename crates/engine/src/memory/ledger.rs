@@ -12,7 +12,7 @@ use candle_core::Tensor;
 
 use crate::model::ParamGrads;
 use crate::telemetry::{Categories, MemoryEvent, MemorySource, Phase};
-use crate::tensors::{activation_bytes, grad_store_bytes, StorageSet};
+use crate::tensors::{activation_bytes, beside_bytes, grad_store_bytes, StorageSet};
 
 /// Measures the total the categories are checked against, with a peak that restarts per phase.
 pub trait TotalMeter: Send {
@@ -92,6 +92,11 @@ pub struct Ledger {
     /// Activations walked in this window's first micro-step. Every micro-batch of a window has
     /// the same shape, so its graph holds the same bytes; later micro-steps reuse the figure.
     window_activations: Option<u64>,
+    /// Of those, what ops keep beside the graph (`tensors::beside_bytes`), and what of it the
+    /// backward frees as it runs (the logits the f32 head keeps): walked in the window's first
+    /// micro-step too.
+    window_beside: Option<u64>,
+    window_freed: Option<u64>,
     /// Bytes of the last backward's gradient store (all ids, de-duplicated): the part of
     /// `gradients_transient` visible from outside Candle.
     pub last_store_bytes: u64,
@@ -113,6 +118,8 @@ impl Ledger {
             backward_start: 0,
             micro: Categories::default(),
             window_activations: None,
+            window_beside: None,
+            window_freed: None,
             last_store_bytes: 0,
         }
     }
@@ -143,6 +150,8 @@ impl Ledger {
         self.frozen = frozen;
         self.persistent = persistent;
         self.window_activations = None;
+        self.window_beside = None;
+        self.window_freed = None;
         self.forward = None;
         self.backward = None;
         self.optimizer = None;
@@ -289,6 +298,7 @@ impl Ledger {
         let activations = *self
             .window_activations
             .get_or_insert_with(|| activation_bytes(loss, &mut seen));
+        self.window_beside.get_or_insert_with(|| beside_bytes(loss));
         let categories = Categories {
             parameters,
             compute_weights,
@@ -329,22 +339,35 @@ impl Ledger {
 
     /// The backward is done and its gradient store not yet folded into the buffer; `beside` are
     /// the parameter gradients it computed outside the graph (the store's share of them);
-    /// activation checkpointing rebuilt a graph of `recomputed` bytes inside it.
+    /// activation checkpointing rebuilt a graph of `recomputed` bytes inside it; `loss` roots
+    /// the graph, still alive.
     ///
     /// The graph and buffers are those of the forward; what backward adds is measured as its
     /// peak over the figure it started from (the store, the gradients in flight, and the
     /// upstream gradients Candle keeps referenced from f32 weight gradients until the store
-    /// is dropped).
-    pub fn backward_done(&mut self, store: &GradStore, beside: &ParamGrads, recomputed: u64) {
+    /// is dropped). It is at least the store, less what the backward freed of the activations
+    /// (the logits the f32 head kept, freed after the head's backward).
+    pub fn backward_done(
+        &mut self,
+        store: &GradStore,
+        beside: &ParamGrads,
+        recomputed: u64,
+        loss: &Tensor,
+    ) {
         let peak = self.meter.peak();
         let mut seen = StorageSet::default();
         self.last_store_bytes = grad_store_bytes(store, &mut seen) + beside.bytes(&mut seen);
         let added = peak.saturating_sub(self.backward_start);
+        let kept = self.window_beside.unwrap_or(0);
+        let freed = *self
+            .window_freed
+            .get_or_insert_with(|| kept.saturating_sub(beside_bytes(loss)));
+        let floor = self.last_store_bytes.saturating_sub(freed);
         // A recomputed block's graph is activations held at the backward's peak, not gradients.
         let snap = Snapshot {
             categories: Categories {
                 activations: self.micro.activations + recomputed,
-                gradients_transient: added.saturating_sub(recomputed).max(self.last_store_bytes),
+                gradients_transient: added.saturating_sub(recomputed).max(floor),
                 ..self.micro
             },
             total: self.meter.live(),

@@ -151,6 +151,8 @@ pub struct BackwardEnd<'a> {
     pub beside: &'a crate::model::ParamGrads,
     /// Bytes of the graph activation checkpointing rebuilt inside this backward.
     pub recomputed_bytes: u64,
+    /// The scaled loss: the graph's root, alive until after the observers.
+    pub loss: &'a Tensor,
 }
 
 /// A micro-batch's parameter gradients (× its loss weight × the loss scale), about to be folded.
@@ -289,6 +291,7 @@ pub fn rank_window_gradients(
                 store: &store,
                 beside: &fwd.recomputed,
                 recomputed_bytes,
+                loss: &loss,
             })
         })?;
         drop(loss);
@@ -466,7 +469,7 @@ impl WindowObserver for Ledger {
         Ok(())
     }
     fn backward_end(&mut self, at: &BackwardEnd) -> Result<()> {
-        self.backward_done(at.store, at.beside, at.recomputed_bytes);
+        self.backward_done(at.store, at.beside, at.recomputed_bytes, at.loss);
         Ok(())
     }
 }
