@@ -375,13 +375,13 @@ fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
 
 /// `gemm`'s packed copies while the fused backward of an untied head (stored `[D, V]`; frozen,
 /// or with W's gradient beside the graph) multiplies a block's logits gradient by its slice of
-/// W, transposed (dx, `[rows, cols]·[cols, D]`): on each thread that takes part (`packing`'s
-/// blocks), 64 rows by at most 512 columns (the inner-sum block `gemm` takes for small
-/// products), whatever the block's rows and D. Measured (`ops::fused::linear_nll_sum`'s
-/// backward, two threads): 131,072 bytes at V 256 and 262,144 at V 512 and 1,024, with N 64–256
-/// and D 16–64; 92,160 on the Llama fixture under LoRA (V 360, one block). A tied head's W is
-/// the embedding, stored `[V, D]`: `gemm` reads it in place (the fixtures' ledger shows no
-/// copy).
+/// W, transposed (dx, `[rows, cols]·[cols, D]`): on each thread that takes part (one per
+/// block of the product, `ops::fused::rhs_packing`), 64 rows by at most 512 columns (the
+/// inner-sum block `gemm` takes for small products), whatever the block's rows and D. Measured
+/// (`ops::fused::linear_nll_sum`'s backward, two threads): 131,072 bytes at V 256 and 262,144
+/// at V 512 and 1,024, with N 64–256 and D 16–64; 92,160 on the Llama fixture under LoRA (V 360,
+/// one block). A tied head's W is the embedding, stored `[V, D]`: `gemm` reads it in place (the
+/// fixtures' ledger shows no copy). Products on AMX tiles pack into the slab `other` counts.
 fn head_packing(cfg: &Config, s: &Shape) -> u64 {
     if cfg.arch.tied || s.tiles {
         return 0;
@@ -407,10 +407,10 @@ fn fused_head_block(s: &Shape) -> u64 {
 /// (`ops::fused::head_kept`; in f32 at most 128 MiB, else none): activations until the head's
 /// backward ends.
 pub(super) fn head_kept_bytes(cfg: &Config) -> u64 {
-    let s = Shape::new(cfg);
     if !cfg.fused {
         return 0;
     }
+    let s = Shape::new(cfg);
     crate::ops::fused::head_kept(s.n as usize, s.v as usize, s.cast) as u64 * F32
 }
 
