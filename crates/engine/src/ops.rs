@@ -488,9 +488,10 @@ pub fn nll_sum(logits: &Tensor, targets: &Tensor, mask: &Tensor) -> Result<Tenso
     }
 }
 
-/// `nll_sum(x·w, targets, mask)`: the LM head and the loss as one. The fused (CPU) and lean
-/// versions never hold the `[N, V]` logits at once (`fused::linear_nll_sum`,
-/// `lean::linear_nll_sum`); the plain one makes them and passes them to `nll_sum`.
+/// `nll_sum(x·w, targets, mask)`: the LM head and the loss as one. The lean version never
+/// holds the `[N, V]` logits at once (`lean::linear_nll_sum`), nor does the fused (CPU) one
+/// but in f32 training steps, which keep up to 128 MiB of them for the backward
+/// (`fused::linear_nll_sum`); the plain one makes them and passes them to `nll_sum`.
 ///
 /// With `target`, `w`'s gradient is added into it (`grads_beside`; `w` is then not a graph
 /// input).
