@@ -269,7 +269,7 @@ enum Logits {
     /// One block's buffer, reused by every block.
     Reused(Vec<f32>),
     /// All N×V logits, each block at its place in `Dims::blocks` order (`at`: the next one's).
-    Kept { all: Vec<f32>, at: usize },
+    All { all: Vec<f32>, at: usize },
 }
 
 impl Logits {
@@ -279,8 +279,8 @@ impl Logits {
     }
 
     /// Space for all the logits, each block's its own.
-    fn kept(dims: Dims) -> Logits {
-        Logits::Kept {
+    fn all(dims: Dims) -> Logits {
+        Logits::All {
             all: vec![0f32; dims.n * dims.v],
             at: 0,
         }
@@ -290,7 +290,7 @@ impl Logits {
     fn next(&mut self, len: usize) -> &mut [f32] {
         match self {
             Logits::Reused(buf) => &mut buf[..len],
-            Logits::Kept { all, at } => {
+            Logits::All { all, at } => {
                 *at += len;
                 &mut all[*at - len..*at]
             }
@@ -316,7 +316,7 @@ impl CustomOp2 for LinearNll {
         let (x, w) = (&x[..], w.values());
         let dims = Dims::of(xl, wl, self.layout);
         let mut logits = match self.keep {
-            true => Logits::kept(dims),
+            true => Logits::all(dims),
             false => Logits::reused(dims),
         };
         let (losses, shifts) = with_labels(&self.targets, &self.mask, dims, |targets, mask| {
@@ -328,7 +328,7 @@ impl CustomOp2 for LinearNll {
         if self.shifts.set(Arc::new(shifts)).is_err() {
             candle_core::bail!("linear nll: the op ran its forward twice");
         }
-        if let Logits::Kept { all, .. } = logits {
+        if let Logits::All { all, .. } = logits {
             *self.kept.lock().unwrap_or_else(PoisonError::into_inner) = Kept::Made(all);
         }
         // Rows in order: the same total for any thread count.
