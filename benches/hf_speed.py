@@ -14,12 +14,12 @@ PyTorch (f32 master weights) and the engine's bf16 compute dtype. The best PyTor
 is the anchor: the ratio is gaccwb's median tokens/s over the best PyTorch median of that round.
 
 The host's limit: the best product rate in each dtype, measured in gaccwb's process (its own
-product, at 1024³, at [B·T, d]·[d, 4d] and at the head's [B·T, d]·[d, V]; bf16 on AMX tiles where
-the CPU has them) or by torch.mm at the same shapes; the step's model FLOP/s (6 per multiplied
-parameter per token plus attention's 12·L·T·q, the planner's rule) as a fraction of the best rate
-in the step's dtype. bf16 products are timed with torch.mm only where /proc/cpuinfo lists
-avx512_bf16 or amx_bf16. Phase times (forward, backward, optimizer) are medians of the timed steps; the
-engine's forward includes the head and the loss.
+product, at 1024³, at [B·T, d]·[d, 4d] and at the head's [B·T, d]·[d, V]; bf16 on AMX tiles or
+AVX-512 BF16 dot products where the CPU has them) or by torch.mm at the same shapes; the step's
+model FLOP/s (6 per multiplied parameter per token plus attention's 12·L·T·q, the planner's rule) as
+a fraction of the best rate in the step's dtype. bf16 products are timed with torch.mm only where
+/proc/cpuinfo lists avx512_bf16 or amx_bf16. Phase times (forward, backward, optimizer) are medians
+of the timed steps; the engine's forward includes the head and the loss.
 
 Usage (release binary built first; PyTorch and transformers from outside the repo):
   PYTHONPATH=~/.cache/gaccwb-hf python3 benches/hf_speed.py            # both shapes, threads 1 2, f32 bf16
@@ -329,7 +329,8 @@ def main():
             for line in prods:
                 print(f"#   {shape} {threads} thr: {line['impl']} {line['dtype']} product "
                       f"[{line['m']}x{line['k']}]·[{line['k']}x{line['n']}] "
-                      f"{line['flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
+                      f"{line['flops_per_s'] / 1e9:.1f} GFLOP/s"
+                      + (f" on {line['kernel']}" if "kernel" in line else ""), flush=True)
             for d in args.dtype:
                 c, hf, nano = (per[d][i] for i in IMPLS)
                 tok = lambda rows: [x["tokens_per_s"] for x in rows]  # noqa: E731

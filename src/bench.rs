@@ -291,11 +291,14 @@ pub struct ProductRate {
     pub dtype: &'static str,
     /// 2·m·k·n / the median of the timed products.
     pub flops_per_s: f64,
+    /// What the products ran on (`ops::fused::Bf16Kernel::name`; f32 and f16: `gemm`).
+    pub kernel: &'static str,
 }
 
 /// The fused ops' product (`ops::fused::project`, the path the step's products take) of `dtype`
 /// operands at each shape, `steps` timed products after one untimed one: bf16 runs on AMX tiles
-/// where the CPU has them (`ops::fused::amx_products`), else widened into f32 `gemm`.
+/// or AVX-512 BF16 dot products where the CPU has them (`ops::fused::bf16_kernel`), else
+/// widened into f32 `gemm`.
 pub fn measure_products(
     shapes: &[(usize, usize, usize)],
     dtype: Dtype,
@@ -315,6 +318,10 @@ pub fn measure_products(
                 n,
                 dtype: dtype.name(),
                 flops_per_s: 2.0 * (m * k * n) as f64 / median_of(&s),
+                kernel: match dtype {
+                    Dtype::Bf16 => crate::ops::fused::bf16_kernel().name(),
+                    _ => crate::ops::fused::Bf16Kernel::Gemm.name(),
+                },
             })
         })
         .collect()

@@ -175,12 +175,13 @@ fn report(
     }
     for p in products {
         gaccwb::out::println(&format!(
-            "{} product [{}x{}]·[{}x{}]: {:.1} GFLOP/s",
+            "{} product [{}x{}]·[{}x{}] on {}: {:.1} GFLOP/s",
             p.dtype,
             p.m,
             p.k,
             p.k,
             p.n,
+            p.kernel,
             p.flops_per_s / 1e9
         ))?;
     }

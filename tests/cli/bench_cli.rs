@@ -8,8 +8,9 @@ use serde_json::Value;
 use crate::common;
 
 /// With f32 and bf16 asked for, the products are timed in both at the same shapes, and each
-/// dtype's step is a fraction of its own dtype's best product (bf16 products run on AMX tiles
-/// where the CPU has them, many times the f32 rate, so f32's best would flatter bf16).
+/// dtype's step is a fraction of its own dtype's best product (bf16 products run on AMX tiles or
+/// AVX-512 BF16 dot products where the CPU has them, faster than f32, so f32's best would flatter
+/// bf16).
 #[test]
 fn bench_model_rates_each_dtype_against_its_own_products() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/models/llama-tied");

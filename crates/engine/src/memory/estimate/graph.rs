@@ -42,7 +42,7 @@ pub(super) struct Shape {
     pub c: u64,
     /// The compute dtype differs from f32 (the fused ops widen their inputs into f32 copies).
     pub cast: bool,
-    /// The fused ops' bf16 products run on AMX tiles (`ops::fused::amx_products`), which read
+    /// The fused ops' bf16 products run on packed blocks (`ops::fused::bf16_kernel`), which read
     /// weight matrices as stored: no f32 copies of them (`ops::fused` `storage::operand`).
     pub tiles: bool,
     /// Bytes of a residual-stream element in the graph: f32 on the fused ops (half precision
@@ -80,7 +80,7 @@ impl Shape {
             cast: cfg.dtype != crate::control::Dtype::F32,
             tiles: cfg.fused
                 && cfg.dtype == crate::control::Dtype::Bf16
-                && crate::ops::fused::amx_products(),
+                && crate::ops::fused::bf16_kernel() != crate::ops::fused::Bf16Kernel::Gemm,
             stream: if cfg.fused {
                 F32
             } else {

@@ -6,8 +6,8 @@
 //!
 //! Callers (`crate::ops`) route CPU tensors stored in f32, bf16 or f16 here (all of one op's
 //! float inputs in one dtype; the loss mask f32); the arithmetic is f32 whatever the storage
-//! (`storage`), but for a bf16 op's products where the CPU has AMX (`tiles`), which read the
-//! weight matrices as stored (`Values::Bf16`).
+//! (`storage`), but for a bf16 op's products where the CPU has AMX or AVX-512 BF16 (`tiles`),
+//! which read the weight matrices as stored (`Values::Bf16`).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -46,10 +46,13 @@ pub use optim::{
 };
 pub(crate) use storage::round_in_place;
 
-/// Whether this process's bf16 products run on AMX tiles (`tiles`): the CPU has AMX-BF16, the
-/// kernel granted the tile state, and `GACCWB_AMX` is not `off`.
-pub fn amx_products() -> bool {
-    tiles::enabled()
+pub use tiles::{Bf16Kernel, KERNEL_ENV};
+
+/// What this process's bf16 products run on (`tiles`): AMX tiles where the CPU has AMX-BF16
+/// and the kernel granted the tile state, else AVX-512 BF16 dot products where the CPU has
+/// them, else `gemm`; capped by `GACCWB_BF16_PRODUCTS`.
+pub fn bf16_kernel() -> Bf16Kernel {
+    tiles::kernel()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -291,7 +294,7 @@ impl MatMut {
 
 /// `dst = a·b`, or `dst += a·b` when `accumulate`. With `parallel`, blocks of `dst` (rows or
 /// columns, `matmul_split`) go to the CPU pool (`ops::pool`), each one single-threaded `gemm`
-/// call (or, in a bf16 op where the CPU has AMX, one `tiles` call on `tiles::split`'s blocks):
+/// call (or, in a bf16 op where the CPU has AMX or AVX-512 BF16, one `tiles` call on `tiles::split`'s blocks):
 /// the same pool as every other fused op (a second pool, rayon's, would compete with it for
 /// the cores).
 ///

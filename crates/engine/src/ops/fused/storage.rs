@@ -1,5 +1,6 @@
 //! The fused ops' storage dtypes: f32, bf16 and f16, with f32 arithmetic (but bf16 products on
-//! AMX tiles where the CPU has them: `tiles`, bf16 operands and f32 sums). An op reads a
+//! AMX tiles or AVX-512 BF16 dot products where the CPU has them: `tiles`, bf16 operands and
+//! f32 sums). An op reads a
 //! half-precision input by widening it into an f32 buffer of its own (freed when the op
 //! returns), runs the f32 kernel, and rounds its result once to the storage dtype; a bf16 weight
 //! matrix that only tile products read is borrowed as stored (`operand`). Gradients

@@ -189,15 +189,15 @@ fn adamw_with_the_clip_inside_gives_the_bits_of_scaling_the_gradient_first() {
     assert_eq!(bits(&g2[3]), bits(&make(40)[3]));
 }
 
-/// bf16 products on AMX tiles, where the CPU has them: the f32 sums of the bf16-rounded
-/// operands, for shapes off the 32-row, 32-column and 32-deep blocks, cut into row and column
-/// blocks, from transposed views and added into a strided destination. Without AMX no product
-/// goes to tiles.
+/// bf16 products on packed blocks (AMX or AVX-512 BF16), where the CPU has them: the f32 sums
+/// of the bf16-rounded operands, for shapes off the 32-row, 32-column and 32-deep blocks, cut
+/// into row and column blocks, from transposed views and added into a strided destination.
+/// Without either no product goes to tiles.
 #[test]
 fn tile_products_sum_the_bf16_rounded_operands() {
     let _bf16 = tiles::scope_if(true);
     if !tiles::available() {
-        assert!(!tiles::fit(768), "tiles without AMX");
+        assert!(!tiles::fit(768), "tiles without AMX or AVX-512 BF16");
         return;
     }
     let round = storage::rounding(candle_core::DType::BF16);
@@ -253,7 +253,7 @@ fn tile_products_give_the_same_bits_however_they_are_cut() {
         cut(&MatMut::new(dst.as_mut_ptr(), m, n, n));
         dst.iter().map(|x| x.to_bits()).collect()
     };
-    // SAFETY: the views lie inside `a`, `b` and the fresh `dst`, on this thread, AMX granted.
+    // SAFETY: the views lie inside `a`, `b` and the fresh `dst`, on this thread, a packed kernel available.
     let whole = product(&|d| unsafe { tiles::gemm_block(d, left, right, true, 0..m) });
     // SAFETY: as above.
     let rows = product(&|d| unsafe {
@@ -271,8 +271,8 @@ fn tile_products_give_the_same_bits_however_they_are_cut() {
 }
 
 /// bf16 operands read as stored (`Values::Bf16`: on tiles, or widened for `gemm` where the
-/// product is shallower than a tile or the CPU has no AMX) give the bits of the same values in
-/// f32, from row-major and transposed views. The shapes include whole blocks (no padding, so
+/// product is shallower than a tile or the CPU has no packed kernel) give the bits of the same
+/// values in f32, from row-major and transposed views. The shapes include whole blocks (no padding, so
 /// the packing alone writes the slab, which holds the products' before it).
 #[test]
 fn bf16_operands_read_as_stored_give_the_bits_of_their_f32_values() {

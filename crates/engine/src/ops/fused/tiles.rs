@@ -1,18 +1,21 @@
-//! Products on AMX tiles (`tdpbf16ps`): bf16 operands, f32 sums. Where the CPU has AMX
-//! (Sapphire Rapids and later Xeons) and the kernel grants the process its tile state, a bf16
-//! model's products run here instead of widening bf16 to f32 for `gemm`: one `tdpbf16ps`
-//! multiplies a 16×32 by a 32×16 block (8,192 multiply-adds), many times `gemm`'s f32 rate
-//! (docs/PERFORMANCE.md).
+//! bf16 products on packed blocks: bf16 operands, f32 sums. Where the CPU has AMX (Sapphire
+//! Rapids and later Xeons) and the kernel grants the process its tile state, a bf16 model's
+//! products run on its tiles (`tdpbf16ps`: a 16×32 by a 32×16 block, 8,192 multiply-adds);
+//! where it has AVX-512 BF16 instead (Zen 4 and later, Cooper Lake), on dot products
+//! (`vdpbf16ps`: 16 sums of two products each). Either is many times, or twice, the multiply-adds
+//! per instruction of `gemm`'s f32 kernel, which widened bf16 would take (docs/PERFORMANCE.md).
+//! "Tiles" below names the packed 32×32 blocks both kernels multiply.
 //!
 //! Operands are packed into bf16 from f32 views (rounded to nearest, ties to even; values a
 //! bf16 tensor holds are exact) or from bf16 ones as stored (`Values::Bf16`: weights, half the
 //! bytes to read and no f32 copy): the left-hand rows as rows of 32-column tiles, the
-//! right-hand columns in the pair-interleaved ("VNNI") panels `tdpbf16ps` reads. They are
+//! right-hand columns in the pair-interleaved ("VNNI") panels both instructions read. They are
 //! packed into `gemm`'s own per-thread slab (`ops::workspace`, which the memory estimate already
 //! counts, cache-line aligned: tile rows that cross lines load several times slower), in passes
 //! of at most 384 inner values (`plan`); every value's sums run in one order wherever its block
 //! falls, so results depend neither on the thread count nor on how a product is cut (`split`:
-//! one block per thread). `GACCWB_AMX=off` keeps bf16 products in f32 `gemm`.
+//! one block per thread). `GACCWB_BF16_PRODUCTS` caps the kernel: `gemm` keeps bf16 products in
+//! f32 `gemm`, `avx512` leaves AMX aside.
 
 use std::cell::Cell;
 use std::mem::MaybeUninit;
@@ -25,23 +28,86 @@ use super::transpose::transposed;
 use super::{storage::bf16_bits, Mat, MatMut, Ptr};
 use crate::ops::vmath;
 
-/// The variable that turns the tile products off (`off`); unset or anything else leaves them
-/// on where the CPU has them.
-const AMX_ENV: &str = "GACCWB_AMX";
+/// The variable that caps the kernel bf16 products run on (`Bf16Kernel::cap`).
+pub const KERNEL_ENV: &str = "GACCWB_BF16_PRODUCTS";
 
-/// Whether this CPU has AMX-BF16 and the kernel granted the process its tile state. Asked once.
-pub(super) fn available() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| cpu::has_amx_bf16() && cpu::request_tiles())
+/// What a bf16 op's products run on, from the slowest to the fastest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Bf16Kernel {
+    /// Both operands widened to f32 for `gemm`.
+    Gemm,
+    /// AVX-512 BF16 dot products (`vdpbf16ps`) on packed blocks.
+    Avx512,
+    /// AMX tiles (`tdpbf16ps`) on packed blocks.
+    Amx,
 }
 
-/// Whether bf16 products run on tiles: `available()`, unless `GACCWB_AMX=off`. Asked once.
-pub(super) fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        let off = std::env::var(AMX_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("off"));
-        !off && available()
+impl Bf16Kernel {
+    /// The name `GACCWB_BF16_PRODUCTS` takes and the benchmark prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Kernel::Gemm => "gemm",
+            Bf16Kernel::Avx512 => "avx512",
+            Bf16Kernel::Amx => "amx",
+        }
+    }
+
+    /// The fastest kernel `GACCWB_BF16_PRODUCTS` allows (`gemm`, `avx512`, `amx`; unset or
+    /// anything else: `amx`).
+    fn cap() -> Bf16Kernel {
+        let value = std::env::var(KERNEL_ENV).unwrap_or_default();
+        [Bf16Kernel::Gemm, Bf16Kernel::Avx512]
+            .into_iter()
+            .find(|k| value.trim().eq_ignore_ascii_case(k.name()))
+            .unwrap_or(Bf16Kernel::Amx)
+    }
+
+    /// Whether this CPU runs this kernel (AMX: and the kernel granted the tile state).
+    fn runs(self) -> bool {
+        match self {
+            Bf16Kernel::Gemm => true,
+            Bf16Kernel::Avx512 => cpu::has_avx512_bf16(),
+            Bf16Kernel::Amx => cpu::has_amx_bf16() && cpu::request_tiles(),
+        }
+    }
+}
+
+/// The fastest packed kernel this CPU runs, whatever the cap. Asked once.
+fn best() -> Bf16Kernel {
+    static BEST: OnceLock<Bf16Kernel> = OnceLock::new();
+    *BEST.get_or_init(|| {
+        [Bf16Kernel::Amx, Bf16Kernel::Avx512]
+            .into_iter()
+            .find(|k| k.runs())
+            .unwrap_or(Bf16Kernel::Gemm)
     })
+}
+
+/// The kernel bf16 products run on: the fastest this CPU runs within `GACCWB_BF16_PRODUCTS`.
+/// Asked once.
+pub(super) fn kernel() -> Bf16Kernel {
+    static ON: OnceLock<Bf16Kernel> = OnceLock::new();
+    *ON.get_or_init(|| {
+        let cap = Bf16Kernel::cap();
+        [Bf16Kernel::Amx, Bf16Kernel::Avx512]
+            .into_iter()
+            .find(|&k| k <= cap && k.runs())
+            .unwrap_or(Bf16Kernel::Gemm)
+    })
+}
+
+/// Whether this CPU has a packed kernel (AMX or AVX-512 BF16), whatever the cap.
+pub(super) fn available() -> bool {
+    best() != Bf16Kernel::Gemm
+}
+
+/// The packed kernel products on tiles use: `kernel()`, or where the cap keeps bf16 products
+/// in `gemm` (so that only `scope_if` asks for tiles), `best()`.
+fn packed_kernel() -> Bf16Kernel {
+    match kernel() {
+        Bf16Kernel::Gemm => best(),
+        k => k,
+    }
 }
 
 /// Rows and columns of a tile block: 2×2 tiles of 16×16 sums.
@@ -129,7 +195,10 @@ pub(super) unsafe fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, 
         // SAFETY: the caller's contract (`fit` rules this out; `gemm` is the same product).
         return unsafe { super::gemm_block(dst, a, b, accumulate, r) };
     };
-    cpu::configure();
+    let kernel = packed_kernel();
+    if kernel == Bf16Kernel::Amx {
+        cpu::configure();
+    }
     gemm_common::gemm::L2_SLAB.with(|slab| {
         let mut slab = slab.borrow_mut();
         initialise(&mut slab);
@@ -152,7 +221,16 @@ pub(super) unsafe fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, 
                     // SAFETY: rows at..at+rows lie in rows `r` of dst, this call's alone;
                     // columns jb..jb+cols in dst; tiles are configured on this thread.
                     unsafe {
-                        strip_blocks(dst, lhs, panels, kp, at..at + rows, jb..jb + cols, add)
+                        strip_blocks(
+                            kernel,
+                            dst,
+                            lhs,
+                            panels,
+                            kp,
+                            at..at + rows,
+                            jb..jb + cols,
+                            add,
+                        )
                     };
                 }
             }
@@ -167,8 +245,11 @@ pub(super) unsafe fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, 
 /// bits do not depend on how the product is cut.
 ///
 /// # Safety
-/// `rows` and `cols` lie in dst, no other thread writes those rows, tiles are configured.
+/// `rows` and `cols` lie in dst, no other thread writes those rows, `kernel` runs here (AMX:
+/// tiles configured).
+#[allow(clippy::too_many_arguments)]
 unsafe fn strip_blocks(
+    kernel: Bf16Kernel,
     dst: &MatMut,
     lhs: &[u16],
     panels: &[u16],
@@ -191,13 +272,13 @@ unsafe fn strip_blocks(
             unsafe {
                 if whole {
                     let c = dst.ptr.add(row * dst.row_stride + col);
-                    cpu::block(c, dst.row_stride * 4, add, lhs, panels, kp);
+                    cpu::block(kernel, c, dst.row_stride * 4, add, lhs, panels, kp);
                 } else {
                     let end = (row + BLOCK).min(rows.end);
                     if add {
                         read(dst, &mut sums, row..end, col, cols.end);
                     }
-                    cpu::block(sums.as_mut_ptr(), BLOCK * 4, add, lhs, panels, kp);
+                    cpu::block(kernel, sums.as_mut_ptr(), BLOCK * 4, add, lhs, panels, kp);
                     write(dst, &sums, row..end, col, cols.end);
                 }
             }
@@ -289,7 +370,7 @@ fn active() -> bool {
 /// the op's thread; products inside pool work (attention's) take the op thread's `chosen` along
 /// to `serial`.
 pub(super) fn scope(dtype: DType) -> Scope {
-    scope_if(dtype == DType::BF16 && enabled())
+    scope_if(dtype == DType::BF16 && kernel() != Bf16Kernel::Gemm)
 }
 
 /// Tile products on this thread while the guard lives, if `on` (and `available()`).
@@ -661,13 +742,19 @@ mod cpu {
         CONFIGURED.with(|f| f.set(true));
     }
 
+    /// Whether this CPU has AVX-512 BF16 (`vdpbf16ps`) and AVX-512F.
+    pub(super) fn has_avx512_bf16() -> bool {
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
+    }
+
     /// The 32×32 block at `c` (rows `stride` bytes apart) = lhs (32 rows of kp) · the two
-    /// panels (kp/2 pairs of 16 columns each), added to what it holds when `add`.
+    /// panels (kp/2 pairs of 16 columns each), added to what it holds when `add`, on `kernel`.
     ///
     /// # Safety
-    /// Sizes as stated, `c`'s 32 rows of 32 values writable and no other thread's, tiles
-    /// configured on this thread (`configure`).
+    /// Sizes as stated, `c`'s 32 rows of 32 values writable and no other thread's, `kernel`
+    /// packed and run by this CPU (AMX: tiles configured on this thread, `configure`).
     pub(super) unsafe fn block(
+        kernel: Bf16Kernel,
         c: *mut f32,
         stride: usize,
         add: bool,
@@ -676,6 +763,90 @@ mod cpu {
         kp: usize,
     ) {
         debug_assert!(lhs.len() == BLOCK * kp && panels.len() == BLOCK * kp);
+        // SAFETY: the caller's contract; `Bf16Kernel::Avx512` runs only where the CPU has it.
+        unsafe {
+            match kernel {
+                Bf16Kernel::Amx => tile_block(c, stride, add, lhs, panels, kp),
+                Bf16Kernel::Avx512 => dot_block(c, stride, add, lhs, panels, kp),
+                Bf16Kernel::Gemm => unreachable!("gemm products are not packed"),
+            }
+        }
+    }
+
+    /// Rows of a block one pass of `dot_block` keeps in registers: 8 rows × 2 panels are 16
+    /// accumulators of the 32 vector registers.
+    const ROWS: usize = 8;
+
+    /// `block` on AVX-512 BF16: for each group of 8 rows, 16 sums per `vdpbf16ps`, each value's
+    /// pairs added in order (the sums' order does not depend on the block's place).
+    ///
+    /// # Safety
+    /// As `block`, on a CPU with AVX-512F and AVX-512 BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn dot_block(
+        c: *mut f32,
+        stride: usize,
+        add: bool,
+        lhs: &[u16],
+        panels: &[u16],
+        kp: usize,
+    ) {
+        use std::arch::x86_64::*;
+        let pairs = kp / 2;
+        // Packed operands are 4-aligned (`packed`): a pair is one u32.
+        let a = lhs.as_ptr().cast::<u32>();
+        let (b0, b1) = (
+            panels.as_ptr().cast::<u32>(),
+            panels[16 * kp..].as_ptr().cast::<u32>(),
+        );
+        for g in (0..BLOCK).step_by(ROWS) {
+            let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+            // SAFETY: rows g..g+8 of the block at `c`, 32 values each (the caller's contract).
+            let row = |r: usize| unsafe { c.byte_add((g + r) * stride) };
+            if add {
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: as above.
+                    *acc = unsafe { [_mm512_loadu_ps(row(r)), _mm512_loadu_ps(row(r).add(16))] };
+                }
+            }
+            for p in 0..pairs {
+                // SAFETY: pair p of both panels (16 u32 each) and of rows g..g+8 of lhs lie
+                // inside the slices (p < kp/2).
+                unsafe {
+                    let x0: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(b0.add(p * 16).cast()));
+                    let x1: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(b1.add(p * 16).cast()));
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let pair = *a.add((g + r) * pairs + p) as i32;
+                        let y: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                        acc[0] = _mm512_dpbf16_ps(acc[0], y, x0);
+                        acc[1] = _mm512_dpbf16_ps(acc[1], y, x1);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                // SAFETY: as above.
+                unsafe {
+                    _mm512_storeu_ps(row(r), acc[0]);
+                    _mm512_storeu_ps(row(r).add(16), acc[1]);
+                }
+            }
+        }
+    }
+
+    /// `block` on AMX tiles.
+    ///
+    /// # Safety
+    /// As `block`, tiles configured on this thread.
+    unsafe fn tile_block(
+        c: *mut f32,
+        stride: usize,
+        add: bool,
+        lhs: &[u16],
+        panels: &[u16],
+        kp: usize,
+    ) {
         let (a0, a1) = (lhs.as_ptr(), lhs[16 * kp..].as_ptr());
         let (b0, b1) = (panels.as_ptr(), panels[16 * kp..].as_ptr());
         let (lhs_stride, panel_stride) = (kp * 2, 64usize);
@@ -743,10 +914,86 @@ mod cpu {
     pub(super) fn request_tiles() -> bool {
         false
     }
+    pub(super) fn has_avx512_bf16() -> bool {
+        false
+    }
     pub(super) fn configure() {
         unreachable!("tiles are x86_64 only")
     }
-    pub(super) unsafe fn block(_: *mut f32, _: usize, _: bool, _: &[u16], _: &[u16], _: usize) {
+    pub(super) unsafe fn block(
+        _: super::Bf16Kernel,
+        _: *mut f32,
+        _: usize,
+        _: bool,
+        _: &[u16],
+        _: &[u16],
+        _: usize,
+    ) {
         unreachable!("tiles are x86_64 only")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every packed kernel this CPU runs gives one 32×32 block as the sums of its bf16 operands'
+    /// products, added to the block's values or not, into rows wider than the block.
+    #[test]
+    fn each_packed_kernel_sums_the_pairs_of_a_block() {
+        let kp = 2 * DEPTH;
+        let value = |i: usize| ((i * 7919 % 263) as f32 - 131.0) / 64.0;
+        let lhs: Vec<u16> = (0..BLOCK * kp).map(|i| bf16_bits(value(i))).collect();
+        let rhs: Vec<f32> = (0..kp * BLOCK).map(|i| value(3 * i + 1)).collect();
+        let wide = |b: u16| f32::from_bits(u32::from(b) << 16);
+        // The panels as `pack_panels` lays them out, from the same rounded values.
+        let mut panels = vec![0u16; BLOCK * kp];
+        for c in 0..BLOCK {
+            for k in 0..kp {
+                let at = (c / 16) * 16 * kp + (k / 2) * 32 + (c % 16) * 2 + k % 2;
+                panels[at] = bf16_bits(rhs[k * BLOCK + c]);
+            }
+        }
+        let stride = BLOCK + 8;
+        let start: Vec<f32> = (0..BLOCK * stride).map(|i| value(5 * i)).collect();
+        let kernels = [Bf16Kernel::Amx, Bf16Kernel::Avx512];
+        for kernel in kernels.into_iter().filter(|k| k.runs()) {
+            if kernel == Bf16Kernel::Amx {
+                cpu::configure();
+            }
+            for add in [false, true] {
+                let mut c = start.clone();
+                // SAFETY: `c` holds 32 rows of `stride` ≥ 32 values; lhs and panels are 32·kp;
+                // the kernel runs here (and AMX is configured on this thread).
+                unsafe { cpu::block(kernel, c.as_mut_ptr(), stride * 4, add, &lhs, &panels, kp) };
+                for i in 0..BLOCK {
+                    for j in 0..stride {
+                        let got = c[i * stride + j];
+                        if j >= BLOCK {
+                            assert_eq!(got, start[i * stride + j], "{kernel:?}: past the block");
+                            continue;
+                        }
+                        let sum: f64 = (0..kp)
+                            .map(|k| {
+                                let a = wide(lhs[i * kp + k]);
+                                let b = wide(bf16_bits(rhs[k * BLOCK + j]));
+                                f64::from(a) * f64::from(b)
+                            })
+                            .sum();
+                        let want = sum
+                            + if add {
+                                f64::from(start[i * stride + j])
+                            } else {
+                                0.0
+                            };
+                        let tolerance = 1e-5 * (1.0 + want.abs());
+                        assert!(
+                            (f64::from(got) - want).abs() < tolerance,
+                            "{kernel:?} add {add} ({i}, {j}): {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }
