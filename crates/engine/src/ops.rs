@@ -3,7 +3,7 @@
 //! Candle's fused `LayerNorm`, `softmax_last_dim` and `sdpa` are forward-only (gradients silently
 //! stop there), so the model calls these instead. On CPU each is one fused Candle custom op
 //! whose backward is one more fused pass (`fused`; f32 arithmetic on f32, bf16 or f16 storage,
-//! bf16 products on AMX tiles where the CPU has them);
+//! bf16 products on AMX tiles or AVX-512 BF16 dot products where the CPU has them);
 //! anywhere else (CUDA, or the CPU under `GACCWB_KERNELS=lean`) the `lean` version runs: Candle tensor ops that exist on every backend, with a backward of its own
 //! and only what that backward needs kept. `composite`, the plain differentiable Candle
 //! expressions, is the reference both are tested against (`force_plain` runs it in a model). All

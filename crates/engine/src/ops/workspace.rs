@@ -2,7 +2,7 @@
 //! L2 cache on every thread that has ever multiplied, allocated on that thread's first product
 //! and held until the thread ends. The fused ops (every dtype: f32 arithmetic on f32, bf16 or
 //! f16 storage) multiply on the caller and the CPU pool (`ops::pool`); bf16 products on AMX
-//! tiles (`ops::fused::tiles`) pack into the same slab. Left to chance, the slab
+//! tiles or AVX-512 BF16 (`ops::fused::tiles`) pack into the same slab. Left to chance, the slab
 //! count depends on which products happened to be large enough to split, so `reserve` allocates
 //! the slabs on all those threads at once and `bytes` predicts exactly what is then held.
 //! (Under `GACCWB_KERNELS=lean` Candle's own matmul multiplies on rayon's pool instead,

@@ -381,7 +381,8 @@ fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
 /// (`ops::fused::linear_nll_sum`'s backward, two threads): 131,072 bytes at V 256 and 262,144
 /// at V 512 and 1,024, with N 64–256 and D 16–64; 92,160 on the Llama fixture under LoRA (V 360,
 /// one block). A tied head's W is the embedding, stored `[V, D]`: `gemm` reads it in place (the
-/// fixtures' ledger shows no copy). Products on packed blocks (AMX, AVX-512 BF16) pack into the slab `other` counts.
+/// fixtures' ledger shows no copy). Products on packed blocks (AMX, AVX-512 BF16) pack into the
+/// slab `other` counts.
 fn head_packing(cfg: &Config, s: &Shape) -> u64 {
     if cfg.arch.tied || s.tiles {
         return 0;

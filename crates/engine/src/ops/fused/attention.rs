@@ -129,7 +129,8 @@ impl Attention {
     }
 
     /// `y` (`[B·T, H·hd]`) from `qkv`, in f32; the products on tiles when this thread's products
-    /// are (`tiles::chosen`: a bf16 op where the CPU has AMX or AVX-512 BF16), their operands then rounded to bf16.
+    /// are (`tiles::chosen`: a bf16 op where the CPU has AMX or AVX-512 BF16), their operands then
+    /// rounded to bf16.
     pub(super) fn forward_rows(&self, qkv: &[f32]) -> Vec<f32> {
         let s = self.s;
         let (t, hd, width) = (s.t, s.head_dim, s.q_width());

@@ -294,7 +294,8 @@ impl MatMut {
 
 /// `dst = a·b`, or `dst += a·b` when `accumulate`. With `parallel`, blocks of `dst` (rows or
 /// columns, `matmul_split`) go to the CPU pool (`ops::pool`), each one single-threaded `gemm`
-/// call (or, in a bf16 op where the CPU has AMX or AVX-512 BF16, one `tiles` call on `tiles::split`'s blocks):
+/// call (or, in a bf16 op where the CPU has AMX or AVX-512 BF16, one `tiles` call on
+/// `tiles::split`'s blocks):
 /// the same pool as every other fused op (a second pool, rayon's, would compete with it for
 /// the cores).
 ///
