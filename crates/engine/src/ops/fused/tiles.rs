@@ -267,23 +267,44 @@ unsafe fn strip_blocks(
             let panels = &panels[j * kp..(j + BLOCK) * kp];
             let (row, col) = (rows.start + i, cols.start + j);
             let whole = row + BLOCK <= rows.end && col + BLOCK <= cols.end;
+            let job = |c, stride| Job {
+                c,
+                stride,
+                add,
+                lhs,
+                panels,
+                kp,
+            };
             // SAFETY: the block at (row, col) lies in dst (whole) or `sums` is 32×32; `lhs`
             // and `panels` hold 32 rows / columns of kp values.
             unsafe {
                 if whole {
                     let c = dst.ptr.add(row * dst.row_stride + col);
-                    cpu::block(kernel, c, dst.row_stride * 4, add, lhs, panels, kp);
+                    cpu::block(kernel, job(c, dst.row_stride * 4));
                 } else {
                     let end = (row + BLOCK).min(rows.end);
                     if add {
                         read(dst, &mut sums, row..end, col, cols.end);
                     }
-                    cpu::block(kernel, sums.as_mut_ptr(), BLOCK * 4, add, lhs, panels, kp);
+                    cpu::block(kernel, job(sums.as_mut_ptr(), BLOCK * 4));
                     write(dst, &sums, row..end, col, cols.end);
                 }
             }
         }
     }
+}
+
+/// One 32×32 block of a product: its sums at `c` (rows `stride` bytes apart), added to what they
+/// hold when `add`, from 32 packed left-hand rows (`lhs`) and two panels of 16 columns
+/// (`panels`), each `kp` inner values deep.
+#[derive(Clone, Copy)]
+struct Job<'a> {
+    c: *mut f32,
+    stride: usize,
+    add: bool,
+    lhs: &'a [u16],
+    panels: &'a [u16],
+    kp: usize,
 }
 
 /// Rows `rows` of dst from column `j` to at most `end` into `sums` (32×32); what lies past
@@ -747,27 +768,19 @@ mod cpu {
         is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
     }
 
-    /// The 32×32 block at `c` (rows `stride` bytes apart) = lhs (32 rows of kp) · the two
-    /// panels (kp/2 pairs of 16 columns each), added to what it holds when `add`, on `kernel`.
+    /// The block `job` = lhs (32 rows of kp) · the two panels (kp/2 pairs of 16 columns each),
+    /// added to what it holds when `add`, on `kernel`.
     ///
     /// # Safety
-    /// Sizes as stated, `c`'s 32 rows of 32 values writable and no other thread's, `kernel`
-    /// packed and run by this CPU (AMX: tiles configured on this thread, `configure`).
-    pub(super) unsafe fn block(
-        kernel: Bf16Kernel,
-        c: *mut f32,
-        stride: usize,
-        add: bool,
-        lhs: &[u16],
-        panels: &[u16],
-        kp: usize,
-    ) {
-        debug_assert!(lhs.len() == BLOCK * kp && panels.len() == BLOCK * kp);
+    /// Sizes as stated, the block's 32 rows of 32 values writable and no other thread's,
+    /// `kernel` packed and run by this CPU (AMX: tiles configured on this thread, `configure`).
+    pub(super) unsafe fn block(kernel: Bf16Kernel, job: Job) {
+        debug_assert!(job.lhs.len() == BLOCK * job.kp && job.panels.len() == BLOCK * job.kp);
         // SAFETY: the caller's contract; `Bf16Kernel::Avx512` runs only where the CPU has it.
         unsafe {
             match kernel {
-                Bf16Kernel::Amx => tile_block(c, stride, add, lhs, panels, kp),
-                Bf16Kernel::Avx512 => dot_block(c, stride, add, lhs, panels, kp),
+                Bf16Kernel::Amx => tile_block(job),
+                Bf16Kernel::Avx512 => dot_block(job),
                 Bf16Kernel::Gemm => unreachable!("gemm products are not packed"),
             }
         }
@@ -783,27 +796,21 @@ mod cpu {
     /// # Safety
     /// As `block`, on a CPU with AVX-512F and AVX-512 BF16.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn dot_block(
-        c: *mut f32,
-        stride: usize,
-        add: bool,
-        lhs: &[u16],
-        panels: &[u16],
-        kp: usize,
-    ) {
+    unsafe fn dot_block(job: Job) {
         use std::arch::x86_64::*;
+        let (c, stride, kp) = (job.c, job.stride, job.kp);
         let pairs = kp / 2;
         // Packed operands are 4-aligned (`packed`): a pair is one u32.
-        let a = lhs.as_ptr().cast::<u32>();
+        let a = job.lhs.as_ptr().cast::<u32>();
         let (b0, b1) = (
-            panels.as_ptr().cast::<u32>(),
-            panels[16 * kp..].as_ptr().cast::<u32>(),
+            job.panels.as_ptr().cast::<u32>(),
+            job.panels[16 * kp..].as_ptr().cast::<u32>(),
         );
         for g in (0..BLOCK).step_by(ROWS) {
             let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
             // SAFETY: rows g..g+8 of the block at `c`, 32 values each (the caller's contract).
             let row = |r: usize| unsafe { c.byte_add((g + r) * stride) };
-            if add {
+            if job.add {
                 for (r, acc) in acc.iter_mut().enumerate() {
                     // SAFETY: as above.
                     *acc = unsafe { [_mm512_loadu_ps(row(r)), _mm512_loadu_ps(row(r).add(16))] };
@@ -839,14 +846,9 @@ mod cpu {
     ///
     /// # Safety
     /// As `block`, tiles configured on this thread.
-    unsafe fn tile_block(
-        c: *mut f32,
-        stride: usize,
-        add: bool,
-        lhs: &[u16],
-        panels: &[u16],
-        kp: usize,
-    ) {
+    unsafe fn tile_block(job: Job) {
+        let (lhs, panels, kp) = (job.lhs, job.panels, job.kp);
+        let (c, stride) = (job.c, job.stride);
         let (a0, a1) = (lhs.as_ptr(), lhs[16 * kp..].as_ptr());
         let (b0, b1) = (panels.as_ptr(), panels[16 * kp..].as_ptr());
         let (lhs_stride, panel_stride) = (kp * 2, 64usize);
@@ -855,7 +857,7 @@ mod cpu {
         unsafe {
             let (c01, c10) = (c.add(16), c.byte_add(16 * stride));
             let c11 = c10.add(16);
-            if add {
+            if job.add {
                 asm!(
                     "tileloadd tmm4, [{c00} + {st}*1]",
                     "tileloadd tmm5, [{c01} + {st}*1]",
@@ -920,15 +922,7 @@ mod cpu {
     pub(super) fn configure() {
         unreachable!("tiles are x86_64 only")
     }
-    pub(super) unsafe fn block(
-        _: super::Bf16Kernel,
-        _: *mut f32,
-        _: usize,
-        _: bool,
-        _: &[u16],
-        _: &[u16],
-        _: usize,
-    ) {
+    pub(super) unsafe fn block(_: super::Bf16Kernel, _: super::Job) {
         unreachable!("tiles are x86_64 only")
     }
 }
@@ -963,9 +957,17 @@ mod tests {
             }
             for add in [false, true] {
                 let mut c = start.clone();
+                let job = Job {
+                    c: c.as_mut_ptr(),
+                    stride: stride * 4,
+                    add,
+                    lhs: &lhs,
+                    panels: &panels,
+                    kp,
+                };
                 // SAFETY: `c` holds 32 rows of `stride` ≥ 32 values; lhs and panels are 32·kp;
                 // the kernel runs here (and AMX is configured on this thread).
-                unsafe { cpu::block(kernel, c.as_mut_ptr(), stride * 4, add, &lhs, &panels, kp) };
+                unsafe { cpu::block(kernel, job) };
                 for i in 0..BLOCK {
                     for j in 0..stride {
                         let got = c[i * stride + j];
