@@ -221,16 +221,7 @@ pub(super) unsafe fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, 
                     // SAFETY: rows at..at+rows lie in rows `r` of dst, this call's alone;
                     // columns jb..jb+cols in dst; tiles are configured on this thread.
                     unsafe {
-                        strip_blocks(
-                            kernel,
-                            dst,
-                            lhs,
-                            panels,
-                            kp,
-                            at..at + rows,
-                            jb..jb + cols,
-                            add,
-                        )
+                        strip_blocks(dst, lhs, panels, kp, at..at + rows, jb..jb + cols, add)
                     };
                 }
             }
@@ -245,11 +236,9 @@ pub(super) unsafe fn gemm_block(dst: &MatMut, a: Mat, b: Mat, accumulate: bool, 
 /// bits do not depend on how the product is cut.
 ///
 /// # Safety
-/// `rows` and `cols` lie in dst, no other thread writes those rows, `kernel` runs here (AMX:
-/// tiles configured).
-#[allow(clippy::too_many_arguments)]
+/// `rows` and `cols` lie in dst, no other thread writes those rows, a packed kernel runs here
+/// (AMX: tiles configured).
 unsafe fn strip_blocks(
-    kernel: Bf16Kernel,
     dst: &MatMut,
     lhs: &[u16],
     panels: &[u16],
@@ -258,6 +247,7 @@ unsafe fn strip_blocks(
     cols: Range<usize>,
     add: bool,
 ) {
+    let kernel = packed_kernel();
     let mut sums = [0f32; BLOCK * BLOCK];
     // A block of rows at a time across all the panels: its 32 rows stay in the first-level
     // cache and the panels stream in order (twice the rate of the other order, measured).
