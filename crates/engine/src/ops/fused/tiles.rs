@@ -87,12 +87,11 @@ fn best() -> Bf16Kernel {
 /// Asked once.
 pub(super) fn kernel() -> Bf16Kernel {
     static ON: OnceLock<Bf16Kernel> = OnceLock::new();
-    *ON.get_or_init(|| {
-        let cap = Bf16Kernel::cap();
-        [Bf16Kernel::Amx, Bf16Kernel::Avx512]
-            .into_iter()
-            .find(|&k| k <= cap && k.runs())
-            .unwrap_or(Bf16Kernel::Gemm)
+    *ON.get_or_init(|| match (best(), Bf16Kernel::cap()) {
+        (best, cap) if best <= cap => best,
+        // Capped below AMX: AVX-512 BF16 where the CPU has it too.
+        (_, Bf16Kernel::Avx512) if Bf16Kernel::Avx512.runs() => Bf16Kernel::Avx512,
+        _ => Bf16Kernel::Gemm,
     })
 }
 
@@ -922,7 +921,8 @@ mod tests {
     use super::*;
 
     /// Every packed kernel this CPU runs gives one 32×32 block as the sums of its bf16 operands'
-    /// products, added to the block's values or not, into rows wider than the block.
+    /// products, added to the block's values or not, into rows wider than the block; a CPU that
+    /// runs none has no packed products (`available`).
     #[test]
     fn each_packed_kernel_sums_the_pairs_of_a_block() {
         let kp = 2 * DEPTH;
@@ -940,8 +940,12 @@ mod tests {
         }
         let stride = BLOCK + 8;
         let start: Vec<f32> = (0..BLOCK * stride).map(|i| value(5 * i)).collect();
-        let kernels = [Bf16Kernel::Amx, Bf16Kernel::Avx512];
-        for kernel in kernels.into_iter().filter(|k| k.runs()) {
+        let kernels: Vec<_> = [Bf16Kernel::Amx, Bf16Kernel::Avx512]
+            .into_iter()
+            .filter(|k| k.runs())
+            .collect();
+        assert_eq!(available(), !kernels.is_empty(), "{kernels:?}");
+        for kernel in kernels {
             if kernel == Bf16Kernel::Amx {
                 cpu::configure();
             }
