@@ -142,14 +142,13 @@ fn packing(rows: u64, inner: u64, cols: u64) -> u64 {
 /// weights' gradients are left live (they go to the sink).
 fn fused_step(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
     let (n, d) = (s.n, s.d);
-    let params = step.params(s);
     // Half storage: the op reads f32 copies of its weights for its whole run (dy comes in the
     // f32 stream).
     let widened = step.widened(s);
     t.add(widened);
-    // The second layer: its packed [input's gradient; weight's; bias's], beside the input's
-    // f32 copy (half storage) and the activation's recomputed value and slope (GELU) or
-    // value and the product's gradient (SwiGLU).
+    // The second layer: its input's gradient, weight's and bias's, each in its own buffer,
+    // beside the input's f32 copy (half storage) and the activation's recomputed value and
+    // slope (GELU) or value and the product's gradient (SwiGLU).
     let input = if s.cast { n * step.second_in * F32 } else { 0 };
     let activation = if step.attention {
         0
@@ -157,42 +156,33 @@ fn fused_step(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
         2 * n * step.product * F32
     };
     let bias = if step.second_bias { d } else { 0 };
-    let packed = (n * step.second_in + step.product * d + bias) * F32;
-    t.add(input + activation + packed);
+    let dh = n * step.second_in * F32;
+    t.add(input + activation + dh + (step.product * d + bias) * F32);
     t.touch(packing(n, d, step.product));
     t.free(input + activation);
-    // The middle: attention's qkv gradient (reading qkv's f32 copy), or the MLP's copy of
-    // the first layer's output gradient.
+    // The middle: attention's qkv gradient (reading qkv's f32 copy); the MLP's first layer
+    // takes the second's input gradient as it is.
     let width = step.width();
-    let qkv = if step.attention && s.cast {
-        n * width * F32
-    } else {
-        0
-    };
-    let dmid = n * width * F32;
+    let dmid = if step.attention { n * width * F32 } else { 0 };
+    let qkv = if s.cast { dmid } else { 0 };
     t.add(qkv + dmid);
     t.free(qkv);
-    // The first layer: dx, the bias gradients' buffer, then each part's [dW; db] (a part with
-    // a bias grows its buffer to twice the weight's size to take the bias).
+    // The first layer: dx, the bias gradients' buffer, then each part's dW and db.
     let normed = if s.cast { n * d * F32 } else { 0 };
     t.add(normed + n * d * F32 + width * F32);
-    let mut parts = 0;
-    for &(o, b) in &step.first {
-        t.add(d * o * F32);
-        if b {
-            t.add(2 * d * o * F32);
-            t.free(d * o * F32);
-            parts += 2 * d * o * F32;
-        } else {
-            parts += d * o * F32;
-        }
-    }
+    let parts: u64 = step
+        .first
+        .iter()
+        .map(|&(o, b)| d * o + u64::from(b) * o)
+        .sum();
+    t.add(parts * F32);
     t.free(normed + width * F32);
     let norm = norm_backward(s, t);
-    // Each weight's gradient taken out of the f32 buffers, rounded to the compute dtype but
-    // kept in f32 (`storage::rounded`); dx is the norm's result, rounded in place.
-    t.add(params * F32);
-    t.free(packed + dmid + n * d * F32 + parts + widened);
+    // The norm's weight gradients copied out of its result. Every weight's gradient is
+    // rounded to the compute dtype in place and kept in f32 (`storage::rounded`); dx is the
+    // norm's result, rounded in place.
+    t.add(s.d * (1 + u64::from(s.norm_bias)) * F32);
+    t.free(dh + dmid + n * d * F32 + widened);
     keep_gradients(cfg, step.params(s), F32, t);
     // Candle adds dx into the input's gradient (a zeroed tensor of the stream, then the sum);
     // dx and the incoming dy go.
