@@ -131,8 +131,9 @@ fn fused_linear_matches_composite() {
 
 #[test]
 fn fused_attention_matches_composite() {
-    // (batch, tokens, heads, d_model): one head of one token; several heads, odd sizes.
-    for (b, t, h, d) in [(1, 1, 1, 4), (3, 9, 2, 12), (2, 40, 4, 32)] {
+    // (batch, tokens, heads, d_model): one head of one token; several heads, odd sizes; bands
+    // of the T×T products (64 rows) with a short last one.
+    for (b, t, h, d) in [(1, 1, 1, 4), (3, 9, 2, 12), (2, 40, 4, 32), (1, 150, 2, 16)] {
         let inputs = [random(&[b * t, 3 * d], 2.0, 31)];
         assert_equivalent(
             "causal_attention",
@@ -162,12 +163,13 @@ fn table(hd: usize, t: usize) -> Arc<RopeTable> {
 #[test]
 fn grouped_rotary_attention_matches_transformers_composite() {
     // (batch, tokens, heads, kv heads, head width): grouped 4/2 and 6/2, one kv head,
-    // multi-head with rotary, a head width that is not d/heads.
+    // multi-head with rotary, a head width that is not d/heads, grouped over three bands.
     for (b, t, h, kv, hd) in [
         (2, 9, 4, 2, 8),
         (1, 7, 6, 2, 4),
         (2, 5, 3, 1, 6),
         (3, 8, 2, 2, 16),
+        (1, 130, 4, 2, 8),
     ] {
         let shape = AttentionShape {
             batch: b,
@@ -390,19 +392,21 @@ fn learned_positions_added_by_the_fused_embedding_are_the_graph_sum_and_its_grad
 
 #[test]
 fn fused_attention_ignores_the_future() {
-    // Changing the last token's keys and values leaves every earlier output unchanged.
-    let (t, d) = (6, 8);
-    let qkv = random(&[t, 3 * d], 1.0, 41);
-    let mut changed: Vec<f32> = qkv.flatten_all().unwrap().to_vec1().unwrap();
-    changed[(t - 1) * 3 * d + d..]
-        .iter_mut()
-        .for_each(|v| *v += 1.0);
-    let changed = Tensor::from_vec(changed, (t, 3 * d), &Device::Cpu).unwrap();
-    let y0 = fused::causal_attention(&qkv, mha(1, t, 2, d), None).unwrap();
-    let y1 = fused::causal_attention(&changed, mha(1, t, 2, d), None).unwrap();
-    let early = |y: &Tensor| y.narrow(0, 0, t - 1).unwrap().to_vec2::<f32>().unwrap();
-    assert_eq!(early(&y0), early(&y1));
-    assert_ne!(y0.to_vec2::<f32>().unwrap(), y1.to_vec2::<f32>().unwrap());
+    // Changing the last token's keys and values leaves every earlier output unchanged, within
+    // one band of rows and across three.
+    for (t, d) in [(6, 8), (150, 8)] {
+        let qkv = random(&[t, 3 * d], 1.0, 41);
+        let mut changed: Vec<f32> = qkv.flatten_all().unwrap().to_vec1().unwrap();
+        changed[(t - 1) * 3 * d + d..]
+            .iter_mut()
+            .for_each(|v| *v += 1.0);
+        let changed = Tensor::from_vec(changed, (t, 3 * d), &Device::Cpu).unwrap();
+        let y0 = fused::causal_attention(&qkv, mha(1, t, 2, d), None).unwrap();
+        let y1 = fused::causal_attention(&changed, mha(1, t, 2, d), None).unwrap();
+        let early = |y: &Tensor| y.narrow(0, 0, t - 1).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(early(&y0), early(&y1));
+        assert_ne!(y0.to_vec2::<f32>().unwrap(), y1.to_vec2::<f32>().unwrap());
+    }
 }
 
 #[test]
@@ -712,14 +716,18 @@ fn fused_ops_in_half_precision_compute_in_f32_and_round_once() {
             |t| t[0].matmul(&t[1]),
             &[rows.clone(), w],
         );
-        assert_half_matches_f32(
-            "causal_attention",
-            dtype,
-            bound,
-            |x| fused::causal_attention(&x[0], mha(b, t, h, d), None),
-            |x| composite::causal_attention(&x[0], mha(b, t, h, d), None),
-            &[random(&[b * t, 3 * d], 2.0, 7)],
-        );
+        // One band of rows, and three (the products on the packed kernels where the CPU has
+        // them).
+        for (b, t, d) in [(b, t, d), (1, 150, 4 * d)] {
+            assert_half_matches_f32(
+                "causal_attention",
+                dtype,
+                bound,
+                |x| fused::causal_attention(&x[0], mha(b, t, h, d), None),
+                |x| composite::causal_attention(&x[0], mha(b, t, h, d), None),
+                &[random(&[b * t, 3 * d], 2.0, 7)],
+            );
+        }
         let head = random(&[d, v], 0.5, 8);
         assert_half_matches_f32(
             "linear_nll_sum",

@@ -10,7 +10,13 @@
 //! `QKᵀ` per head and saves B·H·T² floats per layer (and the graph nodes that would hold them).
 //! Work is split by (sequence, key/value head), so the gradients of a shared key/value head are
 //! summed by one thread in head order: the same bits at any thread count.
+//!
+//! The T×T products run a band of `BAND` query rows at a time, each only as wide as the band's
+//! last row sees (keys `0..end`), and the key-side gradients a band of key rows at a time from
+//! the first query that sees them: the masked half of each product, whose probabilities are
+//! zero, is not computed. The sums skip only those zero terms.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
@@ -30,6 +36,10 @@ pub fn causal_attention(
     qkv.contiguous()?
         .apply_op1(Attention::new(shape, rope.cloned()))
 }
+
+/// Rows of a band of the T×T products: a multiple of the packed kernels' depth, so that every
+/// band's inner dimension is at least one tile deep.
+const BAND: usize = 64;
 
 #[derive(Clone)]
 pub(super) struct Attention {
@@ -102,10 +112,60 @@ impl Attention {
         }
     }
 
-    /// P = softmax(scale · Q Kᵀ) into `p` (T×T).
+    /// The bands of rows of a T×T product: `0..BAND`, `BAND..2·BAND`, … up to T.
+    fn bands(&self) -> impl Iterator<Item = Range<usize>> {
+        let t = self.s.t;
+        (0..t)
+            .step_by(BAND)
+            .map(move |start| start..(start + BAND).min(t))
+    }
+
+    /// `dst = a·b` (`+=` when `sum`) for a causal `a` (T×T, zero above the diagonal), a band of
+    /// rows at a time, each reading `a` and `b` up to the band's end.
+    ///
+    /// # Safety
+    /// As `serial`, for `dst` (T×n) and `b` (T×n).
+    unsafe fn causal_rows(&self, tiles: bool, dst: MatMut, a: Mat, b: Mat, sum: bool) {
+        for r in self.bands() {
+            let seen = 0..r.end;
+            let a = a.row_range(r.clone()).columns(seen.clone());
+            // SAFETY: the caller's contract, for rows `r` of dst.
+            unsafe { serial(tiles, dst.row_range(r), a, b.row_range(seen), sum) };
+        }
+    }
+
+    /// `dst = aᵀ·b` (`+=` when `sum`) for a causal `a` (T×T): the rows `r` of dst read only the
+    /// rows of `a` and `b` from `r.start` on (`a` is zero above them in those columns).
+    ///
+    /// # Safety
+    /// As `serial`, for `dst` (T×n) and `b` (T×n).
+    unsafe fn causal_columns(&self, tiles: bool, dst: MatMut, a: Mat, b: Mat, sum: bool) {
+        let t = self.s.t;
+        for r in self.bands() {
+            let from = r.start..t;
+            let at = a.row_range(from.clone()).columns(r.clone()).t();
+            // SAFETY: the caller's contract, for rows `r` of dst.
+            unsafe { serial(tiles, dst.row_range(r), at, b.row_range(from), sum) };
+        }
+    }
+
+    /// P = softmax(scale · Q Kᵀ) into `p` (T×T), the scores a band of rows at a time (the
+    /// softmax zeroes what each row does not see).
     fn probabilities(&self, q: Mat, k: Mat, p: &mut [f32], tiles: bool) {
-        // SAFETY: `p` is T×T; q and k are views of `qkv` or of scratch blocks, none of them `p`.
-        unsafe { serial(tiles, MatMut::rows(p, self.s.t), q, k.t(), false) };
+        let s = MatMut::rows(p, self.s.t);
+        for r in self.bands() {
+            let (q, k) = (q.row_range(r.clone()), k.row_range(0..r.end));
+            // SAFETY: `p` is T×T; q and k are views of `qkv` or of scratch blocks, not `p`.
+            unsafe {
+                serial(
+                    tiles,
+                    s.row_range(r.clone()).columns(0..r.end),
+                    q,
+                    k.t(),
+                    false,
+                )
+            };
+        }
         vmath::widest(
             #[inline(always)]
             || self.softmax_rows(p),
@@ -150,7 +210,7 @@ impl Attention {
                         let dst = MatMut::new(out.offset(b * t * width + h * hd), t, hd, width);
                         // SAFETY: `dst` is query head h's T×hd block of sequence b in the
                         // output, this unit's alone; `p` and `v` are separate buffers.
-                        unsafe { serial(tiles, dst, Mat::rows(&p, t), v, false) };
+                        unsafe { self.causal_rows(tiles, dst, Mat::rows(&p, t), v, false) };
                     }
                 }
             })
@@ -180,10 +240,17 @@ impl Attention {
                         let q = self.turned(qkv, 0, b, h, &mut qb);
                         self.probabilities(q, k, &mut p, tiles);
                         let dy = Mat::new(dy[b * t * width + h * hd..].as_ptr(), t, hd, width);
-                        // dP = dY Vᵀ, then dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)).
-                        // SAFETY: `ds` is this unit's T×T scratch; dy and v are views of other
-                        // buffers.
-                        unsafe { serial(tiles, MatMut::rows(&mut ds, t), dy, v.t(), false) };
+                        // dP = dY Vᵀ where P is not zero, then dS = scale · P ⊙ (dP − rowsum(dP ⊙
+                        // P)). dP's masked part holds what the last head left (zeros, as dS is
+                        // zero there), and P's zeros keep it out of the sums.
+                        let dp = MatMut::rows(&mut ds, t);
+                        for r in self.bands() {
+                            let (dy, v) = (dy.row_range(r.clone()), v.row_range(0..r.end));
+                            let dst = dp.row_range(r.clone()).columns(0..r.end);
+                            // SAFETY: `ds` is this unit's T×T scratch; dy and v are views of
+                            // other buffers.
+                            unsafe { serial(tiles, dst, dy, v.t(), false) };
+                        }
                         vmath::widest(
                             #[inline(always)]
                             || {
@@ -207,15 +274,10 @@ impl Attention {
                         // blocks of the output (query head h, key/value head g of sequence b);
                         // the inputs are other buffers.
                         unsafe {
-                            serial(tiles, dq, Mat::rows(&ds, t), k, false);
-                            serial(tiles, dk, Mat::rows(&ds, t).t(), q, sum);
-                            serial(
-                                tiles,
-                                self.grad(out, 2, b, g),
-                                Mat::rows(&p, t).t(),
-                                dy,
-                                sum,
-                            );
+                            let (ds, p) = (Mat::rows(&ds, t), Mat::rows(&p, t));
+                            self.causal_rows(tiles, dq, ds, k, false);
+                            self.causal_columns(tiles, dk, ds, q, sum);
+                            self.causal_columns(tiles, self.grad(out, 2, b, g), p, dy, sum);
                         }
                         if self.rope.is_some() {
                             self.turn_back(&dq_turned, out, 0, b, h);

@@ -221,6 +221,16 @@ impl Mat {
         }
     }
 
+    /// Rows `r` of this matrix.
+    fn row_range(self, r: Range<usize>) -> Mat {
+        assert!(r.end <= self.rows);
+        Mat {
+            ptr: self.ptr.offset(r.start as isize * self.row_stride),
+            rows: r.len(),
+            ..self
+        }
+    }
+
     fn t(self) -> Mat {
         Mat {
             rows: self.cols,
@@ -278,6 +288,17 @@ impl MatMut {
 
     fn rows(v: &mut [f32], cols: usize) -> MatMut {
         MatMut::new(v.as_mut_ptr(), v.len() / cols, cols, cols)
+    }
+
+    /// Rows `r` of this matrix.
+    fn row_range(&self, r: Range<usize>) -> MatMut {
+        assert!(r.end <= self.rows);
+        MatMut::new(
+            self.ptr.wrapping_add(r.start * self.row_stride),
+            r.len(),
+            self.cols,
+            self.row_stride,
+        )
     }
 
     /// Columns `c` of this matrix: the same rows, `c.start` values in.
