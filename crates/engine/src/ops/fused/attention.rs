@@ -120,6 +120,20 @@ impl Attention {
             .map(move |start| start..(start + BAND).min(t))
     }
 
+    /// `dst = a·bᵀ` (T×T) where the causal mask keeps it: each band of rows only as wide as its
+    /// last row sees. What lies past that in dst is left as it is.
+    ///
+    /// # Safety
+    /// As `serial`, for `dst` (T×T), `a` and `b` (T×n).
+    unsafe fn causal_scores(&self, tiles: bool, dst: MatMut, a: Mat, b: Mat) {
+        for r in self.bands() {
+            let seen = 0..r.end;
+            let (a, b) = (a.row_range(r.clone()), b.row_range(seen.clone()));
+            // SAFETY: the caller's contract, for rows `r` of dst up to column `r.end`.
+            unsafe { serial(tiles, dst.row_range(r).columns(seen), a, b.t(), false) };
+        }
+    }
+
     /// `dst = a·b` (`+=` when `sum`) for a causal `a` (T×T, zero above the diagonal), a band of
     /// rows at a time, each reading `a` and `b` up to the band's end.
     ///
@@ -152,20 +166,8 @@ impl Attention {
     /// P = softmax(scale · Q Kᵀ) into `p` (T×T), the scores a band of rows at a time (the
     /// softmax zeroes what each row does not see).
     fn probabilities(&self, q: Mat, k: Mat, p: &mut [f32], tiles: bool) {
-        let s = MatMut::rows(p, self.s.t);
-        for r in self.bands() {
-            let (q, k) = (q.row_range(r.clone()), k.row_range(0..r.end));
-            // SAFETY: `p` is T×T; q and k are views of `qkv` or of scratch blocks, not `p`.
-            unsafe {
-                serial(
-                    tiles,
-                    s.row_range(r.clone()).columns(0..r.end),
-                    q,
-                    k.t(),
-                    false,
-                )
-            };
-        }
+        // SAFETY: `p` is T×T; q and k are views of `qkv` or of scratch blocks, none of them `p`.
+        unsafe { self.causal_scores(tiles, MatMut::rows(p, self.s.t), q, k) };
         vmath::widest(
             #[inline(always)]
             || self.softmax_rows(p),
@@ -241,16 +243,11 @@ impl Attention {
                         self.probabilities(q, k, &mut p, tiles);
                         let dy = Mat::new(dy[b * t * width + h * hd..].as_ptr(), t, hd, width);
                         // dP = dY Vᵀ where P is not zero, then dS = scale · P ⊙ (dP − rowsum(dP ⊙
-                        // P)). dP's masked part holds what the last head left (zeros, as dS is
-                        // zero there), and P's zeros keep it out of the sums.
-                        let dp = MatMut::rows(&mut ds, t);
-                        for r in self.bands() {
-                            let (dy, v) = (dy.row_range(r.clone()), v.row_range(0..r.end));
-                            let dst = dp.row_range(r.clone()).columns(0..r.end);
-                            // SAFETY: `ds` is this unit's T×T scratch; dy and v are views of
-                            // other buffers.
-                            unsafe { serial(tiles, dst, dy, v.t(), false) };
-                        }
+                        // P)). Past each band's last column dP holds what the last head left
+                        // there (zeros, as dS is zero there): P's zeros keep it out of the sums.
+                        // SAFETY: `ds` is this unit's T×T scratch; dy and v are views of other
+                        // buffers.
+                        unsafe { self.causal_scores(tiles, MatMut::rows(&mut ds, t), dy, v) };
                         vmath::widest(
                             #[inline(always)]
                             || {
