@@ -16,7 +16,8 @@
 //! per layer, α = 12·c for the GPT (24 bytes in bf16) and β = 0, against their 34 and 5 for a
 //! 16-bit Megatron block: attention's probabilities and the activation are recomputed in the
 //! backward, as in their "selective recomputation". The head and loss keep no logits but on
-//! the fused ops in f32, up to 128 MiB of them (`peaks::head_kept_bytes`).
+//! the fused ops with their products on `gemm` (not on bf16 tiles), up to 128 MiB of them
+//! (`peaks::head_kept_bytes`).
 //!
 //! Transient gradients (`peaks`): the backward is played op by op, its parameter gradients kept
 //! once made; the measured figure is the backward's peak over its start.

@@ -510,33 +510,50 @@ fn blocked_linear_nll_gives_the_same_bits_on_one_thread_and_on_the_pool() {
 
 #[test]
 fn kept_logits_give_the_bits_of_logits_made_again() {
-    // In f32 with a gradient wanted the forward keeps the logits, and the first backward reads
-    // them; a second backward over the same graph finds them taken and makes each block again.
-    // Both layouts, 600 rows by two slices of the vocabulary (3495, 1505).
+    // With a gradient wanted and the products on `gemm` (f32, or bf16 where the CPU has no bf16
+    // tiles or `GACCWB_BF16_PRODUCTS=gemm`) the forward keeps the logits, and the first backward
+    // reads them; a second backward over the same graph finds them taken and makes each block
+    // again. On bf16 tiles nothing is kept. Both layouts, 600 rows by two slices of the
+    // vocabulary (3495, 1505).
     let (n, d, v) = (600, 16, 5000);
     let (targets, mask) = labels(n, v, 10);
-    let x = Var::from_tensor(&random(&[n, d], 1.0, 55)).unwrap();
-    for (layout, shape) in [(WeightLayout::InOut, [d, v]), (WeightLayout::OutIn, [v, d])] {
-        let w = Var::from_tensor(&random(&shape, 0.5, 56)).unwrap();
-        let loss = fused::linear_nll_sum(&x, &w, layout, &targets, &mask, None).unwrap();
-        let bits = |store: &candle_core::backprop::GradStore| {
-            [x.as_tensor(), w.as_tensor()].map(|t| {
-                let g = store.get(t).unwrap().flatten_all().unwrap();
-                g.to_vec1::<f32>()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>()
-            })
-        };
-        // The graph holds the logits (booked with the loss) until the first backward ends.
-        let logits = (n * v * 4) as u64;
-        let held = || crate::tensors::activation_bytes(&loss, &mut Default::default());
-        assert!(held() >= logits, "{layout:?}: {} bytes held", held());
-        let kept = loss.backward().unwrap();
-        assert!(held() < logits, "{layout:?}: {} bytes held", held());
-        let made = loss.backward().unwrap();
-        assert_eq!(bits(&kept), bits(&made), "{layout:?}");
+    let on_tiles = fused::bf16_kernel() != fused::Bf16Kernel::Gemm;
+    for (dtype, keeps) in [(DType::F32, true), (DType::BF16, !on_tiles)] {
+        let x = Var::from_tensor(&random(&[n, d], 1.0, 55).to_dtype(dtype).unwrap()).unwrap();
+        for (layout, shape) in [(WeightLayout::InOut, [d, v]), (WeightLayout::OutIn, [v, d])] {
+            let w = random(&shape, 0.5, 56).to_dtype(dtype).unwrap();
+            let w = Var::from_tensor(&w).unwrap();
+            let loss = fused::linear_nll_sum(&x, &w, layout, &targets, &mask, None).unwrap();
+            let bits = |store: &candle_core::backprop::GradStore| {
+                [x.as_tensor(), w.as_tensor()].map(|t| {
+                    let g = store.get(t).unwrap().flatten_all().unwrap();
+                    g.to_dtype(DType::F32)
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>()
+                })
+            };
+            // The graph holds the logits (booked with the loss) until the first backward ends.
+            let logits = (n * v * 4) as u64;
+            let held = || crate::tensors::activation_bytes(&loss, &mut Default::default());
+            assert_eq!(
+                held() >= logits,
+                keeps,
+                "{dtype:?} {layout:?}: {} held",
+                held()
+            );
+            let kept = loss.backward().unwrap();
+            assert!(
+                held() < logits,
+                "{dtype:?} {layout:?}: {} bytes held",
+                held()
+            );
+            let made = loss.backward().unwrap();
+            assert_eq!(bits(&kept), bits(&made), "{dtype:?} {layout:?}");
+        }
     }
 }
 

@@ -395,14 +395,14 @@ fn fused_head_block(s: &Shape) -> u64 {
 }
 
 /// Bytes of the logits the fused head's forward keeps for its backward
-/// (`ops::fused::head_kept`; in f32 at most 128 MiB, else none): activations until the head's
-/// backward ends.
+/// (`ops::fused::head_kept`; with its products on `gemm` at most 128 MiB, else none):
+/// activations until the head's backward ends.
 pub(super) fn head_kept_bytes(cfg: &Config) -> u64 {
     if !cfg.fused {
         return 0;
     }
     let s = Shape::new(cfg);
-    crate::ops::fused::head_kept(s.n as usize, s.v as usize, s.cast) as u64 * F32
+    crate::ops::fused::head_kept(s.n as usize, s.v as usize, s.tiles) as u64 * F32
 }
 
 /// What the head and loss leave live when their backward is done: the head weight's gradient

@@ -26,7 +26,7 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
 use super::{
     f32_slice, filled, for_units, log_sum_exp, matmul, storage, u32_slice, Mat, MatMut, Shared,
@@ -56,17 +56,19 @@ pub fn block(n: usize, v: usize) -> (usize, usize) {
     (rows, (BLOCK_ELEMENTS / rows).min(v.max(1)))
 }
 
-/// Whether a training step's forward keeps all `n`×`v` logits for its backward: in f32, when
-/// they take at most `KEEP_ELEMENTS`. With `half` inputs (bf16, f16) never: at GPT-2-small
-/// the bf16 step on AMX tiles ran no faster keeping them (docs/PERFORMANCE.md).
-fn keeps(n: usize, v: usize, half: bool) -> bool {
-    !half && n.saturating_mul(v) <= KEEP_ELEMENTS
+/// Whether a training step's forward keeps all `n`×`v` logits for its backward: when they take
+/// at most `KEEP_ELEMENTS` and the head's products run on `gemm` in f32 (f32 inputs, or half
+/// ones widened). Never when they run on bf16 tiles (`on_tiles`): at GPT-2-small the bf16 step
+/// on AMX ran no faster keeping them, while on `gemm` (an AVX2 CPU) keeping them took 9% off
+/// the bf16 backward (docs/PERFORMANCE.md).
+fn keeps(n: usize, v: usize, on_tiles: bool) -> bool {
+    !on_tiles && n.saturating_mul(v) <= KEEP_ELEMENTS
 }
 
-/// Floats of logits a training step's forward keeps for its backward (inputs `half` or f32):
-/// all N×V (`keeps`), or none.
-pub fn kept(n: usize, v: usize, half: bool) -> usize {
-    if keeps(n, v, half) {
+/// Floats of logits a training step's forward keeps for its backward (the head's products
+/// `on_tiles` or not: `tiles::takes`): all N×V (`keeps`), or none.
+pub fn kept(n: usize, v: usize, on_tiles: bool) -> usize {
+    if keeps(n, v, on_tiles) {
         n * v
     } else {
         0
@@ -117,7 +119,7 @@ pub fn linear_nll_sum(
         layout,
         target,
         shifts: OnceLock::new(),
-        keep: wanted && keeps(n, v, x.dtype() != DType::F32),
+        keep: wanted && keeps(n, v, super::tiles::takes(x.dtype())),
         kept: kept.clone(),
     };
     let loss = x.apply_op2(&w, op)?;

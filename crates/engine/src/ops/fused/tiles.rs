@@ -380,7 +380,12 @@ fn active() -> bool {
 /// the op's thread; products inside pool work (attention's) take the op thread's `chosen` along
 /// to `serial`.
 pub(super) fn scope(dtype: DType) -> Scope {
-    scope_if(dtype == DType::BF16 && kernel() != Bf16Kernel::Gemm)
+    scope_if(takes(dtype))
+}
+
+/// Whether an op's products with storage `dtype` run on tiles (`scope`).
+pub(super) fn takes(dtype: DType) -> bool {
+    dtype == DType::BF16 && kernel() != Bf16Kernel::Gemm
 }
 
 /// Tile products on this thread while the guard lives, if `on` (and `available()`).
