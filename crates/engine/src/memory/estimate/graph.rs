@@ -261,10 +261,7 @@ fn checkpointed_block_peak_bytes(cfg: &Config, blocks: u64) -> u64 {
         0
     };
     if cfg.fused {
-        let (per_thread, units) =
-            crate::ops::fused::rhs_packing(s.n as usize, s.f as usize, s.d as usize);
-        let threads = crate::ops::pool::cpu_threads().min(units) as u64;
-        let packing = threads * per_thread;
+        let packing = super::peaks::stored_packing(s.n, s.f, s.d);
         if !s.cast {
             return (3 * s.d + s.mlp + s.f) * s.n * F32 + packing;
         }

@@ -129,12 +129,22 @@ pub(super) fn norm_backward(s: &Shape, t: &mut Tape) -> u64 {
     norm
 }
 
-/// `gemm`'s packed copy of the right-hand matrix of a `rows × inner · inner × cols` product on
-/// each thread that takes part (`ops::fused::rhs_packing`).
+/// `gemm`'s packed copy of the right-hand matrix of a `rows × inner · inner × cols` product,
+/// read transposed (a weight in the backward's input gradient), on each thread that takes part
+/// (`ops::fused::rhs_packing`).
 fn packing(rows: u64, inner: u64, cols: u64) -> u64 {
     let (per_thread, units) =
         crate::ops::fused::rhs_packing(rows as usize, inner as usize, cols as usize);
     crate::ops::pool::cpu_threads().min(units) as u64 * per_thread
+}
+
+/// The same for a right-hand matrix read as stored (a weight in the forward): none where
+/// `gemm` reads it in place (`ops::fused::gemm_packs_stored`).
+pub(super) fn stored_packing(rows: u64, inner: u64, cols: u64) -> u64 {
+    match crate::ops::fused::gemm_packs_stored() {
+        true => packing(rows, inner, cols),
+        false => 0,
+    }
 }
 
 /// One residual step's backward on the fused path (`ops::fused::branch`), from the incoming
@@ -335,7 +345,7 @@ fn fused_head_peak_bytes(s: &Shape) -> u64 {
 /// one lives.
 fn beside_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
     let (nd, dv) = (s.nd(), s.d * s.v);
-    let packing = head_packing(cfg, s);
+    let packing = head_packing(cfg, s, true);
     if s.cast {
         let inside = (2 * nd + dv + fused_head_block(s)) * F32 + s.matrix_copies(dv) + packing;
         let rounding = nd * (F32 + s.c) + dv * F32;
@@ -355,7 +365,7 @@ fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
         return 3 * lean_head_chunk(s) * F32 + nd * s.c;
     }
     let chunk = fused_head_block(s);
-    let packing = head_packing(cfg, s);
+    let packing = head_packing(cfg, s, false);
     if s.cast {
         let inside = (2 * nd + chunk) * F32 + s.matrix_copies(dv) + packing;
         return inside.max(nd * (F32 + s.c)).max(3 * nd * s.c);
@@ -366,21 +376,35 @@ fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
 /// `gemm`'s packed copies while the fused backward of an untied head (stored `[D, V]`; frozen,
 /// or with W's gradient beside the graph) multiplies a block's logits gradient by its slice of
 /// W, transposed (dx, `[rows, cols]·[cols, D]`): on each thread that takes part (one per
-/// block of the product, `ops::fused::rhs_packing`), 64 rows by at most 512 columns (the
-/// inner-sum block `gemm` takes for small products), whatever the block's rows and D. Measured
-/// (`ops::fused::linear_nll_sum`'s backward, two threads): 131,072 bytes at V 256 and 262,144
-/// at V 512 and 1,024, with N 64–256 and D 16–64; 92,160 on the Llama fixture under LoRA (V 360,
-/// one block). A tied head's W is the embedding, stored `[V, D]`: `gemm` reads it in place (the
+/// block of the product, `ops::fused::rhs_packing`), D rounded up to the rows of `gemm`'s
+/// micro-kernel (`ops::fused::gemm_kernel_rows`) by at most 512 columns (the inner-sum block
+/// `gemm` takes for small products), whatever the block's rows. Measured
+/// (`ops::fused::linear_nll_sum`'s backward, two threads) with AVX-512: 131,072 bytes at V 256
+/// and 262,144 at V 512 and 1,024, with N 64–256 and D 16–64; 92,160 on the Llama fixture under
+/// LoRA (V 360, one block); with AVX2, 65,536 per thread at V 256, D 64, and 46,080 at V 360,
+/// D 32. With W's gradient (`dw`) the block's `xᵀ·dlogits` may pack x instead
+/// (`ops::fused::transposed_lhs_packing`): each thread holds the larger of the two. A tied head's W is the embedding, stored `[V, D]`: `gemm` reads it in place (the
 /// fixtures' ledger shows no copy). Products on packed blocks (AMX, AVX-512 BF16) pack into the
 /// slab `other` counts.
-fn head_packing(cfg: &Config, s: &Shape) -> u64 {
+fn head_packing(cfg: &Config, s: &Shape, dw: bool) -> u64 {
     if cfg.arch.tied || s.tiles {
         return 0;
     }
+    let threads = |blocks: usize| crate::ops::pool::cpu_threads().min(blocks) as u64;
     let (rows, cols) = crate::ops::fused::head_block(s.n as usize, s.v as usize);
     let inner = cols.min(512);
     let (_, blocks) = crate::ops::fused::rhs_packing(rows, inner, s.d as usize);
-    crate::ops::pool::cpu_threads().min(blocks) as u64 * inner as u64 * 64 * F32
+    let packed = (s.d as usize).next_multiple_of(crate::ops::fused::gemm_kernel_rows());
+    let dx = threads(blocks) * (inner * packed) as u64 * F32;
+    let dw = match dw {
+        true => {
+            let (bytes, blocks) =
+                crate::ops::fused::transposed_lhs_packing(s.d as usize, rows, cols);
+            threads(blocks) * bytes
+        }
+        false => 0,
+    };
+    dx.max(dw)
 }
 
 /// Floats of one chunk of the lean head's logits (`ops::lean::head_chunk_rows` rows of V).
@@ -569,7 +593,8 @@ pub(super) fn head_forward_transient_bytes(cfg: &Config) -> u64 {
         if !s.cast {
             // Or the last block's MLP step: its activation, `gemm`'s packed second weight and
             // the output, before the final norm exists (the output stays).
-            let mlp = (s.n * s.f * F32 + packing(s.n, s.f, s.d)).saturating_sub(s.nd() * F32);
+            let mlp =
+                (s.n * s.f * F32 + stored_packing(s.n, s.f, s.d)).saturating_sub(s.nd() * F32);
             return head.max(mlp);
         }
         // Half storage: the head's f32 copies of x and W; and the last block's MLP step, which
@@ -580,7 +605,7 @@ pub(super) fn head_forward_transient_bytes(cfg: &Config) -> u64 {
         let head = head + nd * F32 + s.matrix_copies(s.d * s.v);
         let step = Step::mlp(cfg, &s);
         let work = (2 * nd + s.n * (s.mlp + s.f)) * F32 + step.widened(&s);
-        let mlp = (work + packing(s.n, s.f, s.d)).saturating_sub(2 * nd * s.c);
+        let mlp = (work + stored_packing(s.n, s.f, s.d)).saturating_sub(2 * nd * s.c);
         return head.max(mlp);
     }
     let f32_copies = if s.cast { 4 } else { 3 };

@@ -437,6 +437,58 @@ pub fn rhs_packing(rows: usize, inner: usize, cols: usize) -> (u64, usize) {
     ((inner * packed_cols * 4) as u64, split.blocks)
 }
 
+/// Whether `gemm` packs a right-hand matrix it reads as stored (contiguous rows, not a
+/// transposed view), as `rhs_packing` books. Its AVX-512 kernel does (the estimate's figures
+/// were measured on such CPUs); its AVX2 kernel reads such a matrix in place (measured: at most
+/// 64 bytes beside products from `[96, 48]·[48, 192]` to `[128, 256]·[256, 64]`, docs/MEMORY.md).
+/// A transposed view is packed by both.
+pub fn gemm_packs_stored() -> bool {
+    gemm_avx512()
+}
+
+/// Rows `gemm`'s f32 micro-kernel computes at once, to which it rounds a transposed right-hand
+/// matrix it packs: 64 with AVX-512 (four 16-lane registers), 16 with AVX2 (two 8-lane ones).
+pub fn gemm_kernel_rows() -> usize {
+    if gemm_avx512() {
+        64
+    } else {
+        16
+    }
+}
+
+/// `gemm`'s packed copy, per block, of a left-hand matrix read transposed (x in a weight's
+/// gradient `xᵀ·dy`) in a parallel product `[rows, inner]·[inner, cols]`, and the number of
+/// blocks. With AVX2 a block more than 32 columns wide packs `min(inner, 512)` by `rows`
+/// rounded up to 6 (its micro-kernel's columns): measured 73,728 bytes a thread at
+/// `[32, 512]·[512, 256]` (blocks of 64 columns), 25,344 at `[64, 96]·[96, 192]`, none with
+/// blocks 32 wide. The inner block holds where blocks and rows are at most 64 wide (`gemm`
+/// sizes it from the caches beyond). With AVX-512 none is booked: its wider micro-kernel would
+/// need blocks over 128 columns (not measured).
+pub fn transposed_lhs_packing(rows: usize, inner: usize, cols: usize) -> (u64, usize) {
+    let split = matmul_split(rows, inner, cols);
+    let width = match split.by {
+        Cut::Rows => cols,
+        Cut::Columns => split.size.min(cols),
+    };
+    if gemm_avx512() || width <= 2 * gemm_kernel_rows() {
+        return (0, split.blocks);
+    }
+    let bytes = inner.min(512) * rows.next_multiple_of(6) * 4;
+    (bytes as u64, split.blocks)
+}
+
+/// Whether `gemm` runs its AVX-512 kernels here (its `x86-v4` dispatch; AVX-512F stands for it).
+fn gemm_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Rows `r` of `dst = a·b` (or `+=`), on the calling thread.
 ///
 /// # Safety
