@@ -383,8 +383,9 @@ fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
 /// and 262,144 at V 512 and 1,024, with N 64–256 and D 16–64; 92,160 on the Llama fixture under
 /// LoRA (V 360, one block); with AVX2, 65,536 per thread at V 256, D 64, and 46,080 at V 360,
 /// D 32. With W's gradient (`dw`) the block's `xᵀ·dlogits` may pack x instead
-/// (`ops::fused::transposed_lhs_packing`): each thread holds the larger of the two. A tied head's W is the embedding, stored `[V, D]`: `gemm` reads it in place (the
-/// fixtures' ledger shows no copy). Products on packed blocks (AMX, AVX-512 BF16) pack into the
+/// (`ops::fused::transposed_lhs_packing`): each thread holds the larger of the two. A tied
+/// head's W is the embedding, stored `[V, D]`: `gemm` reads it in place (the fixtures' ledger
+/// shows no copy). Products on packed blocks (AMX, AVX-512 BF16) pack into the
 /// slab `other` counts.
 fn head_packing(cfg: &Config, s: &Shape, dw: bool) -> u64 {
     if cfg.arch.tied || s.tiles {

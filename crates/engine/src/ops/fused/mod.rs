@@ -446,8 +446,9 @@ pub fn gemm_packs_stored() -> bool {
     gemm_avx512()
 }
 
-/// Rows `gemm`'s f32 micro-kernel computes at once, to which it rounds a transposed right-hand
-/// matrix it packs: 64 with AVX-512 (four 16-lane registers), 16 with AVX2 (two 8-lane ones).
+/// Rows to which `gemm` rounds a transposed right-hand matrix it packs (its f32 micro-kernel's
+/// rows): 64 with AVX-512 (measured at D 16–64: `memory::estimate`'s head packing), 16 with
+/// AVX2 (measured at D 32 and 64).
 pub fn gemm_kernel_rows() -> usize {
     if gemm_avx512() {
         64
