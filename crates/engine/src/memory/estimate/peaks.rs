@@ -586,27 +586,30 @@ fn recompute_in_flight_bytes(cfg: &Config) -> u64 {
 pub(super) fn head_forward_transient_bytes(cfg: &Config) -> u64 {
     let s = Shape::new(cfg);
     if cfg.fused {
-        let block = match head_kept_bytes(cfg) {
+        // Kept logits are activations at the forward's end but do not exist yet while the
+        // last block runs, so that block's step counts against the end without them.
+        let kept = head_kept_bytes(cfg);
+        let block = match kept {
             0 => fused_head_block(&s),
             _ => 0,
         };
         let head = (block + 3 * s.n) * F32;
         if !s.cast {
             // Or the last block's MLP step: its activation, `gemm`'s packed second weight and
-            // the output, before the final norm exists (the output stays).
-            let mlp =
-                (s.n * s.f * F32 + stored_packing(s.n, s.f, s.d)).saturating_sub(s.nd() * F32);
+            // the output, before the final norm and the kept logits exist (the output stays).
+            let mlp = (s.n * s.f * F32 + stored_packing(s.n, s.f, s.d))
+                .saturating_sub(s.nd() * F32 + kept);
             return head.max(mlp);
         }
         // Half storage: the head's f32 copies of x and W; and the last block's MLP step, which
         // holds f32 copies of its input, of its weights (`Step::widened`), of its first layer's
         // output, the activation and its f32 result, and `gemm`'s packed second weight, before
-        // that block's output and the final norm (2·N·D·c) exist.
+        // that block's output, the final norm (2·N·D·c) and the kept logits exist.
         let nd = s.nd();
         let head = head + nd * F32 + s.matrix_copies(s.d * s.v);
         let step = Step::mlp(cfg, &s);
         let work = (2 * nd + s.n * (s.mlp + s.f)) * F32 + step.widened(&s);
-        let mlp = (work + stored_packing(s.n, s.f, s.d)).saturating_sub(2 * nd * s.c);
+        let mlp = (work + stored_packing(s.n, s.f, s.d)).saturating_sub(2 * nd * s.c + kept);
         return head.max(mlp);
     }
     let f32_copies = if s.cast { 4 } else { 3 };
