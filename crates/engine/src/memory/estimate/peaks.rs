@@ -408,6 +408,20 @@ fn head_packing(cfg: &Config, s: &Shape, dw: bool) -> u64 {
     dx.max(dw)
 }
 
+/// `gemm`'s packed slices of W while the fused head's forward makes a block of logits
+/// (`[rows, D]·[D, cols]`, cut into column blocks: `ops::fused::column_packing`; a tied head
+/// reads the embedding, stored `[V, D]`, transposed), on each thread that takes part. Products
+/// on tiles pack into the slab `other` counts.
+fn head_forward_packing(cfg: &Config, s: &Shape) -> u64 {
+    if s.tiles {
+        return 0;
+    }
+    let (rows, cols) = crate::ops::fused::head_block(s.n as usize, s.v as usize);
+    let (bytes, blocks) =
+        crate::ops::fused::column_packing(rows, s.d as usize, cols, cfg.arch.tied);
+    crate::ops::pool::cpu_threads().min(blocks) as u64 * bytes
+}
+
 /// Floats of one chunk of the lean head's logits (`ops::lean::head_chunk_rows` rows of V).
 fn lean_head_chunk(s: &Shape) -> u64 {
     (crate::ops::lean::head_chunk_rows(s.v as usize) as u64).min(s.n) * s.v
@@ -593,7 +607,7 @@ pub(super) fn head_forward_transient_bytes(cfg: &Config) -> u64 {
             0 => fused_head_block(&s),
             _ => 0,
         };
-        let head = (block + 3 * s.n) * F32;
+        let head = (block + 3 * s.n) * F32 + head_forward_packing(cfg, &s);
         if !s.cast {
             // Or the last block's MLP step: its activation, `gemm`'s packed second weight and
             // the output, before the final norm and the kept logits exist (the output stays).

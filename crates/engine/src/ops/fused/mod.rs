@@ -437,11 +437,35 @@ pub fn rhs_packing(rows: usize, inner: usize, cols: usize) -> (u64, usize) {
     ((inner * packed_cols * 4) as u64, split.blocks)
 }
 
+/// `gemm`'s packed copy, per block, of the right-hand matrix of a parallel product cut into
+/// column blocks (the head's logits, `x·W` over a slice of the vocabulary), and the number of
+/// blocks: `inner` (at most 512, the inner-sum block `gemm` takes, as in the head's backward)
+/// by the block's columns rounded up to the micro-kernel's rows (`gemm_kernel_rows`). With
+/// AVX2 a matrix read as stored is packed only where the block's width is no multiple of
+/// those rows. Measured with AVX2 (the allocator's peak beside `linear_nll_sum`'s forward, per
+/// thread): read `transposed` (a tied head), 12,288 bytes at `[128, 32]·[32, 360]` and
+/// `[32, 384]`, 16,384 at `[128, 64]·[64, 256]`, 49,152 at `[96, 48]·[48, 1000]`; stored,
+/// the same at widths 90 and 250, none at 96 and 64. Not measured with AVX-512 or larger D.
+/// Row blocks are not counted here.
+pub fn column_packing(rows: usize, inner: usize, cols: usize, transposed: bool) -> (u64, usize) {
+    let split = matmul_split(rows, inner, cols);
+    let width = split.size.min(cols);
+    let in_place = !transposed && !gemm_packs_stored() && width.is_multiple_of(gemm_kernel_rows());
+    let bytes = match split.by {
+        Cut::Columns if !in_place => {
+            (inner.min(512) * width.next_multiple_of(gemm_kernel_rows()) * 4) as u64
+        }
+        _ => 0,
+    };
+    (bytes, split.blocks)
+}
+
 /// Whether `gemm` packs a right-hand matrix it reads as stored (contiguous rows, not a
 /// transposed view), as `rhs_packing` books. Its AVX-512 kernel does (the estimate's figures
 /// were measured on such CPUs); its AVX2 kernel reads such a matrix in place (measured: at most
-/// 64 bytes beside products from `[96, 48]·[48, 192]` to `[128, 256]·[256, 64]`, docs/MEMORY.md).
-/// A transposed view is packed by both.
+/// 64 bytes beside products from `[96, 48]·[48, 192]` to `[128, 256]·[256, 64]`, docs/MEMORY.md)
+/// but for column blocks of a width its micro-kernel does not divide (`column_packing`). A
+/// transposed view is packed by both.
 pub fn gemm_packs_stored() -> bool {
     gemm_avx512()
 }
