@@ -133,9 +133,16 @@ pub(super) fn norm_backward(s: &Shape, t: &mut Tape) -> u64 {
 /// read transposed (a weight in the backward's input gradient), on each thread that takes part
 /// (`ops::fused::rhs_packing`).
 fn packing(rows: u64, inner: u64, cols: u64) -> u64 {
-    let (per_thread, units) =
-        crate::ops::fused::rhs_packing(rows as usize, inner as usize, cols as usize);
-    crate::ops::pool::cpu_threads().min(units) as u64 * per_thread
+    on_threads(crate::ops::fused::rhs_packing(
+        rows as usize,
+        inner as usize,
+        cols as usize,
+    ))
+}
+
+/// A packed copy's bytes on each thread that takes part in a product of `blocks` blocks.
+fn on_threads((bytes, blocks): (u64, usize)) -> u64 {
+    crate::ops::pool::cpu_threads().min(blocks) as u64 * bytes
 }
 
 /// The same for a right-hand matrix read as stored (a weight in the forward): none where
@@ -391,18 +398,17 @@ fn head_packing(cfg: &Config, s: &Shape, dw: bool) -> u64 {
     if cfg.arch.tied || s.tiles {
         return 0;
     }
-    let threads = |blocks: usize| crate::ops::pool::cpu_threads().min(blocks) as u64;
     let (rows, cols) = crate::ops::fused::head_block(s.n as usize, s.v as usize);
-    let inner = cols.min(512);
+    let inner = cols.min(crate::ops::fused::GEMM_INNER_BLOCK);
     let (_, blocks) = crate::ops::fused::rhs_packing(rows, inner, s.d as usize);
     let packed = (s.d as usize).next_multiple_of(crate::ops::fused::gemm_kernel_rows());
-    let dx = threads(blocks) * (inner * packed) as u64 * F32;
+    let dx = on_threads(((inner * packed) as u64 * F32, blocks));
     let dw = match dw {
-        true => {
-            let (bytes, blocks) =
-                crate::ops::fused::transposed_lhs_packing(s.d as usize, rows, cols);
-            threads(blocks) * bytes
-        }
+        true => on_threads(crate::ops::fused::transposed_lhs_packing(
+            s.d as usize,
+            rows,
+            cols,
+        )),
         false => 0,
     };
     dx.max(dw)
@@ -417,9 +423,12 @@ fn head_forward_packing(cfg: &Config, s: &Shape) -> u64 {
         return 0;
     }
     let (rows, cols) = crate::ops::fused::head_block(s.n as usize, s.v as usize);
-    let (bytes, blocks) =
-        crate::ops::fused::column_packing(rows, s.d as usize, cols, cfg.arch.tied);
-    crate::ops::pool::cpu_threads().min(blocks) as u64 * bytes
+    on_threads(crate::ops::fused::column_packing(
+        rows,
+        s.d as usize,
+        cols,
+        cfg.arch.tied,
+    ))
 }
 
 /// Floats of one chunk of the lean head's logits (`ops::lean::head_chunk_rows` rows of V).

@@ -437,9 +437,13 @@ pub fn rhs_packing(rows: usize, inner: usize, cols: usize) -> (u64, usize) {
     ((inner * packed_cols * 4) as u64, split.blocks)
 }
 
+/// The most of an inner sum `gemm` packs at once in the products measured (its depth block):
+/// packed copies hold at most this many values along the inner dimension.
+pub const GEMM_INNER_BLOCK: usize = 512;
+
 /// `gemm`'s packed copy, per block, of the right-hand matrix of a parallel product cut into
 /// column blocks (the head's logits, `x·W` over a slice of the vocabulary), and the number of
-/// blocks: `inner` (at most 512, the inner-sum block `gemm` takes, as in the head's backward)
+/// blocks: `inner` (at most `GEMM_INNER_BLOCK`, as in the head's backward)
 /// by the block's columns rounded up to the micro-kernel's rows (`gemm_kernel_rows`). With
 /// AVX2 a matrix read as stored is packed only where the block's width is no multiple of
 /// those rows. Measured with AVX2 (the allocator's peak beside `linear_nll_sum`'s forward, per
@@ -453,7 +457,7 @@ pub fn column_packing(rows: usize, inner: usize, cols: usize, transposed: bool) 
     let in_place = !transposed && !gemm_packs_stored() && width.is_multiple_of(gemm_kernel_rows());
     let bytes = match split.by {
         Cut::Columns if !in_place => {
-            (inner.min(512) * width.next_multiple_of(gemm_kernel_rows()) * 4) as u64
+            (inner.min(GEMM_INNER_BLOCK) * width.next_multiple_of(gemm_kernel_rows()) * 4) as u64
         }
         _ => 0,
     };
@@ -498,7 +502,7 @@ pub fn transposed_lhs_packing(rows: usize, inner: usize, cols: usize) -> (u64, u
     if gemm_avx512() || width <= 2 * gemm_kernel_rows() {
         return (0, split.blocks);
     }
-    let bytes = inner.min(512) * rows.next_multiple_of(6) * 4;
+    let bytes = inner.min(GEMM_INNER_BLOCK) * rows.next_multiple_of(6) * 4;
     (bytes as u64, split.blocks)
 }
 
