@@ -19,7 +19,9 @@ AVX-512 BF16 dot products where the CPU has them) or by torch.mm at the same sha
 model FLOP/s (6 per multiplied parameter per token plus attention's 12·L·T·q, the planner's rule) as
 a fraction of the best rate in the step's dtype. bf16 products are timed with torch.mm only where
 /proc/cpuinfo lists avx512_bf16 or amx_bf16. Phase times (forward, backward, optimizer) are medians
-of the timed steps; the engine's forward includes the head and the loss.
+of the timed steps; the forward includes the head and the loss. In brackets, the head's share: in
+the forward from the LM head's start to the loss, in the backward from its start until the head's
+input has its gradient (a hook on it); gaccwb's is the time in its fused head's kernels.
 
 Usage (release binary built first; PyTorch and transformers from outside the repo):
   PYTHONPATH=~/.cache/gaccwb-hf python3 benches/hf_speed.py            # both shapes, threads 1 2, f32 bf16
@@ -116,10 +118,12 @@ def nano_model(cfg, torch, F):
             self.wpe = None if llama else nn.Embedding(cfg["n_positions"], d)
             self.blocks = nn.ModuleList(Block() for _ in range(layers))
             self.nf = norm()
-            self.head = None if cfg.get("tie_word_embeddings", True) else nn.Linear(d, vocab, bias=False)
+            self.lm_head = nn.Linear(d, vocab, bias=False)
             for p in self.parameters():
                 if p.dim() > 1:
                     nn.init.normal_(p, std=0.02)
+            if cfg.get("tie_word_embeddings", True):
+                self.lm_head.weight = self.wte.weight
 
         def forward(self, ids):
             t = ids.shape[1]
@@ -134,8 +138,7 @@ def nano_model(cfg, torch, F):
                 x = x + self.wpe.weight[:t]
             for blk in self.blocks:
                 x = blk(x, rope)
-            x = self.nf(x)
-            return F.linear(x, self.wte.weight if self.head is None else self.head.weight)
+            return self.lm_head(self.nf(x))
 
     return Model()
 
@@ -148,6 +151,23 @@ def hf_model(cfg_dir, torch):
             setattr(config, name, 0.0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     return lambda ids: model(input_ids=ids).logits, model
+
+
+def head_marks(head, time):
+    """When the LM head's forward starts and when its input's gradient is ready, each step: the
+    head's share (with the loss) of the forward and of the backward, as `gaccwb bench` splits it."""
+    marks = {}
+
+    def ready(_grad):
+        marks["backward"] = time.perf_counter()
+
+    def start(_module, inputs):
+        marks["forward"] = time.perf_counter()
+        if inputs[0].requires_grad:
+            inputs[0].register_hook(ready)
+
+    head.register_forward_pre_hook(start)
+    return marks
 
 
 def torch_worker(args):
@@ -179,7 +199,9 @@ def torch_worker(args):
         except (RuntimeError, TypeError):
             opt = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
         params = [p for p in module.parameters()]
-        runs.append({"dtype": dtype, "fwd": fwd, "opt": opt, "params": params, "times": []})
+        marks = head_marks(module.lm_head, time)
+        runs.append({"dtype": dtype, "fwd": fwd, "opt": opt, "params": params, "times": [],
+                     "marks": marks})
     vocab = cfg["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     for i in range(args.warmup + args.steps):
@@ -199,13 +221,16 @@ def torch_worker(args):
             t3 = time.perf_counter()
             nll.item()
             if i >= args.warmup:
-                run["times"].append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))
+                m = run["marks"]
+                run["times"].append((t3 - t0, t1 - t0, t2 - t1, t3 - t2, t1 - m["forward"],
+                                     m["backward"] - t1))
     for run in runs:
-        med = [statistics.median(x[j] for x in run["times"]) for j in range(4)]
+        med = [statistics.median(x[j] for x in run["times"]) for j in range(6)]
         print(json.dumps({
             "impl": args.worker, "dtype": run["dtype"], "threads": torch.get_num_threads(),
             "torch": torch.__version__, "tokens_per_s": b * t / med[0],
             "forward_ms": med[1] * 1e3, "backward_ms": med[2] * 1e3, "optimizer_ms": med[3] * 1e3,
+            "head_forward_ms": med[4] * 1e3, "head_backward_ms": med[5] * 1e3,
         }), flush=True)
     if args.products:
         products(args, cfg, torch)
@@ -275,6 +300,11 @@ def one_round(args, config, threads, first):
     return rows, prods
 
 
+def ms(x):
+    """Milliseconds, or '-' where the implementation did not time it."""
+    return "-" if x is None else f"{x:.0f}"
+
+
 def spread(xs, fmt="{:.1f}"):
     return " / ".join(fmt.format(x) for x in (min(xs), statistics.median(xs), max(xs)))
 
@@ -308,7 +338,8 @@ def main():
           f"flags: {' '.join(simd)}; B={args.micro_batch} T={args.seq_len} K=1, "
           f"{args.rounds} rounds of {args.steps} timed steps after {args.warmup} warm-up", flush=True)
     header = ("| shape | thr | dtype | gaccwb tok/s | HF tok/s | nano tok/s | ratio to best min/med/max "
-              "| gaccwb GFLOP/s | of best product in its dtype | gaccwb fwd/bwd/opt ms | best torch fwd/bwd/opt ms "
+              "| gaccwb GFLOP/s | of best product in its dtype | gaccwb fwd (head) / bwd (head) / opt ms "
+              "| best torch fwd (head) / bwd (head) / opt ms "
               "| load |")
     print(header)
     print("|" + "|".join([" --- "] * (header.count("|") - 1)) + "|")
@@ -339,8 +370,9 @@ def main():
                 rate = [x["flops_per_s"] for x in c]
                 mid = len(c) // 2
                 bt = hf if statistics.median(tok(hf)) >= statistics.median(tok(nano)) else nano
-                phases = lambda x: "{:.0f}/{:.0f}/{:.0f}".format(  # noqa: E731
-                    x["forward_ms"], x["backward_ms"], x["optimizer_ms"])
+                phases = lambda x: "{:.0f} ({}) / {:.0f} ({}) / {:.0f}".format(  # noqa: E731
+                    x["forward_ms"], ms(x.get("head_forward_ms")), x["backward_ms"],
+                    ms(x.get("head_backward_ms")), x["optimizer_ms"])
                 order = sorted(range(len(c)), key=lambda k: c[k]["tokens_per_s"])
                 print(f"| {shape} | {threads} | {d} | {spread(tok(c))} | {spread(tok(hf))} | "
                       f"{spread(tok(nano))} | {spread(ratio, '{:.2f}')} | "

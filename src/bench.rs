@@ -11,6 +11,7 @@ use candle_core::Device;
 use serde::Serialize;
 
 use crate::control::Dtype;
+use crate::ops::fused::{head_clock, Reading};
 use crate::scenario::{DataSource, Scenario};
 use crate::telemetry::PhaseMs;
 use crate::train::Trainer;
@@ -52,6 +53,29 @@ pub struct Measurement {
     pub step_s: Vec<f64>,
     /// The trainer's forward, backward and optimizer time of each timed step.
     pub phase_ms: Vec<PhaseMs>,
+    /// The fused head's share of each timed step's forward and backward (`None` in a step the
+    /// fused head did not run: the lean or plain ops).
+    pub head_ms: Vec<Option<HeadMs>>,
+}
+
+/// Time in the fused LM head and loss (`ops::fused::head_clock`), part of the forward and the
+/// backward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct HeadMs {
+    /// Logits and loss, ms.
+    pub forward: f64,
+    /// dlogits, dx and dW, ms.
+    pub backward: f64,
+}
+
+impl HeadMs {
+    /// What a head clock counted over one step, if the fused head ran in it.
+    fn of(step: Reading) -> Option<HeadMs> {
+        (step.calls > 0).then_some(HeadMs {
+            forward: step.forward.as_secs_f64() * 1e3,
+            backward: step.backward.as_secs_f64() * 1e3,
+        })
+    }
 }
 
 impl Measurement {
@@ -85,6 +109,17 @@ impl Measurement {
             backward: of(|p| p.backward),
             optimizer: of(|p| p.optimizer),
         }
+    }
+
+    /// Median head forward and backward time, each on its own; `None` unless the fused head ran
+    /// in every timed step.
+    pub fn median_head_ms(&self) -> Option<HeadMs> {
+        let head: Vec<HeadMs> = self.head_ms.iter().copied().collect::<Option<_>>()?;
+        let of = |f: fn(&HeadMs) -> f64| median_of(&head.iter().map(f).collect::<Vec<_>>());
+        (!head.is_empty()).then(|| HeadMs {
+            forward: of(|h| h.forward),
+            backward: of(|h| h.backward),
+        })
     }
 }
 
@@ -143,19 +178,22 @@ pub fn measure_interleaved(
         .collect::<Result<Vec<_>, _>>()?;
     let mut step_s = vec![Vec::with_capacity(steps); trainers.len()];
     let mut phase_ms = vec![Vec::with_capacity(steps); trainers.len()];
+    let mut head_ms = vec![Vec::with_capacity(steps); trainers.len()];
     let mut tokens_per_step = vec![0; trainers.len()];
     for i in 0..warmup + steps {
         for (j, trainer) in trainers.iter_mut().enumerate() {
-            let t0 = Instant::now();
+            let (t0, head0) = (Instant::now(), head_clock());
             let step = match trainer.train_step(|| true) {
                 Ok(step) => step,
                 Err(crate::train::Interrupt::Failed(e)) => return Err(e.into()),
                 Err(crate::train::Interrupt::Stop) => anyhow::bail!("benchmark step interrupted"),
             };
             let elapsed = t0.elapsed().as_secs_f64();
+            let head = HeadMs::of(head_clock().since(head0));
             if i >= warmup {
                 step_s[j].push(elapsed);
                 phase_ms[j].push(step.phase_ms);
+                head_ms[j].push(head);
                 tokens_per_step[j] = step.tokens;
             }
         }
@@ -164,9 +202,10 @@ pub fn measure_interleaved(
         .iter()
         .zip(step_s)
         .zip(phase_ms)
+        .zip(head_ms)
         .zip(tokens_per_step)
         .map(
-            |(((trainer, step_s), phase_ms), tokens_per_step)| Measurement {
+            |((((trainer, step_s), phase_ms), head_ms), tokens_per_step)| Measurement {
                 micro_batch: trainer.knobs().micro_batch,
                 accum_steps: trainer.knobs().accum_steps,
                 dtype: trainer.knobs().dtype,
@@ -174,6 +213,7 @@ pub fn measure_interleaved(
                 tokens_per_step,
                 step_s,
                 phase_ms,
+                head_ms,
             },
         )
         .collect())
@@ -386,6 +426,43 @@ mod tests {
             [Dtype::F32, Dtype::Bf16]
         );
         assert!(m.iter().all(|m| m.step_s.len() == 3));
+    }
+
+    #[test]
+    fn the_fused_head_is_timed_inside_the_forward_and_backward() {
+        let mut base = Scenario {
+            model: ModelConfig {
+                vocab: 256,
+                d_model: 16,
+                layers: 1,
+                heads: 2,
+                seq_len: 8,
+                path: None,
+                adapter: None,
+            },
+            ..Default::default()
+        };
+        base.train.micro_batch = 2;
+        base.train.accum_steps = 2;
+        let mut m = measure_interleaved(vec![base], &Device::Cpu, 1, 2)
+            .unwrap()
+            .remove(0);
+        for (phase, head) in m.phase_ms.iter().zip(&m.head_ms) {
+            let head = head.expect("the fused head ran");
+            assert!(
+                head.forward > 0.0 && head.forward < phase.forward,
+                "{head:?} {phase:?}"
+            );
+            assert!(
+                head.backward > 0.0 && head.backward < phase.backward,
+                "{head:?} {phase:?}"
+            );
+        }
+        assert!(m.median_head_ms().is_some());
+        // A step the fused head did not run in (the lean ops) has no head time, nor its median.
+        assert_eq!(HeadMs::of(Reading::default()), None);
+        m.head_ms[0] = None;
+        assert_eq!(m.median_head_ms(), None);
     }
 
     #[test]

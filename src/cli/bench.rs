@@ -298,9 +298,10 @@ fn host_rates(args: &BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One case as a JSON object: the medians, each step's time and the median phase times.
+/// One case as a JSON object: the medians, each step's time, the median phase times and the
+/// fused head's share of the forward and backward (null where it did not run).
 pub(super) fn case_json(r: &bench::Measurement) -> serde_json::Value {
-    let phase = r.median_phase_ms();
+    let (phase, head) = (r.median_phase_ms(), r.median_head_ms());
     serde_json::json!({
         "impl": "candle",
         "micro_batch": r.micro_batch,
@@ -313,6 +314,8 @@ pub(super) fn case_json(r: &bench::Measurement) -> serde_json::Value {
         "forward_ms": phase.forward,
         "backward_ms": phase.backward,
         "optimizer_ms": phase.optimizer,
+        "head_forward_ms": head.map(|h| h.forward),
+        "head_backward_ms": head.map(|h| h.backward),
     })
 }
 

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use gaccwb::bench::{self, Case, Measurement, ProductRate};
+use gaccwb::bench::{self, Case, HeadMs, Measurement, ProductRate};
 use gaccwb::control::Dtype;
 use gaccwb::planner::{flops_per_token, Recompute};
 use gaccwb::presets;
@@ -153,15 +153,29 @@ fn report(
         return Ok(gaccwb::out::println(&row.to_string())?);
     }
     gaccwb::out::println(&format!(
-        "{:>3} {:>2} {:>5} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}",
-        "B", "K", "dtype", "tok/s med", "GFLOP/s", "of best", "fwd ms", "bwd ms", "optim ms"
+        "{:>3} {:>2} {:>5} {:>9} {:>8} {:>8} {:>9} {:>6} {:>9} {:>6} {:>9}",
+        "B",
+        "K",
+        "dtype",
+        "tok/s med",
+        "GFLOP/s",
+        "of best",
+        "fwd ms",
+        "head",
+        "bwd ms",
+        "head",
+        "optim ms"
     ))?;
     for r in results {
         let rate = r.median_tokens_per_s() * flops;
         let best = best(products, r.dtype);
         let p = r.median_phase_ms();
+        let head = |f: fn(&HeadMs) -> f64| {
+            r.median_head_ms()
+                .map_or_else(|| "-".to_string(), |h| format!("{:.0}", f(&h)))
+        };
         gaccwb::out::println(&format!(
-            "{:>3} {:>2} {:>5} {:>9.1} {:>8.1} {:>7.1}% {:>9.0} {:>9.0} {:>9.0}",
+            "{:>3} {:>2} {:>5} {:>9.1} {:>8.1} {:>7.1}% {:>9.0} {:>6} {:>9.0} {:>6} {:>9.0}",
             r.micro_batch,
             r.accum_steps,
             r.dtype.name(),
@@ -169,10 +183,16 @@ fn report(
             rate / 1e9,
             100.0 * rate / best,
             p.forward,
+            head(|h| h.forward),
             p.backward,
+            head(|h| h.backward),
             p.optimizer
         ))?;
     }
+    gaccwb::out::println(
+        "head: the fused LM head and loss, part of the fwd and bwd times before it (- where the \
+         lean or plain ops ran it)",
+    )?;
     for p in products {
         gaccwb::out::println(&format!(
             "{} product [{}x{}]·[{}x{}] on {}: {:.1} GFLOP/s",

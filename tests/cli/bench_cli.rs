@@ -10,7 +10,7 @@ use crate::common;
 /// With f32 and bf16 asked for, the products are timed in both at the same shapes, and each
 /// dtype's step is a fraction of its own dtype's best product (bf16 products run on AMX tiles or
 /// AVX-512 BF16 dot products where the CPU has them, faster than f32, so f32's best would flatter
-/// bf16).
+/// bf16). Each step's forward and backward carry the fused head's share.
 #[test]
 fn bench_model_rates_each_dtype_against_its_own_products() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/models/llama-tied");
@@ -66,5 +66,16 @@ fn bench_model_rates_each_dtype_against_its_own_products() {
         let step = rows.iter().find(|r| r["dtype"] == dtype).expect(dtype);
         let share = step["flops_per_s"].as_f64().unwrap() / best;
         assert_eq!(step["of_best_product"].as_f64().unwrap(), share, "{dtype}");
+        // The fused head's share lies inside the forward and the backward.
+        for phase in ["forward", "backward"] {
+            let head = step[format!("head_{phase}_ms")]
+                .as_f64()
+                .expect("head timed");
+            let whole = step[format!("{phase}_ms")].as_f64().unwrap();
+            assert!(
+                head > 0.0 && head < whole,
+                "{dtype} {phase}: {head} of {whole}"
+            );
+        }
     }
 }

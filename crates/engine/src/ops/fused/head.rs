@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
+use super::clock::Timer;
 use super::{
     f32_slice, filled, for_units, log_sum_exp, matmul, storage, u32_slice, Mat, MatMut, Shared,
     Values,
@@ -312,6 +313,7 @@ impl CustomOp2 for LinearNll {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _timer = Timer::head_forward();
         let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let x = storage::input(xs, xl, self.name())?;
         let w = storage::operand(ws, wl, self.name())?;
@@ -482,6 +484,7 @@ impl CustomOp2 for LinearNllBackward {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _timer = Timer::head_backward();
         let _products = super::tiles::scope(candle_core::backend::BackendStorage::dtype(xs));
         let (xw, ww) = (
             storage::input(xs, xl, self.name())?,

@@ -19,6 +19,7 @@ use crate::ops::vmath;
 mod attention;
 mod branch;
 mod cast;
+mod clock;
 mod embedding;
 mod head;
 mod layer;
@@ -34,6 +35,7 @@ mod transpose;
 pub use attention::causal_attention;
 pub use branch::branch;
 pub use cast::{to_bf16, widen};
+pub use clock::{head as head_clock, Reading};
 pub use embedding::{embedding, Positions};
 pub use head::{block as head_block, kept as head_kept, linear_nll_sum};
 
