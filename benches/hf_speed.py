@@ -69,6 +69,7 @@ def nano_model(cfg, torch, F):
     kv = cfg.get("num_key_value_heads", heads) if llama else heads
     hd = cfg.get("head_dim") or d // heads
     ff = cfg["intermediate_size"] if llama else 4 * d
+    qkv_bias = cfg["model_type"] == "qwen2" or cfg.get("attention_bias", False)
     vocab = cfg["vocab_size"]
     eps = cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-5))
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -80,7 +81,7 @@ def nano_model(cfg, torch, F):
         def __init__(self):
             super().__init__()
             self.n1, self.n2 = norm(), norm()
-            self.qkv = nn.Linear(d, (heads + 2 * kv) * hd, bias=not llama)
+            self.qkv = nn.Linear(d, (heads + 2 * kv) * hd, bias=not llama or qkv_bias)
             self.o = nn.Linear(heads * hd, d, bias=not llama)
             if llama:
                 self.gate_up = nn.Linear(d, 2 * ff, bias=False)
@@ -130,8 +131,9 @@ def nano_model(cfg, torch, F):
             x = self.wte(ids)
             rope = None
             if llama:
-                inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-                ang = torch.outer(torch.arange(t, dtype=torch.float32), inv)
+                at = dict(dtype=torch.float32, device=ids.device)
+                inv = 1.0 / theta ** (torch.arange(0, hd, 2, **at) / hd)
+                ang = torch.outer(torch.arange(t, **at), inv)
                 ang = torch.cat((ang, ang), dim=-1)
                 rope = (ang.cos(), ang.sin())
             else:
@@ -143,9 +145,9 @@ def nano_model(cfg, torch, F):
     return Model()
 
 
-def hf_model(cfg_dir, torch):
+def hf_model(config_json, torch):
     import transformers
-    config = transformers.AutoConfig.from_pretrained(cfg_dir)
+    config = transformers.AutoConfig.from_pretrained(config_json)
     for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"):
         if hasattr(config, name):
             setattr(config, name, 0.0)
@@ -153,15 +155,17 @@ def hf_model(cfg_dir, torch):
     return lambda ids: model(input_ids=ids).logits, model
 
 
-def head_marks(head, time):
+def head_marks(head, time, sync):
     """When the LM head's forward starts and when its input's gradient is ready, each step: the
     head's share (with the loss) of the forward and of the backward, as `gaccwb bench` splits it."""
     marks = {}
 
     def ready(_grad):
+        sync()
         marks["backward"] = time.perf_counter()
 
     def start(_module, inputs):
+        sync()
         marks["forward"] = time.perf_counter()
         if inputs[0].requires_grad:
             inputs[0].register_hook(ready)
@@ -179,17 +183,20 @@ def torch_worker(args):
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     torch.manual_seed(0)
-    cfg_dir = os.path.dirname(args.config)
+    dev = torch.device(args.device)
+    # A GPU's kernels return once queued: every time mark waits for them.
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     with open(args.config) as f:
         cfg = json.load(f)
     b, t = args.micro_batch, args.seq_len
     runs = []
     for dtype in args.dtype:
         if args.worker == "torch-hf":
-            fwd, module = hf_model(cfg_dir, torch)
+            fwd, module = hf_model(args.config, torch)
         else:
             module = nano_model(cfg, torch, F)
             fwd = module
+        module.to(dev)
         module.train()
         decay = [p for p in module.parameters() if p.dim() > 1]
         rest = [p for p in module.parameters() if p.dim() <= 1]
@@ -199,25 +206,29 @@ def torch_worker(args):
         except (RuntimeError, TypeError):
             opt = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
         params = [p for p in module.parameters()]
-        marks = head_marks(module.lm_head, time)
+        marks = head_marks(module.lm_head, time, sync)
         runs.append({"dtype": dtype, "fwd": fwd, "opt": opt, "params": params, "times": [],
                      "marks": marks})
     vocab = cfg["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     for i in range(args.warmup + args.steps):
         for run in runs:
-            tokens = torch.randint(0, vocab, (b, t + 1), generator=gen)
+            tokens = torch.randint(0, vocab, (b, t + 1), generator=gen).to(dev)
             ids, targets = tokens[:, :-1], tokens[:, 1:]
+            sync()
             t0 = time.perf_counter()
             run["opt"].zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=run["dtype"] == "bf16"):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=run["dtype"] == "bf16"):
                 logits = run["fwd"](ids)
                 nll = F.cross_entropy(logits.reshape(-1, vocab).float(), targets.reshape(-1), reduction="sum")
+            sync()
             t1 = time.perf_counter()
             (nll / (b * t)).backward()
+            sync()
             t2 = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(run["params"], 1.0)
             run["opt"].step()
+            sync()
             t3 = time.perf_counter()
             nll.item()
             if i >= args.warmup:
@@ -233,27 +244,29 @@ def torch_worker(args):
             "head_forward_ms": med[4] * 1e3, "head_backward_ms": med[5] * 1e3,
         }), flush=True)
     if args.products:
-        products(args, cfg, torch)
+        products(args, cfg, torch, dev, sync)
 
 
-def products(args, cfg, torch):
+def products(args, cfg, torch, dev, sync):
     """torch.mm at the shapes gaccwb times: the square, [rows, d]·[d, 4d] and the head's."""
     d = cfg.get("hidden_size") or cfg["n_embd"]
     ff = 4 * d
     rows = args.micro_batch * args.seq_len
     shapes = [(1024, 1024, 1024), (rows, d, ff), (rows, d, cfg["vocab_size"])]
     dtypes = [torch.float32]
-    if cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+    if dev.type == "cuda" or cpu_flags() & {"avx512_bf16", "amx_bf16"}:
         dtypes.append(torch.bfloat16)
     out = []
     for dt in dtypes:
         for m, k, n in shapes:
-            a, w = torch.ones(m, k, dtype=dt), torch.ones(k, n, dtype=dt)
+            a, w = torch.ones(m, k, dtype=dt, device=dev), torch.ones(k, n, dtype=dt, device=dev)
             a @ w
             times = []
             for _ in range(max(2, args.steps)):
+                sync()
                 t0 = time.perf_counter()
                 a @ w
+                sync()
                 times.append(time.perf_counter() - t0)
             out.append({"dtype": str(dt).split(".")[-1], "m": m, "k": k, "n": n,
                         "flops_per_s": 2.0 * m * k * n / statistics.median(times)})
@@ -276,15 +289,16 @@ def one_round(args, config, threads, first):
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     rows, prods = {}, []
     for dtype in args.dtype:
-        for impl in IMPLS:
+        for impl in args.impls:
             if impl == "candle":
                 cmd = [args.bin, "bench", "--model", config, "--seq-len", str(args.seq_len),
                        "--json", "--threads", str(threads), "--case", f"{args.micro_batch},1",
-                       "--dtype", dtype] + common
+                       "--dtype", dtype, "--device", args.device] + common
             else:
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--config",
                        config, "--threads", str(threads), "--micro-batch", str(args.micro_batch),
-                       "--seq-len", str(args.seq_len), "--dtype", dtype] + common
+                       "--seq-len", str(args.seq_len), "--dtype", dtype,
+                       "--device", args.device] + common
                 if first and impl == "torch-nano" and dtype == args.dtype[0]:
                     cmd.append("--products")
             for row in run_lines(cmd, env):
@@ -323,6 +337,8 @@ def main():
     # ran 188.7 tok/s after one warm-up step, 270.8 after four.
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release", "gaccwb"))
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where every step runs (cuda: a gaccwb built with --features cuda)")
     ap.add_argument("--worker", choices=IMPLS[1:], help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--products", action="store_true", help=argparse.SUPPRESS)
@@ -332,11 +348,17 @@ def main():
         return torch_worker(args)
     if not os.path.exists(args.bin):
         sys.exit(f"{args.bin} not found: run `cargo build --release` first (or pass --bin)")
+    import importlib.util
+    # Without transformers (a GPU machine with PyTorch alone) the nanoGPT-style step is the anchor.
+    args.impls = [i for i in IMPLS if i != "torch-hf" or importlib.util.find_spec("transformers")]
+    if "torch-hf" not in args.impls:
+        print("# transformers is not importable: its step is not timed (HF column '-')", flush=True)
     flags = cpu_flags()
     simd = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
           f"flags: {' '.join(simd)}; B={args.micro_batch} T={args.seq_len} K=1, "
-          f"{args.rounds} rounds of {args.steps} timed steps after {args.warmup} warm-up", flush=True)
+          f"{args.rounds} rounds of {args.steps} timed steps after {args.warmup} warm-up, "
+          f"device {args.device}", flush=True)
     header = ("| shape | thr | dtype | gaccwb tok/s | HF tok/s | nano tok/s | ratio to best min/med/max "
               "| gaccwb GFLOP/s | of best product in its dtype | gaccwb fwd (head) / bwd (head) / opt ms "
               "| best torch fwd (head) / bwd (head) / opt ms "
@@ -346,14 +368,14 @@ def main():
     for shape in args.shape:
         config = shape if shape.endswith(".json") else os.path.join(SHAPES, shape, "config.json")
         for threads in args.threads:
-            per = {d: {i: [] for i in IMPLS} for d in args.dtype}
+            per = {d: {i: [] for i in args.impls} for d in args.dtype}
             loads, prods = [], []
             for r in range(args.rounds):
                 loads.append(loadavg())
                 rows, p = one_round(args, config, threads, r == 0)
                 prods += p
                 for d in args.dtype:
-                    for i in IMPLS:
+                    for i in args.impls:
                         per[d][i].append(rows[i][d])
             best_rate = {d: max(p["flops_per_s"] for p in prods if p["dtype"] == TORCH_DTYPE[d])
                          for d in args.dtype}
@@ -363,18 +385,18 @@ def main():
                       f"{line['flops_per_s'] / 1e9:.1f} GFLOP/s"
                       + (f" on {line['kernel']}" if "kernel" in line else ""), flush=True)
             for d in args.dtype:
-                c, hf, nano = (per[d][i] for i in IMPLS)
+                c, hf, nano = (per[d].get(i, []) for i in IMPLS)
                 tok = lambda rows: [x["tokens_per_s"] for x in rows]  # noqa: E731
-                best = [max(a, b) for a, b in zip(tok(hf), tok(nano))]
+                best = [max(a, b) for a, b in zip(tok(hf), tok(nano))] if hf else tok(nano)
                 ratio = [a / b for a, b in zip(tok(c), best)]
                 rate = [x["flops_per_s"] for x in c]
                 mid = len(c) // 2
-                bt = hf if statistics.median(tok(hf)) >= statistics.median(tok(nano)) else nano
+                bt = hf if hf and statistics.median(tok(hf)) >= statistics.median(tok(nano)) else nano
                 phases = lambda x: "{:.0f} ({}) / {:.0f} ({}) / {:.0f}".format(  # noqa: E731
                     x["forward_ms"], ms(x.get("head_forward_ms")), x["backward_ms"],
                     ms(x.get("head_backward_ms")), x["optimizer_ms"])
                 order = sorted(range(len(c)), key=lambda k: c[k]["tokens_per_s"])
-                print(f"| {shape} | {threads} | {d} | {spread(tok(c))} | {spread(tok(hf))} | "
+                print(f"| {shape} | {threads} | {d} | {spread(tok(c))} | {spread(tok(hf)) if hf else '-'} | "
                       f"{spread(tok(nano))} | {spread(ratio, '{:.2f}')} | "
                       f"{statistics.median(rate) / 1e9:.1f} | "
                       f"{100 * statistics.median(rate) / best_rate[d]:.0f}% | {phases(c[order[mid]])} | "

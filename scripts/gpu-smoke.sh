@@ -4,6 +4,8 @@
 # --record, and print a table (tokens/s, NVML peak memory, trainer peak, measured categories vs
 # the estimate, NVML vs trainer agreement). Everything lands in one folder. From the bundle it
 # also runs tests/gpu_nccl.rs: a world of one sums gradients through NCCL (needs libnccl.so.2).
+# Where python3 has PyTorch with CUDA, it then times the training step against PyTorch's
+# (benches/hf_speed.py --device cuda; speed.txt).
 #
 # Usage:
 #   scripts/gpu-smoke.sh [--steps N] [--out DIR]   the smoke test (default: 40 steps, gpu-smoke-out/)
@@ -28,6 +30,7 @@ PREBUILT=
 BUILD_LIMIT_S=360
 TEST_LIMIT_S=240
 PRESET_LIMIT_S=90
+SPEED_LIMIT_S=300
 
 fail() {
     printf '\ngpu-smoke: FAILED: %s\n' "$*" >&2
@@ -173,12 +176,32 @@ presets_and_verdict() {
     echo
     build_table "$OUT/runs" | tee "$OUT/table.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    speed "$bin" || failed=1
 
     local total=$((SECONDS - start))
     echo
     echo "total ${total}s (budget ${budget}s)$([ $total -gt "$budget" ] && echo ': OVER BUDGET')"
     [ "$failed" -eq 0 ] || fail "see the table and $logs"
     echo "gpu-smoke: ok"
+}
+
+# speed BIN: the training step against PyTorch's on cuda:0 (benches/hf_speed.py: tokens/s and the
+# step's FLOP/s over the best product measured on the GPU) at GPT-2-small and Qwen2-0.5B, f32 and
+# bf16, where python3 has PyTorch with CUDA; without it the step is skipped, saying so.
+speed() {
+    local bin=$1
+    if ! python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+        echo "== speed: skipped (python3 has no PyTorch with CUDA)"
+        return 0
+    fi
+    echo "== speed on cuda:0 against PyTorch (benches/hf_speed.py)"
+    phase speed "$SPEED_LIMIT_S" python3 benches/hf_speed.py --device cuda --bin "$bin" \
+        --shape gpt2-small tests/fixtures/hf/qwen2-0.5b.json --threads 1 --dtype f32 bf16 \
+        --rounds 1 --steps 5 --warmup 3 --seq-len 1024 --micro-batch 4
+    local status=$?
+    grep -E '^[|#]' "$OUT/speed.log" | tee "$OUT/speed.txt"
+    [ $status -eq 0 ] || tail -n 20 "$OUT/speed.log"
+    return $status
 }
 
 # ---------------------------------------------------------------------------------------------

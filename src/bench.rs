@@ -331,37 +331,48 @@ pub struct ProductRate {
     pub dtype: &'static str,
     /// 2·m·k·n / the median of the timed products.
     pub flops_per_s: f64,
-    /// What the products ran on (`ops::fused::Bf16Kernel::name`; f32 and f16: `gemm`).
+    /// What the products ran on (`ops::fused::Bf16Kernel::name`; f32 and f16: `gemm`; a GPU:
+    /// `cublas`).
     pub kernel: &'static str,
 }
 
-/// The fused ops' product (`ops::fused::project`, the path the step's products take) of `dtype`
-/// operands at each shape, `steps` timed products after one untimed one: bf16 runs on AMX tiles
-/// or AVX-512 BF16 dot products where the CPU has them (`ops::fused::bf16_kernel`), else
-/// widened into f32 `gemm`.
+/// The product the step's products take, of `dtype` operands at each shape on `device`, `steps`
+/// timed products after one untimed one. On the CPU the fused ops' (`ops::fused::project`): bf16
+/// on AMX tiles or AVX-512 BF16 dot products where the CPU has them (`ops::fused::bf16_kernel`),
+/// else widened into f32 `gemm`. On a GPU Candle's `matmul` (cuBLAS).
 pub fn measure_products(
     shapes: &[(usize, usize, usize)],
     dtype: Dtype,
     steps: usize,
+    device: &Device,
 ) -> anyhow::Result<Vec<ProductRate>> {
     use candle_core::Tensor;
-    let device = Device::Cpu;
     shapes
         .iter()
         .map(|&(m, k, n)| {
-            let a = Tensor::ones((m, k), dtype.candle(), &device)?;
-            let b = Tensor::ones((k, n), dtype.candle(), &device)?;
-            let s = timed(steps, || crate::ops::fused::project(&a, &b).map(drop))?;
+            let a = Tensor::ones((m, k), dtype.candle(), device)?;
+            let b = Tensor::ones((k, n), dtype.candle(), device)?;
+            let (s, kernel) = match device {
+                Device::Cpu => (
+                    timed(steps, || crate::ops::fused::project(&a, &b).map(drop))?,
+                    match dtype {
+                        Dtype::Bf16 => crate::ops::fused::bf16_kernel().name(),
+                        _ => crate::ops::fused::Bf16Kernel::Gemm.name(),
+                    },
+                ),
+                // A GPU's product returns once queued: each is timed to its end.
+                _ => (
+                    timed(steps, || a.matmul(&b).and_then(|_| device.synchronize()))?,
+                    "cublas",
+                ),
+            };
             Ok(ProductRate {
                 m,
                 k,
                 n,
                 dtype: dtype.name(),
                 flops_per_s: 2.0 * (m * k * n) as f64 / median_of(&s),
-                kernel: match dtype {
-                    Dtype::Bf16 => crate::ops::fused::bf16_kernel().name(),
-                    _ => crate::ops::fused::Bf16Kernel::Gemm.name(),
-                },
+                kernel,
             })
         })
         .collect()
@@ -478,7 +489,7 @@ mod tests {
     #[test]
     fn product_rates_keep_their_shapes_in_order() {
         for dtype in [Dtype::F32, Dtype::Bf16] {
-            let r = measure_products(&[(4, 32, 16), (16, 32, 4)], dtype, 2).unwrap();
+            let r = measure_products(&[(4, 32, 16), (16, 32, 4)], dtype, 2, &Device::Cpu).unwrap();
             let shapes: Vec<_> = r.iter().map(|p| (p.m, p.k, p.n, p.dtype)).collect();
             let name = dtype.name();
             assert_eq!(shapes, [(4, 32, 16, name), (16, 32, 4, name)]);

@@ -1,10 +1,11 @@
-//! `gaccwb bench`: training tokens/s of the default model (or of `--model`) on the CPU, case by
-//! case.
+//! `gaccwb bench`: training tokens/s of the default model on the CPU (or of `--model`, on the CPU
+//! or a GPU), case by case.
 
 use clap::Args;
 
 use gaccwb::bench::{self, Case, DEFAULT_CASES};
 use gaccwb::control::Dtype;
+use gaccwb::device::DeviceChoice;
 use gaccwb::presets;
 use strum::VariantArray;
 
@@ -46,6 +47,10 @@ pub struct BenchArgs {
     /// Positions per sample with `--model` (default: the default preset's).
     #[arg(long, value_name = "T", requires = "model")]
     pub(super) seq_len: Option<usize>,
+    /// Where `--model`'s step runs: cpu (default), cuda or cuda:N (a build with `--features
+    /// cuda`); the product rate is then cuBLAS's through Candle on that GPU.
+    #[arg(long, value_name = "DEVICE", requires = "model")]
+    pub(super) device: Option<DeviceChoice>,
     /// Data parallel: positions/s and the share of the step in collectives with N ranks
     /// against one rank on the same cores (each a run under mpirun; `--features mpi`).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(2..))]

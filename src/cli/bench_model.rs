@@ -4,8 +4,10 @@
 
 use std::path::PathBuf;
 
+use candle_core::{Device, DeviceLocation};
 use gaccwb::bench::{self, Case, HeadMs, Measurement, ProductRate};
 use gaccwb::control::Dtype;
+use gaccwb::device::DeviceChoice;
 use gaccwb::planner::{flops_per_token, Recompute};
 use gaccwb::presets;
 use gaccwb::scenario::{DataSource, Scenario};
@@ -23,6 +25,7 @@ const SQUARE: usize = 1024;
 
 pub(super) fn bench_model(args: &BenchArgs) -> anyhow::Result<()> {
     let (base, flops) = model_scenario(args)?;
+    let device = args.device.unwrap_or(DeviceChoice::Cpu).open()?;
     let m = &base.model;
     let cases = if args.cases.is_empty() {
         vec![MODEL_CASE]
@@ -33,14 +36,14 @@ pub(super) fn bench_model(args: &BenchArgs) -> anyhow::Result<()> {
     if !args.json {
         gaccwb::out::println(&format!(
             "gaccwb bench --model {source}: vocab {} d_model {} layers {} seq_len {}, {:.3} GFLOP \
-             per token (6 per multiplied parameter + attention), CPU, {} thread(s), {} timed steps \
-             after {} warm-up",
+             per token (6 per multiplied parameter + attention), {}, {} timed steps after {} \
+             warm-up",
             m.vocab,
             m.d_model,
             m.layers,
             m.seq_len,
             flops / 1e9,
-            bench::threads(),
+            on(&device),
             args.steps,
             args.warmup
         ))?;
@@ -57,7 +60,7 @@ pub(super) fn bench_model(args: &BenchArgs) -> anyhow::Result<()> {
             .collect();
         let rs = bench::measure_interleaved(
             scenarios,
-            &candle_core::Device::Cpu,
+            &device,
             args.warmup as usize,
             args.steps as usize,
         )?;
@@ -70,11 +73,25 @@ pub(super) fn bench_model(args: &BenchArgs) -> anyhow::Result<()> {
         results.extend(rs);
     }
     let shapes = product_shapes(&base, &cases);
-    let mut products = bench::measure_products(&shapes, Dtype::F32, args.steps as usize)?;
+    let mut products = bench::measure_products(&shapes, Dtype::F32, args.steps as usize, &device)?;
     for &d in dtypes(args).iter().filter(|&&d| d != Dtype::F32) {
-        products.extend(bench::measure_products(&shapes, d, args.steps as usize)?);
+        products.extend(bench::measure_products(
+            &shapes,
+            d,
+            args.steps as usize,
+            &device,
+        )?);
     }
     report(args, source, &results, &products, flops)
+}
+
+/// Where the step runs, for the header: the CPU with its thread count, or the GPU.
+fn on(device: &Device) -> String {
+    match device.location() {
+        DeviceLocation::Cpu => format!("CPU, {} thread(s)", bench::threads()),
+        DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        other => format!("{other:?}"),
+    }
 }
 
 /// The dtypes `--dtype` asks for (f32 alone by default).

@@ -79,3 +79,35 @@ fn bench_model_rates_each_dtype_against_its_own_products() {
         }
     }
 }
+
+/// `--device` chooses where `--model`'s step runs: without `--model` it is a usage error, and a
+/// GPU this build cannot open fails before anything is timed, saying how to get one.
+#[test]
+fn bench_device_needs_a_model_and_a_device_that_opens() {
+    let run = |args: &[&str]| {
+        let out = Command::cargo_bin("gaccwb")
+            .unwrap()
+            .args(args)
+            .output()
+            .unwrap();
+        common::outcome(args, out)
+    };
+    let (code, _, stderr) = run(&["bench", "--device", "cpu"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--model"), "{stderr}");
+    #[cfg(not(feature = "cuda"))]
+    {
+        let model =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/models/llama-tied");
+        let (code, stdout, stderr) = run(&[
+            "bench",
+            "--model",
+            model.to_str().unwrap(),
+            "--device",
+            "cuda",
+        ]);
+        assert_eq!(code, 1, "{stderr}");
+        assert!(stdout.is_empty(), "{stdout}");
+        assert!(stderr.contains("--features cuda"), "{stderr}");
+    }
+}
