@@ -4,14 +4,15 @@
 # --record, and print a table (tokens/s, NVML peak memory, trainer peak, measured categories vs
 # the estimate, NVML vs trainer agreement). Everything lands in one folder. From the bundle it
 # also runs tests/gpu_nccl.rs: a world of one sums gradients through NCCL (needs libnccl.so.2).
-# Where python3 has PyTorch with CUDA, it then times the training step against PyTorch's
-# (benches/hf_speed.py --device cuda; speed.txt).
+# With --speed it then times the training step against PyTorch's where python3 has PyTorch with
+# CUDA (benches/hf_speed.py --device cuda; OUT/speed.txt); --speed-only does only that.
 #
 # Usage:
 #   scripts/gpu-smoke.sh [--steps N] [--out DIR]   the smoke test (default: 40 steps, gpu-smoke-out/)
 #   scripts/gpu-smoke.sh --prebuilt BUNDLE [--steps N] [--out DIR]
 #                                                  the same without compiling, from the bundle that
 #                                                  scripts/gpu-bundle.sh builds (no toolkit needed)
+#   scripts/gpu-smoke.sh ... --speed | --speed-only  also (only) the step against PyTorch's
 #   scripts/gpu-smoke.sh --table DIR               rebuild the table from DIR's recordings
 #   scripts/gpu-smoke.sh --self-test BIN           check the table builder without a GPU (CI)
 #
@@ -31,6 +32,7 @@ BUILD_LIMIT_S=360
 TEST_LIMIT_S=240
 PRESET_LIMIT_S=90
 SPEED_LIMIT_S=300
+SPEED=        # also | only: time the step against PyTorch's (benches/hf_speed.py)
 
 fail() {
     printf '\ngpu-smoke: FAILED: %s\n' "$*" >&2
@@ -160,6 +162,10 @@ smoke() {
 
     phase build "$BUILD_LIMIT_S" cargo build --locked --release --features cuda ||
         fail "the cuda build failed; see $OUT/build.log"
+    if [ "$SPEED" = only ]; then
+        speed ./target/release/gaccwb || fail "see $OUT/speed.log"
+        return
+    fi
     phase test "$TEST_LIMIT_S" cargo test --locked --release --features cuda -- --include-ignored || failed=1
     grep -E '^test result:' "$OUT/test.log" | sed 's/^/   /'
 
@@ -176,28 +182,30 @@ presets_and_verdict() {
     echo
     build_table "$OUT/runs" | tee "$OUT/table.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    speed "$bin" || failed=1
 
     local total=$((SECONDS - start))
     echo
     echo "total ${total}s (budget ${budget}s)$([ $total -gt "$budget" ] && echo ': OVER BUDGET')"
+    if [ "$SPEED" = also ]; then
+        speed "$bin" || failed=1
+    fi
     [ "$failed" -eq 0 ] || fail "see the table and $logs"
     echo "gpu-smoke: ok"
 }
 
 # speed BIN: the training step against PyTorch's on cuda:0 (benches/hf_speed.py: tokens/s and the
 # step's FLOP/s over the best product measured on the GPU) at GPT-2-small and Qwen2-0.5B, f32 and
-# bf16, where python3 has PyTorch with CUDA; without it the step is skipped, saying so.
+# bf16. Asked for, so a python3 without PyTorch on CUDA fails it.
 speed() {
     local bin=$1
     if ! python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-        echo "== speed: skipped (python3 has no PyTorch with CUDA)"
-        return 0
+        echo "== speed: FAILED: python3 has no PyTorch that sees a CUDA GPU (PYTHONPATH to one)"
+        return 1
     fi
     echo "== speed on cuda:0 against PyTorch (benches/hf_speed.py)"
     phase speed "$SPEED_LIMIT_S" python3 benches/hf_speed.py --device cuda --bin "$bin" \
         --shape gpt2-small tests/fixtures/hf/qwen2-0.5b.json --threads 1 --dtype f32 bf16 \
-        --rounds 1 --steps 5 --warmup 3 --seq-len 1024 --micro-batch 4
+        --rounds 1 --steps 3 --warmup 2 --seq-len 1024 --micro-batch 4
     local status=$?
     grep -E '^[|#]' "$OUT/speed.log" | tee "$OUT/speed.txt"
     [ $status -eq 0 ] || tail -n 20 "$OUT/speed.log"
@@ -301,6 +309,10 @@ smoke_prebuilt() {
     unpack_bundle "$OUT/bin"
     print_environment "$bin" 2>&1 | tee "$OUT/env.txt"
     echo "bundle size: $(du -sh "$PREBUILT" | cut -f1) packed, $(du -sh "$OUT/bin" | cut -f1) unpacked"
+    if [ "$SPEED" = only ]; then
+        speed "$bin" || fail "see $OUT/speed.log"
+        return
+    fi
 
     for t in "$OUT"/bin/tests/*; do
         [ -x "$t" ] || continue
@@ -320,9 +332,11 @@ while [ $# -gt 0 ]; do
         --steps) STEPS=${2:?--steps needs a number}; shift 2 ;;
         --out) OUT=${2:?--out needs a folder}; shift 2 ;;
         --prebuilt) PREBUILT=${2:?--prebuilt needs the bundle folder}; shift 2 ;;
+        --speed) SPEED=also; shift ;;
+        --speed-only) SPEED=only; shift ;;
         --table) build_table "${2:?--table needs a folder}"; exit ;;
         --self-test) self_test "${2:?--self-test needs the gaccwb binary}"; exit ;;
-        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
         *) fail "unknown argument '$1' (see --help)" ;;
     esac
 done

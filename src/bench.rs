@@ -268,6 +268,31 @@ fn timed(steps: usize, mut f: impl FnMut() -> candle_core::Result<()>) -> anyhow
         .collect()
 }
 
+/// Time per call of `f` on a GPU, `steps` samples: a GPU's call returns once queued, so each
+/// sample runs enough calls to take `GPU_SAMPLE_S` (one product there can take less than its
+/// launch) and waits for the last to end.
+fn timed_on_gpu(
+    steps: usize,
+    device: &Device,
+    mut f: impl FnMut() -> candle_core::Result<()>,
+) -> anyhow::Result<Vec<f64>> {
+    let mut run = |calls: usize| -> anyhow::Result<f64> {
+        let t0 = Instant::now();
+        for _ in 0..calls {
+            f()?;
+        }
+        device.synchronize()?;
+        Ok(t0.elapsed().as_secs_f64())
+    };
+    run(1)?;
+    let one = run(1)?;
+    let calls = ((GPU_SAMPLE_S / one.max(1e-9)).ceil() as usize).clamp(1, 10_000);
+    (0..steps).map(|_| Ok(run(calls)? / calls as f64)).collect()
+}
+
+/// Seconds one timed sample of GPU products takes at least.
+const GPU_SAMPLE_S: f64 = 0.02;
+
 /// Measures the fused AdamW over `params` f32 parameters (in 8 tensors, so the pool can split
 /// them) and one `n×n` product, `steps` times each.
 pub fn measure_host_rates(params: usize, n: usize, steps: usize) -> anyhow::Result<HostRates> {
@@ -360,9 +385,8 @@ pub fn measure_products(
                         _ => crate::ops::fused::Bf16Kernel::Gemm.name(),
                     },
                 ),
-                // A GPU's product returns once queued: each is timed to its end.
                 _ => (
-                    timed(steps, || a.matmul(&b).and_then(|_| device.synchronize()))?,
+                    timed_on_gpu(steps, device, || a.matmul(&b).map(drop))?,
                     "cublas",
                 ),
             };
@@ -474,6 +498,21 @@ mod tests {
         assert_eq!(HeadMs::of(Reading::default()), None);
         m.head_ms[0] = None;
         assert_eq!(m.median_head_ms(), None);
+    }
+
+    #[test]
+    fn gpu_samples_are_per_call() {
+        let mut calls = 0;
+        let s = timed_on_gpu(3, &Device::Cpu, || {
+            calls += 1;
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(s.len(), 3);
+        // Each sample is its calls' time over their number: never below one call's sleep.
+        assert!(s.iter().all(|&t| t >= 0.002), "{s:?}");
+        assert_eq!((calls - 2) % 3, 0, "{calls} calls");
     }
 
     #[test]
