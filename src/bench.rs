@@ -438,11 +438,11 @@ mod tests {
         assert!(m.median_tokens_per_s() > 0.0);
     }
 
-    #[test]
-    fn interleaved_scenarios_are_measured_each_in_its_own_dtype() {
-        let mut base = Scenario {
+    /// A one-layer model of `vocab` tokens, d_model 16, T 8, B 2.
+    fn tiny(vocab: usize) -> Scenario {
+        let mut s = Scenario {
             model: ModelConfig {
-                vocab: 32,
+                vocab,
                 d_model: 16,
                 layers: 1,
                 heads: 2,
@@ -452,7 +452,13 @@ mod tests {
             },
             ..Default::default()
         };
-        base.train.micro_batch = 2;
+        s.train.micro_batch = 2;
+        s
+    }
+
+    #[test]
+    fn interleaved_scenarios_are_measured_each_in_its_own_dtype() {
+        let base = tiny(32);
         let mut half = base.clone();
         half.train.dtype = Dtype::Bf16;
         let m = measure_interleaved(vec![base, half], &Device::Cpu, 1, 3).unwrap();
@@ -465,19 +471,7 @@ mod tests {
 
     #[test]
     fn the_fused_head_is_timed_inside_the_forward_and_backward() {
-        let mut base = Scenario {
-            model: ModelConfig {
-                vocab: 256,
-                d_model: 16,
-                layers: 1,
-                heads: 2,
-                seq_len: 8,
-                path: None,
-                adapter: None,
-            },
-            ..Default::default()
-        };
-        base.train.micro_batch = 2;
+        let mut base = tiny(256);
         base.train.accum_steps = 2;
         let mut m = measure_interleaved(vec![base], &Device::Cpu, 1, 2)
             .unwrap()

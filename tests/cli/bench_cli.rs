@@ -84,14 +84,8 @@ fn bench_model_rates_each_dtype_against_its_own_products() {
 /// GPU this build cannot open fails before anything is timed, saying how to get one.
 #[test]
 fn bench_device_needs_a_model_and_a_device_that_opens() {
-    let run = |args: &[&str]| {
-        let out = Command::cargo_bin("gaccwb")
-            .unwrap()
-            .args(args)
-            .output()
-            .unwrap();
-        common::outcome(args, out)
-    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let run = |args: &[&str]| common::gaccwb(args, root);
     let (code, _, stderr) = run(&["bench", "--device", "cpu"]);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("--model"), "{stderr}");
