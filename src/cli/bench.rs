@@ -40,8 +40,9 @@ pub struct BenchArgs {
     /// Time this Hugging Face model's step instead of the default model's: a directory with
     /// config.json (a shape's config.json alone trains random weights), or ORG/NAME from the
     /// local cache. Prints FLOP/s (6 per multiplied parameter per token plus attention) beside
-    /// the host's product rate in each dtype asked for (bf16 on AMX tiles or AVX-512 BF16 dot
-    /// products where the CPU has them, `GACCWB_BF16_PRODUCTS`). Default case 2,1.
+    /// the product rate of the device it runs on in each dtype asked for (bf16 on AMX tiles or
+    /// AVX-512 BF16 dot products where the CPU has them, `GACCWB_BF16_PRODUCTS`). Default case
+    /// 2,1.
     #[arg(long, value_name = "PATH")]
     pub(super) model: Option<String>,
     /// Positions per sample with `--model` (default: the default preset's).

@@ -1,6 +1,7 @@
 //! `gaccwb bench --model PATH`: the training step of a Hugging Face model (a checkpoint, or a
-//! shape's config.json alone with random weights), its FLOP/s against the host's own product
-//! rate in the step's dtype, measured in the same process, and where the step's time goes.
+//! shape's config.json alone with random weights) on the CPU or a GPU, its FLOP/s against that
+//! device's own product rate in the step's dtype, measured in the same process, and where the
+//! step's time goes (the fused head's share of the forward and backward).
 
 use std::path::PathBuf;
 
