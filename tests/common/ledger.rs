@@ -34,6 +34,25 @@ pub fn on_measuring_thread<R: Send + 'static>(job: impl FnOnce() -> R + Send + '
     }
 }
 
+/// Runs `job` with `RAYON_NUM_THREADS` at 1, and puts the variable back after it, panic or not.
+/// Candle's matmul (the lean ops' products) reads the variable at every call: at 1 every product
+/// runs on the calling thread, whose `gemm` workspace the estimate counts, instead of on rayon's
+/// pool, each of whose threads would hold a workspace the estimate does not count on that path.
+pub fn with_one_rayon_thread<R>(job: impl FnOnce() -> R) -> R {
+    struct Restore(Option<std::ffi::OsString>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            match self.0.take() {
+                Some(v) => std::env::set_var("RAYON_NUM_THREADS", v),
+                None => std::env::remove_var("RAYON_NUM_THREADS"),
+            }
+        }
+    }
+    let _restore = Restore(std::env::var_os("RAYON_NUM_THREADS"));
+    std::env::set_var("RAYON_NUM_THREADS", "1");
+    job()
+}
+
 /// The memory events of the third step of `s` (the first two take the one-time allocations), on
 /// the lean ops when `lean`, and the bytes the process holds that are not the run's step: its
 /// own allocations from before the trainer was built (the test harness, a sweep's records of
@@ -117,7 +136,7 @@ impl FamilyPoint {
         }
     }
 
-    fn label(&self) -> String {
+    pub fn label(&self) -> String {
         format!(
             "{} {} ckpt-{} {} B{} K{}{}",
             self.name(),
@@ -139,7 +158,7 @@ impl FamilyPoint {
 
     /// The scenario: a fixture loaded from its directory as a run loads it (`model.path`), or
     /// this engine's GPT of the sweep's size; T = 32.
-    fn scenario(&self) -> gaccwb::scenario::Scenario {
+    pub fn scenario(&self) -> gaccwb::scenario::Scenario {
         let mut s = super::TestModel {
             vocab: 64,
             ..super::TINY

@@ -26,7 +26,12 @@ macro_rules! measuring {
     };
 }
 
-measuring!(checkpointing_memory, memory_ledger, memory_sweep);
+measuring!(
+    checkpointing_memory,
+    memory_ledger,
+    memory_sweep,
+    steady_steps
+);
 
 /// Held for the whole of each test of this binary (the rule above). A test that failed while
 /// holding it poisons it; the next still runs.

@@ -25,7 +25,9 @@ use gaccwb::telemetry::{Categories, Phase};
 
 use crate::common;
 
-use common::ledger::{family_grid, family_sweep, lora_dropout_grid, on_measuring_thread};
+use common::ledger::{
+    family_grid, family_sweep, lora_dropout_grid, on_measuring_thread, with_one_rayon_thread,
+};
 use common::{TestModel, TINY};
 
 const TOLERANCE: f64 = 0.05;
@@ -196,39 +198,29 @@ fn every_family_is_predicted_within_five_percent_in_every_phase_on_the_fused_ops
     assert!(failures.is_empty(), "{} gaps", failures.len());
 }
 
-/// The lean ops' products run through Candle's matmul, which multiplies on rayon's pool unless
-/// `RAYON_NUM_THREADS` is 1 (each pool thread would then hold a `gemm` workspace the estimate
-/// does not count on this path): it is 1 while this test runs, so that every product runs on
-/// the trainer's thread, whose workspace the estimate counts.
+/// The lean ops' products run through Candle's matmul: on one rayon thread
+/// (`with_one_rayon_thread`), so that every product runs on the trainer's thread, whose
+/// workspace the estimate counts.
 #[test]
 fn every_family_is_predicted_within_five_percent_in_every_phase_on_the_lean_ops() {
     let _serial = crate::serial();
-    let before = std::env::var_os("RAYON_NUM_THREADS");
-    std::env::set_var("RAYON_NUM_THREADS", "1");
-    let failures = on_measuring_thread(|| family_sweep(&family_grid(true)));
-    match before {
-        Some(v) => std::env::set_var("RAYON_NUM_THREADS", v),
-        None => std::env::remove_var("RAYON_NUM_THREADS"),
-    }
+    let failures =
+        with_one_rayon_thread(|| on_measuring_thread(|| family_sweep(&family_grid(true))));
     assert!(failures.is_empty(), "{} gaps", failures.len());
 }
 
 /// LoRA's dropout draws its masks again in each pass and keeps none: the estimate books the
-/// masked copies it makes for a moment, on the fused and the lean ops (`RAYON_NUM_THREADS` = 1
-/// as above).
+/// masked copies it makes for a moment, on the fused and the lean ops (on one rayon thread, as
+/// above).
 #[test]
 fn lora_dropout_is_predicted_within_five_percent_in_every_phase() {
     let _serial = crate::serial();
-    let before = std::env::var_os("RAYON_NUM_THREADS");
-    std::env::set_var("RAYON_NUM_THREADS", "1");
-    let failures = on_measuring_thread(|| {
-        let mut points = lora_dropout_grid(false);
-        points.extend(lora_dropout_grid(true));
-        family_sweep(&points)
+    let failures = with_one_rayon_thread(|| {
+        on_measuring_thread(|| {
+            let mut points = lora_dropout_grid(false);
+            points.extend(lora_dropout_grid(true));
+            family_sweep(&points)
+        })
     });
-    match before {
-        Some(v) => std::env::set_var("RAYON_NUM_THREADS", v),
-        None => std::env::remove_var("RAYON_NUM_THREADS"),
-    }
     assert!(failures.is_empty(), "{} gaps", failures.len());
 }
