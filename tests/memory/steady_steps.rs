@@ -19,10 +19,18 @@ use common::ledger::{on_measuring_thread, with_one_rayon_thread, FamilyPoint, FI
 /// Steps run per point; the first two are not compared.
 const STEPS: usize = 6;
 
-/// One step's figures: each phase's peak and closing total (forward, backward, optimizer, the
-/// step's end), then the bytes the process holds once the step has returned. Held in place, not
-/// on the heap: the figures of earlier steps are part of what a later step's count sees.
-type Figures = ([(Phase, u64, u64); 4], u64);
+/// A phase's peak and the bytes held when it closed.
+#[derive(Debug)]
+struct Held {
+    phase: Phase,
+    peak: u64,
+    closing: u64,
+}
+
+/// One step's figures: each phase's (forward, backward, optimizer, the step's end), then the
+/// bytes the process holds once the step has returned. Held in place, not on the heap: the
+/// figures of earlier steps are part of what a later step's count sees.
+type Figures = ([Held; 4], u64);
 
 /// Every family × f32 and bf16 × the lean and the fused ops at B = 2, K = 2; then a Llama with
 /// grouped-query attention under block checkpointing and under LoRA with dropout (its masks are
@@ -69,7 +77,14 @@ fn figures(point: &FamilyPoint) -> Vec<Figures> {
         t.train_step(|| true).ok().unwrap();
         let events = t.take_memory_events();
         let live = alloc::live();
-        let phases: Vec<_> = events.iter().map(|e| (e.phase, e.peak, e.total)).collect();
+        let phases: Vec<_> = events
+            .iter()
+            .map(|e| Held {
+                phase: e.phase,
+                peak: e.peak,
+                closing: e.total,
+            })
+            .collect();
         let phases = phases.try_into().expect("one memory event per phase");
         steps.push((phases, live));
     }
@@ -85,10 +100,11 @@ const SCHEDULING: u64 = 64 << 10;
 /// Why `step` differs from the step the comparison settled on, if it does.
 fn moved(point: &FamilyPoint, settled: &Figures, step: &Figures) -> Option<String> {
     let slack = if point.lean { 0 } else { SCHEDULING };
-    let phases = settled.0.iter().zip(&step.0);
     let same = settled.1 == step.1
-        && phases.into_iter().all(|((p, peak, total), (q, peak2, total2))| {
-            p == q && total == total2 && peak.abs_diff(*peak2) <= slack
+        && settled.0.iter().zip(&step.0).all(|(was, now)| {
+            was.phase == now.phase
+                && was.closing == now.closing
+                && was.peak.abs_diff(now.peak) <= slack
         });
     (!same).then(|| format!("{step:?} against {settled:?}"))
 }
