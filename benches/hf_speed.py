@@ -17,8 +17,9 @@ The host's limit: the best product rate in each dtype, measured in gaccwb's proc
 product, at 1024³, at [B·T, d]·[d, 4d] and at the head's [B·T, d]·[d, V]; bf16 on AMX tiles or
 AVX-512 BF16 dot products where the CPU has them) or by torch.mm at the same shapes; the step's
 model FLOP/s (6 per multiplied parameter per token plus attention's 12·L·T·q, the planner's rule) as
-a fraction of the best rate in the step's dtype. bf16 products are timed with torch.mm only where
-/proc/cpuinfo lists avx512_bf16 or amx_bf16. Phase times (forward, backward, optimizer) are medians
+a fraction of the best rate in the step's dtype. bf16 products are timed with torch.mm on a GPU, and
+on the CPU only where /proc/cpuinfo lists avx512_bf16 or amx_bf16 (elsewhere PyTorch's bf16 products
+run on a slow path). Phase times (forward, backward, optimizer) are medians
 of the timed steps; the forward includes the head and the loss. In brackets, the head's share: in
 the forward from the LM head's start to the loss, in the backward from its start until the head's
 input has its gradient (a hook on it); gaccwb's is the time in its fused head's kernels.

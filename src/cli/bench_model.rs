@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use candle_core::{Device, DeviceLocation};
+use candle_core::Device;
 use gaccwb::bench::{self, Case, HeadMs, Measurement, ProductRate};
 use gaccwb::control::Dtype;
 use gaccwb::device::DeviceChoice;
@@ -88,10 +88,9 @@ pub(super) fn bench_model(args: &BenchArgs) -> anyhow::Result<()> {
 
 /// Where the step runs, for the header: the CPU with its thread count, or the GPU.
 fn on(device: &Device) -> String {
-    match device.location() {
-        DeviceLocation::Cpu => format!("CPU, {} thread(s)", bench::threads()),
-        DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
-        other => format!("{other:?}"),
+    match device.is_cpu() {
+        true => format!("CPU, {} thread(s)", bench::threads()),
+        false => gaccwb::device::device_name(device),
     }
 }
 

@@ -91,8 +91,7 @@ fn bench_device_needs_a_model_and_a_device_that_opens() {
     assert!(stderr.contains("--model"), "{stderr}");
     #[cfg(not(feature = "cuda"))]
     {
-        let model =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/models/llama-tied");
+        let model = root.join("tests/fixtures/hf/models/llama-tied");
         let (code, stdout, stderr) = run(&[
             "bench",
             "--model",
