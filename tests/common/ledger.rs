@@ -4,6 +4,7 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::{mpsc, Mutex, OnceLock};
 
 use candle_core::Device;
+use gaccwb::memory::estimate::Config;
 use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{MemoryEvent, Phase};
 use gaccwb::train::Trainer;
@@ -53,17 +54,38 @@ pub fn with_one_rayon_thread<R>(job: impl FnOnce() -> R) -> R {
     job()
 }
 
+/// A trainer of `s` to measure: its fused ops run on its own thread
+/// (`Trainer::force_serial_ops`). On the pool a worker packs its copy of a product's operand
+/// only when the scheduler runs it in time, so a phase's peak would hold one copy or two as
+/// the machine's load falls; here every allocation comes in one order. Estimate it with
+/// [`serial_config`].
+pub fn serial_trainer(s: Scenario) -> Trainer {
+    let mut t = Trainer::new(s, Device::Cpu).unwrap();
+    t.force_serial_ops(true);
+    t
+}
+
+/// The estimate's configuration of `s` run as [`serial_trainer`] runs it: one thread packs.
+pub fn serial_config(s: &Scenario) -> Config {
+    Config {
+        threads: 1,
+        ..Config::from_scenario(s, true).unwrap()
+    }
+}
+
 /// The memory events of the third step of `s` (the first two take the one-time allocations), on
 /// the lean ops when `lean`, and the bytes the process holds that are not the run's step: its
 /// own allocations from before the trainer was built (the test harness, a sweep's records of
 /// earlier points; not `gemm`'s workspace, which the estimate counts: call
 /// `gaccwb::ops::workspace::reserve` first so that it is held from the start), and the trainer's
-/// bookkeeping at rest (`bookkeeping`).
-pub fn third_step(s: Scenario, lean: bool) -> (Vec<MemoryEvent>, u64) {
+/// bookkeeping at rest (`bookkeeping`). The fused ops run on the pool when `pool`, else on the
+/// trainer's thread ([`serial_trainer`]).
+pub fn third_step(s: Scenario, lean: bool, pool: bool) -> (Vec<MemoryEvent>, u64) {
     let before = gaccwb::memory::alloc::live();
     let mut t = Trainer::new(s, Device::Cpu).unwrap();
     let built = gaccwb::memory::alloc::live() - before;
     t.force_lean_ops(lean);
+    t.force_serial_ops(!pool);
     for _ in 0..2 {
         t.train_step(|| true).ok().unwrap();
         t.take_memory_events();
@@ -72,6 +94,17 @@ pub fn third_step(s: Scenario, lean: bool) -> (Vec<MemoryEvent>, u64) {
     let events = t.take_memory_events();
     let fixed = before - gaccwb::ops::workspace::bytes() + bookkeeping(built, &events);
     (events, fixed)
+}
+
+/// What `phase` of a step's `events` held, less the process's `fixed` bytes (`third_step`): its
+/// peak, or for the step's end, the bytes held then.
+pub fn held(events: &[MemoryEvent], phase: Phase, fixed: u64) -> u64 {
+    let event = events.iter().find(|e| e.phase == phase).unwrap();
+    let held = match phase {
+        Phase::Step => event.total,
+        _ => event.peak,
+    };
+    held - fixed
 }
 
 /// What a trainer holds at rest beyond its model states, from the bytes it held when built and
@@ -289,25 +322,21 @@ fn full_grid(lean: bool) -> Vec<FamilyPoint> {
 /// and each point's activations and phase peaks. Returns the gaps over `TOLERANCE` and the
 /// exact categories that differ.
 pub fn family_sweep(points: &[FamilyPoint]) -> Vec<String> {
-    use gaccwb::memory::estimate::{estimate, Config};
+    use gaccwb::memory::estimate::estimate;
     use gaccwb::telemetry::Categories;
     gaccwb::ops::workspace::reserve();
     let mut worst = std::collections::BTreeMap::<(String, usize), (f64, String)>::new();
     let mut failures = Vec::new();
     for point in points {
         let s = point.scenario();
-        let mut cfg = Config::from_scenario(&s, true).unwrap();
+        let mut cfg = serial_config(&s);
         cfg.fused = !point.lean;
         let predicted = estimate(&cfg);
-        let (measured, fixed) = third_step(s, point.lean);
+        let (measured, fixed) = third_step(s, point.lean, false);
         let mut peaks = Vec::new();
         for (slot, (phase, estimated)) in predicted.phases().into_iter().enumerate() {
             let event = measured.iter().find(|e| e.phase == phase).unwrap();
-            let total = if phase == Phase::Step {
-                event.total
-            } else {
-                event.peak
-            } - fixed;
+            let total = held(&measured, phase, fixed);
             peaks.push(total);
             let mut got = event.categories;
             got.other -= fixed;

@@ -1,11 +1,9 @@
 //! What activation checkpointing saves, measured by the ledger on CPU, and the estimator's
 //! prediction of it. One test: the allocator counts every thread of the process.
 
-use candle_core::Device;
 use gaccwb::memory::estimate::{estimate, Config};
 use gaccwb::scenario::Scenario;
 use gaccwb::telemetry::{Categories, MemoryEvent, Phase};
-use gaccwb::train::Trainer;
 
 use crate::common;
 
@@ -32,7 +30,7 @@ fn four_layers(sets: &[&str]) -> Scenario {
 
 /// Memory events and step time of the second step (one-time allocations are behind it).
 fn second_step(s: Scenario) -> (Vec<MemoryEvent>, f64, f64) {
-    let mut t = Trainer::new(s, Device::Cpu).unwrap();
+    let mut t = common::ledger::serial_trainer(s);
     t.train_step(|| true).ok().unwrap();
     t.take_memory_events();
     let step = t.train_step(|| true).ok().unwrap();
@@ -70,7 +68,7 @@ fn checkpointing_cuts_the_activations_and_the_estimator_follows() {
     // The per-block share of the plain graph, from the estimator's own split. Checkpointing
     // frees (L−1)/L of it, less what it keeps instead: the L segment outputs and, during the
     // recompute, the input's copy and the `y · grad` product (N·d·4 bytes each) and its sum.
-    let cfg = Config::from_scenario(&plain_s, true).unwrap();
+    let cfg = common::ledger::serial_config(&plain_s);
     let no_blocks = Config {
         arch: gaccwb::hf::Arch {
             layers: 0,
@@ -85,7 +83,7 @@ fn checkpointing_cuts_the_activations_and_the_estimator_follows() {
     println!("saved {saved} B of a {block_share} B block share (floor {floor} B)");
     assert!(saved >= floor, "saved {saved} B < {floor} B");
 
-    let predicted = estimate(&Config::from_scenario(&ckpt_s, true).unwrap());
+    let predicted = estimate(&common::ledger::serial_config(&ckpt_s));
     for (phase, want) in [
         (Phase::Forward, predicted.forward),
         (Phase::Backward, predicted.backward),
@@ -168,15 +166,11 @@ fn every_category_is_predicted_within_five_percent_with_checkpointing() {
                         s.set(extra).unwrap();
                     }
                     let label = format!("shape {shape} {dtype} {ckpt} B{b} K{k} {extra}");
-                    let predicted = estimate(&Config::from_scenario(&s, true).unwrap());
-                    let (measured, fixed) = common::ledger::third_step(s, false);
+                    let predicted = estimate(&common::ledger::serial_config(&s));
+                    let (measured, fixed) = common::ledger::third_step(s, false, false);
                     for (phase, estimated) in predicted.phases() {
                         let event = measured.iter().find(|e| e.phase == phase).unwrap();
-                        let total = if phase == Phase::Step {
-                            event.total
-                        } else {
-                            event.peak
-                        } - fixed;
+                        let total = common::ledger::held(&measured, phase, fixed);
                         let mut got = event.categories;
                         got.other -= fixed;
                         let pairs = got.values().into_iter().zip(estimated.values());

@@ -4,7 +4,6 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use candle_core::Device;
 use gaccwb::memory::estimate::{estimate, grad_store_bytes, head_bytes, Config};
 use gaccwb::memory::TotalMeter;
 use gaccwb::scenario::Scenario;
@@ -48,9 +47,10 @@ fn tiny(b: usize, k: usize, sets: &[&str]) -> Scenario {
     s
 }
 
-/// A trainer that has taken one step (so one-time allocations are behind it).
+/// A trainer that has taken one step (so one-time allocations are behind it), its fused ops on
+/// its own thread (`common::ledger::serial_trainer`).
 fn warm_trainer(s: Scenario) -> Trainer {
-    let mut t = Trainer::new(s, Device::Cpu).unwrap();
+    let mut t = common::ledger::serial_trainer(s);
     t.train_step(|| true).ok().unwrap();
     t.take_memory_events();
     t
@@ -210,7 +210,7 @@ fn the_estimator_is_within_ten_percent_of_measured_for_every_category() {
     for (name, s) in configs {
         let mut t = warm_trainer(s);
         // From the trainer's scenario: a tokenizer sets the vocabulary when the data opens.
-        let cfg = Config::from_scenario(t.scenario(), true).unwrap();
+        let cfg = common::ledger::serial_config(t.scenario());
         let predicted = estimate(&cfg);
         let head = head_bytes(&cfg);
         println!(

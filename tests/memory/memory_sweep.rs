@@ -15,9 +15,13 @@
 //!   a CUDA step runs); parameters, compute weights, optimizer state, the gradient buffer and
 //!   the activations to the byte.
 //!
+//! - The CPU pool: what its threads' packed copies add to each phase, against what the estimate
+//!   books for them.
+//!
 //! The counting allocator sees every thread of the process, so each test holds `crate::serial`
 //! for its whole run (no two measure at once), and every sweep measures on one thread
-//! (`common::ledger::on_measuring_thread`: `gemm`'s workspace lives per thread).
+//! (`common::ledger::on_measuring_thread`: `gemm`'s workspace lives per thread), its fused ops
+//! on that thread alone (`common::ledger::serial_trainer`) but in the pool's test.
 
 use gaccwb::memory::estimate::{estimate, Config};
 use gaccwb::scenario::Scenario;
@@ -26,7 +30,8 @@ use gaccwb::telemetry::{Categories, Phase};
 use crate::common;
 
 use common::ledger::{
-    family_grid, family_sweep, lora_dropout_grid, on_measuring_thread, with_one_rayon_thread,
+    family_grid, family_sweep, held, lora_dropout_grid, on_measuring_thread, serial_config,
+    third_step, with_one_rayon_thread,
 };
 use common::{TestModel, TINY};
 
@@ -151,15 +156,11 @@ fn knob_sweep() {
     let mut failures = Vec::new();
     for point in grid() {
         let s = point.scenario();
-        let predicted = estimate(&Config::from_scenario(&s, true).unwrap());
-        let (measured, fixed) = common::ledger::third_step(s, false);
+        let predicted = estimate(&serial_config(&s));
+        let (measured, fixed) = third_step(s, false, false);
         for (slot, (phase, estimated)) in predicted.phases().into_iter().enumerate() {
             let event = measured.iter().find(|e| e.phase == phase).unwrap();
-            let total = if phase == Phase::Step {
-                event.total
-            } else {
-                event.peak
-            } - fixed;
+            let total = held(&measured, phase, fixed);
             let mut got = event.categories;
             got.other -= fixed;
             let pairs = got.values().into_iter().zip(estimated.values());
@@ -197,6 +198,52 @@ fn every_family_is_predicted_within_five_percent_in_every_phase_on_the_fused_ops
     let failures = on_measuring_thread(|| family_sweep(&family_grid(false)));
     assert!(failures.is_empty(), "{} gaps", failures.len());
 }
+
+/// On the pool a worker packs its copy of a product's operand only when the scheduler runs it in
+/// time, so a phase's peak holds one thread's packed copies, every thread's, or between. Each
+/// phase of every family (full training, f32 and bf16) is measured on the trainer's thread and
+/// on the pool: what the pool adds is at least nothing and at most what the estimate at every
+/// thread books beyond the estimate at one (`Config::threads`), within `POOL_SLACK`.
+#[test]
+fn the_pool_adds_at_most_the_packing_the_estimate_books_for_its_threads() {
+    let _serial = crate::serial();
+    let failures = on_measuring_thread(|| {
+        gaccwb::ops::workspace::reserve();
+        let points = family_grid(false);
+        let full = points
+            .iter()
+            .filter(|p| p.checkpointing == "none" && p.lora.is_none());
+        let mut failures = Vec::new();
+        for point in full {
+            let s = point.scenario();
+            let one = estimate(&serial_config(&s));
+            let every = estimate(&Config::from_scenario(&s, true).unwrap());
+            let (alone, fixed_alone) = third_step(s.clone(), false, false);
+            let (pool, fixed_pool) = third_step(s, false, true);
+            for ((phase, low), (_, high)) in one.phases().into_iter().zip(every.phases()) {
+                let added = held(&pool, phase, fixed_pool) as i64
+                    - held(&alone, phase, fixed_alone) as i64;
+                let booked = (every.resident(&high) - one.resident(&low)) as i64;
+                let line = format!(
+                    "{} {phase:?}: the pool added {added} B, the estimate books {booked} B",
+                    point.label()
+                );
+                println!("{line}");
+                if added < -POOL_SLACK || added > booked + POOL_SLACK {
+                    failures.push(line);
+                }
+            }
+        }
+        failures
+    });
+    for f in &failures {
+        println!("off: {f}");
+    }
+    assert!(failures.is_empty(), "{} phases out of bounds", failures.len());
+}
+
+/// Bytes the pool's runs may differ by beyond the packed copies.
+const POOL_SLACK: i64 = 1 << 10;
 
 /// The lean ops' products run through Candle's matmul: on one rayon thread
 /// (`with_one_rayon_thread`), so that every product runs on the trainer's thread, whose

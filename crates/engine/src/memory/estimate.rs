@@ -73,6 +73,12 @@ pub struct Config {
     /// Workspace outside any tensor (`other`): on CPU, `gemm`'s packing slab on every thread
     /// that multiplies (`ops::workspace::bytes`); 0 elsewhere.
     pub workspace: u64,
+    /// Threads whose products may pack at once on the fused ops: `ops::cpu_threads`; 1 for
+    /// ops run on the trainer's thread alone (`Trainer::force_serial_ops`). `gemm` packs a copy
+    /// of an operand on each thread that takes part in a product, and a pool worker takes part
+    /// only when it is scheduled in time, so above one thread this books the most a product can
+    /// hold (an idle machine's figure; a busy one holds less).
+    pub threads: usize,
     /// Activation checkpointing (`model/recompute.rs`): see `checkpointed`.
     pub checkpointing: Checkpointing,
     /// LoRA (`train.lora_rank` > 0): the base frozen in the compute dtype, the adapters trained.
@@ -113,6 +119,7 @@ impl Config {
             } else {
                 0
             },
+            threads: crate::ops::pool::cpu_threads(),
             checkpointing: k.checkpointing,
             lora: None,
         }

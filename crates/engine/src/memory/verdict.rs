@@ -379,6 +379,7 @@ mod tests {
             scales_gradients: false,
             offload_grads: crate::control::OffloadGrads::Device,
             workspace: 0,
+            threads: 1,
             checkpointing: crate::control::Checkpointing::None,
             lora: None,
         };
@@ -425,6 +426,7 @@ mod tests {
             scales_gradients: false,
             offload_grads: crate::control::OffloadGrads::Device,
             workspace: 0,
+            threads: 1,
             checkpointing: crate::control::Checkpointing::None,
             lora: None,
         };
@@ -464,6 +466,7 @@ mod tests {
             fused: true,
             scales_gradients: false,
             workspace: 0,
+            threads: 1,
             checkpointing: crate::control::Checkpointing::None,
             lora: None,
         };

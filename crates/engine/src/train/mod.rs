@@ -132,6 +132,9 @@ pub struct Trainer {
     /// Run the lean ops (CUDA's code path) even where the fused CPU kernels apply; from
     /// `GACCWB_KERNELS=lean` (see `ops::KERNELS_ENV`).
     lean: bool,
+    /// Run the fused CPU ops on the trainer's thread alone in every step (`force_serial_ops`),
+    /// whatever the pool governor would choose.
+    serial: bool,
     /// The memory guard: budget, out-of-memory retries, changes queued for the boundary.
     guard: oom_guard::Guard,
     /// Smoothed gradient noise scale.
@@ -196,6 +199,7 @@ impl Trainer {
         let guard = oom_guard::Guard::new(budget, t.guard_retries);
         let mut trainer = Trainer {
             lean,
+            serial: false,
             noise: noise::NoiseTracker::new(t.noise_ema),
             adaptive: adaptive::AdaptiveK::default(),
             pool: pool_governor::PoolGovernor::new(pool_choice),
@@ -318,6 +322,14 @@ impl Trainer {
     /// `GACCWB_KERNELS=lean` does from the start.
     pub fn force_lean_ops(&mut self, on: bool) {
         self.lean = on;
+    }
+
+    /// Run the fused CPU ops on the trainer's thread alone, as `GACCWB_CPU_POOL=serial` does in
+    /// a run, in every step `train_step` takes. The results are the same bits; what changes is
+    /// that no pool worker packs beside the trainer's thread, so every allocation comes in one
+    /// order (the memory tests measure on it against the estimate at `Config::threads` = 1).
+    pub fn force_serial_ops(&mut self, on: bool) {
+        self.serial = on;
     }
 
     /// The `--control STEP:KIND=VALUE` timeline, reported with origin `cli`.

@@ -47,6 +47,7 @@ impl Trainer {
         mut between: impl FnMut() -> bool,
     ) -> std::result::Result<StepEvent, Interrupt> {
         let _kernels = crate::ops::force_lean(self.lean);
+        let _pool = self.serial.then(|| crate::ops::pool::serial(true));
         let started = Instant::now();
         if self.device.is_cpu() {
             crate::ops::workspace::reserve();

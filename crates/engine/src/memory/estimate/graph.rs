@@ -50,6 +50,8 @@ pub(super) struct Shape {
     pub stream: u64,
     /// The base is frozen (LoRA): the embedding's output is a leaf copy, not a graph node.
     pub frozen: bool,
+    /// Threads that may hold a packed copy at once (`Config::threads`).
+    pub threads: u64,
 }
 
 impl Shape {
@@ -87,6 +89,7 @@ impl Shape {
                 cfg.dtype.size_in_bytes() as u64
             },
             frozen: cfg.lora.is_some(),
+            threads: cfg.threads.max(1) as u64,
         }
     }
 
@@ -261,7 +264,7 @@ fn checkpointed_block_peak_bytes(cfg: &Config, blocks: u64) -> u64 {
         0
     };
     if cfg.fused {
-        let packing = super::peaks::stored_packing(s.n, s.f, s.d);
+        let packing = super::peaks::stored_packing(&s, s.n, s.f, s.d);
         if !s.cast {
             return (3 * s.d + s.mlp + s.f) * s.n * F32 + packing;
         }

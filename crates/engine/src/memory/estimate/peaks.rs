@@ -132,24 +132,24 @@ pub(super) fn norm_backward(s: &Shape, t: &mut Tape) -> u64 {
 /// `gemm`'s packed copy of the right-hand matrix of a `rows × inner · inner × cols` product,
 /// read transposed (a weight in the backward's input gradient), on each thread that takes part
 /// (`ops::fused::rhs_packing`).
-fn packing(rows: u64, inner: u64, cols: u64) -> u64 {
-    on_threads(crate::ops::fused::rhs_packing(
-        rows as usize,
-        inner as usize,
-        cols as usize,
-    ))
+fn packing(s: &Shape, rows: u64, inner: u64, cols: u64) -> u64 {
+    on_threads(
+        s,
+        crate::ops::fused::rhs_packing(rows as usize, inner as usize, cols as usize),
+    )
 }
 
-/// A packed copy's bytes on each thread that takes part in a product of `blocks` blocks.
-fn on_threads((bytes, blocks): (u64, usize)) -> u64 {
-    crate::ops::pool::cpu_threads().min(blocks) as u64 * bytes
+/// A packed copy's bytes on each thread that may take part in a product of `blocks` blocks
+/// (`Config::threads`).
+fn on_threads(s: &Shape, (bytes, blocks): (u64, usize)) -> u64 {
+    s.threads.min(blocks as u64) * bytes
 }
 
 /// The same for a right-hand matrix read as stored (a weight in the forward): none where
 /// `gemm` reads it in place (`ops::fused::gemm_packs_stored`).
-pub(super) fn stored_packing(rows: u64, inner: u64, cols: u64) -> u64 {
+pub(super) fn stored_packing(s: &Shape, rows: u64, inner: u64, cols: u64) -> u64 {
     match crate::ops::fused::gemm_packs_stored() {
-        true => packing(rows, inner, cols),
+        true => packing(s, rows, inner, cols),
         false => 0,
     }
 }
@@ -175,7 +175,7 @@ fn fused_step(cfg: &Config, s: &Shape, step: &Step, t: &mut Tape) {
     let bias = if step.second_bias { d } else { 0 };
     let dh = n * step.second_in * F32;
     t.add(input + activation + dh + (step.product * d + bias) * F32);
-    t.touch(packing(n, d, step.product));
+    t.touch(packing(s, n, d, step.product));
     t.free(input + activation);
     // The middle: attention's qkv gradient (reading qkv's f32 copy); the MLP's first layer
     // takes the second's input gradient as it is.
@@ -389,8 +389,11 @@ fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
 /// (`ops::fused::linear_nll_sum`'s backward, two threads) with AVX-512: 131,072 bytes at V 256
 /// and 262,144 at V 512 and 1,024, with N 64–256 and D 16–64; 92,160 on the Llama fixture under
 /// LoRA (V 360, one block); with AVX2, 65,536 per thread at V 256, D 64, and 46,080 at V 360,
-/// D 32. With W's gradient (`dw`) the block's `xᵀ·dlogits` may pack x instead
-/// (`ops::fused::transposed_lhs_packing`): each thread holds the larger of the two. A tied
+/// D 32. With W's gradient (`dw`) the block's `xᵀ·dlogits` packs x
+/// (`ops::fused::transposed_lhs_packing`) and may pack its slice of dlogits
+/// (`ops::fused::column_packing`) instead: each thread holds the larger of the two. With AVX2,
+/// 67,584 bytes a thread at N 128, V 360, D 32 (18,432 of x, 49,152 of dlogits in blocks 90
+/// wide), against 46,080 for dx. A tied
 /// head's W is the embedding, stored `[V, D]`: `gemm` reads it in place (the fixtures' ledger
 /// shows no copy). Products on packed blocks (AMX, AVX-512 BF16) pack into the
 /// slab `other` counts.
@@ -402,13 +405,16 @@ fn head_packing(cfg: &Config, s: &Shape, dw: bool) -> u64 {
     let inner = cols.min(crate::ops::fused::GEMM_INNER_BLOCK);
     let (_, blocks) = crate::ops::fused::rhs_packing(rows, inner, s.d as usize);
     let packed = (s.d as usize).next_multiple_of(crate::ops::fused::gemm_kernel_rows());
-    let dx = on_threads(((inner * packed) as u64 * F32, blocks));
+    let dx = on_threads(s, ((inner * packed) as u64 * F32, blocks));
+    // W's gradient slice `xᵀ·dlogits` is cut into column blocks: each packs x's rows and its
+    // columns of dlogits (read as stored; packed where the micro-kernel does not divide them).
     let dw = match dw {
-        true => on_threads(crate::ops::fused::transposed_lhs_packing(
-            s.d as usize,
-            rows,
-            cols,
-        )),
+        true => {
+            let d = s.d as usize;
+            let (lhs, blocks) = crate::ops::fused::transposed_lhs_packing(d, rows, cols);
+            let (rhs, _) = crate::ops::fused::column_packing(d, rows, cols, false);
+            on_threads(s, (lhs + rhs, blocks))
+        }
         false => 0,
     };
     dx.max(dw)
@@ -423,12 +429,10 @@ fn head_forward_packing(cfg: &Config, s: &Shape) -> u64 {
         return 0;
     }
     let (rows, cols) = crate::ops::fused::head_block(s.n as usize, s.v as usize);
-    on_threads(crate::ops::fused::column_packing(
-        rows,
-        s.d as usize,
-        cols,
-        cfg.arch.tied,
-    ))
+    on_threads(
+        s,
+        crate::ops::fused::column_packing(rows, s.d as usize, cols, cfg.arch.tied),
+    )
 }
 
 /// Floats of one chunk of the lean head's logits (`ops::lean::head_chunk_rows` rows of V).
@@ -620,7 +624,7 @@ pub(super) fn head_forward_transient_bytes(cfg: &Config) -> u64 {
         if !s.cast {
             // Or the last block's MLP step: its activation, `gemm`'s packed second weight and
             // the output, before the final norm and the kept logits exist (the output stays).
-            let mlp = (s.n * s.f * F32 + stored_packing(s.n, s.f, s.d))
+            let mlp = (s.n * s.f * F32 + stored_packing(&s, s.n, s.f, s.d))
                 .saturating_sub(s.nd() * F32 + kept);
             return head.max(mlp);
         }
@@ -632,7 +636,7 @@ pub(super) fn head_forward_transient_bytes(cfg: &Config) -> u64 {
         let head = head + nd * F32 + s.matrix_copies(s.d * s.v);
         let step = Step::mlp(cfg, &s);
         let work = (2 * nd + s.n * (s.mlp + s.f)) * F32 + step.widened(&s);
-        let mlp = (work + stored_packing(s.n, s.f, s.d)).saturating_sub(2 * nd * s.c + kept);
+        let mlp = (work + stored_packing(&s, s.n, s.f, s.d)).saturating_sub(2 * nd * s.c + kept);
         return head.max(mlp);
     }
     let f32_copies = if s.cast { 4 } else { 3 };

@@ -22,6 +22,7 @@ fn tiny(b: usize, k: usize) -> Config {
         fused: true,
         scales_gradients: false,
         workspace: 0,
+        threads: 1,
         checkpointing: Checkpointing::None,
         lora: None,
     }
