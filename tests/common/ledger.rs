@@ -57,7 +57,7 @@ pub fn with_one_rayon_thread<R>(job: impl FnOnce() -> R) -> R {
 /// A trainer of `s` to measure: its fused ops run on its own thread
 /// (`Trainer::force_serial_ops`). On the pool a worker packs its copy of a product's operand
 /// only when the scheduler runs it in time, so a phase's peak would hold one copy or two as
-/// the machine's load falls; here every allocation comes in one order. Estimate it with
+/// the machine's load has it; here every allocation comes in one order. Estimate it with
 /// [`serial_config`].
 pub fn serial_trainer(s: Scenario) -> Trainer {
     let mut t = Trainer::new(s, Device::Cpu).unwrap();

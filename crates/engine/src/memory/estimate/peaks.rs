@@ -389,11 +389,11 @@ fn frozen_head_peak_bytes(cfg: &Config, s: &Shape) -> u64 {
 /// (`ops::fused::linear_nll_sum`'s backward, two threads) with AVX-512: 131,072 bytes at V 256
 /// and 262,144 at V 512 and 1,024, with N 64–256 and D 16–64; 92,160 on the Llama fixture under
 /// LoRA (V 360, one block); with AVX2, 65,536 per thread at V 256, D 64, and 46,080 at V 360,
-/// D 32. With W's gradient (`dw`) the block's `xᵀ·dlogits` packs x
+/// D 32. With W's gradient (`dw`) the block's `xᵀ·dlogits` then packs x
 /// (`ops::fused::transposed_lhs_packing`) and may pack its slice of dlogits
-/// (`ops::fused::column_packing`) instead: each thread holds the larger of the two. With AVX2,
-/// 67,584 bytes a thread at N 128, V 360, D 32 (18,432 of x, 49,152 of dlogits in blocks 90
-/// wide), against 46,080 for dx. A tied
+/// (`ops::fused::column_packing`): each thread holds the larger of that and dx's copy. With
+/// AVX2, 67,584 bytes a thread at N 128, V 360, D 32 (18,432 of x, 49,152 of dlogits in blocks
+/// 90 wide), against 46,080 for dx. A tied
 /// head's W is the embedding, stored `[V, D]`: `gemm` reads it in place (the fixtures' ledger
 /// shows no copy). Products on packed blocks (AMX, AVX-512 BF16) pack into the
 /// slab `other` counts.
