@@ -297,6 +297,7 @@ def one_round(args, config, threads, first):
     product rows."""
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    torch_common = ["--steps", str(args.steps), "--warmup", str(args.torch_warmup)]
     rows, prods = {}, []
     for dtype in args.dtype:
         for impl in args.impls:
@@ -308,7 +309,7 @@ def one_round(args, config, threads, first):
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--config",
                        config, "--threads", str(threads), "--micro-batch", str(args.micro_batch),
                        "--seq-len", str(args.seq_len), "--dtype", dtype,
-                       "--device", args.device] + common
+                       "--device", args.device] + torch_common
                 if first and impl == "torch-nano" and dtype == args.dtype[0]:
                     cmd.append("--products")
             for row in run_lines(cmd, env):
@@ -346,6 +347,10 @@ def main():
     # PyTorch's bf16 step is still warming up after one step: the nanoGPT-style SmolLM-135M step
     # ran 188.7 tok/s after one warm-up step, 270.8 after four.
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--torch-warmup", type=int,
+                    help="warm-up steps of the PyTorch processes (default: --warmup); where their bf16 "
+                         "step takes minutes (a CPU without bf16 instructions), 0 keeps three rounds "
+                         "to about an hour a shape")
     ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release", "gaccwb"))
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where every step runs (cuda: a gaccwb built with --features cuda)")
@@ -356,6 +361,8 @@ def main():
     if args.worker:
         args.threads = args.threads[0]
         return torch_worker(args)
+    if args.torch_warmup is None:
+        args.torch_warmup = args.warmup
     if not os.path.exists(args.bin):
         sys.exit(f"{args.bin} not found: run `cargo build --release` first (or pass --bin)")
     import importlib.util
@@ -367,7 +374,8 @@ def main():
     simd = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
           f"flags: {' '.join(simd)}; B={args.micro_batch} T={args.seq_len} K=1, "
-          f"{args.rounds} rounds of {args.steps} timed steps after {args.warmup} warm-up, "
+          f"{args.rounds} rounds of {args.steps} timed steps after {args.warmup} warm-up "
+          f"({args.torch_warmup} for PyTorch), "
           f"device {args.device}", flush=True)
     header = ("| shape | thr | dtype | gaccwb tok/s | HF tok/s | nano tok/s | ratio to best min/med/max "
               "| gaccwb GFLOP/s | of best product in its dtype | gaccwb fwd (head) / bwd (head) / opt ms "
