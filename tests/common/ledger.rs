@@ -96,11 +96,10 @@ pub fn third_step(s: Scenario, lean: bool, pool: bool) -> (Vec<MemoryEvent>, u64
     (events, fixed)
 }
 
-/// What `phase` of a step's `events` held, less the process's `fixed` bytes (`third_step`): its
-/// peak, or for the step's end, the bytes held then.
-pub fn held(events: &[MemoryEvent], phase: Phase, fixed: u64) -> u64 {
-    let event = events.iter().find(|e| e.phase == phase).unwrap();
-    let held = match phase {
+/// What a phase's `event` held, less the process's `fixed` bytes (`third_step`): its peak, or
+/// for the step's end, the bytes held then.
+pub fn held(event: &MemoryEvent, fixed: u64) -> u64 {
+    let held = match event.phase {
         Phase::Step => event.total,
         _ => event.peak,
     };
@@ -336,7 +335,7 @@ pub fn family_sweep(points: &[FamilyPoint]) -> Vec<String> {
         let mut peaks = Vec::new();
         for (slot, (phase, estimated)) in predicted.phases().into_iter().enumerate() {
             let event = measured.iter().find(|e| e.phase == phase).unwrap();
-            let total = held(&measured, phase, fixed);
+            let total = held(event, fixed);
             peaks.push(total);
             let mut got = event.categories;
             got.other -= fixed;

@@ -170,7 +170,7 @@ fn every_category_is_predicted_within_five_percent_with_checkpointing() {
                     let (measured, fixed) = common::ledger::third_step(s, false, false);
                     for (phase, estimated) in predicted.phases() {
                         let event = measured.iter().find(|e| e.phase == phase).unwrap();
-                        let total = common::ledger::held(&measured, phase, fixed);
+                        let total = common::ledger::held(event, fixed);
                         let mut got = event.categories;
                         got.other -= fixed;
                         let pairs = got.values().into_iter().zip(estimated.values());

@@ -25,7 +25,7 @@
 
 use gaccwb::memory::estimate::{estimate, Config};
 use gaccwb::scenario::Scenario;
-use gaccwb::telemetry::{Categories, Phase};
+use gaccwb::telemetry::{Categories, MemoryEvent, Phase};
 
 use crate::common;
 
@@ -160,7 +160,7 @@ fn knob_sweep() {
         let (measured, fixed) = third_step(s, false, false);
         for (slot, (phase, estimated)) in predicted.phases().into_iter().enumerate() {
             let event = measured.iter().find(|e| e.phase == phase).unwrap();
-            let total = held(&measured, phase, fixed);
+            let total = held(event, fixed);
             let mut got = event.categories;
             got.other -= fixed;
             let pairs = got.values().into_iter().zip(estimated.values());
@@ -221,8 +221,10 @@ fn the_pool_adds_at_most_the_packing_the_estimate_books_for_its_threads() {
             let (alone, fixed_alone) = third_step(s.clone(), false, false);
             let (pool, fixed_pool) = third_step(s, false, true);
             for ((phase, low), (_, high)) in one.phases().into_iter().zip(every.phases()) {
-                let added = held(&pool, phase, fixed_pool) as i64
-                    - held(&alone, phase, fixed_alone) as i64;
+                let got = |events: &[MemoryEvent], fixed| {
+                    held(events.iter().find(|e| e.phase == phase).unwrap(), fixed) as i64
+                };
+                let added = got(&pool, fixed_pool) - got(&alone, fixed_alone);
                 let booked = (every.resident(&high) - one.resident(&low)) as i64;
                 let line = format!(
                     "{} {phase:?}: the pool added {added} B, the estimate books {booked} B",
