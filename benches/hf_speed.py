@@ -17,7 +17,10 @@ The host's limit: the best product rate in each dtype, measured in gaccwb's proc
 product, at 1024³, at [B·T, d]·[d, 4d] and at the head's [B·T, d]·[d, V]; bf16 on AMX tiles or
 AVX-512 BF16 dot products where the CPU has them) or by torch.mm at the same shapes; the step's
 model FLOP/s (6 per multiplied parameter per token plus attention's 12·L·T·q, the planner's rule) as
-a fraction of the best rate in the step's dtype. bf16 products are timed with torch.mm on a GPU, and
+a fraction of the best rate in the step's dtype, and beside it gaccwb's and the best PyTorch
+step's model FLOP/s as fractions of the f32 FMA peak gaccwb measures (its cores' fused multiply-add
+rate with nothing else in the way: the ceiling of any product) where gaccwb's products run on f32
+FMAs. bf16 products are timed with torch.mm on a GPU, and
 on the CPU only where /proc/cpuinfo lists avx512_bf16 or amx_bf16 (elsewhere PyTorch's bf16 products
 run on a slow path). Phase times (forward, backward, optimizer) are medians
 of the timed steps; the forward includes the head and the loss. In brackets, the head's share: in
@@ -298,7 +301,7 @@ def one_round(args, config, threads, first):
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     torch_common = ["--steps", str(args.steps), "--warmup", str(args.torch_warmup)]
-    rows, prods = {}, []
+    rows, prods, peaks = {}, [], []
     for dtype in args.dtype:
         for impl in args.impls:
             if impl == "candle":
@@ -320,9 +323,22 @@ def one_round(args, config, threads, first):
                 elif row["impl"] == "candle-product":
                     prods += [dict(p, dtype=TORCH_DTYPE[p["dtype"]], impl="candle")
                               for p in row["products"]]
+                    if row.get("fma_peak"):
+                        peaks.append(row["fma_peak"])
                 else:
                     prods += [dict(p, impl="torch") for p in row["products"]]
-    return rows, prods
+    return rows, prods, peaks
+
+
+def of_peak(c, best, peak):
+    """gaccwb's median model FLOP/s and the best PyTorch step's at the same FLOPs per token, as
+    shares of the FMA peak, where gaccwb's products run on f32 FMAs ('-' elsewhere)."""
+    if not peak or c[0].get("of_fma_peak") is None:
+        return "-"
+    per_token = c[0]["flops_per_token"]
+    ours = statistics.median(x["tokens_per_s"] for x in c) * per_token
+    theirs = statistics.median(best) * per_token
+    return f"{100 * ours / peak:.0f}% / {100 * theirs / peak:.0f}%"
 
 
 def ms(x):
@@ -378,7 +394,8 @@ def main():
           f"({args.torch_warmup} for PyTorch), "
           f"device {args.device}", flush=True)
     header = ("| shape | thr | dtype | gaccwb tok/s | HF tok/s | nano tok/s | ratio to best min/med/max "
-              "| gaccwb GFLOP/s | of best product in its dtype | gaccwb fwd (head) / bwd (head) / opt ms "
+              "| gaccwb GFLOP/s | of best product in its dtype | of FMA peak gaccwb / best torch "
+              "| gaccwb fwd (head) / bwd (head) / opt ms "
               "| best torch fwd (head) / bwd (head) / opt ms "
               "| load |")
     print(header)
@@ -387,11 +404,12 @@ def main():
         config = shape if shape.endswith(".json") else os.path.join(SHAPES, shape, "config.json")
         for threads in args.threads:
             per = {d: {i: [] for i in args.impls} for d in args.dtype}
-            loads, prods = [], []
+            loads, prods, peaks = [], [], []
             for r in range(args.rounds):
                 loads.append(loadavg())
-                rows, p = one_round(args, config, threads, r == 0)
+                rows, p, f = one_round(args, config, threads, r == 0)
                 prods += p
+                peaks += f
                 for d in args.dtype:
                     for i in args.impls:
                         per[d][i].append(rows[i][d])
@@ -402,6 +420,11 @@ def main():
                       f"[{line['m']}x{line['k']}]·[{line['k']}x{line['n']}] "
                       f"{line['flops_per_s'] / 1e9:.1f} GFLOP/s"
                       + (f" on {line['kernel']}" if "kernel" in line else ""), flush=True)
+            peak = max((f["flops_per_s"] for f in peaks), default=None)
+            if peak:
+                print(f"#   {shape} {threads} thr: f32 FMA peak {peak / 1e9:.1f} GFLOP/s "
+                      f"({peaks[0]['isa']}; the rounds read "
+                      f"{spread([f['flops_per_s'] / 1e9 for f in peaks])})", flush=True)
             for d in args.dtype:
                 c, hf, nano = (per[d].get(i, []) for i in IMPLS)
                 tok = lambda rows: [x["tokens_per_s"] for x in rows]  # noqa: E731
@@ -417,7 +440,8 @@ def main():
                 print(f"| {shape} | {threads} | {d} | {spread(tok(c))} | {spread(tok(hf)) if hf else '-'} | "
                       f"{spread(tok(nano))} | {spread(ratio, '{:.2f}')} | "
                       f"{statistics.median(rate) / 1e9:.1f} | "
-                      f"{100 * statistics.median(rate) / best_rate[d]:.0f}% | {phases(c[order[mid]])} | "
+                      f"{100 * statistics.median(rate) / best_rate[d]:.0f}% | "
+                      f"{of_peak(c, best, peak)} | {phases(c[order[mid]])} | "
                       f"{phases(sorted(bt, key=lambda x: x['tokens_per_s'])[mid])} | "
                       f"{min(loads):.1f}–{max(loads):.1f} |", flush=True)
 

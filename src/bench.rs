@@ -377,18 +377,9 @@ pub fn measure_products(
         .map(|&(m, k, n)| {
             let a = Tensor::ones((m, k), dtype.candle(), device)?;
             let b = Tensor::ones((k, n), dtype.candle(), device)?;
-            let (s, kernel) = match device {
-                Device::Cpu => (
-                    timed(steps, || crate::ops::fused::project(&a, &b).map(drop))?,
-                    match dtype {
-                        Dtype::Bf16 => crate::ops::fused::bf16_kernel().name(),
-                        _ => crate::ops::fused::Bf16Kernel::Gemm.name(),
-                    },
-                ),
-                _ => (
-                    timed_on_gpu(steps, device, || a.matmul(&b).map(drop))?,
-                    "cublas",
-                ),
+            let s = match device {
+                Device::Cpu => timed(steps, || crate::ops::fused::project(&a, &b).map(drop))?,
+                _ => timed_on_gpu(steps, device, || a.matmul(&b).map(drop))?,
             };
             Ok(ProductRate {
                 m,
@@ -396,10 +387,38 @@ pub fn measure_products(
                 n,
                 dtype: dtype.name(),
                 flops_per_s: 2.0 * (m * k * n) as f64 / median_of(&s),
-                kernel,
+                kernel: product_kernel(dtype, device),
             })
         })
         .collect()
+}
+
+/// What the step's products of `dtype` run on: on the CPU `gemm` (f32 FMAs, bf16 and f16
+/// widened) unless bf16 has AMX tiles or AVX-512 BF16 dot products (`ops::fused::bf16_kernel`);
+/// on a GPU cuBLAS.
+pub fn product_kernel(dtype: Dtype, device: &Device) -> &'static str {
+    use crate::ops::fused::{bf16_kernel, Bf16Kernel};
+    match (device, dtype) {
+        (Device::Cpu, Dtype::Bf16) => bf16_kernel().name(),
+        (Device::Cpu, _) => Bf16Kernel::Gemm.name(),
+        _ => "cublas",
+    }
+}
+
+/// Whether `dtype`'s products run on f32 FMAs on `device` (`gemm` on the CPU), so that the f32
+/// FMA peak bounds their rate.
+pub fn on_fmas(dtype: Dtype, device: &Device) -> bool {
+    product_kernel(dtype, device) == crate::ops::fused::Bf16Kernel::Gemm.name()
+}
+
+/// The f32 FMA peak of the step's threads (`ops::peak`) on the CPU; `None` on a GPU or a CPU
+/// without AVX2 or AVX-512F.
+pub fn measure_fma_peak(device: &Device) -> Option<crate::ops::peak::FmaPeak> {
+    const SAMPLES: usize = 5;
+    device
+        .is_cpu()
+        .then(|| crate::ops::peak::fma_peak(threads(), SAMPLES))
+        .flatten()
 }
 
 #[cfg(test)]

@@ -9,6 +9,8 @@ use candle_core::Device;
 use gaccwb::bench::{self, Case, HeadMs, Measurement, ProductRate};
 use gaccwb::control::Dtype;
 use gaccwb::device::DeviceChoice;
+use gaccwb::ops::fused::Bf16Kernel;
+use gaccwb::ops::peak::FmaPeak;
 use gaccwb::planner::{flops_per_token, Recompute};
 use gaccwb::presets;
 use gaccwb::scenario::{DataSource, Scenario};
@@ -83,7 +85,43 @@ pub(super) fn bench_model(args: &BenchArgs) -> anyhow::Result<()> {
             &device,
         )?);
     }
-    report(args, source, &results, &products, flops)
+    let limits = Limits {
+        peak: bench::measure_fma_peak(&device),
+        on_fmas: dtypes(args)
+            .iter()
+            .copied()
+            .filter(|&d| bench::on_fmas(d, &device))
+            .collect(),
+        products,
+    };
+    report(args, source, &results, &limits, flops)
+}
+
+/// What the step's rate is read against: the best product timed in each dtype and, where a
+/// dtype's products run on f32 FMAs, the CPU's FMA peak.
+struct Limits {
+    products: Vec<ProductRate>,
+    peak: Option<FmaPeak>,
+    /// The dtypes whose products run on f32 FMAs.
+    on_fmas: Vec<Dtype>,
+}
+
+impl Limits {
+    /// The best rate among the products of `dtype` (0 where none was timed).
+    fn best(&self, dtype: Dtype) -> f64 {
+        self.products
+            .iter()
+            .filter(|p| p.dtype == dtype.name())
+            .map(|p| p.flops_per_s)
+            .fold(0.0, f64::max)
+    }
+
+    /// The FMA peak that bounds `dtype`'s products, in FLOP/s.
+    fn peak(&self, dtype: Dtype) -> Option<f64> {
+        self.peak
+            .filter(|_| self.on_fmas.contains(&dtype))
+            .map(|p| p.flops_per_s)
+    }
 }
 
 /// Where the step runs, for the header: the CPU with its thread count, or the GPU.
@@ -97,15 +135,6 @@ fn on(device: &Device) -> String {
 /// The dtypes `--dtype` asks for (f32 alone by default).
 fn dtypes(args: &BenchArgs) -> &[Dtype] {
     args.dtypes.as_ref().map_or(&[Dtype::F32], |d| &d.0[..])
-}
-
-/// The best rate among `products` of `dtype` (0 where none was timed).
-fn best(products: &[ProductRate], dtype: Dtype) -> f64 {
-    products
-        .iter()
-        .filter(|p| p.dtype == dtype.name())
-        .map(|p| p.flops_per_s)
-        .fold(0.0, f64::max)
 }
 
 /// The default preset's training settings on the model at `--model`, and its FLOPs per token.
@@ -146,37 +175,21 @@ fn report(
     args: &BenchArgs,
     source: &str,
     results: &[Measurement],
-    products: &[ProductRate],
+    limits: &Limits,
     flops: f64,
 ) -> anyhow::Result<()> {
     if args.json {
-        for r in results {
-            let mut row = case_json(r);
-            let rate = r.median_tokens_per_s() * flops;
-            let best = best(products, r.dtype);
-            row["model"] = source.into();
-            row["seq_len"] = (r.tokens_per_step / (r.micro_batch * r.accum_steps) as u64).into();
-            row["flops_per_token"] = flops.into();
-            row["flops_per_s"] = rate.into();
-            row["of_best_product"] = (rate / best).into();
-            gaccwb::out::println(&row.to_string())?;
-        }
-        let row = serde_json::json!({
-            "impl": "candle-product",
-            "threads": bench::threads(),
-            "products": products,
-            "best_flops_per_s": best(products, Dtype::F32),
-        });
-        return Ok(gaccwb::out::println(&row.to_string())?);
+        return report_json(source, results, limits, flops);
     }
     gaccwb::out::println(&format!(
-        "{:>3} {:>2} {:>5} {:>9} {:>8} {:>8} {:>9} {:>6} {:>9} {:>6} {:>9}",
+        "{:>3} {:>2} {:>5} {:>9} {:>8} {:>8} {:>7} {:>9} {:>6} {:>9} {:>6} {:>9}",
         "B",
         "K",
         "dtype",
         "tok/s med",
         "GFLOP/s",
         "of best",
+        "of FMA",
         "fwd ms",
         "head",
         "bwd ms",
@@ -185,20 +198,20 @@ fn report(
     ))?;
     for r in results {
         let rate = r.median_tokens_per_s() * flops;
-        let best = best(products, r.dtype);
         let p = r.median_phase_ms();
         let head = |f: fn(&HeadMs) -> f64| {
             r.median_head_ms()
                 .map_or_else(|| "-".to_string(), |h| format!("{:.0}", f(&h)))
         };
         gaccwb::out::println(&format!(
-            "{:>3} {:>2} {:>5} {:>9.1} {:>8.1} {:>7.1}% {:>9.0} {:>6} {:>9.0} {:>6} {:>9.0}",
+            "{:>3} {:>2} {:>5} {:>9.1} {:>8.1} {:>7.1}% {:>7} {:>9.0} {:>6} {:>9.0} {:>6} {:>9.0}",
             r.micro_batch,
             r.accum_steps,
             r.dtype.name(),
             r.median_tokens_per_s(),
             rate / 1e9,
-            100.0 * rate / best,
+            100.0 * rate / limits.best(r.dtype),
+            share(rate, limits.peak(r.dtype)),
             p.forward,
             head(|h| h.forward),
             p.backward,
@@ -210,25 +223,77 @@ fn report(
         "head: the fused LM head and loss, part of the fwd and bwd times before it (- where the \
          lean or plain ops ran it)",
     )?;
-    for p in products {
+    for p in &limits.products {
         gaccwb::out::println(&format!(
-            "{} product [{}x{}]·[{}x{}] on {}: {:.1} GFLOP/s",
+            "{} product [{}x{}]·[{}x{}] on {}: {:.1} GFLOP/s{}",
             p.dtype,
             p.m,
             p.k,
             p.k,
             p.n,
             p.kernel,
-            p.flops_per_s / 1e9
+            p.flops_per_s / 1e9,
+            match limits.peak.filter(|_| p.kernel == Bf16Kernel::Gemm.name()) {
+                Some(peak) => format!(
+                    " ({} of the FMA peak)",
+                    share(p.flops_per_s, Some(peak.flops_per_s))
+                ),
+                None => String::new(),
+            }
         ))?;
     }
     for &d in dtypes(args) {
         gaccwb::out::println(&format!(
             "best {} product rate: {:.1} GFLOP/s (\"of best\" above for {} rows is the step's model FLOP/s over it)",
             d.name(),
-            best(products, d) / 1e9,
+            limits.best(d) / 1e9,
             d.name()
         ))?;
     }
+    if let Some(p) = limits.peak {
+        gaccwb::out::println(&format!(
+            "f32 FMA peak: {:.1} GFLOP/s on {} thread(s), {} (\"of FMA\": the step's model FLOP/s \
+             over it, for rows whose products run on f32 FMAs; the ceiling no product passes)",
+            p.flops_per_s / 1e9,
+            p.threads,
+            p.isa
+        ))?;
+    }
     Ok(())
+}
+
+/// `rate` as a percentage of `limit`, or `-` where there is none.
+fn share(rate: f64, limit: Option<f64>) -> String {
+    limit.map_or_else(|| "-".to_string(), |l| format!("{:.1}%", 100.0 * rate / l))
+}
+
+/// One JSON line per measured step, then one with the products and the FMA peak.
+fn report_json(
+    source: &str,
+    results: &[Measurement],
+    limits: &Limits,
+    flops: f64,
+) -> anyhow::Result<()> {
+    for r in results {
+        let mut row = case_json(r);
+        let rate = r.median_tokens_per_s() * flops;
+        row["model"] = source.into();
+        row["seq_len"] = (r.tokens_per_step / (r.micro_batch * r.accum_steps) as u64).into();
+        row["flops_per_token"] = flops.into();
+        row["flops_per_s"] = rate.into();
+        row["of_best_product"] = (rate / limits.best(r.dtype)).into();
+        row["of_fma_peak"] = limits.peak(r.dtype).map(|p| rate / p).into();
+        gaccwb::out::println(&row.to_string())?;
+    }
+    let peak = limits.peak.map(
+        |p| serde_json::json!({"flops_per_s": p.flops_per_s, "threads": p.threads, "isa": p.isa}),
+    );
+    let row = serde_json::json!({
+        "impl": "candle-product",
+        "threads": bench::threads(),
+        "products": limits.products,
+        "best_flops_per_s": limits.best(Dtype::F32),
+        "fma_peak": peak,
+    });
+    Ok(gaccwb::out::println(&row.to_string())?)
 }

@@ -47,6 +47,15 @@ fn bench_model_rates_each_dtype_against_its_own_products() {
         .as_array()
         .unwrap()
         .clone();
+    // The peak is of the widest f32 FMA the CPU has, on the one thread asked for.
+    let peak = &rows.iter().find(|r| r["impl"] == "candle-product").unwrap()["fma_peak"];
+    match widest_fma() {
+        Some(isa) => {
+            assert!(peak["flops_per_s"].as_f64().unwrap() > 0.0, "{peak}");
+            assert_eq!((&peak["threads"], &peak["isa"]), (&1.into(), &isa.into()));
+        }
+        None => assert!(peak.is_null(), "{peak}"),
+    }
     let shapes = |dtype: &str| -> Vec<(u64, u64, u64)> {
         let of = |p: &Value, k: &str| p[k].as_u64().unwrap();
         products
@@ -64,8 +73,19 @@ fn bench_model_rates_each_dtype_against_its_own_products() {
             .map(|p| p["flops_per_s"].as_f64().unwrap())
             .fold(0.0, f64::max);
         let step = rows.iter().find(|r| r["dtype"] == dtype).expect(dtype);
-        let share = step["flops_per_s"].as_f64().unwrap() / best;
-        assert_eq!(step["of_best_product"].as_f64().unwrap(), share, "{dtype}");
+        let rate = step["flops_per_s"].as_f64().unwrap();
+        assert_eq!(
+            step["of_best_product"].as_f64().unwrap(),
+            rate / best,
+            "{dtype}"
+        );
+        // The FMA peak bounds the dtypes whose products run on f32 FMAs (`gemm`).
+        let on_fmas = products
+            .iter()
+            .filter(|p| p["dtype"] == dtype)
+            .all(|p| p["kernel"] == "gemm");
+        let expected = on_fmas.then(|| rate / peak["flops_per_s"].as_f64().unwrap());
+        assert_eq!(step["of_fma_peak"].as_f64(), expected, "{dtype}");
         // The fused head's share lies inside the forward and the backward.
         for phase in ["forward", "backward"] {
             let head = step[format!("head_{phase}_ms")]
@@ -78,6 +98,21 @@ fn bench_model_rates_each_dtype_against_its_own_products() {
             );
         }
     }
+}
+
+/// The widest f32 FMA this CPU has, as `ops::peak` names it.
+fn widest_fma() -> Option<&'static str> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Some("avx512f");
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return Some("avx2 fma");
+        }
+    }
+    None
 }
 
 /// `--device` chooses where `--model`'s step runs: without `--model` it is a usage error, and a

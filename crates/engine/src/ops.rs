@@ -24,6 +24,7 @@ pub(crate) mod dropout;
 pub mod fused;
 pub(crate) mod half;
 pub mod lean;
+pub mod peak;
 pub(crate) mod pool;
 pub(crate) mod rope;
 pub(crate) mod step;
