@@ -408,7 +408,19 @@ pub fn product_kernel(dtype: Dtype, device: &Device) -> &'static str {
 /// Whether `dtype`'s products run on f32 FMAs on `device` (`gemm` on the CPU), so that the f32
 /// FMA peak bounds their rate.
 pub fn on_fmas(dtype: Dtype, device: &Device) -> bool {
-    product_kernel(dtype, device) == crate::ops::fused::Bf16Kernel::Gemm.name()
+    fma_kernel(product_kernel(dtype, device))
+}
+
+/// Whether products on `kernel` (`product_kernel`'s names) are f32 FMAs.
+fn fma_kernel(kernel: &str) -> bool {
+    kernel == crate::ops::fused::Bf16Kernel::Gemm.name()
+}
+
+impl ProductRate {
+    /// Whether this product ran on f32 FMAs, so that the f32 FMA peak bounds it.
+    pub fn on_fmas(&self) -> bool {
+        fma_kernel(self.kernel)
+    }
 }
 
 /// The f32 FMA peak of the step's threads (`ops::peak`) on the CPU; `None` on a GPU or a CPU

@@ -9,7 +9,6 @@ use candle_core::Device;
 use gaccwb::bench::{self, Case, HeadMs, Measurement, ProductRate};
 use gaccwb::control::Dtype;
 use gaccwb::device::DeviceChoice;
-use gaccwb::ops::fused::Bf16Kernel;
 use gaccwb::ops::peak::FmaPeak;
 use gaccwb::planner::{flops_per_token, Recompute};
 use gaccwb::presets;
@@ -233,7 +232,7 @@ fn report(
             p.n,
             p.kernel,
             p.flops_per_s / 1e9,
-            match limits.peak.filter(|_| p.kernel == Bf16Kernel::Gemm.name()) {
+            match limits.peak.filter(|_| p.on_fmas()) {
                 Some(peak) => format!(
                     " ({} of the FMA peak)",
                     share(p.flops_per_s, Some(peak.flops_per_s))
